@@ -1,0 +1,1 @@
+"""jaxtrain: a JAX training stack for large language models on device meshes."""

@@ -1,0 +1,283 @@
+"""Typed, frozen run configuration; dotted ``key=value`` overrides; experiment and mesh files.
+
+Nothing here imports jax, so the CLI can load and check a config before jax starts (the simulated
+device count has to be set before that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import importlib.util
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+import experiments
+from jaxtrain.errors import UserError
+from models.config import LlamaConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+MESHES_DIR = Path(experiments.__file__).parent / "meshes"
+EXPERIMENTS_DIR = Path(experiments.__file__).parent
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisSizes:
+    """Size of each mesh axis at one level; -1 fills what the other axes leave."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return tuple(getattr(self, a) for a in MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """ici: axis sizes inside one process (host); dcn: across processes. Final axis = ici * dcn."""
+
+    ici: AxisSizes = AxisSizes(fsdp=-1)
+    dcn: AxisSizes = AxisSizes()
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    path: str | None = None  # None: the running Python's standard library .py files
+    seq_len: int = 256
+    val_fraction: float = 0.02  # share of files (or of a token file) held out for evaluation
+    seed: int = 0  # shuffle seed
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 32  # sequences per optimizer step, across all devices
+    microbatches: int = 1  # gradient accumulation: global_batch is split into this many passes
+    seed: int = 0  # parameter initialisation
+    eval_every: int = 0  # 0: evaluate only at the end
+    eval_batches: int = 4  # global batches of the validation split per evaluation
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at train.steps
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0  # global gradient-norm clipping; 0 disables
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    every: int = 10  # steps between metrics records
+    progress: bool = True  # progress bar on process 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: LlamaConfig = LlamaConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    log: LogConfig = LogConfig()
+    mesh: MeshConfig = MeshConfig()
+    rules: str = "fsdp_tp"  # a name under sharding_rules/ or a path to a YAML rule set
+
+
+# ---------------------------------------------------------------------------------------------
+# dict / YAML conversion and overrides
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def all_keys(cls=Config, prefix: str = "") -> dict[str, type]:
+    """Every dotted leaf key of a config class with its type."""
+    out = {}
+    for name, tp in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(tp):
+            out.update(all_keys(tp, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = tp
+    return out
+
+
+def _did_you_mean(key: str, candidates) -> str:
+    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(candidates))}"
+
+
+def _type_name(tp) -> str:
+    return " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(tp)) or tp.__name__
+
+
+def parse_value(key: str, text, tp):
+    """Convert ``text`` (a string from the command line, or a YAML value) to field type ``tp``."""
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        if text is None or (isinstance(text, str) and text.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return parse_value(key, text, option)
+            except UserError:
+                pass
+        raise UserError(f"{key} expects {_type_name(tp)}, got {text!r}")
+    if tp is bool:
+        if isinstance(text, bool):
+            return text
+        if isinstance(text, str) and text.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(text, str) and text.lower() in ("false", "0", "no", "off"):
+            return False
+    elif tp is int:
+        if isinstance(text, int) and not isinstance(text, bool):
+            return text
+        if isinstance(text, str):
+            try:
+                return int(text.replace("_", ""))
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(text, (int, float)) and not isinstance(text, bool):
+            return float(text)
+        if isinstance(text, str):
+            try:
+                return float(text)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(text, str):
+            return text
+    raise UserError(f"{key} expects {_type_name(tp)}, got {text!r}")
+
+
+def _replace_path(obj, path: list[str], value):
+    if len(path) == 1:
+        return dataclasses.replace(obj, **{path[0]: value})
+    child = getattr(obj, path[0])
+    return dataclasses.replace(obj, **{path[0]: _replace_path(child, path[1:], value)})
+
+
+def set_key(cfg: Config, key: str, raw) -> Config:
+    keys = all_keys()
+    if key not in keys:
+        raise UserError(f"unknown config key '{key}'{_did_you_mean(key, keys)}")
+    return _replace_path(cfg, key.split("."), parse_value(key, raw, keys[key]))
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"override {item!r} is not of the form key=value (e.g. train.steps=100)")
+        cfg = set_key(cfg, key.strip(), raw.strip())
+    return cfg
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def from_dict(d: dict) -> Config:
+    cfg = Config()
+    for key, value in _flatten(d).items():
+        cfg = set_key(cfg, key, value)
+    return cfg
+
+
+def save_yaml(cfg: Config, path: Path, extra: dict | None = None) -> None:
+    body = to_dict(cfg) | (extra or {})
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# experiment and mesh files
+
+
+def _available(directory: Path, suffix: str) -> str:
+    return ", ".join(sorted(p.stem for p in directory.glob(f"*{suffix}") if not p.stem.startswith("_")))
+
+
+def load_experiment(name_or_path: str) -> Config:
+    """An experiment is a Python file under experiments/ (or any path) with ``config() -> Config``."""
+    path = Path(name_or_path)
+    if path.suffix == ".py" or path.exists():
+        if not path.is_file():
+            raise UserError(f"experiment file {name_or_path} does not exist")
+        spec = importlib.util.spec_from_file_location(f"_experiment_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        if not (EXPERIMENTS_DIR / f"{name_or_path}.py").is_file():
+            raise UserError(
+                f"unknown experiment '{name_or_path}'; available: {_available(EXPERIMENTS_DIR, '.py')} (or pass a path to a .py file)"
+            )
+        module = importlib.import_module(f"experiments.{name_or_path}")
+    if not callable(getattr(module, "config", None)):
+        raise UserError(f"experiment {name_or_path} defines no config() function returning a jaxtrain Config")
+    cfg = module.config()
+    if not isinstance(cfg, Config):
+        raise UserError(f"experiment {name_or_path}: config() returned {type(cfg).__name__}, expected jaxtrain.config.Config")
+    return cfg
+
+
+def load_mesh_file(name_or_path: str) -> MeshConfig:
+    """Mesh YAML: ``ici:`` and ``dcn:`` mappings of axis name to size (missing axes are 1)."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = MESHES_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise UserError(f"mesh file '{name_or_path}' not found; give a path or one of: {_available(MESHES_DIR, '.yaml')}")
+    try:
+        body = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"mesh file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(body, dict) or set(body) - {"ici", "dcn"}:
+        raise UserError(f"mesh file {path} must be a mapping with only the keys 'ici' and 'dcn', got {body!r}")
+    levels = {}
+    for level in ("ici", "dcn"):
+        sizes = body.get(level) or {}
+        if not isinstance(sizes, dict):
+            raise UserError(f"mesh file {path}: '{level}' must map axis names to sizes, got {sizes!r}")
+        for axis, size in sizes.items():
+            if axis not in MESH_AXES:
+                raise UserError(f"mesh file {path}: unknown axis '{level}.{axis}'; mesh axes are {', '.join(MESH_AXES)}")
+            if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+                raise UserError(f"mesh file {path}: {level}.{axis}={size!r} must be a positive integer or -1 (fill)")
+        if list(sizes.values()).count(-1) > 1:
+            raise UserError(f"mesh file {path}: at most one axis per level may be -1, got {level}={sizes}")
+        levels[level] = AxisSizes(**{a: sizes.get(a, 1) for a in MESH_AXES})
+    return MeshConfig(**levels)
+
+
+def check(cfg: Config) -> None:
+    """Checks that need no devices; raises UserError with every problem found."""
+    problems = list(cfg.model.problems())
+    t, d = cfg.train, cfg.data
+    for key, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches),
+                       ("data.seq_len", d.seq_len), ("log.every", cfg.log.every), ("train.eval_batches", t.eval_batches)):
+        if value <= 0:
+            problems.append(f"{key}={value} must be positive")
+    if t.microbatches > 0 and t.global_batch % t.microbatches:
+        problems.append(f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}")
+    if not 0.0 < d.val_fraction < 1.0:
+        problems.append(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
+    if problems:
+        raise UserError("; ".join(problems))

@@ -1,0 +1,62 @@
+"""Build the device mesh from a MeshConfig with jax's own mesh utilities."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from jaxtrain.config import MESH_AXES, AxisSizes, MeshConfig
+from jaxtrain.errors import UserError
+
+
+def _fill(sizes: AxisSizes, total: int, what: str) -> tuple[int, ...]:
+    shape = list(sizes.as_tuple())
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if total % known:
+            raise UserError(f"cannot fill the -1 axis of {what}: {total} is not divisible by {known}, the product of the other axes")
+        shape[shape.index(-1)] = total // known
+    return tuple(shape)
+
+
+def _describe(shape) -> str:
+    return " x ".join(f"{a} {s}" for a, s in zip(MESH_AXES, shape))
+
+
+def resolve_shape(mesh_cfg: MeshConfig, num_devices: int, num_processes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(ici_shape, dcn_shape) with -1 filled in; raises UserError if they do not cover the devices."""
+    if num_processes == 1:  # one process holds every device: the two levels multiply
+        combined = AxisSizes(*(-1 if -1 in (i, d) else i * d for i, d in zip(mesh_cfg.ici.as_tuple(), mesh_cfg.dcn.as_tuple())))
+        if combined.as_tuple().count(-1) > 1:
+            raise UserError(f"the mesh has more than one -1 axis ({combined}); fix all but one axis size")
+        combined = _fill(combined, num_devices, "the mesh")
+        if math.prod(combined) != num_devices:
+            raise UserError(
+                f"the mesh has {math.prod(combined)} devices ({_describe(combined)}) but {num_devices} "
+                f"device(s) are present; use a mesh file for {num_devices} devices, or on CPU pass --devices {math.prod(combined)}")
+        return combined, (1, 1, 1)
+    local = num_devices // num_processes
+    ici = _fill(mesh_cfg.ici, local, "ici")
+    dcn = _fill(mesh_cfg.dcn, num_processes, "dcn")
+    if math.prod(ici) != local or math.prod(dcn) != num_processes:
+        raise UserError(
+            f"the mesh has ici {_describe(ici)} per process and dcn {_describe(dcn)} across processes, but there are "
+            f"{num_processes} processes with {local} devices each; make ici cover one process and dcn the process count")
+    return ici, dcn
+
+
+def build_mesh(mesh_cfg: MeshConfig, devices: list | None = None) -> Mesh:
+    """An Auto-typed (GSPMD) mesh with axes (data, fsdp, tensor) over ``devices`` (default: all);
+    hybrid ICI/DCN across processes."""
+    devices = devices or jax.devices()
+    ici, dcn = resolve_shape(mesh_cfg, len(devices), jax.process_count())
+    if jax.process_count() == 1:
+        array = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+    else:
+        array = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=True, allow_split_physical_axes=True)
+    return Mesh(np.asarray(array), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -1,0 +1,107 @@
+"""Logical axis rules: load a rule set, check it against the mesh and the model, and turn logical
+axis names into PartitionSpecs / NamedShardings."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import yaml
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import sharding_rules
+from jaxtrain.errors import UserError
+
+RULES_DIR = Path(sharding_rules.__file__).parent
+
+Rules = dict[str, tuple[str, ...] | None]
+
+
+def load_rules(name_or_path: str) -> Rules:
+    """A rule set maps each logical axis name to a mesh axis, a list of mesh axes, or null."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = RULES_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in RULES_DIR.glob("*.yaml")))
+        raise UserError(f"rule set '{name_or_path}' not found; give a path or one of: {names}")
+    try:
+        body = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"rule set {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(body, dict):
+        raise UserError(f"rule set {path} must map logical axis names to mesh axes, got {type(body).__name__}")
+    rules: Rules = {}
+    for logical, target in body.items():
+        if target is None:
+            rules[logical] = None
+        elif isinstance(target, str):
+            rules[logical] = (target,)
+        elif isinstance(target, list) and all(isinstance(t, str) for t in target):
+            rules[logical] = tuple(target) or None
+        else:
+            raise UserError(f"rule set {path}: '{logical}' must map to a mesh axis name, a list of them, or null; got {target!r}")
+    return rules
+
+
+def check_rules_against_mesh(rules: Rules, mesh: Mesh, source: str) -> None:
+    for logical, targets in rules.items():
+        for axis in targets or ():
+            if axis not in mesh.axis_names:
+                raise UserError(
+                    f"rule set {source}: '{logical}' maps to mesh axis '{axis}', which the mesh does not have "
+                    f"(mesh axes: {', '.join(mesh.axis_names)})")
+
+
+def flax_rules(rules: Rules) -> tuple:
+    """The rules in the form flax's ``logical_axis_rules`` context expects (read by models/sharding.py)."""
+    return tuple((logical, targets[0] if targets and len(targets) == 1 else targets) for logical, targets in rules.items())
+
+
+def logical_to_spec(logical_axes, rules: Rules, what: str) -> PartitionSpec:
+    entries = []
+    used = set()
+    for axis in logical_axes:
+        if axis is None:
+            entries.append(None)
+            continue
+        if axis not in rules:
+            raise UserError(f"logical axis '{axis}' (used by {what}) has no rule in the rule set; add '{axis}: null' or map it to mesh axes")
+        targets = rules[axis]
+        for t in targets or ():
+            if t in used:
+                raise UserError(f"{what}: mesh axis '{t}' is used by two of its dimensions {tuple(logical_axes)}; map them to different mesh axes")
+            used.add(t)
+        entries.append(None if targets is None else targets[0] if len(targets) == 1 else targets)
+    return PartitionSpec(*entries)
+
+
+def param_shardings(logical_axes: dict, shapes: dict, rules: Rules, mesh: Mesh) -> dict:
+    """NamedSharding per parameter; raises UserError for a dimension its mesh axes do not divide."""
+
+    def one(path, axes, shape):
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        spec = logical_to_spec(axes, rules, f"parameter {name}")
+        for dim, (logical, entry) in enumerate(zip(axes, spec)):
+            mesh_axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            ways = math.prod(mesh.shape[a] for a in mesh_axes)
+            if shape.shape[dim] % ways:
+                sizes = " x ".join(f"{a} {mesh.shape[a]}" for a in mesh_axes)
+                raise UserError(
+                    f"parameter {name} {tuple(shape.shape)}: dimension {dim} (logical axis '{logical}', size {shape.shape[dim]}) "
+                    f"is not divisible by mesh axes {sizes} = {ways}; change the mesh or map '{logical}' to other axes")
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, logical_axes, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_sharding(rules: Rules, mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding of a (batch, length, ...) input array."""
+    axes = ("activation_batch", "activation_length") + (None,) * (ndim - 2)
+    return NamedSharding(mesh, logical_to_spec(axes, rules, "the input batch"))
+
+
+def batch_shards(rules: Rules, mesh: Mesh) -> int:
+    """How many ways the batch dimension is split."""
+    return math.prod(mesh.shape[a] for a in rules.get("activation_batch") or ())

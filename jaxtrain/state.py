@@ -1,0 +1,69 @@
+"""The train state (parameters, optimizer state, step), its shardings, and its sharded creation."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxtrain.partitioning import Rules, param_shardings
+from models.config import LlamaConfig
+from models.llama import Llama
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer updates applied so far
+    params: dict  # nested dict of arrays, keyed like the NNX module tree
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the trainer knows of the model: its NNX graph, parameter shapes and logical axes."""
+
+    graphdef: Any
+    shapes: dict  # ShapeDtypeStruct per parameter
+    logical_axes: dict  # PartitionSpec of logical axis names per parameter
+
+    @property
+    def num_params(self) -> int:
+        return sum(x.size for x in jax.tree.leaves(self.shapes))
+
+
+def model_spec(model_cfg: LlamaConfig) -> ModelSpec:
+    """Built from an abstract model: nothing is allocated."""
+    abstract = nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    return ModelSpec(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)))
+
+
+def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation, rules: Rules, mesh: Mesh) -> TrainState:
+    """Shardings of every TrainState leaf; optimizer moments follow their parameter's sharding."""
+    params = param_shardings(spec.logical_axes, spec.shapes, rules, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_state = optax.tree_map_params(
+        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, spec.shapes), params,
+        transform_non_params=lambda _: replicated)
+    return TrainState(step=replicated, params=params, opt_state=opt_state)
+
+
+def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=spec.shapes, opt_state=jax.eval_shape(tx.init, spec.shapes))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def init_state(model_cfg: LlamaConfig, tx: optax.GradientTransformation, seed: int, shardings: TrainState) -> TrainState:
+    """Initialise inside jit with output shardings, so no parameter is ever whole on one device."""
+
+    def init():
+        params = nnx.to_pure_dict(nnx.state(Llama(model_cfg, rngs=nnx.Rngs(seed))))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    return jax.jit(init, out_shardings=shardings)()

@@ -1,0 +1,63 @@
+"""Pure train and eval steps: (state, batch) -> (state, metrics). No I/O, no host syncs."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtrain.state import TrainState
+
+Batch = dict[str, jax.Array]  # 'inputs', 'targets': (batch, length) int32
+
+
+def token_nll(graphdef, params: dict, batch: Batch) -> jax.Array:
+    """Negative log-likelihood (nats) of every target token, float32, shape (batch, length)."""
+    logits = nnx.merge(graphdef, params)(batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+
+
+def _split_microbatches(batch: Batch, k: int) -> Batch:
+    """(B, T) -> (k, B/k, T), micro-batch j taking rows j, j+k, ...: every device holding a block of
+    rows keeps its share of every micro-batch, so no data moves between devices."""
+    return {name: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1) for name, x in batch.items()}
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    microbatches: int) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+    def loss_fn(params, batch):
+        return token_nll(graphdef, params, batch).mean()
+
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def train_step(state: TrainState, batch: Batch):
+        if microbatches == 1:
+            loss, grads = grad_fn(state.params, batch)
+        else:
+            def accumulate(carry, micro):
+                loss_sum, grad_sum = carry
+                loss, grads = grad_fn(state.params, micro)
+                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
+                                            _split_microbatches(batch, microbatches))
+            # every micro-batch has the same token count, so the mean of means is the batch mean
+            loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
+        new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef) -> Callable[[dict, Batch], jax.Array]:
+    def eval_step(params: dict, batch: Batch) -> jax.Array:
+        """Summed nats over the batch; the caller divides by the token count."""
+        return token_nll(graphdef, params, batch).sum()
+
+    return eval_step

@@ -1,0 +1,161 @@
+"""The training loop: config -> mesh -> sharded state -> compiled step -> loop with metrics.
+
+``build`` does every check and compiles, touching no file; ``train`` then owns the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from flax.core import spmd
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxtrain import config as config_lib
+from jaxtrain import data as data_lib
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+from jaxtrain.flops import flops_per_token, peak_flops
+from jaxtrain.mesh import build_mesh
+from jaxtrain.metrics import MetricsLog
+from jaxtrain.optim import learning_rate_schedule, make_optimizer
+from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_rules_against_mesh, flax_rules,
+                                   load_rules)
+from jaxtrain.state import ModelSpec, TrainState, abstract_state, init_state, model_spec, state_shardings
+from jaxtrain.step import make_eval_step, make_train_step
+from models.sharding import MissingLogicalRule
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything a run needs, validated and compiled; nothing written to disk yet."""
+
+    cfg: Config
+    mesh: Mesh
+    rules: Rules
+    spec: ModelSpec
+    tx: optax.GradientTransformation
+    shardings: TrainState
+    batch_sharding: NamedSharding
+    corpus: data_lib.Corpus
+    train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]  # compiled; donates the state
+    eval_step: Callable[[dict, dict], jax.Array]  # compiled
+    compile_s: float
+
+    def init_state(self) -> TrainState:
+        return init_state(self.cfg.model, self.tx, self.cfg.train.seed, self.shardings)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch * self.cfg.data.seq_len
+
+
+def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None) -> Trainer:
+    """Validate the config against the devices, mesh, rules, model and data, then compile the steps."""
+    config_lib.check(cfg)
+    mesh = build_mesh(cfg.mesh, devices)
+    rules = load_rules(cfg.rules)
+    check_rules_against_mesh(rules, mesh, cfg.rules)
+    spec = model_spec(cfg.model)
+    tx = make_optimizer(cfg)
+    shardings = state_shardings(spec, tx, rules, mesh)
+    batch_sh = batch_sharding(rules, mesh)
+    t = cfg.train
+    shards = batch_shards(rules, mesh)
+    if (t.global_batch // t.microbatches) % shards:
+        raise UserError(
+            f"train.global_batch={t.global_batch} / train.microbatches={t.microbatches} = {t.global_batch // t.microbatches} "
+            f"sequences per micro-batch do not split over the {shards} batch shards of the mesh; use a multiple of {shards * t.microbatches}")
+    corpus = corpus or data_lib.load_corpus(cfg.data)
+    data_lib.check_sizes(corpus, cfg.data, t.global_batch, cfg.model.vocab_size)
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    state_shapes = abstract_state(spec, tx, shardings)
+    batch_shapes = {k: jax.ShapeDtypeStruct((t.global_batch, cfg.data.seq_len), np.int32, sharding=batch_sh) for k in ("inputs", "targets")}
+    train_fn = jax.jit(make_train_step(spec.graphdef, tx, learning_rate_schedule(cfg), t.microbatches),
+                       in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
+    eval_fn = jax.jit(make_eval_step(spec.graphdef), in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
+    start = time.perf_counter()
+    with jax.set_mesh(mesh), spmd.logical_axis_rules(flax_rules(rules)):
+        try:
+            train_lowered = train_fn.lower(state_shapes, batch_shapes)
+            eval_lowered = eval_fn.lower(state_shapes.params, batch_shapes)
+        except MissingLogicalRule as e:
+            raise UserError(f"logical axis '{e.axis}' (an activation of the model) has no rule in rule set {cfg.rules}; "
+                            f"add '{e.axis}: null' or map it to mesh axes") from None
+        train_step, eval_step = train_lowered.compile(), eval_lowered.compile()
+    return Trainer(cfg, mesh, rules, spec, tx, shardings, batch_sh, corpus, train_step, eval_step, time.perf_counter() - start)
+
+
+def evaluate(trainer: Trainer, params: dict, batches: list[dict]) -> float:
+    """Mean nats per token over the given validation batches."""
+    total = sum(float(trainer.eval_step(params, b)) for b in batches)
+    return total / (len(batches) * trainer.tokens_per_step)
+
+
+def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None) -> TrainState:
+    trainer = trainer or build(cfg)
+    is_main = jax.process_index() == 0
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_lib.save_yaml(cfg, run_dir / "config.yaml", {"resolved": _resolved(trainer)})
+        print(_summary(trainer), file=sys.stderr)
+
+    t = cfg.train
+    state = trainer.init_state()
+    batches = data_lib.train_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding)
+    eval_data = data_lib.eval_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding, t.eval_batches)
+    flops = flops_per_token(cfg.model, cfg.data.seq_len)
+    peak = peak_flops(trainer.mesh.devices.flat[0].device_kind)
+    log = MetricsLog(run_dir, t.steps, int(state.step), enabled=is_main, progress=cfg.log.progress)
+
+    first = int(state.step)
+    last_time, last_step = time.perf_counter(), first
+    for step in range(first + 1, t.steps + 1):
+        state, metrics = trainer.train_step(state, next(batches))
+        if step % cfg.log.every == 0 or step == t.steps:
+            metrics = jax.device_get(metrics)  # the only host sync: once per log interval
+            now = time.perf_counter()
+            step_time = (now - last_time) / (step - last_step)
+            tokens_per_s = trainer.tokens_per_step / step_time
+            log.write({
+                "step": step,
+                "loss": float(metrics["loss"]),
+                "learning_rate": float(metrics["learning_rate"]),
+                "grad_norm": float(metrics["grad_norm"]),
+                "step_time_s": step_time,
+                "tokens_per_s": tokens_per_s,
+                "mfu": None if peak is None else flops * tokens_per_s / (peak * trainer.mesh.size),
+            })
+            log.advance(step - last_step)
+            last_time, last_step = now, step
+        if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+            log.write({"step": step, "eval_loss": evaluate(trainer, state.params, eval_data), "eval_tokens": len(eval_data) * trainer.tokens_per_step})
+            last_time = time.perf_counter()  # evaluation time is not training step time
+    log.close()
+    return state
+
+
+def _resolved(trainer: Trainer) -> dict[str, Any]:
+    return {
+        "mesh": dict(trainer.mesh.shape),
+        "devices": trainer.mesh.size,
+        "processes": jax.process_count(),
+        "sharding_rules": {k: list(v) if v else None for k, v in trainer.rules.items()},
+        "num_params": trainer.spec.num_params,
+    }
+
+
+def _summary(trainer: Trainer) -> str:
+    cfg = trainer.cfg
+    mesh = " x ".join(f"{a} {s}" for a, s in trainer.mesh.shape.items())
+    return (f"jaxtrain: {trainer.mesh.size} x {trainer.mesh.devices.flat[0].device_kind} in {jax.process_count()} process(es), "
+            f"mesh {mesh}, rules {cfg.rules}, {trainer.spec.num_params:,} parameters, "
+            f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens, compiled in {trainer.compile_s:.1f}s; "
+            f"data: {trainer.corpus.description}")

@@ -1,0 +1,1 @@
+"""Model code only: Flax NNX modules whose parameters and activations carry logical axis names."""

@@ -1,0 +1,57 @@
+"""Model hyper-parameters. Kept free of jax imports so configs load before jax starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Names of the per-layer rematerialisation policies; models/llama.py maps each to a jax policy.
+REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_out")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int | None = None  # None: d_model // num_heads
+    mlp_dim: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: str = "bfloat16"  # compute dtype; softmax, logits and loss are always float32
+    param_dtype: str = "float32"
+    remat: str = "none"
+    attention: str = "xla"  # jax.nn.dot_product_attention implementation
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    def problems(self) -> list[str]:
+        """Every inconsistency in this config, each as one sentence that says how to fix it."""
+        out = []
+        if self.remat not in REMAT_POLICIES:
+            out.append(f"model.remat={self.remat!r} is not a remat policy; choose one of {', '.join(REMAT_POLICIES)}")
+        for key in ("dtype", "param_dtype"):
+            if getattr(self, key) not in COMPUTE_DTYPES:
+                out.append(f"model.{key}={getattr(self, key)!r} is not supported; choose one of {', '.join(COMPUTE_DTYPES)}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            out.append(f"model.attention={self.attention!r} is unknown; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
+            if getattr(self, key) <= 0:
+                out.append(f"model.{key}={getattr(self, key)} must be positive")
+        if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
+            out.append(
+                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}; "
+                "grouped-query attention needs num_heads = k * num_kv_heads"
+            )
+        if self.head_dim is None and self.num_heads > 0 and self.d_model % self.num_heads:
+            out.append(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; set model.head_dim")
+        if self.num_heads > 0 and self.resolved_head_dim % 2:
+            out.append(f"head dimension {self.resolved_head_dim} must be even for rotary embeddings")
+        return out

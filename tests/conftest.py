@@ -1,0 +1,56 @@
+"""8 simulated CPU devices for every test; must run before jax is imported."""
+
+import os
+import re
+
+os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")) + \
+    " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import dataclasses  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig  # noqa: E402
+from models.config import LlamaConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def small_config(rules: str = "fsdp_tp", mesh=(2, 2, 2), **model) -> Config:
+    """A model small enough to compile in seconds whose dimensions divide every 8-device mesh."""
+    model_cfg = LlamaConfig(**{"vocab_size": 64, "d_model": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                               "mlp_dim": 64, "dtype": "float32"} | model)
+    return Config(
+        model=model_cfg,
+        data=DataConfig(seq_len=16, val_fraction=0.1),
+        train=TrainConfig(steps=5, global_batch=8, eval_batches=1),
+        optim=OptimConfig(lr=1e-2, warmup_steps=0),
+        log=LogConfig(every=1, progress=False),
+        mesh=MeshConfig(ici=AxisSizes(*mesh), dcn=AxisSizes()),
+        rules=rules,
+    )
+
+
+def with_(cfg: Config, **sections) -> Config:
+    """Replace fields inside sections: with_(cfg, train={'steps': 3})."""
+    return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()})
+
+
+@pytest.fixture(scope="session")
+def corpus():
+    """A fixed token corpus with structure to learn (a repeated random phrase): fast, identical every run."""
+    from jaxtrain.data import Corpus
+
+    phrase = np.random.default_rng(0).integers(0, 64, 397).astype(np.int32)
+    return Corpus(np.tile(phrase, 50), np.tile(phrase, 5), 64, "repeated random phrase")
+
+
+def run_cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "jaxtrain.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)

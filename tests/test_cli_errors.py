@@ -1,0 +1,62 @@
+"""Every validation error: exit status 2, one line on stderr, no traceback, no run directory."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, run_cli
+
+FAST = ["train.steps=1", "log.progress=false"]
+
+
+def _rules_file(tmp_path: Path, **changes) -> str:
+    rules = yaml.safe_load((REPO / "sharding_rules" / "fsdp_tp.yaml").read_text())
+    for key, value in changes.items():
+        if value is ...:
+            del rules[key]
+        else:
+            rules[key] = value
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    return str(path)
+
+
+CASES = {
+    "mesh size differs from device count": (lambda t: ["--devices", "4"],
+                                            "the mesh has 8 devices (data 2 x fsdp 2 x tensor 2) but 4 device(s) are present"),
+    "rule names a missing mesh axis": (lambda t: ["--rules", _rules_file(t, embed="pipeline")],
+                                       "'embed' maps to mesh axis 'pipeline', which the mesh does not have"),
+    "parameter axis without rule": (lambda t: ["--rules", _rules_file(t, mlp=...)],
+                                    "logical axis 'mlp' (used by parameter layers/mlp/w_down) has no rule"),
+    "activation axis without rule": (lambda t: ["--rules", _rules_file(t, activation_mlp=...)],
+                                     "logical axis 'activation_mlp' (an activation of the model) has no rule"),
+    "dimension not divisible": (lambda t: ["model.num_heads=6", "model.num_kv_heads=3", "model.head_dim=16"],
+                                "parameter layers/attn/wk (4, 128, 3, 16): dimension 2 (logical axis 'kv_heads', size 3) is not divisible by mesh axes tensor 2 = 2"),
+    "unknown key": (lambda t: ["train.step=3"], "unknown config key 'train.step'; did you mean 'train.steps'?"),
+    "wrong type": (lambda t: ["train.steps=many"], "train.steps expects int, got 'many'"),
+    "unknown remat policy": (lambda t: ["model.remat=some"], "model.remat='some' is not a remat policy"),
+    "unknown rule set": (lambda t: ["--rules", "zero9"], "rule set 'zero9' not found; give a path or one of: dp, fsdp, fsdp_tp, tp"),
+    "unknown mesh file": (lambda t: ["--mesh", "tpu9000"], "mesh file 'tpu9000' not found"),
+    "batch does not split over the mesh": (lambda t: ["train.global_batch=6"], "do not split over the 4 batch shards"),
+    "missing data path": (lambda t: ["data.path=/no/such/dir"], "data.path=/no/such/dir does not exist"),
+    "bad flag": (lambda t: ["--devcies", "2"], "unrecognized arguments: --devcies"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_validation_error(case, tmp_path):
+    make_args, message = CASES[case]
+    run_dir = tmp_path / "run"
+    result = run_cli("train", "tiny", "--run-dir", str(run_dir), *FAST, *make_args(tmp_path), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("jaxtrain: error: ") and message in lines[0], lines[0]
+    assert not run_dir.exists()
+
+
+def test_unknown_experiment(tmp_path):
+    result = run_cli("train", "nonexistent", cwd=tmp_path)
+    assert result.returncode == 2 and "unknown experiment 'nonexistent'; available: " in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()

@@ -1,0 +1,80 @@
+from pathlib import Path
+
+import pytest
+
+from jaxtrain import config as config_lib
+from jaxtrain.config import AxisSizes, Config, apply_overrides, from_dict, load_mesh_file, to_dict
+from jaxtrain.errors import UserError
+
+
+def test_overrides_are_typed():
+    cfg = apply_overrides(Config(), ["train.steps=100", "model.num_layers=4", "model.dtype=float32", "optim.lr=3e-4",
+                                     "log.every=1", "model.tie_embeddings=true", "model.head_dim=none", "data.path=/x"])
+    assert cfg.train.steps == 100 and cfg.model.num_layers == 4 and cfg.model.dtype == "float32"
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
+    assert cfg.log.every == 1 and cfg.model.tie_embeddings is True and cfg.model.head_dim is None
+    assert cfg.data.path == "/x"
+    assert apply_overrides(cfg, ["model.head_dim=64"]).model.head_dim == 64
+
+
+def test_unknown_key_names_closest():
+    with pytest.raises(UserError, match=r"unknown config key 'train.step'; did you mean 'train.steps'\?"):
+        apply_overrides(Config(), ["train.step=3"])
+    with pytest.raises(UserError, match="did you mean 'optim.lr'"):
+        apply_overrides(Config(), ["optim.lrr=3"])
+
+
+@pytest.mark.parametrize("item, message", [
+    ("train.steps=abc", "train.steps expects int, got 'abc'"),
+    ("optim.lr=fast", "optim.lr expects float, got 'fast'"),
+    ("model.tie_embeddings=maybe", "model.tie_embeddings expects bool"),
+    ("model.head_dim=x", "model.head_dim expects int or NoneType"),
+    ("train.steps", "not of the form key=value"),
+])
+def test_wrong_types_are_errors(item, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        apply_overrides(Config(), [item])
+
+
+def test_config_round_trips_through_dict():
+    cfg = apply_overrides(Config(), ["train.steps=7", "mesh.ici.tensor=4", "rules=tp", "model.remat=full"])
+    assert from_dict(to_dict(cfg)) == cfg
+
+
+def test_config_is_frozen():
+    with pytest.raises(Exception):
+        Config().train.steps = 3
+
+
+def test_check_reports_model_problems():
+    with pytest.raises(UserError, match="model.remat='fancy' is not a remat policy; choose one of none, full"):
+        config_lib.check(apply_overrides(Config(), ["model.remat=fancy"]))
+    with pytest.raises(UserError, match="num_heads=8 is not a multiple of model.num_kv_heads=3"):
+        config_lib.check(apply_overrides(Config(), ["model.num_kv_heads=3"]))
+
+
+def test_mesh_files_parse():
+    cpu8 = load_mesh_file("cpu8")
+    assert cpu8.ici == AxisSizes(2, 2, 2) and cpu8.dcn == AxisSizes(1, 1, 1)
+    h64 = load_mesh_file("h100x64")
+    assert h64.ici.tensor == 8 and h64.dcn.data * h64.dcn.fsdp == 8
+    for name in ("gpu1", "h100x8"):
+        load_mesh_file(name)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("ici: {data: 2, pipeline: 2}", "unknown axis 'ici.pipeline'"),
+    ("ici: {data: -1, fsdp: -1}", "at most one axis per level may be -1"),
+    ("ici: {data: 0}", "must be a positive integer or -1"),
+    ("hosts: 2", "only the keys 'ici' and 'dcn'"),
+])
+def test_bad_mesh_files(tmp_path: Path, body, message):
+    path = tmp_path / "m.yaml"
+    path.write_text(body)
+    with pytest.raises(UserError, match=message):
+        load_mesh_file(str(path))
+
+
+def test_unknown_experiment_lists_available():
+    with pytest.raises(UserError, match="unknown experiment 'nope'; available: .*tiny"):
+        config_lib.load_experiment("nope")

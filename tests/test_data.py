@@ -1,0 +1,83 @@
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxtrain.config import DataConfig
+from jaxtrain.data import DOC_SEPARATOR, GlobalBatches, Windows, eval_batches, is_validation_file, load_corpus, stdlib_files
+from jaxtrain.errors import UserError
+
+
+def _sharding(n=8):
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,))
+    return NamedSharding(mesh, PartitionSpec("data", None))
+
+
+def test_default_corpus_is_the_stdlib_split_by_file():
+    root, files = stdlib_files()
+    assert len(files) > 100 and all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
+    corpus = load_corpus(DataConfig())
+    assert corpus.vocab_size == 256 and corpus.train.dtype == np.uint8
+    val_files = [f for f in files if is_validation_file(f.relative_to(root).as_posix(), 0.02)]
+    assert 0 < len(val_files) < len(files) * 0.05
+    # the split is by file: the validation stream is exactly the validation files, in order
+    assert len(corpus.validation) == sum(f.stat().st_size + 1 for f in val_files)
+    assert len(corpus.train) + len(corpus.validation) == sum(f.stat().st_size + 1 for f in files)
+    assert load_corpus(DataConfig()).train.tobytes() == corpus.train.tobytes()  # deterministic
+
+
+def test_windows_shift_targets_by_one():
+    tokens = np.arange(100)
+    w = Windows(tokens, 10)
+    assert len(w) == 9
+    np.testing.assert_array_equal(w[2], np.arange(20, 31))
+
+
+def test_batches_are_deterministic_by_seed_and_global_across_shardings():
+    tokens = np.arange(10_000) % 251
+    def first(seed, sharding):
+        return [np.asarray(b["inputs"]) for _, b in zip(range(3), GlobalBatches(tokens, 16, 8, sharding, shuffle_seed=seed, repeat=True))]
+    a, b, c = first(0, _sharding()), first(0, _sharding(1)), first(1, _sharding())
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)  # the global batch does not depend on how it is sharded
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+    batch = next(GlobalBatches(tokens, 16, 8, _sharding(), shuffle_seed=0, repeat=True))
+    np.testing.assert_array_equal(np.asarray(batch["inputs"])[:, 1:], np.asarray(batch["targets"])[:, :-1])
+    assert batch["inputs"].sharding.spec == PartitionSpec("data", None)
+
+
+def test_eval_batches_are_fixed_and_bounded():
+    tokens = np.arange(16 * 8 * 3 + 1) % 200
+    batches = eval_batches_of(tokens, count=10)
+    assert len(batches) == 3  # only as many full batches as the split holds
+    again = eval_batches_of(tokens, count=10)
+    for x, y in zip(batches, again):
+        np.testing.assert_array_equal(np.asarray(x["inputs"]), np.asarray(y["inputs"]))
+
+
+def eval_batches_of(tokens, count):
+    from jaxtrain.data import Corpus
+
+    return eval_batches(Corpus(tokens, tokens, 256, "t"), DataConfig(seq_len=16), 8, _sharding(), count)
+
+
+def test_user_text_directory_and_token_files(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(200):
+        (docs / f"{i}.txt").write_text(f"document {i}\n" * 5)
+    (docs / ".hidden").write_text("skip me")
+    corpus = load_corpus(DataConfig(path=str(docs), val_fraction=0.1))
+    assert b"skip me" not in corpus.train.tobytes() + corpus.validation.tobytes()
+    assert corpus.train.tobytes().count(bytes([DOC_SEPARATOR])) + corpus.validation.tobytes().count(bytes([DOC_SEPARATOR])) == 200
+
+    tokens = np.arange(5000, dtype=np.uint16) % 1000
+    np.save(tmp_path / "t.npy", tokens)
+    tokens.astype("<u2").tofile(tmp_path / "t.bin")
+    for name in ("t.npy", "t.bin"):
+        corpus = load_corpus(DataConfig(path=str(tmp_path / name), val_fraction=0.1))
+        assert corpus.vocab_size == 1000 and len(corpus.train) == 4500
+        np.testing.assert_array_equal(corpus.validation, tokens[4500:])
+    (tmp_path / "t.csv").write_text("1,2")
+    with pytest.raises(UserError, match="unknown token file type"):
+        load_corpus(DataConfig(path=str(tmp_path / "t.csv")))

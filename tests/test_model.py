@@ -1,0 +1,88 @@
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.config import REMAT_POLICIES, LlamaConfig
+from models.llama import REMAT_POLICY_FNS, Llama
+
+CFG = LlamaConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, mlp_dim=64, dtype="float32")
+TOKENS = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+
+
+def _loss_and_grads(cfg: LlamaConfig):
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(TOKENS[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), TOKENS[:, 1:, None], axis=-1))
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_remat_policy_names_match_implementations():
+    assert set(REMAT_POLICIES) == set(REMAT_POLICY_FNS)
+
+
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
+def test_remat_gives_same_loss_and_gradients(policy):
+    ref_loss, ref_grads = _loss_and_grads(CFG)
+    loss, grads = _loss_and_grads(LlamaConfig(**{**CFG.__dict__, "remat": policy}))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+
+
+def test_scan_equals_layers_applied_one_by_one():
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    layer_def, layer_params = nnx.split(model.layers)
+    from models.llama import rotary_tables
+
+    sin, cos = rotary_tables(TOKENS.shape[1], CFG.resolved_head_dim, CFG.rope_theta)
+    x = jnp.take(model.embed[...], TOKENS, axis=0)
+    for i in range(CFG.num_layers):
+        x = nnx.merge(layer_def, jax.tree.map(lambda p: p[i], layer_params))(x, sin, cos)
+    expected = jnp.einsum("btd,dv->btv", model.final_norm(x), model.lm_head[...])
+    np.testing.assert_allclose(model(TOKENS), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_mask_hides_the_future():
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    changed = TOKENS.at[:, 10].set((TOKENS[:, 10] + 1) % 64)
+    a, b = model(TOKENS), model(changed)
+    np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=1e-6)
+    assert not np.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_shapes_dtypes_and_logical_axes():
+    model = Llama(LlamaConfig(**{**CFG.__dict__, "dtype": "bfloat16"}), rngs=nnx.Rngs(0))
+    logits = model(TOKENS)
+    assert logits.shape == (2, 16, 64) and logits.dtype == jnp.float32  # logits always float32
+    state = nnx.state(model)
+    params = nnx.to_pure_dict(state)
+    assert params["layers"]["attn"]["wq"].shape == (3, 32, 4, 8)  # (layers, embed, heads, head_dim)
+    assert params["layers"]["attn"]["wk"].shape == (3, 32, 2, 8)  # grouped-query: fewer KV heads
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))  # float32 master weights
+    axes = nnx.to_pure_dict(nnx.get_partition_spec(state))
+    flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
+    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    for (path, param), spec in zip(flat_params, flat_axes, strict=True):
+        assert len(spec) == param.ndim and all(isinstance(a, str) for a in spec), path
+    assert tuple(axes["layers"]["mlp"]["w_down"]) == ("layers", "mlp", "embed")
+
+
+def test_tied_embeddings_have_no_output_projection():
+    tied = Llama(LlamaConfig(**{**CFG.__dict__, "tie_embeddings": True}), rngs=nnx.Rngs(0))
+    assert "lm_head" not in nnx.to_pure_dict(nnx.state(tied))
+    assert tied(TOKENS).shape == (2, 16, 64)
+
+
+def test_models_name_no_mesh_axes():
+    for path in (Path(__file__).parent.parent / "models").glob("*.py"):
+        text = path.read_text()
+        for axis in ("data", "fsdp", "tensor"):
+            assert not re.search(rf"['\"]{axis}['\"]", text), f"{path.name} names mesh axis {axis}"

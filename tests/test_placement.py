@@ -1,0 +1,53 @@
+"""Where parameters and optimizer state live on the mesh."""
+
+import jax
+import numpy as np
+import optax
+
+from conftest import small_config
+from jaxtrain.train import build
+
+
+def _per_device_bytes(tree) -> dict:
+    out = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+
+
+def test_fsdp_shards_every_weight_matrix(corpus):
+    trainer = build(small_config("fsdp", (1, 8, 1), d_model=64, mlp_dim=128), corpus)
+    state = trainer.init_state()
+    params = state.params
+    total = sum(p.nbytes for p in jax.tree.leaves(params))
+    vectors = sum(p.nbytes for p in jax.tree.leaves(params) if p.ndim - ("layers" in str(p.sharding.spec)) <= 1)
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if p.ndim >= 2 and p.shape[-1] > 1 and "scale" not in jax.tree_util.keystr(path):
+            assert "fsdp" in jax.tree.leaves(tuple(p.sharding.spec)), f"{jax.tree_util.keystr(path)} {p.sharding.spec}"
+    for device, nbytes in _per_device_bytes(params).items():
+        assert nbytes <= total / 8 * 1.05 + vectors, (device, nbytes, total)
+
+
+def test_tp_splits_heads_and_mlp(corpus):
+    trainer = build(small_config("tp", (4, 1, 2)), corpus)
+    params = trainer.init_state().params
+    layers = params["layers"]
+    assert layers["attn"]["wq"].sharding.spec == (None, None, "tensor", None)  # (layers, embed, heads, head_dim)
+    assert layers["attn"]["wk"].sharding.spec == (None, None, "tensor", None)
+    assert layers["attn"]["wo"].sharding.spec == (None, "tensor", None, None)  # row-parallel output
+    assert layers["mlp"]["w_up"].sharding.spec == (None, None, "tensor")
+    assert layers["mlp"]["w_down"].sharding.spec == (None, "tensor", None)
+    assert params["lm_head"].sharding.spec == (None, "tensor")
+    shard = layers["attn"]["wq"].addressable_shards[0].data
+    assert shard.shape == (2, 32, 2, 8)  # 4 heads split two ways
+
+
+def test_optimizer_state_follows_its_parameter(corpus):
+    trainer = build(small_config("fsdp_tp"), corpus)
+    state = trainer.init_state()
+    adam = next(s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+                if isinstance(s, optax.ScaleByAdamState))
+    for moments in (adam.mu, adam.nu):
+        jax.tree.map(lambda m, p: np.testing.assert_equal(m.sharding.spec, p.sharding.spec), moments, state.params)
+        jax.tree.map(lambda m, p: np.testing.assert_equal(m.sharding.is_equivalent_to(p.sharding, p.ndim), True), moments, state.params)

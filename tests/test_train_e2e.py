@@ -1,0 +1,47 @@
+"""The real command line, end to end, on 8 simulated devices."""
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+from conftest import REPO, run_cli
+from jaxtrain.config import from_dict
+
+SHORT = ["train.steps=4", "log.every=2", "train.eval_batches=1", "train.global_batch=8", "data.seq_len=32", "model.num_layers=2"]
+KEYS = {"step", "loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s", "mfu"}
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_command_writes_config_and_metrics(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("train", "tiny", "--run-dir", str(run_dir), *SHORT, "optim.lr=1e-3", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(run_dir)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [2, 4] and all(KEYS <= set(r) for r in steps)
+    assert steps[0]["mfu"] is None  # CPU: peak FLOP/s unknown
+    assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in steps)
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [4] and 0 < evals[0]["eval_loss"] < 6
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    resolved = saved.pop("resolved")
+    assert resolved["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and resolved["devices"] == 8
+    cfg = from_dict(saved)
+    assert cfg.train.steps == 4 and cfg.optim.lr == 1e-3 and cfg.rules == "fsdp_tp"
+
+
+def test_experiment_file_runs_directly_with_same_arguments(tmp_path):
+    run_dir = tmp_path / "run"
+    env_python = sys.executable
+    result = subprocess.run([env_python, str(REPO / "experiments" / "tiny.py"), "--run-dir", str(run_dir), "--devices", "4",
+                             "--mesh", "gpu1", "mesh.ici.fsdp=4", "--rules", "fsdp", *SHORT],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["resolved"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1} and saved["rules"] == "fsdp"
+    assert len([r for r in _records(run_dir) if "loss" in r]) == 2
