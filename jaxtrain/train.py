@@ -32,9 +32,9 @@ from jaxtrain.step import make_eval_step, make_train_step
 from models.sharding import MissingLogicalRule
 
 
-@dataclasses.dataclass
-class Trainer:
-    """Everything a run needs, validated and compiled; nothing written to disk yet."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a config maps onto the devices: mesh, rules, model, optimizer, shardings. Checked, not compiled."""
 
     cfg: Config
     mesh: Mesh
@@ -43,21 +43,47 @@ class Trainer:
     tx: optax.GradientTransformation
     shardings: TrainState
     batch_sharding: NamedSharding
+
+    def abstract_state(self) -> TrainState:
+        return abstract_state(self.spec, self.tx, self.shardings)
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        shape = (self.cfg.train.global_batch, self.cfg.data.seq_len)
+        return {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding) for k in ("inputs", "targets")}
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything a run needs, validated and compiled; nothing written to disk yet."""
+
+    layout: Layout
     corpus: data_lib.Corpus
     train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]  # compiled; donates the state
     eval_step: Callable[[dict, dict], jax.Array]  # compiled
     compile_s: float
 
+    @property
+    def cfg(self) -> Config:
+        return self.layout.cfg
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.layout.mesh
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return self.layout.batch_sharding
+
     def init_state(self) -> TrainState:
-        return init_state(self.cfg.model, self.tx, self.cfg.train.seed, self.shardings)
+        return init_state(self.cfg.model, self.layout.tx, self.cfg.train.seed, self.layout.shardings)
 
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.train.global_batch * self.cfg.data.seq_len
 
 
-def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None) -> Trainer:
-    """Validate the config against the devices, mesh, rules, model and data, then compile the steps."""
+def make_layout(cfg: Config, devices: list | None = None) -> Layout:
+    """Check the config against the devices, mesh, rules and model parameters; no compilation."""
     config_lib.check(cfg)
     mesh = build_mesh(cfg.mesh, devices)
     rules = load_rules(cfg.rules)
@@ -65,32 +91,41 @@ def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
     spec = model_spec(cfg.model)
     tx = make_optimizer(cfg)
     shardings = state_shardings(spec, tx, rules, mesh)
-    batch_sh = batch_sharding(rules, mesh)
     t = cfg.train
     shards = batch_shards(rules, mesh)
     if (t.global_batch // t.microbatches) % shards:
         raise UserError(
             f"train.global_batch={t.global_batch} / train.microbatches={t.microbatches} = {t.global_batch // t.microbatches} "
             f"sequences per micro-batch do not split over the {shards} batch shards of the mesh; use a multiple of {shards * t.microbatches}")
-    corpus = corpus or data_lib.load_corpus(cfg.data)
-    data_lib.check_sizes(corpus, cfg.data, t.global_batch, cfg.model.vocab_size)
+    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh))
 
-    replicated = NamedSharding(mesh, PartitionSpec())
-    state_shapes = abstract_state(spec, tx, shardings)
-    batch_shapes = {k: jax.ShapeDtypeStruct((t.global_batch, cfg.data.seq_len), np.int32, sharding=batch_sh) for k in ("inputs", "targets")}
-    train_fn = jax.jit(make_train_step(spec.graphdef, tx, learning_rate_schedule(cfg), t.microbatches),
+
+def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+    """Trace and lower the train and eval steps (no XLA compilation yet). Activation axes without a
+    rule surface here, as a UserError."""
+    cfg, shardings, batch_sh = layout.cfg, layout.shardings, layout.batch_sharding
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    train_fn = jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), cfg.train.microbatches),
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
-    eval_fn = jax.jit(make_eval_step(spec.graphdef), in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
-    start = time.perf_counter()
-    with jax.set_mesh(mesh), spmd.logical_axis_rules(flax_rules(rules)):
+    eval_fn = jax.jit(make_eval_step(layout.spec.graphdef), in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
+    state, batch = layout.abstract_state(), layout.abstract_batch()
+    with jax.set_mesh(layout.mesh), spmd.logical_axis_rules(flax_rules(layout.rules)):
         try:
-            train_lowered = train_fn.lower(state_shapes, batch_shapes)
-            eval_lowered = eval_fn.lower(state_shapes.params, batch_shapes)
+            return train_fn.lower(state, batch), eval_fn.lower(state.params, batch)
         except MissingLogicalRule as e:
             raise UserError(f"logical axis '{e.axis}' (an activation of the model) has no rule in rule set {cfg.rules}; "
                             f"add '{e.axis}: null' or map it to mesh axes") from None
-        train_step, eval_step = train_lowered.compile(), eval_lowered.compile()
-    return Trainer(cfg, mesh, rules, spec, tx, shardings, batch_sh, corpus, train_step, eval_step, time.perf_counter() - start)
+
+
+def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None) -> Trainer:
+    """Validate the config against the devices, mesh, rules, model and data, then compile the steps."""
+    layout = make_layout(cfg, devices)
+    corpus = corpus or data_lib.load_corpus(cfg.data)
+    data_lib.check_sizes(corpus, cfg.data, cfg.train.global_batch, cfg.model.vocab_size)
+    start = time.perf_counter()
+    train_lowered, eval_lowered = lower_steps(layout)
+    train_step, eval_step = train_lowered.compile(), eval_lowered.compile()
+    return Trainer(layout, corpus, train_step, eval_step, time.perf_counter() - start)
 
 
 def evaluate(trainer: Trainer, params: dict, batches: list[dict]) -> float:
@@ -147,8 +182,8 @@ def _resolved(trainer: Trainer) -> dict[str, Any]:
         "mesh": dict(trainer.mesh.shape),
         "devices": trainer.mesh.size,
         "processes": jax.process_count(),
-        "sharding_rules": {k: list(v) if v else None for k, v in trainer.rules.items()},
-        "num_params": trainer.spec.num_params,
+        "sharding_rules": {k: list(v) if v else None for k, v in trainer.layout.rules.items()},
+        "num_params": trainer.layout.spec.num_params,
     }
 
 
@@ -156,6 +191,6 @@ def _summary(trainer: Trainer) -> str:
     cfg = trainer.cfg
     mesh = " x ".join(f"{a} {s}" for a, s in trainer.mesh.shape.items())
     return (f"jaxtrain: {trainer.mesh.size} x {trainer.mesh.devices.flat[0].device_kind} in {jax.process_count()} process(es), "
-            f"mesh {mesh}, rules {cfg.rules}, {trainer.spec.num_params:,} parameters, "
+            f"mesh {mesh}, rules {cfg.rules}, {trainer.layout.spec.num_params:,} parameters, "
             f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens, compiled in {trainer.compile_s:.1f}s; "
             f"data: {trainer.corpus.description}")
