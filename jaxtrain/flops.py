@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+
 from models.config import LlamaConfig
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, without sparsity), matched on device_kind.
@@ -34,3 +37,28 @@ def peak_flops(device_kind: str) -> float | None:
         if name.lower() in device_kind.lower():
             return peak
     return None
+
+
+def measure_matmul_peak(devices: list | None = None, size: int = 1024, dtype: str = "float32", repeats: int = 5) -> float:
+    """Measured matmul FLOP/s of ``devices`` working together (default: all local devices), each
+    multiplying its own pair of ``size`` x ``size`` matrices at the same time; median of ``repeats``
+    timed calls after a warm-up. The MFU denominator where no datasheet peak is known (CPUs)."""
+    # jax is imported here, not at the top: this module stays importable before jax starts
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = list(devices or jax.local_devices())
+    sharding = NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec("devices"))
+    shape = (len(devices), size, size)
+    operands = jax.jit(lambda key: tuple(jax.random.normal(k, shape, dtype) / size**0.5 for k in jax.random.split(key)),
+                       out_shardings=(sharding, sharding))(jax.random.key(0))
+    matmul = jax.jit(lambda a, b: jnp.einsum("nij,njk->nik", a, b), out_shardings=sharding)
+    matmul(*operands).block_until_ready()  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(*operands).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * len(devices) * size**3 / statistics.median(times)
