@@ -82,12 +82,21 @@ class LogConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 50  # steps between checkpoints (the last step and a preemption always save)
+    keep: int = 3  # latest checkpoints kept
+    keep_every: int = 0  # also keep every step divisible by this, permanently; 0: none
+    async_save: bool = True  # write in the background while training continues
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: LlamaConfig = LlamaConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
     log: LogConfig = LogConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
     rules: str = "fsdp_tp"  # a name under sharding_rules/ or a path to a YAML rule set
 
@@ -272,9 +281,12 @@ def check(cfg: Config) -> None:
     problems = list(cfg.model.problems())
     t, d = cfg.train, cfg.data
     for key, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches),
-                       ("data.seq_len", d.seq_len), ("log.every", cfg.log.every), ("train.eval_batches", t.eval_batches)):
+                       ("data.seq_len", d.seq_len), ("log.every", cfg.log.every), ("train.eval_batches", t.eval_batches),
+                       ("checkpoint.every", cfg.checkpoint.every), ("checkpoint.keep", cfg.checkpoint.keep)):
         if value <= 0:
             problems.append(f"{key}={value} must be positive")
+    if cfg.checkpoint.keep_every < 0:
+        problems.append(f"checkpoint.keep_every={cfg.checkpoint.keep_every} must be 0 (off) or positive")
     if t.microbatches > 0 and t.global_batch % t.microbatches:
         problems.append(f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}")
     if not 0.0 < d.val_fraction < 1.0:
