@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from conftest import small_config
 from jaxtrain.train import build
@@ -18,13 +19,17 @@ def _per_device_bytes(tree) -> dict:
 
 def test_fsdp_shards_every_weight_matrix(corpus):
     trainer = build(small_config("fsdp", (1, 8, 1), d_model=64, mlp_dim=128), corpus)
-    state = trainer.init_state()
-    params = state.params
+    params = trainer.init_state().params
+    logical = jax.tree.leaves(trainer.layout.spec.logical_axes, is_leaf=lambda x: isinstance(x, P))
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
     total = sum(p.nbytes for p in jax.tree.leaves(params))
-    vectors = sum(p.nbytes for p in jax.tree.leaves(params) if p.ndim - ("layers" in str(p.sharding.spec)) <= 1)
-    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if p.ndim >= 2 and p.shape[-1] > 1 and "scale" not in jax.tree_util.keystr(path):
-            assert "fsdp" in jax.tree.leaves(tuple(p.sharding.spec)), f"{jax.tree_util.keystr(path)} {p.sharding.spec}"
+    vectors = 0
+    for (path, p), axes in zip(flat, logical, strict=True):
+        if len([a for a in axes if a != "layers"]) <= 1:  # norm scales: small, replicated
+            vectors += p.nbytes
+        else:  # every weight matrix
+            assert "fsdp" in p.sharding.spec, f"{jax.tree_util.keystr(path)} {p.sharding.spec}"
+    assert vectors < total / 50
     for device, nbytes in _per_device_bytes(params).items():
         assert nbytes <= total / 8 * 1.05 + vectors, (device, nbytes, total)
 
@@ -33,12 +38,12 @@ def test_tp_splits_heads_and_mlp(corpus):
     trainer = build(small_config("tp", (4, 1, 2)), corpus)
     params = trainer.init_state().params
     layers = params["layers"]
-    assert layers["attn"]["wq"].sharding.spec == (None, None, "tensor", None)  # (layers, embed, heads, head_dim)
-    assert layers["attn"]["wk"].sharding.spec == (None, None, "tensor", None)
-    assert layers["attn"]["wo"].sharding.spec == (None, "tensor", None, None)  # row-parallel output
-    assert layers["mlp"]["w_up"].sharding.spec == (None, None, "tensor")
-    assert layers["mlp"]["w_down"].sharding.spec == (None, "tensor", None)
-    assert params["lm_head"].sharding.spec == (None, "tensor")
+    assert layers["attn"]["wq"].sharding.spec == P(None, None, "tensor", None)  # (layers, embed, heads, head_dim)
+    assert layers["attn"]["wk"].sharding.spec == P(None, None, "tensor", None)
+    assert layers["attn"]["wo"].sharding.spec == P(None, "tensor", None, None)  # row-parallel output
+    assert layers["mlp"]["w_up"].sharding.spec == P(None, None, "tensor")
+    assert layers["mlp"]["w_down"].sharding.spec == P(None, "tensor", None)
+    assert params["lm_head"].sharding.spec == P(None, "tensor")
     shard = layers["attn"]["wq"].addressable_shards[0].data
     assert shard.shape == (2, 32, 2, 8)  # 4 heads split two ways
 
