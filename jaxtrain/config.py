@@ -61,6 +61,7 @@ class TrainConfig:
     seed: int = 0  # parameter initialisation
     eval_every: int = 0  # 0: evaluate only at the end
     eval_batches: int = 4  # global batches of the validation split per evaluation
+    skip_nonfinite: int = 0  # updates with a non-finite loss or grad norm skipped before the run stops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,12 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
     every: int = 10  # steps between metrics records
-    progress: bool = True  # progress bar on process 0
+    progress: bool = True  # progress bar on process 0 (plain log lines when stderr is not a terminal)
+    layer_every: int = 100  # steps between per-layer gradient / parameter norm records; 0: never
+    profile_steps: str | None = None  # "START:END": jax profiler trace of those steps into the run directory
+    peak_tflops: float | None = None  # per-device peak for MFU; None: datasheet table, or measured on CPU
+    tensorboard: bool = True  # TensorBoard event files in the run directory
+    wandb: str | None = None  # Weights & Biases project name (needs the wandb package); None: off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +282,30 @@ def load_mesh_file(name_or_path: str) -> MeshConfig:
     return MeshConfig(**levels)
 
 
+def profile_range(spec: str) -> tuple[int, int]:
+    """'START:END' (log.profile_steps) -> (START, END), steps counted from 1, both included."""
+    start, sep, end = spec.partition(":")
+    if not (sep and start.strip().isdigit() and end.strip().isdigit() and 0 < int(start) <= int(end)):
+        raise UserError(f"log.profile_steps={spec!r} must be START:END with 0 < START <= END, e.g. log.profile_steps=10:12")
+    return int(start), int(end)
+
+
+def log_problems(cfg: Config) -> list[str]:
+    log, problems = cfg.log, []
+    if log.layer_every < 0:
+        problems.append(f"log.layer_every={log.layer_every} must be 0 (off) or positive")
+    if log.peak_tflops is not None and log.peak_tflops <= 0:
+        problems.append(f"log.peak_tflops={log.peak_tflops} must be positive (per-device peak in TFLOP/s)")
+    if log.profile_steps is not None:
+        try:
+            profile_range(log.profile_steps)
+        except UserError as e:
+            problems.append(str(e))
+    if log.wandb and importlib.util.find_spec("wandb") is None:
+        problems.append(f"log.wandb={log.wandb!r} needs the wandb package; pip install wandb, or drop log.wandb")
+    return problems
+
+
 def check(cfg: Config) -> None:
     """Checks that need no devices; raises UserError with every problem found."""
     problems = list(cfg.model.problems())
@@ -287,6 +317,9 @@ def check(cfg: Config) -> None:
             problems.append(f"{key}={value} must be positive")
     if cfg.checkpoint.keep_every < 0:
         problems.append(f"checkpoint.keep_every={cfg.checkpoint.keep_every} must be 0 (off) or positive")
+    problems.extend(log_problems(cfg))
+    if t.skip_nonfinite < 0:
+        problems.append(f"train.skip_nonfinite={t.skip_nonfinite} must be 0 (stop at the first) or positive")
     if t.microbatches > 0 and t.global_batch % t.microbatches:
         problems.append(f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}")
     if not 0.0 < d.val_fraction < 1.0:
