@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 
 from models.config import LlamaConfig
 
-# Dense bf16 peak FLOP/s per device (vendor datasheets, without sparsity), matched on device_kind.
-PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM
-    "A100": 312e12,
-    "B200": 2250e12,
-    "L4": 121e12,
-}
+# Dense peak TFLOP/s per device (vendor datasheets, without sparsity): (chip, variant or None,
+# bf16/fp16, fp32). The fp32 column is TF32 tensor cores, which XLA uses for float32 matmuls at
+# jax's default precision. Matched on whole words of jax's device_kind, e.g. "NVIDIA H100 PCIe",
+# "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA A100-SXM4-80GB"; a row with a variant comes before its chip's
+# plain row.
+PEAK_TFLOPS = (
+    ("H100", "PCIE", 756.0, 378.0),
+    ("H100", None, 989.4, 494.7),  # SXM
+    ("H200", None, 989.4, 494.7),
+    ("A100", None, 312.0, 156.0),
+    ("L4", None, 121.0, 60.0),
+    ("B200", None, 2250.0, 1125.0),
+)
 
 
 def matmul_params(cfg: LlamaConfig) -> int:
@@ -31,11 +37,13 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     return 6 * matmul_params(cfg) + attention
 
 
-def peak_flops(device_kind: str) -> float | None:
-    """Peak bf16 FLOP/s of one device, or None when the device is not in the table (e.g. CPU)."""
-    for name, peak in PEAK_BF16_FLOPS.items():
-        if name.lower() in device_kind.lower():
-            return peak
+def peak_flops(device_kind: str, dtype: str = "bfloat16") -> float | None:
+    """Datasheet peak FLOP/s of one device computing in ``dtype``, or None when the device is not in
+    the table (e.g. CPU)."""
+    words = set(re.split(r"[^A-Z0-9]+", device_kind.upper()))
+    for chip, variant, half, single in PEAK_TFLOPS:
+        if chip in words and (variant is None or variant in words):
+            return (single if dtype == "float32" else half) * 1e12
     return None
 
 
