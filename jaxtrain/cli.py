@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from jaxtrain import config as config_lib
+from jaxtrain import distributed
 from jaxtrain.errors import UserError
 
 DEFAULT_CPU_DEVICES = 8
@@ -56,9 +57,24 @@ def resolve_config(experiment: str, mesh: str | None, rules: str | None, overrid
 def cmd_train(args) -> int:
     cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
     run_dir = Path(args.run_dir or Path("runs") / Path(args.experiment).stem)
-    from jaxtrain import train as train_lib  # starts jax
+    if args.params_only and not args.init_from:
+        raise UserError("--params-only needs --init-from PATH (the checkpoint whose parameters to start from)")
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before jax sees devices
+    from jaxtrain import checkpoint as checkpoint_lib  # starts jax
+    from jaxtrain import train as train_lib
 
-    train_lib.train(cfg, run_dir)
+    try:
+        train_lib.train(cfg, run_dir, init_from=args.init_from and Path(args.init_from), params_only=args.params_only)
+    except checkpoint_lib.Preempted as e:
+        print(f"jaxtrain: {e}", file=sys.stderr)
+        return checkpoint_lib.PREEMPTED_EXIT_STATUS
+    return 0
+
+
+def cmd_checkpoints(args) -> int:
+    from jaxtrain import checkpoint as checkpoint_lib  # starts jax
+
+    print(checkpoint_lib.format_table(checkpoint_lib.describe(Path(args.run_dir))))
     return 0
 
 
@@ -72,7 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
     train.add_argument("--run-dir", help="run directory (default runs/EXPERIMENT)")
     train.add_argument("--devices", type=_positive_int, help=f"simulated CPU devices when there is no accelerator (default {DEFAULT_CPU_DEVICES})")
+    train.add_argument("--init-from", metavar="PATH", help="start from another run's checkpoint (run dir or step dir); "
+                       "ignored once this run has checkpoints of its own")
+    train.add_argument("--params-only", action="store_true", help="with --init-from: take only the parameters (fresh optimizer, step 0)")
+    train.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process: address of process 0's coordinator")
+    train.add_argument("--num-processes", type=_positive_int, metavar="N", help="multi-process: number of processes")
+    train.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's index, 0..N-1")
     train.set_defaults(func=cmd_train)
+    checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, complete, mesh/rules")
+    checkpoints.add_argument("run_dir", metavar="RUN_DIR")
+    checkpoints.set_defaults(func=cmd_checkpoints)
     return parser
 
 

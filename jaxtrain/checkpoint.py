@@ -1,0 +1,299 @@
+"""Orbax checkpoints of a run: the sharded train state, the data pipeline's position and a JSON record
+of how and when each step was written; resume, fallback past unreadable checkpoints, preemption.
+
+A checkpoint is ``RUN_DIR/checkpoints/STEP/`` with three items: ``state`` (every process writes only
+its own shards), ``data`` (grain iterator state, one file per process) and ``meta``. Orbax writes into
+a temporary directory and renames it when complete, so a killed save never looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grain.checkpoint
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from jaxtrain.config import CheckpointConfig
+from jaxtrain.errors import UserError
+
+CHECKPOINTS_DIR = "checkpoints"
+QUARANTINE_DIR = "unreadable_checkpoints"  # beside checkpoints/, so Orbax never lists them again
+PREEMPTED_EXIT_STATUS = 143  # 128 + SIGTERM, what schedulers expect from a job that stopped on SIGTERM
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+class Preempted(Exception):
+    """The run stopped early on a preemption notice, after committing a checkpoint of ``step``."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted: checkpoint of step {step} committed; run the same command again to resume")
+        self.step = step
+
+
+class PreemptionWatch:
+    """Whether to stop after the current step: a SIGTERM to this process, or, with several processes,
+    jax's preemption sync point (every process agrees on the same step)."""
+
+    def __init__(self):
+        self.multiprocess = jax.process_count() > 1
+        self.signalled = False
+        # several processes: jax's preemption notifier owns SIGTERM and syncs the hosts
+        self._previous = None if self.multiprocess else signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self.signalled = True  # a second SIGTERM during the final save changes nothing
+
+    def reached(self, step: int) -> bool:
+        if self.multiprocess:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.signalled
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _all_processes(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _flat_shapes(tree) -> dict[str, tuple]:
+    """'params/layers/attn/q/kernel' -> shape, for a state tree or Orbax's metadata of one."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {"/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path): tuple(leaf.shape)
+            for path, leaf in leaves if hasattr(leaf, "shape")}
+
+
+def check_same_shapes(saved_metadata, abstract_state, where: str) -> None:
+    """UserError naming the first parameter whose shape (or presence) differs from the checkpoint's."""
+    saved, wanted = _flat_shapes(saved_metadata), _flat_shapes(abstract_state)
+    for name in sorted(wanted.keys() | saved.keys(), key=lambda n: (not n.startswith("params/"), n)):  # parameters first
+        if saved.get(name) != wanted.get(name):
+            raise UserError(
+                f"{where} does not match the model: {name} has shape {saved.get(name, 'absent')} in the checkpoint but "
+                f"{wanted.get(name, 'absent')} in this config; use the model config of that run or a new --run-dir")
+
+
+def _manager(directory: Path, cfg: CheckpointConfig | None) -> ocp.CheckpointManager:
+    """The run's own manager (``cfg``), or, without ``cfg``, one that only reads."""
+    if cfg is None:
+        options = ocp.CheckpointManagerOptions(save_interval_steps=0, create=False)
+    else:
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=cfg.every, max_to_keep=cfg.keep, keep_period=cfg.keep_every or None,
+            enable_async_checkpointing=cfg.async_save, create=True)
+    handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=handlers)
+
+
+def _state_restore(target, *, partial: bool = False) -> ocp.args.PyTreeRestore:
+    """Restore onto ``target``'s shardings (ShapeDtypeStructs): each device reads only its own shards."""
+    return ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=partial)
+
+
+def _restore_args(abstract_state, data_iterator) -> ocp.args.Composite:
+    items = {"state": _state_restore(abstract_state), "meta": ocp.args.JsonRestore()}
+    if data_iterator is not None:
+        items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+    return ocp.args.Composite(**items)
+
+
+def _age(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(max(seconds, 0))))
+
+
+class RunCheckpoints:
+    """The checkpoints of one run directory: resume, periodic, final and preemption saves."""
+
+    def __init__(self, run_dir: Path, cfg: CheckpointConfig, last_step: int, meta: dict):
+        self.directory = run_dir / CHECKPOINTS_DIR
+        self.last_step = last_step
+        self.meta = meta  # how this run is laid out: written into every checkpoint's meta item
+        _check_writable(self.directory)
+        self.manager = _manager(self.directory, cfg)
+        self.preemption = PreemptionWatch()
+        self.closed = False
+
+    def restore_latest(self, abstract_state, data_iterator):
+        """The state of the latest readable checkpoint (restored onto ``abstract_state``'s shardings,
+        with the data iterator moved to its position), or None when there is none. Unreadable
+        checkpoints are moved aside with a one-line warning."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            check_same_shapes(self.manager.item_metadata(step)["state"], abstract_state, f"checkpoint step {step} in {self.directory}")
+            try:
+                restored, error = self.manager.restore(step, args=_restore_args(abstract_state, data_iterator)), None
+            except Exception as e:  # noqa: BLE001 - any unreadable file must lead to the previous checkpoint
+                restored, error = None, e
+            if _all_processes(error is None):
+                age = time.time() - restored.meta.get("time", time.time())
+                _say(f"jaxtrain: resuming from checkpoint step {step} in {self.directory} (written {_age(age)} ago)")
+                return restored.state
+            self._quarantine(step, error)
+        return None
+
+    def _quarantine(self, step: int, error: BaseException | None) -> None:
+        target = self.directory.parent / QUARANTINE_DIR / f"{step}-{int(time.time())}"
+        reason = _first_line(error) if error else "unreadable on another process"
+        _say(f"jaxtrain: warning: checkpoint step {step} is unreadable ({reason}); moved to {target}, falling back to the previous one")
+        if jax.process_index() == 0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(self.directory / str(step), target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"jaxtrain quarantine checkpoint {step}")
+        self.manager.reload()
+
+    def after_step(self, step: int, state, data_iterator) -> None:
+        """Save if due (always at the last step); on preemption save, wait for the commit and raise Preempted."""
+        preempted = step < self.last_step and self.preemption.reached(step)
+        self.save(step, state, data_iterator, force=preempted or step == self.last_step)
+        if preempted:
+            self.close()
+            raise Preempted(step)
+
+    def save(self, step: int, state, data_iterator, *, force: bool = False) -> bool:
+        """Start saving ``step`` if it is due (or ``force``); the write continues in the background
+        when asynchronous. Returns whether a save started."""
+        args = ocp.args.Composite(
+            state=ocp.args.PyTreeSave(state),
+            data=grain.checkpoint.CheckpointSave(data_iterator),
+            meta=ocp.args.JsonSave(self.meta | {"step": step, "time": time.time()}))
+        try:
+            return self.manager.save(step, args=args, force=force)
+        except Exception as e:  # noqa: BLE001 - a failed write (full disk, permissions) is the user's to fix
+            raise self._write_error(step, e) from e
+
+    def finish(self) -> None:
+        """Wait until every started save is committed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._write_error(self.manager.latest_step(), e) from e
+
+    def _write_error(self, step, error: BaseException) -> UserError:
+        return UserError(f"could not write checkpoint step {step} under {self.directory} ({_first_line(error)}); "
+                         f"free disk space or fix permissions there; earlier checkpoints are intact")
+
+    def close(self) -> None:
+        """Wait for the saves in flight (a second SIGTERM meanwhile changes nothing), then let go."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.finish()
+        finally:
+            self.manager.close()
+            self.preemption.close()
+
+
+def _check_writable(directory: Path) -> None:
+    probe = directory / f".write-probe-{jax.process_index()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"checkpoint directory {directory} is not writable ({e.strerror}); fix its permissions or use another --run-dir") from None
+
+
+def _say(line: str) -> None:
+    if jax.process_index() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _checkpoints_dir(path: Path) -> tuple[Path, int | None]:
+    """(checkpoints directory, step or None for the latest) for a run directory, its checkpoints/
+    directory, or one step's directory."""
+    if (path / CHECKPOINTS_DIR).is_dir():
+        return path / CHECKPOINTS_DIR, None
+    if path.name.isdigit() and (path / "state").is_dir():
+        return path.parent, int(path.name)
+    if path.is_dir() and any(p.name.isdigit() for p in path.iterdir()):
+        return path, None
+    raise UserError(f"--init-from {path}: no checkpoints there; give a run directory, its checkpoints/ directory or one step's directory")
+
+
+def restore_from(path: Path, abstract_state, data_iterator, *, params_only: bool):
+    """``--init-from``: another run's checkpoint, resharded onto ``abstract_state``. With ``params_only``
+    only the parameters are read (and returned); otherwise the whole state and the data position."""
+    directory, step = _checkpoints_dir(path)
+    manager = _manager(directory, None)
+    step = manager.latest_step() if step is None else step
+    if step is None or step not in manager.all_steps():
+        raise UserError(f"--init-from {path}: no complete checkpoint found (steps: {list(manager.all_steps()) or 'none'})")
+    where = f"--init-from {directory / str(step)}"
+    saved = manager.item_metadata(step)["state"]
+    if params_only:
+        check_same_shapes(saved["params"], abstract_state.params, where)
+        target = {"params": abstract_state.params}
+        restored = manager.restore(step, args=ocp.args.Composite(state=_state_restore(target, partial=True)))
+        result = restored.state["params"]
+    else:
+        check_same_shapes(saved, abstract_state, where)
+        result = manager.restore(step, args=_restore_args(abstract_state, data_iterator)).state
+    manager.close()
+    _say(f"jaxtrain: initialised {'parameters' if params_only else 'the whole state'} from {directory / str(step)}")
+    return result
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _human(size: int) -> str:
+    exponent = min(int(math.log(max(size, 1), 1024)), 4)
+    return f"{size / 1024 ** exponent:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][exponent]}"
+
+
+def describe(run_dir: Path) -> list[dict]:
+    """One row per checkpoint directory (complete or not) of a run, oldest first."""
+    directory = run_dir / CHECKPOINTS_DIR
+    if not directory.is_dir():
+        raise UserError(f"{run_dir} has no {CHECKPOINTS_DIR}/ directory; give the --run-dir of a training run")
+    manager = _manager(directory, None)
+    complete = set(manager.all_steps())
+    rows = []
+    for path in directory.iterdir():
+        name = path.name.split(_TMP_MARK)[0]
+        if not path.is_dir() or not name.isdigit():
+            continue
+        step = int(name)
+        meta = {}
+        if step in complete and _TMP_MARK not in path.name:
+            try:
+                meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            except Exception:  # noqa: BLE001 - an old or damaged meta item: list the step anyway
+                meta = {}
+        rows.append({
+            "step": step, "size": _size(path), "time": meta.get("time", path.stat().st_mtime),
+            "complete": step in complete and _TMP_MARK not in path.name,
+            "mesh": meta.get("mesh"), "rules": meta.get("rules"), "processes": meta.get("processes"),
+        })
+    manager.close()
+    return sorted(rows, key=lambda r: (r["step"], r["complete"]))
+
+
+def format_table(rows: list[dict]) -> str:
+    header = f"{'step':>8}  {'size':>10}  {'written':19}  {'complete':8}  mesh / rules"
+    lines = [header]
+    for r in rows:
+        mesh = " x ".join(f"{a} {s}" for a, s in r["mesh"].items()) if r["mesh"] else "?"
+        written = datetime.datetime.fromtimestamp(r["time"]).strftime("%Y-%m-%d %H:%M:%S")
+        lines.append(f"{r['step']:>8}  {_human(r['size']):>10}  {written:19}  {'yes' if r['complete'] else 'NO':8}  "
+                     f"{mesh} / {r['rules'] or '?'} ({r['processes'] or '?'} process(es))")
+    return "\n".join(lines)
