@@ -57,7 +57,7 @@ class DataConfig:
 class TrainConfig:
     steps: int = 100
     global_batch: int = 32  # sequences per optimizer step, across all devices
-    microbatches: int = 1  # gradient accumulation: global_batch is split into this many passes
+    microbatches: int | str = 1  # gradient accumulation passes per step; "auto": the fewest that fit (jaxtrain/plan.py)
     seed: int = 0  # parameter initialisation
     eval_every: int = 0  # 0: evaluate only at the end
     eval_batches: int = 4  # global batches of the validation split per evaluation
@@ -310,7 +310,11 @@ def check(cfg: Config) -> None:
     """Checks that need no devices; raises UserError with every problem found."""
     problems = list(cfg.model.problems())
     t, d = cfg.train, cfg.data
-    for key, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches),
+    microbatches = 1 if t.microbatches == "auto" else t.microbatches
+    if isinstance(microbatches, str):
+        problems.append(f"train.microbatches={microbatches!r} must be a positive integer or 'auto'")
+        microbatches = 1
+    for key, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch), ("train.microbatches", microbatches),
                        ("data.seq_len", d.seq_len), ("log.every", cfg.log.every), ("train.eval_batches", t.eval_batches),
                        ("checkpoint.every", cfg.checkpoint.every), ("checkpoint.keep", cfg.checkpoint.keep)):
         if value <= 0:
@@ -320,7 +324,7 @@ def check(cfg: Config) -> None:
     problems.extend(log_problems(cfg))
     if t.skip_nonfinite < 0:
         problems.append(f"train.skip_nonfinite={t.skip_nonfinite} must be 0 (stop at the first) or positive")
-    if t.microbatches > 0 and t.global_batch % t.microbatches:
+    if microbatches > 0 and t.global_batch % microbatches:
         problems.append(f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}")
     if not 0.0 < d.val_fraction < 1.0:
         problems.append(f"data.val_fraction={d.val_fraction} must be between 0 and 1")

@@ -1,0 +1,40 @@
+"""Shared pieces of the experiment files: the Llama 3 tokenizer shape and a Config built from the
+few numbers that differ between sizes. Not an experiment itself (the leading underscore hides it)."""
+
+import sys
+
+from jaxtrain.errors import UserError
+from jaxtrain.config import Config, DataConfig, LogConfig, OptimConfig, TrainConfig, load_mesh_file
+from models.config import LlamaConfig
+
+LLAMA3_VOCAB = 128256  # Llama 3 tokenizer (tiktoken, 128K)
+LLAMA3_ROPE_THETA = 500000.0
+
+
+def llama3(**shape) -> LlamaConfig:
+    """A Llama 3 shape: bfloat16 compute, float32 master weights, the Llama 3 vocabulary and rotary base."""
+    return LlamaConfig(vocab_size=LLAMA3_VOCAB, rope_theta=LLAMA3_ROPE_THETA, dtype="bfloat16", **shape)
+
+
+def experiment(model: LlamaConfig, *, seq_len: int, batch_tokens: int, lr: float, steps: int, warmup_steps: int,
+               mesh: str, rules: str, microbatches: int | str = "auto") -> Config:
+    """A pretraining config: ``batch_tokens`` per optimizer step (a multiple of ``seq_len``), AdamW with
+    warmup and cosine decay to lr/10, weight decay 0.1, clipping at 1.0 (the Llama 3 recipe)."""
+    if batch_tokens % seq_len:
+        raise UserError(f"batch_tokens={batch_tokens} is not a multiple of seq_len={seq_len}; use a whole number of sequences")
+    return Config(
+        model=model,
+        data=DataConfig(seq_len=seq_len),  # data.path=...: a token file (.npy/.bin) made with the Llama 3 tokenizer
+        train=TrainConfig(steps=steps, global_batch=batch_tokens // seq_len, microbatches=microbatches, eval_every=1000),
+        optim=OptimConfig(lr=lr, warmup_steps=warmup_steps, min_lr_ratio=0.1, weight_decay=0.1, clip_norm=1.0),
+        log=LogConfig(every=10),
+        mesh=load_mesh_file(mesh),
+        rules=rules,
+    )
+
+
+def run(experiment_file: str) -> None:
+    """``python experiments/NAME.py [jaxtrain train options]`` does ``jaxtrain train NAME ...``."""
+    from jaxtrain.cli import main
+
+    sys.exit(main(["train", experiment_file, *sys.argv[1:]]))
