@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: train test
+.PHONY: train test bench
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,3 +18,7 @@ train: $(INSTALLED)
 
 test: $(INSTALLED)
 	$(PY) -m pytest -n 2 tests
+
+# CPU benchmark suite -> benchmarks/results/latest.json; ONLY=perf,checkpoint runs a subset
+bench: $(INSTALLED)
+	$(PY) benchmarks/run.py $(if $(ONLY),--only $(ONLY))

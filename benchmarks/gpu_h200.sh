@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Throughput on one H200 (< 8 minutes): each experiment at seq 4096, bf16 compute, cuDNN attention, for
+# each remat policy in REMATS (the best is the fastest one that fits); one JSON line per run with
+# TFLOP/s per device and MFU against 989 TFLOP/s (dense bf16), collected in benchmarks/results/gpu_h200.jsonl.
+#
+#   benchmarks/gpu_h200.sh                        # llama3_1b llama3_3b
+#   benchmarks/gpu_h200.sh llama3_1b              # just one
+#   TINY=1 benchmarks/gpu_h200.sh                 # the same runs, tiny shapes, on CPU: checks the script
+#
+# A run that fails (e.g. out of memory for a remat policy) is reported and the others go on.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-benchmarks/results/gpu_h200.jsonl}
+REMATS=${REMATS:-save_dots full}
+SEQ=${SEQ:-4096}
+# single-device flags; the latency-hiding scheduler overlaps the collectives of multi-GPU meshes
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
+if [ "$#" -eq 0 ]; then set -- llama3_1b llama3_3b; fi
+
+shape=(data.seq_len="$SEQ" model.dtype=bfloat16 model.attention=cudnn train.microbatches=1)
+mesh=gpu1
+if [ -n "${TINY:-}" ]; then
+  export JAX_PLATFORMS=cpu
+  shape=(data.seq_len=64 model.dtype=float32 model.attention=xla train.microbatches=1 train.global_batch=2
+         model.vocab_size=512 model.d_model=64 model.num_layers=2 model.num_heads=4 model.num_kv_heads=2 model.mlp_dim=128)
+fi
+
+mkdir -p "$(dirname "$OUT")"
+failed=0
+for experiment in "$@"; do
+  # sequences per step on one device: the most that fits with save_dots at seq 4096 (141 GB)
+  case "$experiment" in llama3_1b) batch=8 ;; *) batch=4 ;; esac
+  for remat in $REMATS; do
+    echo "== $experiment remat=$remat" >&2
+    if ! timeout "${RUN_TIMEOUT:-240}" "$PY" benchmarks/throughput.py "$experiment" --mesh "$mesh" --rules fsdp --steps "${STEPS:-8}" \
+        train.global_batch="$batch" model.remat="$remat" "${shape[@]}" | tee -a "$OUT"; then
+      echo "== $experiment remat=$remat FAILED" >&2
+      failed=1
+    fi
+  done
+done
+exit $failed

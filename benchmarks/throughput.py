@@ -1,0 +1,77 @@
+"""Train-step throughput of one experiment on the local devices: TFLOP/s per device and MFU.
+
+    python benchmarks/throughput.py llama3_1b --mesh gpu1 --rules fsdp model.remat=save_dots data.seq_len=4096
+
+Prints one JSON line. Random tokens (the step time does not depend on the data); model FLOPs counted
+as in jaxtrain.flops (PaLM, causal attention halved); MFU against --peak-tflops (default 989: H100/H200
+dense bf16) or, on CPUs, the measured matmul peak. Used by benchmarks/gpu_h200.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+from jaxtrain import config as config_lib
+from jaxtrain.errors import UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("--mesh", default="gpu1")
+    parser.add_argument("--rules", default="fsdp")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU; ignored on CPUs")
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_lib.load_experiment(args.experiment)
+        cfg = dataclasses.replace(cfg, mesh=config_lib.load_mesh_file(args.mesh), rules=args.rules)
+        cfg = config_lib.apply_overrides(cfg, args.overrides)
+        config_lib.check(cfg)
+    except UserError as e:
+        print(f"throughput: error: {e}", file=sys.stderr)
+        return 2
+
+    import jax  # after the config: a bad one fails fast, before any device starts
+
+    from bench_perf import fixed_batch, random_corpus
+    from jaxtrain.flops import flops_per_token, measure_matmul_peak
+    from jaxtrain.train import build
+
+    trainer = build(cfg, random_corpus(cfg.model.vocab_size, tokens=(cfg.train.global_batch + 1) * (cfg.data.seq_len + 1) * 12))
+    batch, state = fixed_batch(trainer), trainer.init_state()
+    for _ in range(2):
+        state, metrics = trainer.train_step(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(args.steps):  # one sync per step: the per-step time, not hidden by queueing
+        start = time.perf_counter()
+        state, metrics = trainer.train_step(state, batch)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    devices = trainer.mesh.size
+    on_cpu = trainer.mesh.devices.flat[0].platform == "cpu"
+    peak = measure_matmul_peak(list(trainer.mesh.devices.flat)) / devices if on_cpu else args.peak_tflops * 1e12
+    model_flops = flops_per_token(cfg.model, cfg.data.seq_len) * trainer.tokens_per_step / step_s / devices
+    memory = trainer.train_step.memory_analysis()
+    print(json.dumps({
+        "experiment": args.experiment, "overrides": args.overrides, "mesh": args.mesh, "rules": args.rules,
+        "device_kind": trainer.mesh.devices.flat[0].device_kind, "devices": devices,
+        "seq_len": cfg.data.seq_len, "global_batch": cfg.train.global_batch, "remat": cfg.model.remat, "dtype": cfg.model.dtype,
+        "compile_s": round(trainer.compile_s, 1), "step_s": step_s, "tokens_per_s": trainer.tokens_per_step / step_s,
+        "tflops_per_device": model_flops / 1e12, "peak_tflops_per_device": peak / 1e12, "mfu": model_flops / peak,
+        "temp_gib_per_device": None if memory is None else memory.temp_size_in_bytes / 2**30,
+        "loss": float(metrics["loss"]),
+    }), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
