@@ -78,6 +78,16 @@ def cmd_checkpoints(args) -> int:
     return 0
 
 
+def cmd_plot(args) -> int:
+    from jaxtrain import plot
+
+    run_dirs = [Path(d) for d in args.run_dirs]
+    out = Path(args.out) if args.out else run_dirs[0] / "metrics.png"
+    plot.plot_runs(run_dirs, out)
+    print(f"jaxtrain: wrote {out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxtrain", description="Train large language models with JAX on device meshes.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -98,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, complete, mesh/rules")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR")
     checkpoints.set_defaults(func=cmd_checkpoints)
+    plot = sub.add_parser("plot", help="one PNG of loss, eval loss, tokens/s, MFU and memory over steps; runs overlaid")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("--out", metavar="FILE.png", help="output image (default RUN_DIR/metrics.png of the first run)")
+    plot.set_defaults(func=cmd_plot)
     return parser
 
 

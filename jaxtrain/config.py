@@ -298,7 +298,8 @@ def log_problems(cfg: Config) -> list[str]:
         problems.append(f"log.peak_tflops={log.peak_tflops} must be positive (per-device peak in TFLOP/s)")
     if log.profile_steps is not None:
         try:
-            profile_range(log.profile_steps)
+            if profile_range(log.profile_steps)[1] > cfg.train.steps:
+                problems.append(f"log.profile_steps={log.profile_steps} ends after train.steps={cfg.train.steps}")
         except UserError as e:
             problems.append(str(e))
     if log.wandb and importlib.util.find_spec("wandb") is None:

@@ -1,35 +1,318 @@
-"""Metrics records: RUN_DIR/metrics.jsonl and the progress bar (process 0 only)."""
+"""What a run reports: the start-up summary, metrics records (``metrics.jsonl``, TensorBoard, optional
+Weights & Biases), the progress line, MFU, memory, profiler traces, and the non-finite guard.
+
+The loop hands every step's device metrics to ``MetricsLog.after_step``; they are fetched from the
+devices (the only host sync) once per ``log.every`` steps and before every checkpoint step, so a
+non-finite loss or gradient norm stops the run before a checkpoint is written. Every process runs
+the checks (so all stop together); only process 0 writes.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import resource
+import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import jax
+import numpy as np
+import psutil
 import tqdm
+
+from jaxtrain import config as config_lib
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+from jaxtrain.flops import flops_per_token, measure_matmul_peak, peak_flops
+
+if TYPE_CHECKING:
+    from jaxtrain.train import Trainer
+
+SUMMARY_FILE = "summary.json"
+GIB = 2**30
+CPU_PEAK_MATMUL_SIZE = 512  # large enough to reach the CPU's matmul rate, small enough for ~1 s at start-up
+GUARDED = ("loss", "grad_norm")  # a non-finite value of either means the step's update was not applied
+PER_LAYER = ("grad_norm_per_layer", "param_norm_per_layer")
+
+# TensorBoard tag of each record key; keys not listed (e.g. eval_tokens) stay in metrics.jsonl only.
+TAGS = {
+    "loss": "train/loss", "eval_loss": "eval/loss", "learning_rate": "train/learning_rate",
+    "grad_norm": "train/grad_norm", "param_norm": "train/param_norm",
+    "tokens_per_s": "perf/tokens_per_s", "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
+    "step_time_s": "perf/step_time_s", "mfu": "perf/mfu", "data_wait_s": "perf/data_wait_s",
+    "checkpoint_s": "perf/checkpoint_s", "memory_in_use_gib": "memory/in_use_gib", "memory_peak_gib": "memory/peak_gib",
+}
+
+
+class NonFiniteError(UserError):
+    """A non-finite loss or gradient norm; the message is the one-line diagnosis."""
+
+
+def resolve_peak(cfg: Config, devices: list) -> tuple[float | None, str]:
+    """Per-device peak FLOP/s for MFU and where it comes from: the override, the datasheet table,
+    or (CPU) a matmul benchmark of the local devices working together."""
+    if cfg.log.peak_tflops:
+        return cfg.log.peak_tflops * 1e12, "log.peak_tflops"
+    kind = devices[0].device_kind
+    table = peak_flops(kind, cfg.model.dtype)
+    if table:
+        return table, f"datasheet, {kind}, {cfg.model.dtype}"
+    if devices[0].platform == "cpu":
+        local = [d for d in devices if d.process_index == jax.process_index()]
+        measured = measure_matmul_peak(local, size=CPU_PEAK_MATMUL_SIZE, dtype=cfg.model.dtype) / len(local)
+        return measured, f"measured {cfg.model.dtype} matmul on {len(local)} CPU devices"
+    return None, f"unknown for {kind}; set log.peak_tflops"
+
+
+def memory_gib() -> tuple[float, float, str]:
+    """(in use, peak, source) in GiB: the fullest local device where the backend reports memory,
+    else this process's resident host memory (CPU)."""
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    if all(s and "bytes_in_use" in s for s in stats):
+        return (max(s["bytes_in_use"] for s in stats) / GIB, max(s.get("peak_bytes_in_use", 0) for s in stats) / GIB,
+                "device")
+    rss = psutil.Process().memory_info().rss
+    peak = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss: KiB on Linux
+    return rss / GIB, peak / GIB, "host_rss"
+
+
+def _bytes_per_device(tree) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def startup_summary(trainer: Trainer, peak: float | None, peak_source: str) -> dict[str, Any]:
+    cfg, mesh, state = trainer.cfg, trainer.mesh, trainer.layout.abstract_state()
+    params_per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(state.params))
+    return {
+        "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count(),
+        "mesh": dict(mesh.shape), "rules": cfg.rules,
+        "params": trainer.layout.spec.num_params, "params_per_device": params_per_device,
+        "param_bytes_per_device": _bytes_per_device(state.params),
+        "opt_state_bytes_per_device": _bytes_per_device(state.opt_state),
+        "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": trainer.tokens_per_step,
+        "microbatches": cfg.train.microbatches, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
+        "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(trainer.compile_s, 3),
+        "data": trainer.corpus.description,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    mesh = " x ".join(f"{axis} {size}" for axis, size in s["mesh"].items())
+    peak = "unknown" if s["peak_flops_per_device"] is None else f"{s['peak_flops_per_device'] / 1e12:.3g} TFLOP/s"
+    return "\n".join([
+        f"jaxtrain: {s['devices']} x {s['device_kind']} in {s['processes']} process(es); mesh {mesh}; rules {s['rules']}",
+        f"  parameters {s['params']:,} ({s['params_per_device']:,} per device); per device: params "
+        f"{s['param_bytes_per_device'] / GIB:.3g} GiB, optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB",
+        f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "
+        f"{s['microbatches']} micro-batch(es); {s['flops_per_token']:.4g} FLOPs per token",
+        f"  peak for MFU {peak} per device ({s['peak_source']}); train step compiled in {s['compile_s']:.1f}s",
+        f"  data: {s['data']}",
+    ])
+
+
+class Progress:
+    """One self-updating line (tqdm) when ``stream`` is a terminal; one plain line per record otherwise
+    (CI and SLURM logs)."""
+
+    def __init__(self, total: int, initial: int, stream=None):
+        self.stream, self.total = stream or sys.stderr, total
+        self.bar = tqdm.tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=self.stream) \
+            if self.stream.isatty() else None
+
+    def update(self, step: int, record: dict, eta_s: float) -> None:
+        shown = {"loss": f"{record['loss']:.4g}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+        if record.get("mfu") is not None:
+            shown["mfu"] = f"{record['mfu']:.1%}"
+        if self.bar is not None:
+            self.bar.set_postfix(shown, refresh=False)
+            self.bar.update(step - self.bar.n)
+        else:
+            fields = " ".join(f"{k} {v}" for k, v in shown.items())
+            self.say(f"step {step}/{self.total} {fields} eta {_duration(eta_s)}")
+
+    def say(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _finite_or_none(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, total_steps: int, initial_step: int, *, enabled: bool, progress: bool):
-        self.enabled = enabled
-        self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
-        self.bar = tqdm.tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
-                             disable=not (enabled and progress))
+    """Created by the loop once the state is ready; see the module docstring."""
+
+    def __init__(self, cfg: Config, trainer: Trainer, run_dir: Path, initial_step: int, *, enabled: bool):
+        self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
+        self.tokens_per_step = trainer.tokens_per_step
+        self.devices = trainer.mesh.size
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.profile = config_lib.profile_range(cfg.log.profile_steps) if cfg.log.profile_steps else None
+        self.profiling = False
+        self.pending: list[tuple[int, dict]] = []  # (step, metrics) not yet fetched from the devices
+        self.timers = {"data_wait_s": 0.0, "checkpoint_s": 0.0, "eval_s": 0.0}  # since the last record
+        self.last_time, self.last_step = time.perf_counter(), initial_step
+        self.last_finite: tuple[int, dict] | None = None
+        self.skipped = 0
+        self.file = self.tensorboard = self.wandb = self.progress = None
+        self.peak, peak_source = resolve_peak(cfg, list(trainer.mesh.devices.flat)) if enabled else (None, "")
+        if not enabled:
+            return
+        summary = startup_summary(trainer, self.peak, peak_source)
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        if cfg.log.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(run_dir))
+            self.tensorboard.add_text("summary", "    " + format_summary(summary).replace("\n", "\n    "), initial_step)
+        if cfg.log.wandb:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.log.wandb, name=run_dir.name, dir=str(run_dir), config=config_lib.to_dict(cfg))
+        print(format_summary(summary), file=sys.stderr)
+        if cfg.log.progress:
+            self.progress = Progress(cfg.train.steps, initial_step)
+
+    @contextlib.contextmanager
+    def timer(self, name: str):
+        """Adds the block's wall time to ``name`` (data_wait_s, checkpoint_s, eval_s) for the next
+        record; checkpoint and eval time are not counted as step time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timers[name] += time.perf_counter() - start
+
+    def before_step(self, step: int) -> None:
+        if self.profile and step == self.profile[0]:
+            jax.profiler.start_trace(str(self.run_dir))
+            self.profiling = True
+
+    def after_step(self, step: int, metrics: dict) -> None:
+        """Queue the step's device metrics; fetch, check and write them when a record or checkpoint is due."""
+        layer_every = self.cfg.log.layer_every
+        if not (layer_every and step % layer_every == 0):
+            metrics = {k: v for k, v in metrics.items() if k not in PER_LAYER}
+        self.pending.append((step, metrics))
+        if self.profiling and step == self.profile[1]:
+            self._stop_trace(metrics)
+        last = step == self.cfg.train.steps
+        if step % self.cfg.log.every == 0 or last:
+            self._record(step)
+        elif step % self.cfg.checkpoint.every == 0:
+            self._check_pending()
+
+    def _check_pending(self) -> None:
+        """Fetch queued metrics and apply the non-finite policy in step order."""
+        fetched = jax.device_get(self.pending)
+        self.pending = []
+        for step, metrics in fetched:
+            bad = [name for name in GUARDED if not np.isfinite(metrics[name])]
+            if not bad:
+                self.last_finite = (step, metrics)
+                continue
+            self.skipped += 1
+            if self.skipped > self.cfg.train.skip_nonfinite:
+                raise NonFiniteError(self._diagnosis(step, metrics, bad))
+            self.write({"step": step, "skipped_nonfinite": bad} | {k: float(metrics[k]) for k in GUARDED})
+            self._say(f"jaxtrain: step {step}: {' and '.join(bad)} not finite, update skipped "
+                      f"({self.skipped} of train.skip_nonfinite={self.cfg.train.skip_nonfinite})")
+        return fetched
+
+    def _diagnosis(self, step: int, metrics: dict, bad: list[str]) -> str:
+        values = ", ".join(f"{k} {float(metrics[k])}" for k in GUARDED)
+        if self.last_finite:
+            good_step, good = self.last_finite
+            last = f"last finite values at step {good_step}: " + ", ".join(f"{k} {float(good[k]):.6g}" for k in GUARDED)
+        else:
+            last = "no finite values before it in this run"
+        allowed = self.cfg.train.skip_nonfinite
+        policy = f"more than train.skip_nonfinite={allowed} updates skipped" if allowed else "the update was not applied"
+        return (f"step {step}: {' and '.join(bad)} not finite ({values}); {last}; {policy} and no checkpoint was "
+                f"written after it; check the data, lower optim.lr, or set train.skip_nonfinite=N to skip such steps")
+
+    def _record(self, step: int) -> None:
+        fetched = self._check_pending()
+        now = time.perf_counter()
+        steps = step - self.last_step
+        step_time = (now - self.last_time - self.timers["checkpoint_s"] - self.timers["eval_s"]) / steps
+        tokens_per_s = self.tokens_per_step / step_time
+        metrics = fetched[-1][1]
+        in_use, peak_mem, memory_source = memory_gib()
+        record = {
+            "step": step, "loss": float(metrics["loss"]), "learning_rate": float(metrics["learning_rate"]),
+            "grad_norm": float(metrics["grad_norm"]), "param_norm": float(metrics["param_norm"]),
+            "step_time_s": step_time, "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.devices,
+            "mfu": None if self.peak is None else self.flops_per_token * tokens_per_s / (self.devices * self.peak),
+            "data_wait_s": self.timers["data_wait_s"], "checkpoint_s": self.timers["checkpoint_s"],
+            "memory_in_use_gib": in_use, "memory_peak_gib": peak_mem, "memory_source": memory_source,
+        }
+        self.write(record)
+        for layer_step, layer_metrics in fetched:
+            if PER_LAYER[0] in layer_metrics:
+                self.write({"step": layer_step} | {k: np.asarray(layer_metrics[k]).tolist() for k in PER_LAYER})
+        if self.progress:
+            self.progress.update(step, record, eta_s=(self.cfg.train.steps - step) * step_time)
+        self.timers = dict.fromkeys(self.timers, 0.0)
+        self.last_time, self.last_step = now, step
 
     def write(self, record: dict) -> None:
+        """Append one record (must have ``step``) to metrics.jsonl, TensorBoard and W&B (process 0)."""
         if not self.enabled:
             return
-        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        record = {k: _finite_or_none(v) for k, v in record.items()}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        shown = {k: record[k] for k in ("loss", "eval_loss", "tokens_per_s") if record.get(k) is not None}
-        if shown:
-            self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+        step = record["step"]
+        scalars = {TAGS[k]: v for k, v in record.items() if k in TAGS and v is not None}
+        for key in PER_LAYER:
+            scalars |= {f"{key}/layer_{i:03d}": v for i, v in enumerate(record.get(key, ()))}
+        if self.tensorboard:
+            for tag, value in scalars.items():
+                self.tensorboard.add_scalar(tag, value, step)
+            self.tensorboard.flush()
+        if self.wandb:
+            self.wandb.log(scalars, step=step)
 
-    def advance(self, steps: int) -> None:
-        self.bar.update(steps)
+    def _stop_trace(self, metrics: dict) -> None:
+        jax.block_until_ready(metrics)  # the traced steps must have run
+        jax.profiler.stop_trace()
+        self.profiling = False
+        traces = sorted((self.run_dir / "plugins" / "profile").iterdir())
+        self._say(f"jaxtrain: profile of steps {self.profile[0]}-{self.profile[1]} in {traces[-1]} "
+                  f"(tensorboard --logdir {self.run_dir}, or open the .xplane.pb / .trace.json.gz in Perfetto)")
+
+    def _say(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.progress:
+            self.progress.say(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.profiling:
+            jax.profiler.stop_trace()
+        if self.progress:
+            self.progress.close()
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
         if self.file:
             self.file.close()

@@ -26,8 +26,17 @@ def _split_microbatches(batch: Batch, k: int) -> Batch:
     return {name: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1) for name, x in batch.items()}
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    microbatches: int) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+def per_layer_norm(layers: dict) -> jax.Array:
+    """L2 norm of each layer of a tree stacked on a leading ``layers`` axis: shape (num_layers,)."""
+    squares = [jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(layers)]
+    return jnp.sqrt(sum(squares))
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
+                    layer_norms: bool = False) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+    """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
+    whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
+    bad batch never poisons the state; the loop decides whether to stop or go on."""
     def loss_fn(params, batch):
         return token_nll(graphdef, params, batch).mean()
 
@@ -47,10 +56,18 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                                             _split_microbatches(batch, microbatches))
             # every micro-batch has the same token count, so the mean of means is the batch mean
             loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state.step)}
-        new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
-        return new_state, metrics
+        params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
+                   "learning_rate": schedule(state.step)}
+        if layer_norms:
+            metrics |= {"grad_norm_per_layer": per_layer_norm(grads["layers"]),
+                        "param_norm_per_layer": per_layer_norm(params["layers"])}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
 

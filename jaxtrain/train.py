@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -21,7 +20,6 @@ from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
-from jaxtrain.flops import flops_per_token, peak_flops
 from jaxtrain.mesh import build_mesh
 from jaxtrain.metrics import MetricsLog
 from jaxtrain.optim import learning_rate_schedule, make_optimizer
@@ -105,7 +103,8 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
     rule surface here, as a UserError."""
     cfg, shardings, batch_sh = layout.cfg, layout.shardings, layout.batch_sharding
     replicated = NamedSharding(layout.mesh, PartitionSpec())
-    train_fn = jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), cfg.train.microbatches),
+    train_fn = jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), cfg.train.microbatches,
+                                       layer_norms=cfg.log.layer_every > 0),
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(layout.spec.graphdef), in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
     state, batch = layout.abstract_state(), layout.abstract_batch()
@@ -140,40 +139,25 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None) -> TrainSt
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_lib.save_yaml(cfg, run_dir / "config.yaml", {"resolved": _resolved(trainer)})
-        print(_summary(trainer), file=sys.stderr)
 
     t = cfg.train
     state = trainer.init_state()
     batches = data_lib.train_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding)
     eval_data = data_lib.eval_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding, t.eval_batches)
-    flops = flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = peak_flops(trainer.mesh.devices.flat[0].device_kind)
-    log = MetricsLog(run_dir, t.steps, int(state.step), enabled=is_main, progress=cfg.log.progress)
-
-    first = int(state.step)
-    last_time, last_step = time.perf_counter(), first
-    for step in range(first + 1, t.steps + 1):
-        state, metrics = trainer.train_step(state, next(batches))
-        if step % cfg.log.every == 0 or step == t.steps:
-            metrics = jax.device_get(metrics)  # the only host sync: once per log interval
-            now = time.perf_counter()
-            step_time = (now - last_time) / (step - last_step)
-            tokens_per_s = trainer.tokens_per_step / step_time
-            log.write({
-                "step": step,
-                "loss": float(metrics["loss"]),
-                "learning_rate": float(metrics["learning_rate"]),
-                "grad_norm": float(metrics["grad_norm"]),
-                "step_time_s": step_time,
-                "tokens_per_s": tokens_per_s,
-                "mfu": None if peak is None else flops * tokens_per_s / (peak * trainer.mesh.size),
-            })
-            log.advance(step - last_step)
-            last_time, last_step = now, step
-        if step == t.steps or (t.eval_every and step % t.eval_every == 0):
-            log.write({"step": step, "eval_loss": evaluate(trainer, state.params, eval_data), "eval_tokens": len(eval_data) * trainer.tokens_per_step})
-            last_time = time.perf_counter()  # evaluation time is not training step time
-    log.close()
+    log = MetricsLog(cfg, trainer, run_dir, int(state.step), enabled=is_main)
+    try:
+        for step in range(int(state.step) + 1, t.steps + 1):
+            with log.timer("data_wait_s"):
+                batch = next(batches)
+            log.before_step(step)
+            state, metrics = trainer.train_step(state, batch)
+            log.after_step(step, metrics)  # raises NonFiniteError before a checkpoint of this step is saved
+            if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+                with log.timer("eval_s"):
+                    eval_loss = evaluate(trainer, state.params, eval_data)
+                log.write({"step": step, "eval_loss": eval_loss, "eval_tokens": len(eval_data) * trainer.tokens_per_step})
+    finally:
+        log.close()
     return state
 
 
@@ -186,11 +170,3 @@ def _resolved(trainer: Trainer) -> dict[str, Any]:
         "num_params": trainer.layout.spec.num_params,
     }
 
-
-def _summary(trainer: Trainer) -> str:
-    cfg = trainer.cfg
-    mesh = " x ".join(f"{a} {s}" for a, s in trainer.mesh.shape.items())
-    return (f"jaxtrain: {trainer.mesh.size} x {trainer.mesh.devices.flat[0].device_kind} in {jax.process_count()} process(es), "
-            f"mesh {mesh}, rules {cfg.rules}, {trainer.layout.spec.num_params:,} parameters, "
-            f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens, compiled in {trainer.compile_s:.1f}s; "
-            f"data: {trainer.corpus.description}")

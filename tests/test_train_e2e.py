@@ -24,7 +24,7 @@ def test_train_command_writes_config_and_metrics(tmp_path):
     records = _records(run_dir)
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [2, 4] and all(KEYS <= set(r) for r in steps)
-    assert steps[0]["mfu"] is None  # CPU: peak FLOP/s unknown
+    assert steps[0]["mfu"] > 0  # CPU: against the matmul peak measured at start-up
     assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in steps)
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [4] and 0 < evals[0]["eval_loss"] < 6

@@ -1,0 +1,58 @@
+"""``jaxtrain plot RUN_DIR [RUN_DIR ...] --out FILE.png``: loss, tokens/s, MFU and memory over steps,
+several runs overlaid, from their ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on clusters or in CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+from jaxtrain.errors import UserError  # noqa: E402
+
+# (title, y label, [(record key, line style)]); a run draws every key it has records for
+PANELS = (
+    ("loss", "nats per token", [("loss", "-"), ("eval_loss", "o--")]),
+    ("throughput", "tokens/s", [("tokens_per_s", "-")]),
+    ("MFU", "model FLOPs utilisation", [("mfu", "-")]),
+    ("memory", "GiB", [("memory_in_use_gib", "-"), ("memory_peak_gib", ":")]),
+)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; give run directories written by 'jaxtrain train'")
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} line {e.lineno} is not JSON ({e.msg}); the file is damaged") from None
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def plot_runs(run_dirs: list[Path], out: Path) -> None:
+    if out.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise UserError(f"--out {out} must end in .png, .pdf or .svg")
+    runs = {str(d): read_metrics(d) for d in run_dirs}
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, ylabel, keys) in zip(axes.flat, PANELS):
+        for i, (name, records) in enumerate(runs.items()):
+            for key, style in keys:
+                steps, values = series(records, key)
+                if steps:
+                    ax.plot(steps, values, style, color=colors[i % len(colors)], label=f"{name} {key}")
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize="small")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
