@@ -1,6 +1,7 @@
 """Observability: TensorBoard and jsonl records, start-up summary, MFU and FLOPs counts, profiles,
 `jaxtrain plot`, the progress line and the non-finite guard. One compiled trainer serves every run."""
 
+import dataclasses
 import io
 import json
 
@@ -25,6 +26,12 @@ def trainer(corpus):
     return train_lib.build(cfg, corpus)
 
 
+def _loop_config(trainer, **sections):
+    """The compiled trainer with other loop settings (logging, non-finite policy): no recompilation."""
+    cfg = with_(trainer.cfg, **sections)
+    return dataclasses.replace(trainer, layout=dataclasses.replace(trainer.layout, cfg=cfg))
+
+
 def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -34,7 +41,8 @@ def two_runs(trainer, tmp_path_factory):
     """Two real short runs (the second profiles steps 3-4)."""
     first, second = tmp_path_factory.mktemp("run_a"), tmp_path_factory.mktemp("run_b")
     train_lib.train(trainer.cfg, first, trainer)
-    train_lib.train(with_(trainer.cfg, log={"profile_steps": "3:4"}), second, trainer)
+    profiled = _loop_config(trainer, log={"profile_steps": "3:4"})
+    train_lib.train(profiled.cfg, second, profiled)
     return first, second
 
 
@@ -158,8 +166,9 @@ def test_nonfinite_stops_before_saving_and_last_checkpoint_restores(trainer, tmp
 
 def test_skip_nonfinite_leaves_state_unchanged_and_logs_each_skip(trainer, tmp_path, monkeypatch):
     _poison(monkeypatch, {3}, trainer.cfg.model.vocab_size)
-    cfg = with_(trainer.cfg, train={"skip_nonfinite": 1})
-    state = train_lib.train(cfg, tmp_path / "run", trainer)
+    skipping = _loop_config(trainer, train={"skip_nonfinite": 1})
+    cfg = skipping.cfg
+    state = train_lib.train(cfg, tmp_path / "run", skipping)
     assert int(state.step) == STEPS
     skips = [r for r in _records(tmp_path / "run") if "skipped_nonfinite" in r]
     assert skips == [{"step": 3, "skipped_nonfinite": ["loss", "grad_norm"], "loss": None, "grad_norm": None}]
