@@ -129,15 +129,18 @@ class RunCheckpoints:
         self.manager = _manager(self.directory, cfg)
         self.preemption = PreemptionWatch()
         self.closed = False
+        self.started = None  # the step of the latest save started: an async write fails later, on wait
 
     def restore_latest(self, abstract_state, data_iterator):
         """The state of the latest readable checkpoint (restored onto ``abstract_state``'s shardings,
         with the data iterator moved to its position), or None when there is none. Unreadable
         checkpoints are moved aside with a one-line warning."""
         for step in sorted(self.manager.all_steps(), reverse=True):
-            check_same_shapes(self.manager.item_metadata(step)["state"], abstract_state, f"checkpoint step {step} in {self.directory}")
             try:
+                check_same_shapes(self.manager.item_metadata(step)["state"], abstract_state, f"checkpoint step {step} in {self.directory}")
                 restored, error = self.manager.restore(step, args=_restore_args(abstract_state, data_iterator)), None
+            except UserError:
+                raise
             except Exception as e:  # noqa: BLE001 - any unreadable file must lead to the previous checkpoint
                 restored, error = None, e
             if _all_processes(error is None):
@@ -174,16 +177,18 @@ class RunCheckpoints:
             data=grain.checkpoint.CheckpointSave(data_iterator),
             meta=ocp.args.JsonSave(self.meta | {"step": step, "time": time.time()}))
         try:
-            return self.manager.save(step, args=args, force=force)
+            started = self.manager.save(step, args=args, force=force)  # first waits for the previous save
         except Exception as e:  # noqa: BLE001 - a failed write (full disk, permissions) is the user's to fix
-            raise self._write_error(step, e) from e
+            raise self._write_error(self.started or step, e) from e
+        self.started = step if started else self.started
+        return started
 
     def finish(self) -> None:
         """Wait until every started save is committed."""
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
-            raise self._write_error(self.manager.latest_step(), e) from e
+            raise self._write_error(self.started, e) from e
 
     def _write_error(self, step, error: BaseException) -> UserError:
         return UserError(f"could not write checkpoint step {step} under {self.directory} ({_first_line(error)}); "

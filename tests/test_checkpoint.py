@@ -1,0 +1,197 @@
+"""Checkpoints with real processes and real files: exact resume after SIGTERM, SIGKILL during an
+async save, a corrupted checkpoint, a full disk, resharding onto other meshes, --init-from."""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from conftest import REPO, run_cli, with_
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain.config import AxisSizes, MeshConfig, from_dict
+from jaxtrain.train import build, make_layout, train
+
+STEPS = 16
+ARGS = [f"train.steps={STEPS}", "log.every=1", "train.eval_batches=1", "train.global_batch=8", "data.seq_len=32",
+        "model.num_layers=2", "model.d_model=64", "model.num_kv_heads=4", "log.progress=false", "checkpoint.every=2", "checkpoint.keep=3"]
+
+
+def _start(run_dir, *extra, limit_file_size=None):
+    """`jaxtrain train tiny` as a child process; stderr goes to RUN_DIR.stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # a "full disk": writes past the size limit fail with EFBIG (Python ignores SIGXFSZ)
+    limit = ["prlimit", f"--fsize={limit_file_size}", "--"] if limit_file_size else []
+    stderr = open(f"{run_dir}.stderr", "a")
+    return subprocess.Popen([*limit, sys.executable, "-m", "jaxtrain.cli", "train", "tiny", "--run-dir", str(run_dir), *ARGS, *extra],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+
+
+def _stderr(run_dir) -> str:
+    return open(f"{run_dir}.stderr").read()
+
+
+def _losses(run_dir) -> list[tuple[int, float]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+def _signal_after_step(proc, run_dir, step: int) -> int:
+    """Send SIGTERM as soon as metrics.jsonl shows ``step``; the exit status."""
+    while proc.poll() is None and not any(s >= step for s, _ in _losses(run_dir)):
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=120)
+
+
+def _complete_steps(run_dir) -> list[int]:
+    return [r["step"] for r in checkpoint_lib.describe(run_dir) if r["complete"]]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run of STEPS steps: (run dir, its config)."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    assert _start(run_dir).wait(timeout=300) == 0, _stderr(run_dir)[-3000:]
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    saved.pop("resolved")
+    return run_dir, from_dict(saved)
+
+
+@pytest.fixture(scope="module")
+def trainer(reference):
+    """The reference run's config compiled in this process, for runs that need no signals."""
+    return build(reference[1])
+
+
+def _state(path, cfg, devices=None, params_only=False):
+    abstract = make_layout(cfg, devices).abstract_state()
+    state = checkpoint_lib.restore_from(path, abstract, None, params_only=params_only)
+    return state, abstract
+
+
+def _assert_identical(a, b):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b))
+
+
+def test_sigterm_at_several_steps_then_resume_is_bit_identical(reference, tmp_path):
+    ref_dir, cfg = reference
+    run_dir = tmp_path / "run"
+    stops = []
+    for stop_after in (2, 7):
+        status = _signal_after_step(_start(run_dir), run_dir, stop_after)
+        assert status == checkpoint_lib.PREEMPTED_EXIT_STATUS, _stderr(run_dir)[-3000:]
+        stops.append(max(_complete_steps(run_dir)))
+    assert stops[0] < stops[1] < STEPS  # really stopped early, at two different steps
+    assert f"resuming from checkpoint step {stops[0]}" in _stderr(run_dir)
+    assert _start(run_dir).wait(timeout=300) == 0, _stderr(run_dir)[-3000:]
+    assert _losses(run_dir) == _losses(ref_dir)  # every step once, same float32 bits
+    _assert_identical(_state(run_dir, cfg)[0], _state(ref_dir, cfg)[0])
+
+
+def test_sigkill_during_async_save_resumes_from_previous_complete(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "checkpoint.every=1")
+    ckpt_dir = run_dir / "checkpoints"
+
+    def saving_after_a_complete_one():
+        names = [p.name for p in ckpt_dir.iterdir()] if ckpt_dir.is_dir() else []
+        return any(n.isdigit() for n in names) and any(".orbax-checkpoint-tmp" in n for n in names)
+
+    while proc.poll() is None and not saving_after_a_complete_one():
+        time.sleep(0.001)
+    proc.kill()  # SIGKILL while a checkpoint directory is still temporary
+    assert proc.wait() == -signal.SIGKILL
+    partial = [r["step"] for r in checkpoint_lib.describe(run_dir) if not r["complete"]]
+    assert partial, "the kill did not land during a save"
+    assert _start(run_dir).wait(timeout=300) == 0, _stderr(run_dir)[-3000:]
+    resumed = int(_stderr(run_dir).split("resuming from checkpoint step ")[1].split()[0])
+    assert resumed < partial[0]
+    assert _losses(run_dir)[-1] == _losses(reference[0])[-1]
+
+
+def test_corrupted_checkpoint_falls_back_with_one_warning(reference, trainer, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    data_files = [p for p in (run_dir / "checkpoints" / str(STEPS) / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
+    assert data_files
+    for p in data_files:
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])  # truncated array files
+    final = train(reference[1], run_dir, trainer)
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and f"checkpoint step {STEPS} is unreadable" in warnings[0]
+    assert f"resuming from checkpoint step {STEPS - 2} " in err
+    assert _losses(run_dir)[-2:] == _losses(reference[0])[-2:]  # steps 15, 16 recomputed, same bits
+    _assert_identical(final.params, _state(reference[0], reference[1], params_only=True)[0])
+    assert (run_dir / checkpoint_lib.QUARANTINE_DIR).is_dir()
+
+
+def test_full_disk_is_one_line_error_and_earlier_checkpoints_stay(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    before = _complete_steps(run_dir)
+    status = _start(run_dir, f"train.steps={STEPS + 4}", limit_file_size=200_000).wait(timeout=300)
+    errors = [line for line in _stderr(run_dir).splitlines() if "jaxtrain: error:" in line]
+    assert status == 2 and len(errors) == 1 and f"could not write checkpoint step {STEPS + 2} " in errors[0], errors
+    assert "jaxtrain/" not in _stderr(run_dir)  # no traceback of ours (Orbax's threads may still print their own)
+    assert _complete_steps(run_dir) == before
+    _assert_identical(_state(run_dir, reference[1])[0], _state(reference[0], reference[1])[0])
+
+
+@pytest.mark.parametrize("rules, ici, devices", [("tp", (1, 1, 4), 4), ("dp", (2, 1, 1), 2), ("dp", (1, 1, 1), 1)])
+def test_reshard_fsdp_tp_checkpoint_onto_other_meshes(reference, rules, ici, devices):
+    ref_dir, cfg = reference
+    saved, _ = _state(ref_dir, cfg)
+    target = dataclasses.replace(cfg, rules=rules, mesh=MeshConfig(ici=AxisSizes(*ici)))
+    restored, abstract = _state(ref_dir, target, jax.devices()[:devices])
+    assert all(x.sharding == a.sharding for x, a in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract)))
+    _assert_identical(restored, saved)
+
+
+def test_resharded_run_continues_training(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    result = run_cli("train", "tiny", "--run-dir", str(run_dir), *ARGS, f"train.steps={STEPS + 2}", "--devices", "2",
+                     "--rules", "dp", "mesh.ici.data=2", "mesh.ici.fsdp=1", "mesh.ici.tensor=1", cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [s for s, _ in _losses(run_dir)][-3:] == [STEPS, STEPS + 1, STEPS + 2]
+    rows = checkpoint_lib.describe(run_dir)
+    assert rows[-1]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1} and rows[-1]["rules"] == "dp"
+    assert rows[0]["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and rows[0]["rules"] == "fsdp_tp"
+
+
+def test_init_from_full_state_continues_the_same_run(reference, trainer, tmp_path):
+    ref_dir, cfg = reference
+    run_dir = tmp_path / "new"
+    train(cfg, run_dir, trainer, init_from=ref_dir / "checkpoints" / str(STEPS - 4))
+    assert _losses(run_dir) == _losses(ref_dir)[STEPS - 4:]
+
+
+def test_init_from_params_only_starts_at_step_zero_with_those_weights(reference, trainer, tmp_path):
+    ref_dir, cfg = reference
+    frozen = with_(cfg, optim={"lr": 0.0}, train={"steps": 1})  # lr 0: the parameters cannot move
+    final = train(frozen, tmp_path / "new", build(frozen), init_from=ref_dir, params_only=True)
+    assert int(final.step) == 1  # a new run: its own step count, not the source's
+    _assert_identical(final.params, _state(ref_dir, cfg, params_only=True)[0])
+
+
+def test_checkpoints_command_lists_steps(reference):
+    result = run_cli("checkpoints", str(reference[0]), cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    rows = result.stdout.splitlines()[1:]
+    assert [int(r.split()[0]) for r in rows] == [STEPS - 4, STEPS - 2, STEPS]
+    assert all(" yes " in r and "data 2 x fsdp 2 x tensor 2 / fsdp_tp (1 process(es))" in r and "MiB" in r for r in rows)
