@@ -138,7 +138,11 @@ class Llama(nnx.Module):
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         tokens = constrain(tokens, (BATCH, LENGTH))
-        x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(dtype), EMBED_ACT)
+        # the table's embed dimension laid out as the activations' before the lookup (FSDP all-gathers
+        # it): rows gathered from a table split on embed come out split on embed, and SPMD can move
+        # that to the batch split only by replicating the whole activation
+        table = constrain(self.embed[...], ("vocab", "activation_embed"))
+        x = constrain(jnp.take(table, tokens, axis=0).astype(dtype), EMBED_ACT)
         sin, cos = rotary_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
 
         layer_def, layer_params = nnx.split(self.layers)
