@@ -16,6 +16,7 @@ import optax
 from flax.core import spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain.config import Config
@@ -118,6 +119,10 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
 
 def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None) -> Trainer:
     """Validate the config against the devices, mesh, rules, model and data, then compile the steps."""
+    if cfg.train.microbatches == "auto":
+        from jaxtrain import plan  # imported here: the planner is built on make_layout and lower_steps
+
+        cfg = plan.with_auto_microbatches(cfg, devices)
     layout = make_layout(cfg, devices)
     corpus = corpus or data_lib.load_corpus(cfg.data)
     data_lib.check_sizes(corpus, cfg.data, cfg.train.global_batch, cfg.model.vocab_size)
@@ -133,16 +138,21 @@ def evaluate(trainer: Trainer, params: dict, batches: list[dict]) -> float:
     return total / (len(batches) * trainer.tokens_per_step)
 
 
-def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None) -> TrainState:
+def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_from: Path | None = None,
+          params_only: bool = False) -> TrainState:
+    """Train to ``cfg.train.steps``, resuming from RUN_DIR's latest checkpoint if any; raises
+    ``checkpoint.Preempted`` after committing a checkpoint when preempted (SIGTERM)."""
     trainer = trainer or build(cfg)
+    cfg = trainer.cfg  # train.microbatches=auto resolved
     is_main = jax.process_index() == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_lib.save_yaml(cfg, run_dir / "config.yaml", {"resolved": _resolved(trainer)})
 
     t = cfg.train
-    state = trainer.init_state()
     batches = data_lib.train_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding)
+    checkpoints = checkpoint_lib.RunCheckpoints(run_dir, cfg.checkpoint, t.steps, _checkpoint_meta(trainer))
+    state = _start_state(trainer, checkpoints, batches, init_from, params_only)
     eval_data = data_lib.eval_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding, t.eval_batches)
     log = MetricsLog(cfg, trainer, run_dir, int(state.step), enabled=is_main)
     try:
@@ -152,13 +162,34 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None) -> TrainSt
             log.before_step(step)
             state, metrics = trainer.train_step(state, batch)
             log.after_step(step, metrics)  # raises NonFiniteError before a checkpoint of this step is saved
+            with log.timer("checkpoint_s"):
+                checkpoints.after_step(step, state, batches.iterator)  # raises Preempted once a preemption save is committed
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
                 with log.timer("eval_s"):
                     eval_loss = evaluate(trainer, state.params, eval_data)
                 log.write({"step": step, "eval_loss": eval_loss, "eval_tokens": len(eval_data) * trainer.tokens_per_step})
-    finally:
+    finally:  # a stop on a non-finite value still commits the saves already started
         log.close()
+        checkpoints.close()
     return state
+
+
+def _checkpoint_meta(trainer: Trainer) -> dict[str, Any]:
+    """How a checkpoint was laid out, for `jaxtrain checkpoints`."""
+    return {"mesh": dict(trainer.mesh.shape), "rules": trainer.cfg.rules, "processes": jax.process_count(),
+            "config": config_lib.to_dict(trainer.cfg)}
+
+
+def _start_state(trainer: Trainer, checkpoints: checkpoint_lib.RunCheckpoints, batches: data_lib.GlobalBatches,
+                 init_from: Path | None, params_only: bool) -> TrainState:
+    """The run's own latest checkpoint (so a restarted command resumes), else ``init_from``, else fresh."""
+    abstract = trainer.layout.abstract_state()
+    state = checkpoints.restore_latest(abstract, batches.iterator)
+    if state is None and init_from and params_only:
+        state = trainer.init_state().replace(params=checkpoint_lib.restore_from(init_from, abstract, None, params_only=True))
+    elif state is None and init_from:
+        state = checkpoint_lib.restore_from(init_from, abstract, batches.iterator, params_only=False)
+    return trainer.init_state() if state is None else state
 
 
 def _resolved(trainer: Trainer) -> dict[str, Any]:
