@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ import optax
 from jaxtrain import data as data_lib
 from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig
 from jaxtrain.flops import flops_per_token, measure_matmul_peak
+from jaxtrain.state import init_state
 from jaxtrain.train import Trainer, build, lower_steps, make_layout, train
 from models.config import REMAT_POLICIES, LlamaConfig
 
@@ -167,24 +169,30 @@ def overhead(cfg: Config, corpus, sharded: bool) -> dict[str, float]:
             "flops_per_step": flops_per_token(cfg.model, cfg.data.seq_len) * trainer.tokens_per_step}
 
 
+def compiled_train_step(cfg: Config, corpus):
+    """Lower and compile only the train step (``build`` also compiles the eval step) -> (compiled,
+    its contender (step, fresh state), a batch, lowering seconds, compile seconds)."""
+    layout = make_layout(cfg)
+    start = time.perf_counter()
+    lowered = lower_steps(layout)[0]
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    done = time.perf_counter()
+    batch = next(data_lib.train_batches(corpus, cfg.data, cfg.train.global_batch, layout.batch_sharding))
+    state = init_state(cfg.model, layout.tx, cfg.train.seed, layout.shardings)
+    return compiled, ((lambda st, b: compiled(st, b)[0]), state), batch, lowered_at - start, done - lowered_at
+
+
 def compile_by_depth(corpus, depths=(2, 8, 32), repeats: int = 3) -> dict[str, float]:
     out = {}
     model = dataclasses.replace(STEP_MODEL, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=256)
     for depth in depths:
         cfg = config(dataclasses.replace(model, num_layers=depth))
-        layout = make_layout(cfg)
-        lower_s, compile_s = [], []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            lowered = lower_steps(layout)[0]
-            lower_s.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            lowered.compile()
-            compile_s.append(time.perf_counter() - start)
-        trainer = build(cfg, corpus)
-        out[f"lower_s_{depth}_layers"] = statistics.median(lower_s)
-        out[f"compile_s_{depth}_layers"] = statistics.median(compile_s)
-        out[f"step_s_{depth}_layers"] = interleaved_medians({"jaxtrain": jaxtrain_contender(trainer)}, fixed_batch(trainer))["jaxtrain"]
+        runs = [compiled_train_step(cfg, corpus) for _ in range(repeats)]
+        _, contender, batch, _, _ = runs[-1]
+        out[f"lower_s_{depth}_layers"] = statistics.median(r[3] for r in runs)
+        out[f"compile_s_{depth}_layers"] = statistics.median(r[4] for r in runs)
+        out[f"step_s_{depth}_layers"] = interleaved_medians({"jaxtrain": contender}, batch, repeats=3)["jaxtrain"]
     out["compile_ratio_32_vs_2_layers"] = out["compile_s_32_layers"] / out["compile_s_2_layers"]
     return out
 
@@ -212,33 +220,38 @@ def remat_precision(corpus) -> list[dict]:
     rows = []
     for dtype in ("float32", "bfloat16"):
         for remat in REMAT_POLICIES:
-            cfg = config(dataclasses.replace(STEP_MODEL, d_model=128, num_heads=4, num_kv_heads=2, mlp_dim=512, dtype=dtype, remat=remat),
-                         seq_len=256)
-            trainer = build(cfg, corpus)
-            memory = trainer.train_step.memory_analysis()
-            step_s = interleaved_medians({"jaxtrain": jaxtrain_contender(trainer)}, fixed_batch(trainer), repeats=3)["jaxtrain"]
+            cfg = config(dataclasses.replace(STEP_MODEL, d_model=128, num_heads=4, num_kv_heads=2, mlp_dim=512, dtype=dtype, remat=remat))
+            compiled, contender, batch, _, _ = compiled_train_step(cfg, corpus)
+            step_s = interleaved_medians({"jaxtrain": contender}, batch, repeats=3)["jaxtrain"]
             rows.append({"dtype": dtype, "remat": remat, "step_s": step_s,
-                         "temp_mib_per_device": memory.temp_size_in_bytes / 2**20,
-                         "tokens_per_s": trainer.tokens_per_step / step_s})
+                         "temp_mib_per_device": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+                         "tokens_per_s": cfg.train.global_batch * cfg.data.seq_len / step_s})
     return rows
+
+
+def _timed(name: str, fn, *args):
+    start = time.perf_counter()
+    out = fn(*args)
+    print(f"  perf/{name}: {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
+    return out
 
 
 def run() -> dict:
     corpus = random_corpus(STEP_MODEL.vocab_size)
-    single = overhead(config(mesh=ONE_DEVICE, rules="dp"), corpus, sharded=False)
-    cpu8 = overhead(config(), corpus, sharded=True)
-    peak = measure_matmul_peak()
+    single = _timed("overhead_one_device", overhead, config(mesh=ONE_DEVICE, rules="dp"), corpus, False)
+    cpu8 = _timed("overhead_cpu8", overhead, config(), corpus, True)
+    peak = _timed("matmul_peak", measure_matmul_peak)
     model_flops = cpu8["flops_per_step"] / cpu8["jaxtrain_s"]
     return {
         "overhead_ratio": single["ratio"],
         "overhead_ratio_cpu8_fsdp_tp": cpu8["ratio"],
         "overhead_step_s": {"one_device": single, "cpu8_fsdp_tp": cpu8},
         "matmul_peak_flops": peak,
+        "matmul_peak_flops_one_device": measure_matmul_peak(jax.devices()[:1]),
         "model_flops_per_s": model_flops,
         "model_flops_per_s_one_device": single["flops_per_step"] / single["jaxtrain_s"],
-        "matmul_peak_flops_one_device": measure_matmul_peak(jax.devices()[:1]),
         "mfu_vs_matmul_peak": model_flops / peak,
-        **compile_by_depth(corpus),
-        **host_gap(config(), corpus),
-        "remat_precision": remat_precision(corpus),
+        **_timed("compile_by_depth", compile_by_depth, corpus),
+        **_timed("host_gap", host_gap, config(), corpus),
+        "remat_precision": _timed("remat_precision", remat_precision, corpus),
     }

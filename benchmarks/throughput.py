@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rules", default="fsdp")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU; ignored on CPUs")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = config_lib.load_experiment(args.experiment)
         cfg = dataclasses.replace(cfg, mesh=config_lib.load_mesh_file(args.mesh), rules=args.rules)
