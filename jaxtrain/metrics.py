@@ -153,6 +153,19 @@ def _finite_or_none(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
+def drop_records_after(path: Path, step: int) -> None:
+    """Forget records of steps after ``step``: a run killed after its last checkpoint logged steps it
+    will now redo, and each step must appear once."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    if len(kept) < len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+
+
 class MetricsLog:
     """Created by the loop once the state is ready; see the module docstring."""
 
@@ -174,6 +187,7 @@ class MetricsLog:
             return
         summary = startup_summary(trainer, self.peak, peak_source)
         (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        drop_records_after(run_dir / "metrics.jsonl", initial_step)
         self.file = open(run_dir / "metrics.jsonl", "a")
         if cfg.log.tensorboard:
             from tensorboardX import SummaryWriter

@@ -120,7 +120,7 @@ def test_sigkill_during_async_save_resumes_from_previous_complete(reference, tmp
     assert _start(run_dir).wait(timeout=300) == 0, _stderr(run_dir)[-3000:]
     resumed = int(_stderr(run_dir).split("resuming from checkpoint step ")[1].split()[0])
     assert resumed < partial[0]
-    assert _losses(run_dir)[-1] == _losses(reference[0])[-1]
+    assert _losses(run_dir) == _losses(reference[0])  # steps logged after the last checkpoint were redone, once
 
 
 def test_corrupted_checkpoint_falls_back_with_one_warning(reference, trainer, tmp_path, capsys):
