@@ -1,5 +1,5 @@
 """llama_125m: GPT-3 Small's body (12 layers, d 768, 12 heads, 4 KV heads) as a Llama with the Llama 3
-tokenizer and tied embeddings (85M in the layers + 98.5M embedding). Meshes: gpu1, h100x8 (rules fsdp)."""
+tokenizer and tied embeddings (75.5M in the layers + 98.5M embedding = 174M). Meshes: gpu1, h100x8 (rules fsdp)."""
 
 from experiments._llama import experiment, llama3, run
 

@@ -1,5 +1,5 @@
 """llama_350m: GPT-3 Medium's body (24 layers, d 1024, 16 heads, 8 KV heads) as a Llama with the Llama 3
-tokenizer and tied embeddings (about 270M in the layers + 131M embedding). Meshes: gpu1, h100x8 (rules fsdp)."""
+tokenizer and tied embeddings (283M in the layers + 131M embedding = 414M). Meshes: gpu1, h100x8 (rules fsdp)."""
 
 from experiments._llama import experiment, llama3, run
 

@@ -1,5 +1,5 @@
-"""small: a 6.6M-parameter byte-level Llama on the Python standard library, on 8 simulated CPU devices
-(mesh cpu8, rules fsdp_tp): the largest model that trains usefully in minutes on a laptop CPU."""
+"""small: a 6.4M-parameter byte-level Llama on the Python standard library, on 8 simulated CPU devices
+(mesh cpu8, rules fsdp_tp): a step up from tiny for CPU experiments (its training time is not measured yet)."""
 
 from experiments._llama import run
 from jaxtrain.config import Config, DataConfig, LogConfig, OptimConfig, TrainConfig, load_mesh_file

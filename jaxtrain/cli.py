@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 import os
 import re
 import sys
@@ -71,6 +73,34 @@ def cmd_train(args) -> int:
     return 0
 
 
+def plan_device_count(mesh_cfg: config_lib.MeshConfig, devices: int | None) -> int:
+    """Devices the plan simulates: --devices when given, else the mesh file's product, where a -1 inside a
+    node (ici) fills an 8-GPU node; a -1 across nodes (dcn) needs --devices."""
+    if devices:
+        return devices
+    if -1 in mesh_cfg.dcn.as_tuple():
+        raise UserError("the mesh has a -1 (fill) axis across nodes (dcn), so its size is unknown; pass --devices N, the total device count")
+    per_node = math.prod(mesh_cfg.ici.as_tuple())
+    return math.prod(mesh_cfg.dcn.as_tuple()) * (8 if per_node < 0 else per_node)
+
+
+def cmd_plan(args) -> int:
+    cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
+    if args.device_memory is not None and args.device_memory <= 0:
+        raise UserError(f"--device-memory {args.device_memory:g} must be positive (GiB per device)")
+    simulate_cpu_devices(plan_device_count(cfg.mesh, args.devices))
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the target mesh is simulated, whatever accelerator this machine has
+    from jaxtrain import plan as plan_lib  # starts jax
+
+    memory = None if args.device_memory is None else int(args.device_memory * plan_lib.GIB)
+    plan = plan_lib.make_plan(cfg, device_memory=memory, gpu=args.gpu, headroom=args.headroom, tokens_per_s=args.tokens_per_s)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else plan_lib.render(plan))
+    if args.plot:
+        plan_lib.plot(plan, args.plot)
+        print(f"jaxtrain: wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
 def cmd_checkpoints(args) -> int:
     from jaxtrain import checkpoint as checkpoint_lib  # starts jax
 
@@ -105,6 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--num-processes", type=_positive_int, metavar="N", help="multi-process: number of processes")
     train.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's index, 0..N-1")
     train.set_defaults(func=cmd_train)
+    plan = sub.add_parser("plan", help="per-device memory of an experiment on a target mesh: estimate, compiled truth, fixes")
+    plan.add_argument("experiment", help="a name under experiments/ (e.g. llama3_8b) or a path to an experiment .py file")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.microbatches=auto")
+    plan.add_argument("--mesh", help="the target mesh file (a path, or a name under experiments/meshes/)")
+    plan.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
+    plan.add_argument("--devices", type=_positive_int, help="devices to simulate (default: the mesh's size; an ici -1 fills an 8-GPU node)")
+    memory = plan.add_mutually_exclusive_group()
+    memory.add_argument("--gpu", help="target GPU, for its memory and peak FLOP/s (h100, h200, a100, a100-40gb, l4)")
+    memory.add_argument("--device-memory", type=float, metavar="GiB", help="memory per device in GiB")
+    plan.add_argument("--headroom", type=float, default=0.10, help="share of device memory kept free (default 0.10)")
+    plan.add_argument("--tokens-per-s", type=float, metavar="N", help="target throughput: report the MFU it needs (with --gpu)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--plot", metavar="FILE.png", help="write a stacked per-device memory chart of the plan and suggestions")
+    plan.set_defaults(func=cmd_plan)
     checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, complete, mesh/rules")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR")
     checkpoints.set_defaults(func=cmd_checkpoints)

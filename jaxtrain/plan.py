@@ -73,13 +73,18 @@ def estimate(layout: Layout) -> dict[str, int]:
     # XLA attention materialises float32 scores and probabilities for every (query, key) pair
     scores = b * m.num_heads / _ways(layout, "activation_heads") * cfg.data.seq_len**2 * 4
     everything = 6 * embed + 2 * qkv + 2 * attn_out + 4 * mlp + 2 * scores  # all of one layer's intermediates
+    # The layer inputs are stacked across the layer scan for the backward pass. XLA's CPU backend builds
+    # that stack in float32 whatever the compute dtype (it has no bfloat16 dynamic-update-slice); GPUs keep it
+    # in the compute dtype.
+    layer_input = tokens * m.d_model * (4 if jax.default_backend() == "cpu" else act)
     saved_per_layer = {
         "none": everything,
-        "full": embed,  # the layer input only
-        "save_dots": 3 * embed + qkv + attn_out + 2 * mlp,
-        "save_qkv_out": 2 * embed + qkv,
+        "full": layer_input,
+        "save_dots": layer_input + 2 * embed + qkv + attn_out + 2 * mlp,
+        "save_qkv_out": layer_input + embed + qkv,
     }[m.remat]
-    # the backward of one layer under remat: its recomputed intermediates; the probabilities are kept once
+    # the backward of one layer under remat: its recomputed intermediates, with the float32 scores and
+    # probabilities overlapping for half their size (fitted on CPU compiles; see docs/PLANNER.md)
     layer_working_set = everything - scores / 2
     vocab_rows = m.vocab_size / _ways(layout, "activation_vocab")
     # the embedding / output tables are gathered over fsdp for the loss: float32 value, gradient, compute copy
@@ -87,8 +92,9 @@ def estimate(layout: Layout) -> dict[str, int]:
     return {
         "parameters": params,
         "optimizer state": optimizer,
-        # float32 gradients like the parameters; micro-batching adds the accumulator
-        "gradients": params * (2 if k > 1 else 1),
+        # float32 gradients and the optimizer's update, each the size of the parameters; micro-batching adds
+        # the accumulator
+        "gradients": params * (3 if k > 1 else 2),
         "activations": int(m.num_layers * saved_per_layer),
         "logits and loss": int(2 * tokens * vocab_rows * 4 + vocab_tables),  # float32 logits and their gradient
         "largest transient": int(layer_working_set if m.remat != "none" else 2 * scores + 2 * mlp),
@@ -184,6 +190,15 @@ def fewest_microbatches(cfg: Config, limit_bytes: float, devices=None) -> int:
     return options[-1]
 
 
+def with_auto_microbatches(cfg: Config, devices=None) -> Config:
+    """``train.microbatches=auto`` for training: the fewest micro-batches that fit in the memory limit the
+    first device reports (less the default headroom); 1 where devices report none (CPU)."""
+    devices = devices or jax.devices()
+    limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+    k = 1 if limit is None else fewest_microbatches(cfg, limit * (1 - DEFAULT_HEADROOM), devices)
+    return _replace(cfg, microbatches=k)
+
+
 @dataclasses.dataclass(frozen=True)
 class Suggestion:
     changes: dict  # config key -> value
@@ -213,7 +228,7 @@ def suggest(cfg: Config, limit_bytes: float, devices=None, count: int = 5) -> li
                 for k in _valid_microbatches(_replace(cfg, global_batch=global_batch), batch_shards(layout.rules, layout.mesh)):
                     candidate = _replace(cfg, rules=rules, remat=remat, microbatches=k, global_batch=global_batch)
                     breakdown = estimate(_with_cfg(layout, candidate))
-                    if sum(breakdown.values()) <= limit_bytes:
+                    if candidate != cfg and sum(breakdown.values()) <= limit_bytes:
                         changes = {key: new for key, old, new in (
                             ("rules", cfg.rules, rules), ("model.remat", cfg.model.remat, remat),
                             ("train.microbatches", cfg.train.microbatches, k), ("train.global_batch", cfg.train.global_batch, global_batch))
@@ -332,7 +347,7 @@ def render(plan: Plan) -> str:
         lines.append("  no rule set, remat policy, micro-batch count or smaller batch fits: use more devices")
     xla = plan.to_json()["xla_flops_per_token"]
     lines.append(f"FLOPs per token: {plan.flops_per_token:.4g} (PaLM formula, causal attention halved)"
-                 + ("" if xla is None else f"; XLA counts {xla:.4g} (includes remat recompute)"))
+                 + ("" if xla is None else f"; XLA cost analysis {xla:.4g} (counts each loop body - layer scan, micro-batch scan - once)"))
     if plan.mfu_needed is not None:
         lines.append(f"{plan.tokens_per_s:,.0f} tokens/s on {plan.devices} x {plan.gpu} needs MFU {100 * plan.mfu_needed:.1f}%")
     lines.append(f"compiled in {c.compile_s:.1f}s")
