@@ -6,7 +6,7 @@ Two views of the same train step, side by side:
   layout (``train.make_layout``) and the model shape;
 - the compiled truth: the real train step (``train.lower_steps``) compiled for the target mesh on
   simulated CPU devices, read back with XLA's ``memory_analysis`` and ``cost_analysis``.
-Suggestions (rule set, remat, micro-batches, batch) are searched with the analytic estimate, which costs
+Suggestions (rule set, remat, micro-batches) are searched with the analytic estimate, which costs
 milliseconds per candidate; only the plan itself is compiled.
 """
 
@@ -149,7 +149,7 @@ def compile_truth(layout: Layout) -> Compiled:
 
 
 def _replace(cfg: Config, **changes) -> Config:
-    train = {k: v for k, v in changes.items() if k in ("microbatches", "global_batch")}
+    train = {k: v for k, v in changes.items() if k == "microbatches"}
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
     if "remat" in changes:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=changes["remat"]))
@@ -216,28 +216,23 @@ def _step_cost(cfg: Config) -> float:
 
 
 def suggest(cfg: Config, limit_bytes: float, devices=None, count: int = 5) -> list[Suggestion]:
-    """Configurations that fit, over rule set x remat x micro-batches (the fewest that fit for each), ranked
-    by estimated step time; the per-device batch is halved only when nothing else fits."""
+    """Configurations that fit, over rule set x remat x micro-batches (the fewest that fit for each pair),
+    ranked by estimated step time. Micro-batches are how the per-device batch shrinks: the global batch,
+    a training hyper-parameter, is left alone."""
     base_cost = _step_cost(cfg)
-    layouts = _layouts_by_rules(cfg, devices, dict.fromkeys((cfg.rules, *RULE_SETS)))
-    global_batch = cfg.train.global_batch
-    while True:
-        found = []
-        for rules, layout in layouts.items():
-            for remat in REMAT_POLICIES:
-                for k in _valid_microbatches(_replace(cfg, global_batch=global_batch), batch_shards(layout.rules, layout.mesh)):
-                    candidate = _replace(cfg, rules=rules, remat=remat, microbatches=k, global_batch=global_batch)
-                    breakdown = estimate(_with_cfg(layout, candidate))
-                    if candidate != cfg and sum(breakdown.values()) <= limit_bytes:
-                        changes = {key: new for key, old, new in (
-                            ("rules", cfg.rules, rules), ("model.remat", cfg.model.remat, remat),
-                            ("train.microbatches", cfg.train.microbatches, k), ("train.global_batch", cfg.train.global_batch, global_batch))
-                            if old != new}
-                        found.append(Suggestion(changes, sum(breakdown.values()), breakdown, _step_cost(candidate) / base_cost))
-                        break  # more micro-batches only cost time
-        if found or global_batch % 2 or global_batch // 2 < min(batch_shards(l.rules, l.mesh) for l in layouts.values()):
-            return sorted(found, key=lambda s: (s.relative_step_time, len(s.changes), s.total))[:count]
-        global_batch //= 2
+    found = []
+    for rules, layout in _layouts_by_rules(cfg, devices, dict.fromkeys((cfg.rules, *RULE_SETS))).items():
+        for remat in REMAT_POLICIES:
+            for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh)):
+                candidate = _replace(cfg, rules=rules, remat=remat, microbatches=k)
+                breakdown = estimate(_with_cfg(layout, candidate))
+                if candidate != cfg and sum(breakdown.values()) <= limit_bytes:
+                    changes = {key: new for key, old, new in (
+                        ("rules", cfg.rules, rules), ("model.remat", cfg.model.remat, remat),
+                        ("train.microbatches", cfg.train.microbatches, k)) if old != new}
+                    found.append(Suggestion(changes, sum(breakdown.values()), breakdown, _step_cost(candidate) / base_cost))
+                    break  # more micro-batches only cost time
+    return sorted(found, key=lambda s: (s.relative_step_time, len(s.changes), s.total))[:count]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,7 +339,7 @@ def render(plan: Plan) -> str:
     for i, s in enumerate(plan.suggestions, 1):
         lines.append(f"  {i}. {s.describe(plan.usable)}")
     if plan.usable is not None and not plan.fits and not plan.suggestions:
-        lines.append("  no rule set, remat policy, micro-batch count or smaller batch fits: use more devices")
+        lines.append("  no rule set, remat policy or micro-batch count fits by the estimate: use more devices or a mesh with more fsdp/tensor ways")
     xla = plan.to_json()["xla_flops_per_token"]
     lines.append(f"FLOPs per token: {plan.flops_per_token:.4g} (PaLM formula, causal attention halved)"
                  + ("" if xla is None else f"; XLA cost analysis {xla:.4g} (counts each loop body - layer scan, micro-batch scan - once)"))
