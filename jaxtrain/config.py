@@ -62,6 +62,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate only at the end
     eval_batches: int = 4  # global batches of the validation split per evaluation
     skip_nonfinite: int = 0  # updates with a non-finite loss or grad norm skipped before the run stops
+    loss_chunk: int = 0  # sequence positions per cross-entropy chunk (large vocabularies); 0: whole sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +326,8 @@ def check(cfg: Config) -> None:
     problems.extend(log_problems(cfg))
     if t.skip_nonfinite < 0:
         problems.append(f"train.skip_nonfinite={t.skip_nonfinite} must be 0 (stop at the first) or positive")
+    if t.loss_chunk < 0 or (t.loss_chunk > 0 and d.seq_len % t.loss_chunk):
+        problems.append(f"train.loss_chunk={t.loss_chunk} must be 0 (off) or a positive divisor of data.seq_len={d.seq_len}")
     if microbatches > 0 and t.global_batch % microbatches:
         problems.append(f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}")
     if not 0.0 < d.val_fraction < 1.0:

@@ -14,10 +14,24 @@ from jaxtrain.state import TrainState
 Batch = dict[str, jax.Array]  # 'inputs', 'targets': (batch, length) int32
 
 
-def token_nll(graphdef, params: dict, batch: Batch) -> jax.Array:
-    """Negative log-likelihood (nats) of every target token, float32, shape (batch, length)."""
-    logits = nnx.merge(graphdef, params)(batch["inputs"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+def token_nll(graphdef, params: dict, batch: Batch, loss_chunk: int = 0) -> jax.Array:
+    """Negative log-likelihood (nats) of every target token, float32, shape (batch, length). With
+    ``loss_chunk`` the logits are made that many positions at a time and remade in the backward pass,
+    so only one chunk's float32 (batch, chunk, vocab) logits is ever live: for large vocabularies."""
+    model = nnx.merge(graphdef, params)
+    if not loss_chunk:
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch["inputs"]), batch["targets"])
+    x = model.hidden(batch["inputs"])
+    b, t, d = x.shape
+    chunks = (jnp.swapaxes(x.reshape(b, t // loss_chunk, loss_chunk, d), 0, 1),
+              jnp.swapaxes(batch["targets"].reshape(b, t // loss_chunk, loss_chunk), 0, 1))
+
+    @jax.checkpoint
+    def chunk_nll(chunk):
+        hidden, targets = chunk
+        return optax.softmax_cross_entropy_with_integer_labels(model.logits(hidden), targets)
+
+    return jnp.swapaxes(jax.lax.map(chunk_nll, chunks), 0, 1).reshape(b, t)
 
 
 def _split_microbatches(batch: Batch, k: int) -> Batch:
@@ -33,12 +47,12 @@ def per_layer_norm(layers: dict) -> jax.Array:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
-                    layer_norms: bool = False) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    layer_norms: bool = False, loss_chunk: int = 0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on."""
     def loss_fn(params, batch):
-        return token_nll(graphdef, params, batch).mean()
+        return token_nll(graphdef, params, batch, loss_chunk).mean()
 
     grad_fn = jax.value_and_grad(loss_fn)
 
@@ -72,9 +86,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     return train_step
 
 
-def make_eval_step(graphdef) -> Callable[[dict, Batch], jax.Array]:
+def make_eval_step(graphdef, loss_chunk: int = 0) -> Callable[[dict, Batch], jax.Array]:
     def eval_step(params: dict, batch: Batch) -> jax.Array:
         """Summed nats over the batch; the caller divides by the token count."""
-        return token_nll(graphdef, params, batch).sum()
+        return token_nll(graphdef, params, batch, loss_chunk).sum()
 
     return eval_step

@@ -105,9 +105,9 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
     cfg, shardings, batch_sh = layout.cfg, layout.shardings, layout.batch_sharding
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     train_fn = jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), cfg.train.microbatches,
-                                       layer_norms=cfg.log.layer_every > 0),
+                                       layer_norms=cfg.log.layer_every > 0, loss_chunk=cfg.train.loss_chunk),
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
-    eval_fn = jax.jit(make_eval_step(layout.spec.graphdef), in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
+    eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk), in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
     state, batch = layout.abstract_state(), layout.abstract_batch()
     with jax.set_mesh(layout.mesh), spmd.logical_axis_rules(flax_rules(layout.rules)):
         try:

@@ -135,6 +135,10 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens (batch, length) int32 -> logits (batch, length, vocab) float32."""
+        return self.logits(self.hidden(tokens))
+
+    def hidden(self, tokens: jax.Array) -> jax.Array:
+        """tokens (batch, length) int32 -> final-normed hidden states (batch, length, d_model)."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         tokens = constrain(tokens, (BATCH, LENGTH))
@@ -155,8 +159,13 @@ class Llama(nnx.Module):
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         x, _ = jax.lax.scan(layer, x, layer_params)
 
-        x = self.final_norm(x)
-        if cfg.tie_embeddings:
+        return self.final_norm(x)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Hidden states (batch, length, d_model) -> logits (batch, length, vocab) float32; any length,
+        so a loss can project a slice of positions at a time."""
+        dtype = jnp.dtype(self.cfg.dtype)
+        if self.cfg.tie_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dtype), preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
