@@ -1,0 +1,37 @@
+"""benchmarks/run.py: discovers bench_*.py modules, merges their keys with the machine description,
+keeps other modules' keys on a subset run, and refuses a key two modules claim."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def _run(bench_dir, *args):
+    return subprocess.run([sys.executable, str(bench_dir / "run.py"), *args], capture_output=True, text=True, timeout=120,
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+
+
+def test_discovers_merges_and_keeps_keys_of_modules_not_run(tmp_path):
+    shutil.copy(REPO / "benchmarks" / "run.py", tmp_path / "run.py")
+    (tmp_path / "bench_alpha.py").write_text("def run():\n    return {'alpha_s': 1.5}\n")
+    (tmp_path / "bench_beta.py").write_text("def run():\n    return {'beta_s': 2}\n")
+    out = tmp_path / "results" / "latest.json"
+    assert _run(tmp_path).returncode == 0
+    first = json.loads(out.read_text())
+    assert (first["alpha_s"], first["beta_s"]) == (1.5, 2)
+    assert first["machine"]["device_count"] == 8 and first["machine"]["platform"] == "cpu"
+    assert first["runs"]["alpha"]["keys"] == ["alpha_s"]
+
+    (tmp_path / "bench_beta.py").write_text("def run():\n    return {'beta_s': 3}\n")
+    assert _run(tmp_path, "--only", "beta").returncode == 0
+    second = json.loads(out.read_text())
+    assert (second["alpha_s"], second["beta_s"]) == (1.5, 3)
+    assert list(out.parent.iterdir()) == [out]  # no temporary file left behind
+
+    (tmp_path / "bench_gamma.py").write_text("def run():\n    return {'alpha_s': 9}\n")
+    clash = _run(tmp_path, "--only", "gamma")
+    assert clash.returncode == 1 and "bench_gamma returns keys another module owns: alpha_s" in clash.stderr
+    assert json.loads(out.read_text())["alpha_s"] == 1.5
