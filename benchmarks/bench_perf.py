@@ -184,15 +184,15 @@ def compiled_train_step(cfg: Config, corpus):
 
 
 def compile_by_depth(corpus, depths=(2, 8, 32), repeats: int = 3) -> dict[str, float]:
-    out = {}
+    out, contenders = {}, {}
     model = dataclasses.replace(STEP_MODEL, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=256)
     for depth in depths:
-        cfg = config(dataclasses.replace(model, num_layers=depth))
-        runs = [compiled_train_step(cfg, corpus) for _ in range(repeats)]
-        _, contender, batch, _, _ = runs[-1]
+        runs = [compiled_train_step(config(dataclasses.replace(model, num_layers=depth)), corpus) for _ in range(repeats)]
+        _, contenders[depth], batch, _, _ = runs[-1]
         out[f"lower_s_{depth}_layers"] = statistics.median(r[3] for r in runs)
         out[f"compile_s_{depth}_layers"] = statistics.median(r[4] for r in runs)
-        out[f"step_s_{depth}_layers"] = interleaved_medians({"jaxtrain": contender}, batch, repeats=3)["jaxtrain"]
+    steps = interleaved_medians(contenders, batch)  # every depth has the same batch shape and sharding
+    out |= {f"step_s_{depth}_layers": steps[depth] for depth in depths}
     out["compile_ratio_32_vs_2_layers"] = out["compile_s_32_layers"] / out["compile_s_2_layers"]
     return out
 
@@ -217,16 +217,15 @@ def host_gap(cfg: Config, corpus, intervals: int = 6) -> dict[str, float]:
 
 
 def remat_precision(corpus) -> list[dict]:
-    rows = []
+    compiled, contenders = {}, {}
     for dtype in ("float32", "bfloat16"):
         for remat in REMAT_POLICIES:
             cfg = config(dataclasses.replace(STEP_MODEL, d_model=128, num_heads=4, num_kv_heads=2, mlp_dim=512, dtype=dtype, remat=remat))
-            compiled, contender, batch, _, _ = compiled_train_step(cfg, corpus)
-            step_s = interleaved_medians({"jaxtrain": contender}, batch, repeats=3)["jaxtrain"]
-            rows.append({"dtype": dtype, "remat": remat, "step_s": step_s,
-                         "temp_mib_per_device": compiled.memory_analysis().temp_size_in_bytes / 2**20,
-                         "tokens_per_s": cfg.train.global_batch * cfg.data.seq_len / step_s})
-    return rows
+            compiled[dtype, remat], contenders[dtype, remat], batch, _, _ = compiled_train_step(cfg, corpus)
+    steps = interleaved_medians(contenders, batch)  # one batch shape and sharding for every variant
+    return [{"dtype": dtype, "remat": remat, "step_s": steps[dtype, remat],
+             "temp_mib_per_device": compiled[dtype, remat].memory_analysis().temp_size_in_bytes / 2**20,
+             "tokens_per_s": cfg.train.global_batch * cfg.data.seq_len / steps[dtype, remat]} for dtype, remat in contenders]
 
 
 def _timed(name: str, fn, *args):
