@@ -11,7 +11,8 @@ from conftest import REPO
 
 def _run(bench_dir, *args):
     return subprocess.run([sys.executable, str(bench_dir / "run.py"), *args], capture_output=True, text=True, timeout=120,
-                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+                          # no bytecode cache: a module rewritten within the same second must be re-read
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"})
 
 
 def test_discovers_merges_and_keeps_keys_of_modules_not_run(tmp_path):
