@@ -195,3 +195,15 @@ def test_checkpoints_command_lists_steps(reference):
     rows = result.stdout.splitlines()[1:]
     assert [int(r.split()[0]) for r in rows] == [STEPS - 4, STEPS - 2, STEPS]
     assert all(" yes " in r and "data 2 x fsdp 2 x tensor 2 / fsdp_tp (1 process(es))" in r and "MiB" in r for r in rows)
+
+
+def test_unwritable_checkpoint_directory_is_one_line_error(tmp_path):
+    # root ignores permission bits, so the directory is made impossible to create instead
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / checkpoint_lib.CHECKPOINTS_DIR).write_text("not a directory")
+    status = _start(run_dir).wait(timeout=300)
+    lines = _stderr(run_dir).strip().splitlines()
+    assert status == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("jaxtrain: error: checkpoint directory") and "is not writable" in lines[0]
+    assert not (run_dir / "metrics.jsonl").exists()
