@@ -87,6 +87,7 @@ def estimate(layout: Layout) -> dict[str, int]:
     # probabilities overlapping for half their size (fitted on CPU compiles; see docs/PLANNER.md)
     layer_working_set = everything - scores / 2
     vocab_rows = m.vocab_size / _ways(layout, "activation_vocab")
+    logit_tokens = b * (cfg.train.loss_chunk or cfg.data.seq_len)  # train.loss_chunk: one chunk's logits live at a time
     # the embedding / output tables are gathered over fsdp for the loss: float32 value, gradient, compute copy
     vocab_tables = (1 if m.tie_embeddings else 2) * 3 * m.d_model * m.vocab_size / _ways(layout, "vocab") * 4
     return {
@@ -96,7 +97,7 @@ def estimate(layout: Layout) -> dict[str, int]:
         # the accumulator
         "gradients": params * (3 if k > 1 else 2),
         "activations": int(m.num_layers * saved_per_layer),
-        "logits and loss": int(2 * tokens * vocab_rows * 4 + vocab_tables),  # float32 logits and their gradient
+        "logits and loss": int(2 * logit_tokens * vocab_rows * 4 + vocab_tables),  # float32 logits and their gradient
         "largest transient": int(layer_working_set if m.remat != "none" else 2 * scores + 2 * mlp),
     }
 
