@@ -10,13 +10,12 @@ dense bf16) or, on CPUs, the measured matmul peak. Used by benchmarks/gpu_h200.s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
 import time
 
-from jaxtrain import config as config_lib
+from jaxtrain.cli import resolve_config
 from jaxtrain.errors import UserError
 
 
@@ -30,10 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU; ignored on CPUs")
     args = parser.parse_intermixed_args(argv)
     try:
-        cfg = config_lib.load_experiment(args.experiment)
-        cfg = dataclasses.replace(cfg, mesh=config_lib.load_mesh_file(args.mesh), rules=args.rules)
-        cfg = config_lib.apply_overrides(cfg, args.overrides)
-        config_lib.check(cfg)
+        cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
     except UserError as e:
         print(f"throughput: error: {e}", file=sys.stderr)
         return 2

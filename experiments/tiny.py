@@ -1,8 +1,7 @@
 """tiny: a 0.85M-parameter byte-level Llama trained on the Python standard library, on 8 simulated CPU
 devices (mesh cpu8, rules fsdp_tp). `make train` runs it; it takes a few minutes on 2 CPU cores."""
 
-import sys
-
+from experiments._llama import run
 from jaxtrain.config import Config, DataConfig, LogConfig, OptimConfig, TrainConfig, load_mesh_file
 from models.config import LlamaConfig
 
@@ -21,6 +20,4 @@ def config() -> Config:
 
 
 if __name__ == "__main__":
-    from jaxtrain.cli import main
-
-    sys.exit(main(["train", __file__, *sys.argv[1:]]))
+    run(__file__)

@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 
 from jaxtrain.config import CheckpointConfig
 from jaxtrain.errors import UserError
+from jaxtrain.mesh import describe_axes
 
 CHECKPOINTS_DIR = "checkpoints"
 QUARANTINE_DIR = "unreadable_checkpoints"  # beside checkpoints/, so Orbax never lists them again
@@ -297,7 +298,7 @@ def format_table(rows: list[dict]) -> str:
     header = f"{'step':>8}  {'size':>10}  {'written':19}  {'complete':8}  mesh / rules"
     lines = [header]
     for r in rows:
-        mesh = " x ".join(f"{a} {s}" for a, s in r["mesh"].items()) if r["mesh"] else "?"
+        mesh = describe_axes(r["mesh"]) if r["mesh"] else "?"
         written = datetime.datetime.fromtimestamp(r["time"]).strftime("%Y-%m-%d %H:%M:%S")
         lines.append(f"{r['step']:>8}  {_human(r['size']):>10}  {written:19}  {'yes' if r['complete'] else 'NO':8}  "
                      f"{mesh} / {r['rules'] or '?'} ({r['processes'] or '?'} process(es))")

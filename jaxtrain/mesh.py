@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -23,8 +24,13 @@ def _fill(sizes: AxisSizes, total: int, what: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _describe(shape) -> str:
-    return " x ".join(f"{a} {s}" for a, s in zip(MESH_AXES, shape))
+def describe_axes(sizes: Mapping[str, int]) -> str:
+    """'data 2 x fsdp 2 x tensor 2': how every message and listing shows mesh axis sizes."""
+    return " x ".join(f"{axis} {size}" for axis, size in sizes.items())
+
+
+def _describe(shape: tuple[int, ...]) -> str:
+    return describe_axes(dict(zip(MESH_AXES, shape)))
 
 
 def resolve_shape(mesh_cfg: MeshConfig, num_devices: int, num_processes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

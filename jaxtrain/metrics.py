@@ -27,6 +27,8 @@ from jaxtrain import config as config_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.flops import flops_per_token, measure_matmul_peak, peak_flops
+from jaxtrain.mesh import describe_axes
+from jaxtrain.state import bytes_per_device, elements_per_device
 
 if TYPE_CHECKING:
     from jaxtrain.train import Trainer
@@ -79,19 +81,14 @@ def memory_gib() -> tuple[float, float, str]:
     return rss / GIB, peak / GIB, "host_rss"
 
 
-def _bytes_per_device(tree) -> int:
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 def startup_summary(trainer: Trainer, peak: float | None, peak_source: str) -> dict[str, Any]:
     cfg, mesh, state = trainer.cfg, trainer.mesh, trainer.layout.abstract_state()
-    params_per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(state.params))
     return {
         "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count(),
         "mesh": dict(mesh.shape), "rules": cfg.rules,
-        "params": trainer.layout.spec.num_params, "params_per_device": params_per_device,
-        "param_bytes_per_device": _bytes_per_device(state.params),
-        "opt_state_bytes_per_device": _bytes_per_device(state.opt_state),
+        "params": trainer.layout.spec.num_params, "params_per_device": elements_per_device(state.params),
+        "param_bytes_per_device": bytes_per_device(state.params),
+        "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
         "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": trainer.tokens_per_step,
         "microbatches": cfg.train.microbatches, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
         "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(trainer.compile_s, 3),
@@ -100,7 +97,7 @@ def startup_summary(trainer: Trainer, peak: float | None, peak_source: str) -> d
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    mesh = " x ".join(f"{axis} {size}" for axis, size in s["mesh"].items())
+    mesh = describe_axes(s["mesh"])
     peak = "unknown" if s["peak_flops_per_device"] is None else f"{s['peak_flops_per_device'] / 1e12:.3g} TFLOP/s"
     return "\n".join([
         f"jaxtrain: {s['devices']} x {s['device_kind']} in {s['processes']} process(es); mesh {mesh}; rules {s['rules']}",
@@ -231,7 +228,7 @@ class MetricsLog:
         elif step % self.cfg.checkpoint.every == 0:
             self._check_pending()
 
-    def _check_pending(self) -> None:
+    def _check_pending(self) -> list[tuple[int, dict]]:
         """Fetch queued metrics and apply the non-finite policy in step order."""
         fetched = jax.device_get(self.pending)
         self.pending = []

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding_rules
 from jaxtrain.errors import UserError
+from jaxtrain.mesh import describe_axes
 
 RULES_DIR = Path(sharding_rules.__file__).parent
 
@@ -87,7 +88,7 @@ def param_shardings(logical_axes: dict, shapes: dict, rules: Rules, mesh: Mesh) 
             mesh_axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
             ways = math.prod(mesh.shape[a] for a in mesh_axes)
             if shape.shape[dim] % ways:
-                sizes = " x ".join(f"{a} {mesh.shape[a]}" for a in mesh_axes)
+                sizes = describe_axes({a: mesh.shape[a] for a in mesh_axes})
                 raise UserError(
                     f"parameter {name} {tuple(shape.shape)}: dimension {dim} (logical axis '{logical}', size {shape.shape[dim]}) "
                     f"is not divisible by mesh axes {sizes} = {ways}; change the mesh or map '{logical}' to other axes")

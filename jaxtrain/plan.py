@@ -22,7 +22,9 @@ import numpy as np
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.flops import flops_per_token, peak_flops
+from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards
+from jaxtrain.state import bytes_per_device
 from jaxtrain.train import Layout, lower_steps, make_layout
 from models.config import REMAT_POLICIES
 
@@ -45,11 +47,6 @@ def gpu_memory_bytes(name: str) -> int:
 # analytic estimate
 
 
-def _shard_bytes(abstract_tree) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs carrying shardings (exact, from the layout)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(abstract_tree))
-
-
 def _ways(layout: Layout, logical: str) -> int:
     return math.prod(layout.mesh.shape[a] for a in layout.rules.get(logical) or ())
 
@@ -59,8 +56,8 @@ def estimate(layout: Layout) -> dict[str, int]:
     keeps for the backward pass, per layer, for one micro-batch on one device."""
     cfg, m = layout.cfg, layout.cfg.model
     state = layout.abstract_state()
-    params = _shard_bytes(state.params)
-    optimizer = _shard_bytes(state.opt_state)
+    params = bytes_per_device(state.params)
+    optimizer = bytes_per_device(state.opt_state)
     k = cfg.train.microbatches
     b = cfg.train.global_batch // k / batch_shards(layout.rules, layout.mesh)  # sequences per device per pass
     tokens = b * cfg.data.seq_len
@@ -274,6 +271,12 @@ class Plan:
             return None
         return self.flops_per_token * self.tokens_per_s / (peak * self.devices)
 
+    @property
+    def xla_flops_per_token(self) -> float | None:
+        """XLA's cost analysis per token (it counts each loop body once: for reference only)."""
+        flops = self.compiled.flops_per_device
+        return None if flops is None else flops * self.devices / self.tokens_per_step
+
     def to_json(self) -> dict:
         c = self.compiled
         return {
@@ -287,7 +290,7 @@ class Plan:
             "fits": self.fits,
             "compile_s": c.compile_s,
             "flops_per_token": self.flops_per_token,
-            "xla_flops_per_token": None if c.flops_per_device is None else c.flops_per_device * self.devices / self.tokens_per_step,
+            "xla_flops_per_token": self.xla_flops_per_token,
             "tokens_per_s": self.tokens_per_s, "mfu_needed": self.mfu_needed,
             "suggestions": [{"changes": s.changes, "total_bytes": s.total, "relative_step_time": s.relative_step_time}
                             for s in self.suggestions],
@@ -318,7 +321,7 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
 def render(plan: Plan) -> str:
     gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
     c, cfg = plan.compiled, plan.cfg
-    mesh = " x ".join(f"{a} {s}" for a, s in plan.mesh.items())
+    mesh = describe_axes(plan.mesh)
     lines = [f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat}, "
              f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)",
              "", f"{'per device':<22}{'estimate':>12}   {'compiled (XLA, CPU)':>20}"]
@@ -341,7 +344,7 @@ def render(plan: Plan) -> str:
         lines.append(f"  {i}. {s.describe(plan.usable)}")
     if plan.usable is not None and not plan.fits and not plan.suggestions:
         lines.append("  no rule set, remat policy or micro-batch count fits by the estimate: use more devices or a mesh with more fsdp/tensor ways")
-    xla = plan.to_json()["xla_flops_per_token"]
+    xla = plan.xla_flops_per_token
     lines.append(f"FLOPs per token: {plan.flops_per_token:.4g} (PaLM formula, causal attention halved)"
                  + ("" if xla is None else f"; XLA cost analysis {xla:.4g} (counts each loop body - layer scan, micro-batch scan - once)"))
     if plan.mfu_needed is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.struct
@@ -42,6 +43,16 @@ def model_spec(model_cfg: LlamaConfig) -> ModelSpec:
     abstract = nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     return ModelSpec(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)))
+
+
+def elements_per_device(tree) -> int:
+    """Elements one device holds of a tree of arrays or ShapeDtypeStructs carrying shardings."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes one device holds of a tree of arrays or ShapeDtypeStructs carrying shardings (exact)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation, rules: Rules, mesh: Mesh) -> TrainState:

@@ -176,8 +176,7 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
 
 def _checkpoint_meta(trainer: Trainer) -> dict[str, Any]:
     """How a checkpoint was laid out, for `jaxtrain checkpoints`."""
-    return {"mesh": dict(trainer.mesh.shape), "rules": trainer.cfg.rules, "processes": jax.process_count(),
-            "config": config_lib.to_dict(trainer.cfg)}
+    return _resolved(trainer) | {"rules": trainer.cfg.rules, "config": config_lib.to_dict(trainer.cfg)}
 
 
 def _start_state(trainer: Trainer, checkpoints: checkpoint_lib.RunCheckpoints, batches: data_lib.GlobalBatches,
