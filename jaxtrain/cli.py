@@ -88,12 +88,13 @@ def cmd_plan(args) -> int:
     cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
     if args.device_memory is not None and args.device_memory <= 0:
         raise UserError(f"--device-memory {args.device_memory:g} must be positive (GiB per device)")
-    simulate_cpu_devices(plan_device_count(cfg.mesh, args.devices))
-    os.environ["JAX_PLATFORMS"] = "cpu"  # the target mesh is simulated, whatever accelerator this machine has
+    count = plan_device_count(cfg.mesh, args.devices)
+    simulate_cpu_devices(count)
     from jaxtrain import plan as plan_lib  # starts jax
 
     memory = None if args.device_memory is None else int(args.device_memory * plan_lib.GIB)
-    plan = plan_lib.make_plan(cfg, device_memory=memory, gpu=args.gpu, headroom=args.headroom, tokens_per_s=args.tokens_per_s)
+    plan = plan_lib.make_plan(cfg, device_memory=memory, gpu=args.gpu, headroom=args.headroom, tokens_per_s=args.tokens_per_s,
+                              devices=plan_lib.target_devices(count))
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan_lib.render(plan))
     if args.plot:
         plan_lib.plot(plan, args.plot)

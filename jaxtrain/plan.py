@@ -2,12 +2,14 @@
 
 Two views of the same train step, side by side:
 - an analytic estimate per device, itemised (parameters, gradients, optimizer state, activations saved
-  under the remat policy, logits, the largest transient), computed from the shardings of the real
+  under the remat policy, and the two working sets: logits and loss, one layer's backward), computed from the shardings of the real
   layout (``train.make_layout``) and the model shape;
-- the compiled truth: the real train step (``train.lower_steps``) compiled for the target mesh on
-  simulated CPU devices, read back with XLA's ``memory_analysis`` and ``cost_analysis``.
+- the compiled truth: the real train step (``train.lower_steps``) compiled for the target mesh, on this
+  machine's accelerators when it has enough, else on simulated CPU devices, read back with XLA's
+  ``memory_analysis`` and ``cost_analysis``.
 Suggestions (rule set, remat, micro-batches) are searched with the analytic estimate, which costs
-milliseconds per candidate; only the plan itself is compiled.
+milliseconds per candidate; the plan itself is compiled, and so is each micro-batch count
+``train.microbatches=auto`` tries.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -25,7 +29,7 @@ from jaxtrain.flops import flops_per_token, peak_flops
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards
 from jaxtrain.state import bytes_per_device
-from jaxtrain.train import Layout, lower_steps, make_layout
+from jaxtrain.train import Layout, lower_steps, make_layout, peak_bytes
 from models.config import REMAT_POLICIES
 
 GIB = 2**30
@@ -34,6 +38,9 @@ GPU_MEMORY_MIB = {"h100": 81559, "h200": 143771, "a100": 81920, "a100-40gb": 409
 DEFAULT_HEADROOM = 0.10  # share of device memory kept free for the CUDA context, NCCL buffers, fragmentation
 RULE_SETS = ("dp", "fsdp", "tp", "fsdp_tp")
 MICROBATCH_OVERHEAD = 0.02  # step-time cost of each extra micro-batch (weights re-gathered, smaller matmuls)
+ACCELERATOR = "gpu"  # the platform plans are for, whatever the step was compiled on
+AUTO_COMPILES = 4  # train.microbatches=auto: compiles tried past the estimate's choice before giving up
+T = TypeVar("T")
 
 
 def gpu_memory_bytes(name: str) -> int:
@@ -51,42 +58,63 @@ def _ways(layout: Layout, logical: str) -> int:
     return math.prod(layout.mesh.shape[a] for a in layout.rules.get(logical) or ())
 
 
-def estimate(layout: Layout) -> dict[str, int]:
-    """Per-device bytes of the train step, itemised. Activation terms count the tensors each remat policy
-    keeps for the backward pass, per layer, for one micro-batch on one device."""
+def _spec_axes(spec) -> list[str]:
+    """Mesh axis names a PartitionSpec uses."""
+    return [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
+
+
+def platform(layout: Layout) -> str:
+    """The platform the layout's devices are: "cpu" for simulated devices, else the accelerator's."""
+    return layout.mesh.devices.flat[0].platform
+
+
+def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
+    """Per-device bytes of the train step on ``for_platform`` (default: the layout's devices), itemised;
+    ``estimate_total`` adds them up. Activation terms count, per layer and for one micro-batch on one device,
+    the tensors each remat policy keeps for the backward pass."""
     cfg, m = layout.cfg, layout.cfg.model
     state = layout.abstract_state()
     params = bytes_per_device(state.params)
     optimizer = bytes_per_device(state.opt_state)
     k = cfg.train.microbatches
     b = cfg.train.global_batch // k / batch_shards(layout.rules, layout.mesh)  # sequences per device per pass
-    tokens = b * cfg.data.seq_len
+    seq = cfg.data.seq_len
+    tokens = b * seq
     act = np.dtype(m.dtype).itemsize
+    # XLA's CPU backend converts every bfloat16 stack saved across the layer scan to float32 before the
+    # backward loop (it has no bfloat16 dynamic-slice); GPUs keep the compute dtype
+    stack = 4 if (for_platform or platform(layout)) == "cpu" else act
     hd = m.resolved_head_dim
-    embed = tokens * m.d_model * act  # one residual-stream tensor (the embed axis is never sharded)
-    qkv = tokens * hd * (m.num_heads / _ways(layout, "activation_heads") + 2 * m.num_kv_heads / _ways(layout, "activation_kv_heads")) * act
-    attn_out = tokens * hd * m.num_heads / _ways(layout, "activation_heads") * act
-    mlp = tokens * m.mlp_dim / _ways(layout, "activation_mlp") * act
-    # XLA attention materialises float32 scores and probabilities for every (query, key) pair
-    scores = b * m.num_heads / _ways(layout, "activation_heads") * cfg.data.seq_len**2 * 4
-    everything = 6 * embed + 2 * qkv + 2 * attn_out + 4 * mlp + 2 * scores  # all of one layer's intermediates
-    # The layer inputs are stacked across the layer scan for the backward pass. XLA's CPU backend builds
-    # that stack in float32 whatever the compute dtype (it has no bfloat16 dynamic-update-slice); GPUs keep it
-    # in the compute dtype.
-    layer_input = tokens * m.d_model * (4 if jax.default_backend() == "cpu" else act)
+    embed = tokens * m.d_model  # elements of one residual-stream tensor (the embed axis is never sharded)
+    qkv = tokens * hd * (m.num_heads / _ways(layout, "activation_heads") + 2 * m.num_kv_heads / _ways(layout, "activation_kv_heads"))
+    mlp = tokens * m.mlp_dim / _ways(layout, "activation_mlp")
+    # attention through XLA materialises a score for every (query, key) pair and head; flash attention (cudnn)
+    # keeps only blocks of them
+    scores = 0 if m.attention == "cudnn" else b * m.num_heads / _ways(layout, "activation_heads") * seq**2
     saved_per_layer = {
-        "none": everything,
-        "full": layer_input,
-        "save_dots": layer_input + 2 * embed + qkv + attn_out + 2 * mlp,
-        "save_qkv_out": layer_input + embed + qkv,
+        # float32 norm inputs, the projections and MLP intermediates, float32 and compute-dtype probabilities
+        "none": 16 * embed + stack * (2 * embed + qkv + 6 * mlp) + (4 + stack) * scores,
+        "full": stack * embed,  # the layer input
+        "save_dots": stack * (2 * embed + qkv + 2 * mlp),  # input, q k v, output projection, MLP gate and up
+        "save_qkv_out": stack * (2 * embed + qkv),
     }[m.remat]
-    # the backward of one layer under remat: its recomputed intermediates, with the float32 scores and
-    # probabilities overlapping for half their size (fitted on CPU compiles; see docs/PLANNER.md)
-    layer_working_set = everything - scores / 2
-    vocab_rows = m.vocab_size / _ways(layout, "activation_vocab")
-    logit_tokens = b * (cfg.train.loss_chunk or cfg.data.seq_len)  # train.loss_chunk: one chunk's logits live at a time
-    # the embedding / output tables are gathered over fsdp for the loss: float32 value, gradient, compute copy
-    vocab_tables = (1 if m.tie_embeddings else 2) * 3 * m.d_model * m.vocab_size / _ways(layout, "vocab") * 4
+    # one layer's weights gathered over the batch axes (FSDP) for its forward and backward: compute-dtype copy
+    # and float32 gradient; the tensor axes keep their split
+    batch_axes = set(layout.rules.get("activation_batch") or ())
+    layer_weights = sum(math.prod(sh.shard_shape(x.shape)[1:]) * math.prod(
+        layout.mesh.shape[a] for a in _spec_axes(sh.spec) if a in batch_axes)
+        for x, sh in zip(jax.tree.leaves(layout.spec.shapes["layers"]), jax.tree.leaves(layout.shardings.params["layers"])))
+    vocab_table = m.d_model * m.vocab_size / _ways(layout, "vocab")  # elements, gathered over fsdp
+    # backward of one layer: XLA attention holds three float32 score arrays (probabilities, their gradient, the
+    # scores' gradient) and the compute-dtype probabilities; the residual stream's float32 gradients; the
+    # gathered vocabulary table's float32 gradient, accumulators and copies, held from the loss to the lookup;
+    # the layer's gathered weights and their gradient
+    layer_backward = (12 + act) * scores + 16 * embed + (16 + act) * vocab_table + (4 + act) * layer_weights
+    logit_tokens = b * (cfg.train.loss_chunk or seq)  # train.loss_chunk: one chunk's logits live at a time
+    # float32 logits and their gradient; the embedding / output tables gathered over fsdp: float32 value,
+    # gradient, compute copy
+    loss = 2 * logit_tokens * m.vocab_size / _ways(layout, "activation_vocab") * 4 + \
+        (1 if m.tie_embeddings else 2) * 3 * vocab_table * 4
     return {
         "parameters": params,
         "optimizer state": optimizer,
@@ -94,9 +122,25 @@ def estimate(layout: Layout) -> dict[str, int]:
         # the accumulator
         "gradients": params * (3 if k > 1 else 2),
         "activations": int(m.num_layers * saved_per_layer),
-        "logits and loss": int(2 * logit_tokens * vocab_rows * 4 + vocab_tables),  # float32 logits and their gradient
-        "largest transient": int(layer_working_set if m.remat != "none" else 2 * scores + 2 * mlp),
+        "logits and loss": int(loss),
+        "layer backward": int(layer_backward),
     }
+
+
+# the two working sets of the step: only the larger is live at the peak
+WORKING_SETS = ("logits and loss", "layer backward")
+
+
+def estimate_total(breakdown: dict[str, int]) -> int:
+    """Peak bytes: what lives through the step plus the larger of the two working sets."""
+    held = sum(v for key, v in breakdown.items() if key not in WORKING_SETS)
+    return held + max(breakdown[key] for key in WORKING_SETS)
+
+
+def peak_items(breakdown: dict[str, int]) -> dict[str, int]:
+    """The items that make up ``estimate_total``: the smaller working set is left out."""
+    smaller = min(WORKING_SETS, key=lambda key: breakdown[key])
+    return {key: v for key, v in breakdown.items() if key != smaller}
 
 
 def recompute_factor(cfg: Config) -> float:
@@ -117,17 +161,14 @@ def recompute_factor(cfg: Config) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
+    platform: str  # what it was compiled for: "cpu" (simulated devices) or the accelerator's platform
     argument: int
     output: int
     alias: int
     temp: int
+    total: int  # peak_bytes
     flops_per_device: float | None
     compile_s: float
-
-    @property
-    def total(self) -> int:
-        """Peak bytes per device: inputs, outputs not written in place of a donated input, temporaries."""
-        return self.argument + self.output - self.alias + self.temp
 
 
 def compile_truth(layout: Layout) -> Compiled:
@@ -138,8 +179,24 @@ def compile_truth(layout: Layout) -> Compiled:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return Compiled(mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes, mem.temp_size_in_bytes,
-                    (cost or {}).get("flops"), seconds)
+    return Compiled(platform(layout), mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
+                    mem.temp_size_in_bytes, peak_bytes(mem), (cost or {}).get("flops"), seconds)
+
+
+def target_devices(count: int) -> list:
+    """The devices a plan compiles for: this machine's accelerators when it has ``count`` of them, else
+    ``count`` simulated CPU devices (the caller sets XLA's host device count before jax starts)."""
+    if jax.default_backend() != "cpu" and jax.device_count() >= count:
+        return jax.devices()[:count]
+    return jax.devices("cpu")[:count]
+
+
+def accelerator_total(layout: Layout, compiled: Compiled) -> int:
+    """Per-device peak on the accelerator: the compiled total, less, when it was compiled for simulated CPU
+    devices, what only the CPU backend adds (float32 copies of the saved bfloat16 stacks)."""
+    if compiled.platform != "cpu":
+        return compiled.total
+    return compiled.total - (estimate_total(estimate(layout, "cpu")) - estimate_total(estimate(layout, ACCELERATOR)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,30 +234,39 @@ def _with_cfg(layout: Layout, cfg: Config) -> Layout:
     return dataclasses.replace(layout, cfg=cfg)
 
 
-def fewest_microbatches(cfg: Config, limit_bytes: float, devices=None) -> int:
-    """The fewest micro-batches whose estimated per-device total fits in ``limit_bytes``; the most the
-    batch allows when none does (the plan then reports it does not fit)."""
+def microbatch_candidates(cfg: Config, limit_bytes: float, devices=None) -> list[int]:
+    """The micro-batch counts worth trying for ``limit_bytes`` per device: from the fewest whose estimated
+    accelerator total fits (the most the batch allows when none does) upwards."""
     layout = make_layout(_replace(cfg, microbatches=1), devices)
     options = _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh))
-    for k in options:
-        if sum(estimate(_with_cfg(layout, _replace(cfg, microbatches=k))).values()) <= limit_bytes:
-            return k
-    return options[-1]
+    fits = [i for i, k in enumerate(options)
+            if estimate_total(estimate(_with_cfg(layout, _replace(cfg, microbatches=k)), ACCELERATOR)) <= limit_bytes]
+    return options[fits[0] if fits else -1:]
 
 
-def with_auto_microbatches(cfg: Config, devices=None) -> Config:
-    """``train.microbatches=auto`` for training: the fewest micro-batches that fit in the memory limit the
-    first device reports (less the default headroom); 1 where devices report none (CPU)."""
-    devices = devices or jax.devices()
-    limit = (devices[0].memory_stats() or {}).get("bytes_limit")
-    k = 1 if limit is None else fewest_microbatches(cfg, limit * (1 - DEFAULT_HEADROOM), devices)
-    return _replace(cfg, microbatches=k)
+def fit_microbatches(cfg: Config, limit_bytes: float, devices, compile_fn: Callable[[Layout], tuple[T, int]]) -> tuple[Layout, T]:
+    """``train.microbatches=auto``: compile with the estimate's choice, and while the compiled peak (the second
+    value ``compile_fn`` returns) exceeds ``limit_bytes`` try the next count, at most AUTO_COMPILES times.
+    Returns the layout and what ``compile_fn`` made of it."""
+    for k in microbatch_candidates(cfg, limit_bytes, devices)[:AUTO_COMPILES]:
+        layout = make_layout(_replace(cfg, microbatches=k), devices)
+        result, peak = compile_fn(layout)
+        if peak <= limit_bytes:
+            break
+    return layout, result
+
+
+def memory_limit(devices=None) -> float | None:
+    """Usable bytes on the first device: the limit it reports less the default headroom; None where devices
+    report none (CPU)."""
+    limit = ((devices or jax.devices())[0].memory_stats() or {}).get("bytes_limit")
+    return None if limit is None else limit * (1 - DEFAULT_HEADROOM)
 
 
 @dataclasses.dataclass(frozen=True)
 class Suggestion:
     changes: dict  # config key -> value
-    total: int  # estimated bytes per device
+    total: int  # estimated bytes per device on the accelerator
     breakdown: dict
     relative_step_time: float  # vs. the planned config, from recompute FLOPs and micro-batch overhead
 
@@ -223,12 +289,13 @@ def suggest(cfg: Config, limit_bytes: float, devices=None, count: int = 5) -> li
         for remat in REMAT_POLICIES:
             for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh)):
                 candidate = _replace(cfg, rules=rules, remat=remat, microbatches=k)
-                breakdown = estimate(_with_cfg(layout, candidate))
-                if candidate != cfg and sum(breakdown.values()) <= limit_bytes:
+                breakdown = estimate(_with_cfg(layout, candidate), ACCELERATOR)
+                total = estimate_total(breakdown)
+                if candidate != cfg and total <= limit_bytes:
                     changes = {key: new for key, old, new in (
                         ("rules", cfg.rules, rules), ("model.remat", cfg.model.remat, remat),
                         ("train.microbatches", cfg.train.microbatches, k)) if old != new}
-                    found.append(Suggestion(changes, sum(breakdown.values()), breakdown, _step_cost(candidate) / base_cost))
+                    found.append(Suggestion(changes, total, breakdown, _step_cost(candidate) / base_cost))
                     break  # more micro-batches only cost time
     return sorted(found, key=lambda s: (s.relative_step_time, len(s.changes), s.total))[:count]
 
@@ -244,8 +311,10 @@ class Plan:
     mesh: dict
     device_memory: int | None
     headroom: float
-    estimate: dict
+    estimate: dict  # for the platform it was compiled for (compared with the compiled total)
+    accelerator_estimate: dict  # for the accelerator (the suggestions' figures)
     compiled: Compiled
+    accelerator_total: int  # the compiled total, less what only the CPU backend adds
     flops_per_token: float
     tokens_per_step: int
     gpu: str | None
@@ -258,11 +327,11 @@ class Plan:
 
     @property
     def estimate_total(self) -> int:
-        return sum(self.estimate.values())
+        return estimate_total(self.estimate)
 
     @property
     def fits(self) -> bool | None:
-        return None if self.usable is None else self.compiled.total <= self.usable
+        return None if self.usable is None else self.accelerator_total <= self.usable
 
     @property
     def mfu_needed(self) -> float | None:
@@ -285,8 +354,11 @@ class Plan:
             "mesh": self.mesh, "devices": self.devices, "gpu": self.gpu,
             "device_memory_bytes": self.device_memory, "headroom": self.headroom, "usable_bytes": self.usable,
             "estimate_bytes": self.estimate | {"total": self.estimate_total},
+            "compiled_platform": c.platform,
             "compiled_bytes": {"argument": c.argument, "output": c.output, "alias": c.alias, "temp": c.temp, "total": c.total},
             "estimate_vs_compiled": self.estimate_total / c.total - 1,
+            "accelerator_estimate_bytes": self.accelerator_estimate | {"total": estimate_total(self.accelerator_estimate)},
+            "accelerator_total_bytes": self.accelerator_total,
             "fits": self.fits,
             "compile_s": c.compile_s,
             "flops_per_token": self.flops_per_token,
@@ -297,10 +369,15 @@ class Plan:
         }
 
 
+def _compile_and_predict(layout: Layout) -> tuple[Compiled, int]:
+    compiled = compile_truth(layout)
+    return compiled, accelerator_total(layout, compiled)
+
+
 def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None = None, headroom: float = DEFAULT_HEADROOM,
               tokens_per_s: float | None = None, devices=None) -> Plan:
-    """Plan ``cfg`` on ``devices`` (default: all, i.e. the simulated target mesh). ``train.microbatches=auto``
-    is resolved against the usable memory first (1 when no memory size is given)."""
+    """Plan ``cfg`` on ``devices`` (default: all, i.e. the simulated target mesh). ``train.microbatches=auto`` is
+    resolved against the usable memory, checked with the compiled step (1 when no memory size is given)."""
     if device_memory is None and gpu is not None:
         device_memory = gpu_memory_bytes(gpu)
     if device_memory is not None and device_memory <= 0:
@@ -308,37 +385,46 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     if not 0 <= headroom < 1:
         raise UserError(f"headroom={headroom} must be in [0, 1), e.g. 0.1 to keep 10% of device memory free")
     usable = None if device_memory is None else device_memory * (1 - headroom)
-    if cfg.train.microbatches == "auto":
-        cfg = _replace(cfg, microbatches=1 if usable is None else fewest_microbatches(cfg, usable, devices))
-    layout = make_layout(cfg, devices)
-    compiled = compile_truth(layout)
-    suggestions = [] if usable is None or compiled.total <= usable else suggest(cfg, usable, devices)
-    return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, estimate(layout), compiled,
-                flops_per_token(cfg.model, cfg.data.seq_len), cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s,
-                suggestions)
+    if cfg.train.microbatches == "auto" and usable is not None:
+        layout, compiled = fit_microbatches(cfg, usable, devices, _compile_and_predict)
+    else:
+        layout = make_layout(_replace(cfg, microbatches=1) if cfg.train.microbatches == "auto" else cfg, devices)
+        compiled = compile_truth(layout)
+    cfg, predicted = layout.cfg, accelerator_total(layout, compiled)
+    suggestions = [] if usable is None or predicted <= usable else suggest(cfg, usable, devices)
+    return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, estimate(layout),
+                estimate(layout, ACCELERATOR), compiled, predicted, flops_per_token(cfg.model, cfg.data.seq_len),
+                cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions)
 
 
 def render(plan: Plan) -> str:
-    gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
+    def gib(n):
+        return f"{n / GIB:8.2f} GiB"
+
     c, cfg = plan.compiled, plan.cfg
     mesh = describe_axes(plan.mesh)
-    lines = [f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat}, "
-             f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)",
-             "", f"{'per device':<22}{'estimate':>12}   {'compiled (XLA, CPU)':>20}"]
+    lines = [(f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat}, "
+              f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"),
+             "", f"{'per device':<22}{'estimate':>12}   compiled (XLA, {c.platform})"]
     compiled_rows = [("arguments (state, batch)", c.argument), ("outputs not aliased", c.output - c.alias), ("temporaries", c.temp)]
-    rows = list(plan.estimate.items())
+    at_peak = peak_items(plan.estimate)
+    rows = [(key if key in at_peak else f"({key})", value) for key, value in plan.estimate.items()]
     for i in range(max(len(rows), len(compiled_rows))):
         left = f"{rows[i][0]:<22}{gib(rows[i][1]):>12}" if i < len(rows) else " " * 34
         right = f"   {compiled_rows[i][0]:<25}{gib(compiled_rows[i][1])}" if i < len(compiled_rows) else ""
         lines.append(left + right)
     lines.append(f"{'total':<22}{gib(plan.estimate_total):>12}   {'total':<25}{gib(c.total)}   "
                  f"(estimate {100 * (plan.estimate_total / c.total - 1):+.1f}%)")
+    lines.append("(the two working sets, logits and loss / layer backward, are not live together: the total counts the larger)")
+    if c.platform == "cpu":
+        lines.append(f"on the accelerator: {plan.accelerator_total / GIB:.2f} GiB, the compiled total less "
+                     f"{(c.total - plan.accelerator_total) / GIB:.2f} GiB of float32 copies of saved stacks that only the CPU backend makes")
     lines.append("")
     if plan.usable is None:
         lines.append("verdict: no device memory given (--gpu NAME or --device-memory GiB)")
     else:
         verdict = "fits" if plan.fits else "DOES NOT FIT"
-        lines.append(f"verdict: {verdict}: {c.total / GIB:.1f} GiB compiled of {plan.usable / GIB:.1f} GiB usable "
+        lines.append(f"verdict: {verdict}: {plan.accelerator_total / GIB:.1f} GiB of {plan.usable / GIB:.1f} GiB usable "
                      f"({plan.device_memory / GIB:.1f} GiB, {100 * plan.headroom:.0f}% headroom)")
     for i, s in enumerate(plan.suggestions, 1):
         lines.append(f"  {i}. {s.describe(plan.usable)}")
@@ -354,28 +440,30 @@ def render(plan: Plan) -> str:
 
 
 def plot(plan: Plan, path: str) -> None:
-    """Stacked per-device memory of the plan (estimate and compiled) and the suggestions, with the limit."""
+    """Stacked per-device memory on the accelerator of the plan and the suggestions (estimates, the items at
+    the peak), the plan's compiled figure, and the limit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = [("plan (estimate)", plan.estimate)] + [(" & ".join(f"{k.split('.')[-1]}={v}" for k, v in s.changes.items()), s.breakdown)
-                                                  for s in plan.suggestions]
+    bars = [("plan (estimate)", plan.accelerator_estimate)] + [
+        (" & ".join(f"{k.split('.')[-1]}={v}" for k, v in s.changes.items()), s.breakdown) for s in plan.suggestions]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * (len(bars) + 1)), 5))
-    items = list(plan.estimate)
+    items = list(plan.accelerator_estimate)
     for i, (_, breakdown) in enumerate(bars):
         bottom = 0.0
+        at_peak = peak_items(breakdown)
         for j, item in enumerate(items):
-            ax.bar(i, breakdown[item] / GIB, bottom=bottom, color=f"C{j}", label=item if i == 0 else None)
-            bottom += breakdown[item] / GIB
-    c = plan.compiled
-    ax.bar(len(bars), c.total / GIB, color="0.6", label="compiled total (XLA)")
+            height = at_peak.get(item, 0) / GIB
+            ax.bar(i, height, bottom=bottom, color=f"C{j}", label=item if i == 0 else None)
+            bottom += height
+    ax.bar(len(bars), plan.accelerator_total / GIB, color="0.6", label=f"compiled total (XLA, {plan.compiled.platform})")
     ax.set_xticks(range(len(bars) + 1), [name for name, _ in bars] + ["plan (compiled)"], rotation=20, ha="right", fontsize=8)
     if plan.device_memory is not None:
         ax.axhline(plan.device_memory / GIB, color="k", label="device memory")
         ax.axhline(plan.usable / GIB, color="k", linestyle="--", label=f"usable ({100 * plan.headroom:.0f}% headroom)")
-    ax.set_ylabel("GiB per device")
+    ax.set_ylabel("GiB per device on the accelerator")
     ax.set_title(f"{plan.devices} devices, rules {plan.cfg.rules}, remat {plan.cfg.model.remat}, {plan.cfg.train.microbatches} micro-batch(es)")
     ax.legend(fontsize=8)
     fig.tight_layout()

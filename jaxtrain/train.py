@@ -119,17 +119,35 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
 
 def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None) -> Trainer:
     """Validate the config against the devices, mesh, rules, model and data, then compile the steps."""
+    limit = None
     if cfg.train.microbatches == "auto":
         from jaxtrain import plan  # imported here: the planner is built on make_layout and lower_steps
 
-        cfg = plan.with_auto_microbatches(cfg, devices)
-    layout = make_layout(cfg, devices)
+        limit = plan.memory_limit(devices)
+        if limit is None:  # devices that report no memory limit (CPU): one pass
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=1))
+    layout = make_layout(cfg, devices) if limit is None else None  # every check before the data is read
     corpus = corpus or data_lib.load_corpus(cfg.data)
     data_lib.check_sizes(corpus, cfg.data, cfg.train.global_batch, cfg.model.vocab_size)
     start = time.perf_counter()
+    if layout is None:  # the fewest micro-batches whose compiled train step fits
+        layout, steps = plan.fit_microbatches(cfg, limit, devices, _compile_steps)
+    else:
+        steps, _ = _compile_steps(layout)
+    return Trainer(layout, corpus, *steps, time.perf_counter() - start)
+
+
+def peak_bytes(memory) -> int:
+    """Peak bytes per device from a compiled step's ``memory_analysis()``: inputs, outputs not written in place
+    of a donated input, temporaries."""
+    return memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+
+
+def _compile_steps(layout: Layout) -> tuple[tuple[jax.stages.Compiled, jax.stages.Compiled], int]:
+    """The compiled train and eval steps, and the train step's peak bytes per device."""
     train_lowered, eval_lowered = lower_steps(layout)
-    train_step, eval_step = train_lowered.compile(), eval_lowered.compile()
-    return Trainer(layout, corpus, train_step, eval_step, time.perf_counter() - start)
+    train_step = train_lowered.compile()
+    return (train_step, eval_lowered.compile()), peak_bytes(train_step.memory_analysis())
 
 
 def evaluate(trainer: Trainer, params: dict, batches: list[dict]) -> float:
