@@ -5,6 +5,8 @@
 #
 #   benchmarks/gpu_h200.sh                        # llama3_1b llama3_3b
 #   benchmarks/gpu_h200.sh llama3_1b              # just one
+#   ATTENTION=xla STEPS=2 benchmarks/gpu_h200.sh  # planner check: XLA attention (the estimate's model), memory
+#                                                 # predicted (estimate, compiled) vs measured (memory_stats peak)
 #   TINY=1 benchmarks/gpu_h200.sh                 # the same runs, tiny shapes, on CPU: checks the script
 #
 # A run that fails (e.g. out of memory for a remat policy) is reported and the others go on.
@@ -19,7 +21,7 @@ LOSS_CHUNK=${LOSS_CHUNK:-0}  # e.g. 512: chunked cross-entropy, less memory for 
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
 if [ "$#" -eq 0 ]; then set -- llama3_1b llama3_3b; fi
 
-shape=(data.seq_len="$SEQ" model.dtype=bfloat16 model.attention=cudnn train.microbatches=1 train.loss_chunk="$LOSS_CHUNK")
+shape=(data.seq_len="$SEQ" model.dtype=bfloat16 model.attention="${ATTENTION:-cudnn}" train.microbatches=1 train.loss_chunk="$LOSS_CHUNK")
 mesh=gpu1
 if [ -n "${TINY:-}" ]; then
   export JAX_PLATFORMS=cpu

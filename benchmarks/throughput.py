@@ -4,7 +4,9 @@
 
 Prints one JSON line. Random tokens (the step time does not depend on the data); model FLOPs counted
 as in jaxtrain.flops (PaLM, causal attention halved); MFU against --peak-tflops (default 989: H100/H200
-dense bf16) or, on CPUs, the measured matmul peak. Used by benchmarks/gpu_h200.sh.
+dense bf16) or, on CPUs, the measured matmul peak. Memory per device, side by side: the planner's
+estimate for these devices, XLA's compiled peak, and the peak the device measured (``memory_stats()``;
+none on CPUs). Used by benchmarks/gpu_h200.sh.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench_perf import fixed_batch, random_corpus
     from jaxtrain.flops import flops_per_token, measure_matmul_peak
-    from jaxtrain.train import build
+    from jaxtrain.plan import estimate, estimate_total
+    from jaxtrain.train import build, peak_bytes
 
     trainer = build(cfg, random_corpus(cfg.model.vocab_size, tokens=(cfg.train.global_batch + 1) * (cfg.data.seq_len + 1) * 12))
     batch, state = fixed_batch(trainer), trainer.init_state()
@@ -57,13 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     peak = measure_matmul_peak(list(trainer.mesh.devices.flat)) / devices if on_cpu else args.peak_tflops * 1e12
     model_flops = flops_per_token(cfg.model, cfg.data.seq_len) * trainer.tokens_per_step / step_s / devices
     memory = trainer.train_step.memory_analysis()
+    measured = (trainer.mesh.devices.flat[0].memory_stats() or {}).get("peak_bytes_in_use")
     print(json.dumps({
         "experiment": args.experiment, "overrides": args.overrides, "mesh": args.mesh, "rules": args.rules,
         "device_kind": trainer.mesh.devices.flat[0].device_kind, "devices": devices,
         "seq_len": cfg.data.seq_len, "global_batch": cfg.train.global_batch, "remat": cfg.model.remat, "dtype": cfg.model.dtype,
         "compile_s": round(trainer.compile_s, 1), "step_s": step_s, "tokens_per_s": trainer.tokens_per_step / step_s,
         "tflops_per_device": model_flops / 1e12, "peak_tflops_per_device": peak / 1e12, "mfu": model_flops / peak,
-        "temp_gib_per_device": None if memory is None else memory.temp_size_in_bytes / 2**30,
+        "estimate_gib_per_device": estimate_total(estimate(trainer.layout)) / 2**30,
+        "compiled_gib_per_device": peak_bytes(memory) / 2**30,
+        "measured_peak_gib_per_device": None if measured is None else measured / 2**30,
         "loss": float(metrics["loss"]),
     }), flush=True)
     return 0

@@ -162,6 +162,7 @@ def recompute_factor(cfg: Config) -> float:
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     platform: str  # what it was compiled for: "cpu" (simulated devices) or the accelerator's platform
+    attention: str  # the attention implementation compiled (CPUs have no cuDNN: "xla" in place of "cudnn")
     argument: int
     output: int
     alias: int
@@ -171,7 +172,15 @@ class Compiled:
     compile_s: float
 
 
+def _with_attention(layout: Layout, attention: str) -> Layout:
+    return _with_cfg(layout, dataclasses.replace(layout.cfg, model=dataclasses.replace(layout.cfg.model, attention=attention)))
+
+
 def compile_truth(layout: Layout) -> Compiled:
+    """Compile the real train step for the layout's devices and read XLA's memory and cost analyses. A cuDNN
+    attention config is compiled with XLA attention where the devices are not GPUs."""
+    if layout.cfg.model.attention == "cudnn" and platform(layout) != "gpu":  # the model is rebuilt: it holds the choice
+        layout = make_layout(_with_attention(layout, "xla").cfg, list(layout.mesh.devices.flat))
     start = time.perf_counter()
     train_lowered, _ = lower_steps(layout)
     compiled = train_lowered.compile()
@@ -179,8 +188,13 @@ def compile_truth(layout: Layout) -> Compiled:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return Compiled(platform(layout), mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
-                    mem.temp_size_in_bytes, peak_bytes(mem), (cost or {}).get("flops"), seconds)
+    return Compiled(platform(layout), layout.cfg.model.attention, mem.argument_size_in_bytes, mem.output_size_in_bytes,
+                    mem.alias_size_in_bytes, mem.temp_size_in_bytes, peak_bytes(mem), (cost or {}).get("flops"), seconds)
+
+
+def estimate_as_compiled(layout: Layout, compiled: Compiled) -> dict[str, int]:
+    """The estimate for what was compiled (its platform and attention): the one to compare with it."""
+    return estimate(_with_attention(layout, compiled.attention), compiled.platform)
 
 
 def target_devices(count: int) -> list:
@@ -192,11 +206,10 @@ def target_devices(count: int) -> list:
 
 
 def accelerator_total(layout: Layout, compiled: Compiled) -> int:
-    """Per-device peak on the accelerator: the compiled total, less, when it was compiled for simulated CPU
-    devices, what only the CPU backend adds (float32 copies of the saved bfloat16 stacks)."""
-    if compiled.platform != "cpu":
-        return compiled.total
-    return compiled.total - (estimate_total(estimate(layout, "cpu")) - estimate_total(estimate(layout, ACCELERATOR)))
+    """Per-device peak on the accelerator: the compiled total, less the estimated difference between what was
+    compiled and the accelerator; on simulated CPU devices that is the float32 copies of saved bfloat16 stacks
+    only the CPU backend makes, and the score arrays of XLA attention compiled in place of cuDNN's."""
+    return compiled.total - (estimate_total(estimate_as_compiled(layout, compiled)) - estimate_total(estimate(layout, ACCELERATOR)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +324,7 @@ class Plan:
     mesh: dict
     device_memory: int | None
     headroom: float
-    estimate: dict  # for the platform it was compiled for (compared with the compiled total)
+    estimate: dict  # for what was compiled: its platform and attention (compared with the compiled total)
     accelerator_estimate: dict  # for the accelerator (the suggestions' figures)
     compiled: Compiled
     accelerator_total: int  # the compiled total, less what only the CPU backend adds
@@ -354,7 +367,7 @@ class Plan:
             "mesh": self.mesh, "devices": self.devices, "gpu": self.gpu,
             "device_memory_bytes": self.device_memory, "headroom": self.headroom, "usable_bytes": self.usable,
             "estimate_bytes": self.estimate | {"total": self.estimate_total},
-            "compiled_platform": c.platform,
+            "compiled_platform": c.platform, "compiled_attention": c.attention,
             "compiled_bytes": {"argument": c.argument, "output": c.output, "alias": c.alias, "temp": c.temp, "total": c.total},
             "estimate_vs_compiled": self.estimate_total / c.total - 1,
             "accelerator_estimate_bytes": self.accelerator_estimate | {"total": estimate_total(self.accelerator_estimate)},
@@ -392,7 +405,7 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
         compiled = compile_truth(layout)
     cfg, predicted = layout.cfg, accelerator_total(layout, compiled)
     suggestions = [] if usable is None or predicted <= usable else suggest(cfg, usable, devices)
-    return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, estimate(layout),
+    return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, estimate_as_compiled(layout, compiled),
                 estimate(layout, ACCELERATOR), compiled, predicted, flops_per_token(cfg.model, cfg.data.seq_len),
                 cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions)
 
@@ -405,7 +418,7 @@ def render(plan: Plan) -> str:
     mesh = describe_axes(plan.mesh)
     lines = [(f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat}, "
               f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"),
-             "", f"{'per device':<22}{'estimate':>12}   compiled (XLA, {c.platform})"]
+             "", f"{'per device':<22}{'estimate':>12}   compiled (XLA, {c.platform}, {c.attention} attention)"]
     compiled_rows = [("arguments (state, batch)", c.argument), ("outputs not aliased", c.output - c.alias), ("temporaries", c.temp)]
     at_peak = peak_items(plan.estimate)
     rows = [(key if key in at_peak else f"({key})", value) for key, value in plan.estimate.items()]
@@ -417,8 +430,9 @@ def render(plan: Plan) -> str:
                  f"(estimate {100 * (plan.estimate_total / c.total - 1):+.1f}%)")
     lines.append("(the two working sets, logits and loss / layer backward, are not live together: the total counts the larger)")
     if c.platform == "cpu":
-        lines.append(f"on the accelerator: {plan.accelerator_total / GIB:.2f} GiB, the compiled total less "
-                     f"{(c.total - plan.accelerator_total) / GIB:.2f} GiB of float32 copies of saved stacks that only the CPU backend makes")
+        only_cpu = "float32 copies of saved stacks" + (" and XLA attention's scores" if c.attention != cfg.model.attention else "")
+        lines.append(f"on the accelerator: {plan.accelerator_total / GIB:.2f} GiB, the compiled total less an estimated "
+                     f"{(c.total - plan.accelerator_total) / GIB:.2f} GiB of {only_cpu} that only the CPU compile has")
     lines.append("")
     if plan.usable is None:
         lines.append("verdict: no device memory given (--gpu NAME or --device-memory GiB)")

@@ -41,6 +41,8 @@ CASES = {
     "batch does not split over the mesh": (lambda t: ["train.global_batch=6"], "do not split over the 4 batch shards"),
     "missing data path": (lambda t: ["data.path=/no/such/dir"], "data.path=/no/such/dir does not exist"),
     "bad flag": (lambda t: ["--devcies", "2"], "unrecognized arguments: --devcies"),
+    "cuDNN attention without a GPU": (lambda t: ["model.attention=cudnn"],
+                                      "model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are cpu"),
 }
 
 

@@ -66,6 +66,18 @@ def test_estimate_counts_state_shards_exactly():
     assert items["optimizer state"] == 2 * items["parameters"] + 8  # Adam mu and nu; Adam's and the schedule's int32 counts
 
 
+def test_cudnn_attention_is_compiled_as_xla_on_cpu_and_its_scores_taken_out_for_the_accelerator():
+    layout = make_layout(with_(medium_config("fsdp", "none", seq_len=1024), model={"attention": "cudnn"}))
+    compiled = plan_lib.compile_truth(layout)
+    assert (compiled.platform, compiled.attention) == ("cpu", "xla")
+    as_compiled, flash = plan_lib.estimate_as_compiled(layout, compiled), plan_lib.estimate(layout, plan_lib.ACCELERATOR)
+    assert abs(plan_lib.estimate_total(as_compiled) / compiled.total - 1) < 0.15
+    # flash attention keeps no (query, key) score arrays: saved and working sets shrink by them
+    assert flash["activations"] < as_compiled["activations"] / 2 and flash["layer backward"] < as_compiled["layer backward"]
+    assert plan_lib.accelerator_total(layout, compiled) == compiled.total - (
+        plan_lib.estimate_total(as_compiled) - plan_lib.estimate_total(flash))
+
+
 def test_auto_microbatches_starts_from_the_estimate_and_steps_up_until_the_compiled_step_fits():
     cfg = medium_config("fsdp", "none", mesh=(1, 2, 4))  # batch over 2 shards: 1, 2, 4, 8 micro-batches are valid
     totals = {k: total(with_(cfg, train={"microbatches": k}), plan_lib.ACCELERATOR) for k in (1, 2, 4, 8)}
