@@ -8,8 +8,8 @@ Two views of the same train step, side by side:
   machine's accelerators when it has enough, else on simulated CPU devices, read back with XLA's
   ``memory_analysis`` and ``cost_analysis``.
 Suggestions (rule set, remat, micro-batches) are searched with the analytic estimate, which costs
-milliseconds per candidate; the plan itself is compiled, and so is each micro-batch count
-``train.microbatches=auto`` tries.
+milliseconds per candidate; the plan itself is compiled, so are the best suggestions until one fits, and
+so is each micro-batch count ``train.microbatches=auto`` tries.
 """
 
 from __future__ import annotations
@@ -233,13 +233,19 @@ def _valid_microbatches(cfg: Config, shards: int) -> list[int]:
 
 
 def _layouts_by_rules(cfg: Config, devices, rule_sets) -> dict[str, Layout]:
-    """The layout under each rule set that the mesh and model allow (make_layout does every check)."""
-    out = {}
+    """The layout under each rule set that the mesh and model allow (make_layout does every check), leaving out
+    a rule set that splits everything as an earlier one does (e.g. fsdp_tp on a mesh whose tensor axis is 1)."""
+    out, seen = {}, set()
     for rules in rule_sets:
         try:
-            out[rules] = make_layout(_replace(cfg, rules=rules, microbatches=1), devices)
+            layout = make_layout(_replace(cfg, rules=rules, microbatches=1), devices)
         except UserError:
-            pass
+            continue
+        splits = (tuple(sh.shard_shape(x.shape) for x, sh in zip(jax.tree.leaves(layout.spec.shapes), jax.tree.leaves(layout.shardings.params))),
+                  tuple(sorted((logical, _ways(layout, logical)) for logical in layout.rules)))
+        if splits not in seen:
+            seen.add(splits)
+            out[rules] = layout
     return out
 
 
@@ -278,14 +284,18 @@ def memory_limit(devices=None) -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class Suggestion:
+    cfg: Config
     changes: dict  # config key -> value
     total: int  # estimated bytes per device on the accelerator
     breakdown: dict
     relative_step_time: float  # vs. the planned config, from recompute FLOPs and micro-batch overhead
+    compiled: int | None = None  # the compiled step's bytes per device on the accelerator, when it was compiled
 
     def describe(self, limit: int) -> str:
         change = " and ".join(f"{k}={v}" for k, v in self.changes.items())
-        return f"{change}: {self.total / GIB:.1f} GiB of {limit / GIB:.1f} GiB usable, step time x{self.relative_step_time:.2f}"
+        checked = "" if self.compiled is None else \
+            f"; compiled {self.compiled / GIB:.1f} GiB: {'fits' if self.compiled <= limit else 'does NOT fit'}"
+        return f"{change}: {self.total / GIB:.1f} GiB of {limit / GIB:.1f} GiB usable, step time x{self.relative_step_time:.2f}{checked}"
 
 
 def _step_cost(cfg: Config) -> float:
@@ -308,9 +318,21 @@ def suggest(cfg: Config, limit_bytes: float, devices=None, count: int = 5) -> li
                     changes = {key: new for key, old, new in (
                         ("rules", cfg.rules, rules), ("model.remat", cfg.model.remat, remat),
                         ("train.microbatches", cfg.train.microbatches, k)) if old != new}
-                    found.append(Suggestion(changes, total, breakdown, _step_cost(candidate) / base_cost))
+                    found.append(Suggestion(candidate, changes, total, breakdown, _step_cost(candidate) / base_cost))
                     break  # more micro-batches only cost time
     return sorted(found, key=lambda s: (s.relative_step_time, len(s.changes), s.total))[:count]
+
+
+def compile_suggestions(suggestions: list[Suggestion], limit_bytes: float, devices=None) -> list[Suggestion]:
+    """Compile the suggestions in rank order until one fits ``limit_bytes`` (at most AUTO_COMPILES of them),
+    recording each compiled figure for the accelerator."""
+    out = list(suggestions)
+    for i, suggestion in enumerate(out[:AUTO_COMPILES]):
+        layout = make_layout(suggestion.cfg, devices)
+        out[i] = dataclasses.replace(suggestion, compiled=accelerator_total(layout, compile_truth(layout)))
+        if out[i].compiled <= limit_bytes:
+            break
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,8 +399,8 @@ class Plan:
             "flops_per_token": self.flops_per_token,
             "xla_flops_per_token": self.xla_flops_per_token,
             "tokens_per_s": self.tokens_per_s, "mfu_needed": self.mfu_needed,
-            "suggestions": [{"changes": s.changes, "total_bytes": s.total, "relative_step_time": s.relative_step_time}
-                            for s in self.suggestions],
+            "suggestions": [{"changes": s.changes, "total_bytes": s.total, "compiled_bytes": s.compiled,
+                             "relative_step_time": s.relative_step_time} for s in self.suggestions],
         }
 
 
@@ -404,7 +426,7 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
         layout = make_layout(_replace(cfg, microbatches=1) if cfg.train.microbatches == "auto" else cfg, devices)
         compiled = compile_truth(layout)
     cfg, predicted = layout.cfg, accelerator_total(layout, compiled)
-    suggestions = [] if usable is None or predicted <= usable else suggest(cfg, usable, devices)
+    suggestions = [] if usable is None or predicted <= usable else compile_suggestions(suggest(cfg, usable, devices), usable, devices)
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, estimate_as_compiled(layout, compiled),
                 estimate(layout, ACCELERATOR), compiled, predicted, flops_per_token(cfg.model, cfg.data.seq_len),
                 cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions)

@@ -119,6 +119,14 @@ def test_suggestions_fit_and_are_ranked_by_step_time():
     times = [s.relative_step_time for s in suggestions]
     assert times == sorted(times) and times[0] >= 1.0
     assert all(s.changes for s in suggestions)
+    # on fsdp 8 x tensor 1, fsdp_tp splits everything as fsdp does: not a separate suggestion
+    assert all(s.changes.get("rules") != "fsdp_tp" for s in suggestions)
+    # the best ones are compiled until one fits
+    checked = plan_lib.compile_suggestions(suggestions, usable)
+    compiled = [s.compiled for s in checked if s.compiled is not None]
+    assert compiled and all(c > usable for c in compiled[:-1])
+    assert compiled[-1] <= usable or len(compiled) == min(len(checked), plan_lib.AUTO_COMPILES)
+    assert abs(compiled[0] / checked[0].total - 1) < 0.15  # the estimate that ranked it agrees with the compiled step
 
 
 @pytest.mark.parametrize("name,params", [("llama3_1b", 1_235_814_400), ("llama3_3b", 3_212_749_824),
