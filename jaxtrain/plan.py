@@ -81,8 +81,8 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     seq = cfg.data.seq_len
     tokens = b * seq
     act = np.dtype(m.dtype).itemsize
-    # XLA's CPU backend converts every bfloat16 stack saved across the layer scan to float32 before the
-    # backward loop (it has no bfloat16 dynamic-slice); GPUs keep the compute dtype
+    # XLA's CPU pipeline converts every bfloat16 stack saved across the layer scan to a float32 copy before the
+    # backward loop; the HLO jax emits keeps them in the compute dtype, as a GPU does
     stack = 4 if (for_platform or platform(layout)) == "cpu" else act
     hd = m.resolved_head_dim
     embed = tokens * m.d_model  # elements of one residual-stream tensor (the embed axis is never sharded)
