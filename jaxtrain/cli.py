@@ -90,11 +90,13 @@ def cmd_plan(args) -> int:
         raise UserError(f"--device-memory {args.device_memory:g} must be positive (GiB per device)")
     count = plan_device_count(cfg.mesh, args.devices)
     simulate_cpu_devices(count)
+    # jax's CUDA plugin, where installed, checks the CUDA driver as jax starts; a plan needs only its compiler
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     from jaxtrain import plan as plan_lib  # starts jax
 
     memory = None if args.device_memory is None else int(args.device_memory * plan_lib.GIB)
     plan = plan_lib.make_plan(cfg, device_memory=memory, gpu=args.gpu, headroom=args.headroom, tokens_per_s=args.tokens_per_s,
-                              devices=plan_lib.target_devices(count))
+                              devices=plan_lib.target_devices(count, args.gpu))
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan_lib.render(plan))
     if args.plot:
         plan_lib.plot(plan, args.plot)

@@ -26,6 +26,7 @@ import numpy as np
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.flops import flops_per_token, peak_flops
+from jaxtrain.gpu_targets import compile_only_devices, gpu_memory_bytes
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards
 from jaxtrain.state import bytes_per_device
@@ -33,21 +34,12 @@ from jaxtrain.train import Layout, lower_steps, make_layout, peak_bytes
 from models.config import REMAT_POLICIES
 
 GIB = 2**30
-# Total memory per device as nvidia-smi reports it (MiB); the CUDA context and NCCL take some of it.
-GPU_MEMORY_MIB = {"h100": 81559, "h200": 143771, "a100": 81920, "a100-40gb": 40960, "l4": 23034}
 DEFAULT_HEADROOM = 0.10  # share of device memory kept free for the CUDA context, NCCL buffers, fragmentation
 RULE_SETS = ("dp", "fsdp", "tp", "fsdp_tp")
 MICROBATCH_OVERHEAD = 0.02  # step-time cost of each extra micro-batch (weights re-gathered, smaller matmuls)
 ACCELERATOR = "gpu"  # the platform plans are for, whatever the step was compiled on
 AUTO_COMPILES = 4  # train.microbatches=auto: compiles tried past the estimate's choice before giving up
 T = TypeVar("T")
-
-
-def gpu_memory_bytes(name: str) -> int:
-    key = name.lower()
-    if key not in GPU_MEMORY_MIB:
-        raise UserError(f"unknown GPU '{name}'; known: {', '.join(GPU_MEMORY_MIB)} (or give --device-memory GiB)")
-    return GPU_MEMORY_MIB[key] * 2**20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,7 +75,8 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     act = np.dtype(m.dtype).itemsize
     # XLA's CPU pipeline converts every bfloat16 stack saved across the layer scan to a float32 copy before the
     # backward loop; the HLO jax emits keeps them in the compute dtype, as a GPU does
-    stack = 4 if (for_platform or platform(layout)) == "cpu" else act
+    on_cpu = (for_platform or platform(layout)) == "cpu"
+    stack = 4 if on_cpu else act
     hd = m.resolved_head_dim
     embed = tokens * m.d_model  # elements of one residual-stream tensor (the embed axis is never sharded)
     qkv = tokens * hd * (m.num_heads / _ways(layout, "activation_heads") + 2 * m.num_kv_heads / _ways(layout, "activation_kv_heads"))
@@ -105,16 +98,18 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
         layout.mesh.shape[a] for a in _spec_axes(sh.spec) if a in batch_axes)
         for x, sh in zip(jax.tree.leaves(layout.spec.shapes["layers"]), jax.tree.leaves(layout.shardings.params["layers"])))
     vocab_table = m.d_model * m.vocab_size / _ways(layout, "vocab")  # elements, gathered over fsdp
-    # backward of one layer: XLA attention holds three float32 score arrays (probabilities, their gradient, the
-    # scores' gradient) and the compute-dtype probabilities; the residual stream's float32 gradients; the
-    # gathered vocabulary table's float32 gradient, accumulators and copies, held from the loss to the lookup;
-    # the layer's gathered weights and their gradient
-    layer_backward = (12 + act) * scores + 16 * embed + (16 + act) * vocab_table + (4 + act) * layer_weights
+    # backward of one layer: XLA attention's score arrays (probabilities, their gradient, the scores' gradient:
+    # two in float32 and two in the compute dtype on a GPU; three in float32 and one in the compute dtype on the
+    # CPU compile); the residual stream's float32 gradients; the gathered vocabulary table's float32 gradient,
+    # held from the loss to the lookup (with accumulators and copies on the CPU compile); the layer's gathered
+    # weights and their gradient
+    attention_backward = (12 + act if on_cpu else 8 + 2 * act) * scores
+    layer_backward = attention_backward + 16 * embed + (16 + act if on_cpu else 4) * vocab_table + (4 + act) * layer_weights
     logit_tokens = b * (cfg.train.loss_chunk or seq)  # train.loss_chunk: one chunk's logits live at a time
-    # float32 logits and their gradient; the embedding / output tables gathered over fsdp: float32 value,
-    # gradient, compute copy
+    # float32 logits and their gradient; the output table's float32 gradient, gathered over fsdp (the CPU compile
+    # also keeps the float32 value and compute copy of each gathered table)
     loss = 2 * logit_tokens * m.vocab_size / _ways(layout, "activation_vocab") * 4 + \
-        (1 if m.tie_embeddings else 2) * 3 * vocab_table * 4
+        ((1 if m.tie_embeddings else 2) * 3 if on_cpu else 1) * vocab_table * 4
     return {
         "parameters": params,
         "optimizer state": optimizer,
@@ -162,6 +157,7 @@ def recompute_factor(cfg: Config) -> float:
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     platform: str  # what it was compiled for: "cpu" (simulated devices) or the accelerator's platform
+    device_kind: str
     attention: str  # the attention implementation compiled (CPUs have no cuDNN: "xla" in place of "cudnn")
     argument: int
     output: int
@@ -188,7 +184,7 @@ def compile_truth(layout: Layout) -> Compiled:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return Compiled(platform(layout), layout.cfg.model.attention, mem.argument_size_in_bytes, mem.output_size_in_bytes,
+    return Compiled(platform(layout), layout.mesh.devices.flat[0].device_kind, layout.cfg.model.attention, mem.argument_size_in_bytes, mem.output_size_in_bytes,
                     mem.alias_size_in_bytes, mem.temp_size_in_bytes, peak_bytes(mem), (cost or {}).get("flops"), seconds)
 
 
@@ -197,12 +193,13 @@ def estimate_as_compiled(layout: Layout, compiled: Compiled) -> dict[str, int]:
     return estimate(_with_attention(layout, compiled.attention), compiled.platform)
 
 
-def target_devices(count: int) -> list:
-    """The devices a plan compiles for: this machine's accelerators when it has ``count`` of them, else
-    ``count`` simulated CPU devices (the caller sets XLA's host device count before jax starts)."""
+def target_devices(count: int, gpu: str | None = None) -> list:
+    """The devices a plan compiles for: this machine's accelerators when it has ``count`` of them; else
+    ``count`` compile-only devices of GPU model ``gpu`` when jax's CUDA plugin is installed; else ``count``
+    simulated CPU devices (the caller sets XLA's host device count before jax starts)."""
     if jax.default_backend() != "cpu" and jax.device_count() >= count:
         return jax.devices()[:count]
-    return jax.devices("cpu")[:count]
+    return compile_only_devices(gpu, count) or jax.devices("cpu")[:count]
 
 
 def accelerator_total(layout: Layout, compiled: Compiled) -> int:
@@ -389,7 +386,7 @@ class Plan:
             "mesh": self.mesh, "devices": self.devices, "gpu": self.gpu,
             "device_memory_bytes": self.device_memory, "headroom": self.headroom, "usable_bytes": self.usable,
             "estimate_bytes": self.estimate | {"total": self.estimate_total},
-            "compiled_platform": c.platform, "compiled_attention": c.attention,
+            "compiled_platform": c.platform, "compiled_device_kind": c.device_kind, "compiled_attention": c.attention,
             "compiled_bytes": {"argument": c.argument, "output": c.output, "alias": c.alias, "temp": c.temp, "total": c.total},
             "estimate_vs_compiled": self.estimate_total / c.total - 1,
             "accelerator_estimate_bytes": self.accelerator_estimate | {"total": estimate_total(self.accelerator_estimate)},
@@ -440,7 +437,7 @@ def render(plan: Plan) -> str:
     mesh = describe_axes(plan.mesh)
     lines = [(f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat}, "
               f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"),
-             "", f"{'per device':<22}{'estimate':>12}   compiled (XLA, {c.platform}, {c.attention} attention)"]
+             "", f"{'per device':<22}{'estimate':>12}   compiled by XLA for {c.device_kind}, {c.attention} attention"]
     compiled_rows = [("arguments (state, batch)", c.argument), ("outputs not aliased", c.output - c.alias), ("temporaries", c.temp)]
     at_peak = peak_items(plan.estimate)
     rows = [(key if key in at_peak else f"({key})", value) for key, value in plan.estimate.items()]
@@ -494,7 +491,7 @@ def plot(plan: Plan, path: str) -> None:
             height = at_peak.get(item, 0) / GIB
             ax.bar(i, height, bottom=bottom, color=f"C{j}", label=item if i == 0 else None)
             bottom += height
-    ax.bar(len(bars), plan.accelerator_total / GIB, color="0.6", label=f"compiled total (XLA, {plan.compiled.platform})")
+    ax.bar(len(bars), plan.accelerator_total / GIB, color="0.6", label=f"compiled for {plan.compiled.device_kind}")
     ax.set_xticks(range(len(bars) + 1), [name for name, _ in bars] + ["plan (compiled)"], rotation=20, ha="right", fontsize=8)
     if plan.device_memory is not None:
         ax.axhline(plan.device_memory / GIB, color="k", label="device memory")

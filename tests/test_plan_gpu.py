@@ -1,0 +1,47 @@
+"""The planner compiling for GPUs this machine does not have, with XLA's GPU compiler. Needs jax's CUDA
+plugin: `make test-gpu-plan` runs this file in its own environment (.venv-gpu-plan) that has it. The main
+environment has no plugin, so there every test here is skipped (the device selection itself is tested in
+test_plan.py with stand-in devices)."""
+
+import json
+
+import pytest
+from conftest import REPO, run_cli, with_
+from test_plan import medium_config
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="jax's CUDA plugin is not installed (make test-gpu-plan)")
+
+from jaxtrain import gpu_targets  # noqa: E402
+from jaxtrain import plan as plan_lib  # noqa: E402
+from jaxtrain.train import make_layout  # noqa: E402
+
+
+def test_compile_only_devices_of_a_described_gpu():
+    devices = gpu_targets.compile_only_devices("h100", 64)
+    assert len(devices) == 64 and {d.platform for d in devices} == {"gpu"}
+    assert devices[0].device_kind == "NVIDIA H100 80GB HBM3"
+    assert gpu_targets.compile_only_devices("l4", 8) is None  # no description: the plan simulates CPUs
+    assert plan_lib.target_devices(8, "h200")[0].device_kind == "NVIDIA H200"
+
+
+@pytest.mark.parametrize("rules,mesh,remat,attention", [
+    ("fsdp_tp", (1, 4, 2), "full", "xla"),
+    ("tp", (2, 1, 4), "save_qkv_out", "xla"),
+    ("fsdp", (1, 8, 1), "save_dots", "cudnn"),
+])
+def test_gpu_compile_and_the_gpu_estimate_agree(rules, mesh, remat, attention):
+    cfg = with_(medium_config(rules, remat, mesh=mesh, seq_len=1024), model={"attention": attention})
+    layout = make_layout(cfg, gpu_targets.compile_only_devices("h100", 8))
+    compiled = plan_lib.compile_truth(layout)
+    assert (compiled.platform, compiled.attention) == ("gpu", attention)  # cuDNN attention compiles for the GPU
+    assert plan_lib.accelerator_total(layout, compiled) == compiled.total  # nothing to take out
+    assert abs(plan_lib.estimate_total(plan_lib.estimate(layout)) / compiled.total - 1) < 0.15
+
+
+def test_cli_plan_compiles_for_the_named_gpu():
+    result = run_cli("plan", "tiny", "model.dtype=bfloat16", "--gpu", "h100", "--json", cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stdout)
+    assert (body["compiled_platform"], body["compiled_device_kind"]) == ("gpu", "NVIDIA H100 80GB HBM3")
+    assert body["accelerator_total_bytes"] == body["compiled_bytes"]["total"]
+    assert body["fits"] is True
