@@ -135,10 +135,10 @@ def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
     data_lib.check_sizes(corpus, cfg.data, cfg.train.global_batch, cfg.model.vocab_size)
     start = time.perf_counter()
     if layout is None:  # the fewest micro-batches whose compiled train step fits
-        layout, steps = plan.fit_microbatches(cfg, limit, devices, _compile_steps)
+        layout, (train_step, eval_lowered) = plan.fit_microbatches(cfg, limit, devices, compile_train_step)
     else:
-        steps, _ = _compile_steps(layout)
-    return Trainer(layout, corpus, *steps, time.perf_counter() - start)
+        (train_step, eval_lowered), _ = compile_train_step(layout)
+    return Trainer(layout, corpus, train_step, eval_lowered.compile(), time.perf_counter() - start)
 
 
 def peak_bytes(memory) -> int:
@@ -147,11 +147,11 @@ def peak_bytes(memory) -> int:
     return memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes
 
 
-def _compile_steps(layout: Layout) -> tuple[tuple[jax.stages.Compiled, jax.stages.Compiled], int]:
-    """The compiled train and eval steps, and the train step's peak bytes per device."""
+def compile_train_step(layout: Layout) -> tuple[tuple[jax.stages.Compiled, jax.stages.Lowered], int]:
+    """The compiled train step and the lowered eval step, and the train step's peak bytes per device."""
     train_lowered, eval_lowered = lower_steps(layout)
     train_step = train_lowered.compile()
-    return (train_step, eval_lowered.compile()), peak_bytes(train_step.memory_analysis())
+    return (train_step, eval_lowered), peak_bytes(train_step.memory_analysis())
 
 
 def evaluate(trainer: Trainer, params: dict, batches: list[dict]) -> float:
