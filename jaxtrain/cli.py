@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
     plan.add_argument("--devices", type=_positive_int, help="devices to simulate (default: the mesh's size; an ici -1 fills an 8-GPU node)")
     memory = plan.add_mutually_exclusive_group()
-    memory.add_argument("--gpu", help="target GPU, for its memory and peak FLOP/s (h100, h200, a100, a100-40gb, l4)")
+    memory.add_argument("--gpu", help="target GPU, for its memory and peak FLOP/s (h100, h200, a100, a100-40gb, l4); h100, h200 "
+                        "and a100 are compiled for with XLA's GPU compiler where jax's CUDA plugin is installed")
     memory.add_argument("--device-memory", type=float, metavar="GiB", help="memory per device in GiB")
     plan.add_argument("--headroom", type=float, default=0.10, help="share of device memory kept free (default 0.10)")
     plan.add_argument("--tokens-per-s", type=float, metavar="N", help="target throughput: report the MFU it needs (with --gpu)")
