@@ -16,6 +16,11 @@ from jaxtrain.errors import UserError
 MIB = 2**20
 # Total memory per device as nvidia-smi reports it (MiB); the CUDA context and NCCL take some of it.
 GPU_MEMORY_MIB = {"h100": 81559, "h200": 143771, "a100": 81920, "a100-40gb": 40960, "l4": 23034}
+# Bytes/s one GPU sends per direction: to the GPUs of its node (NVLink; L4 nodes have only PCIe) and to
+# other nodes (one InfiniBand NIC per GPU as in DGX/HGX systems: NDR 400 Gb/s for Hopper, HDR 200 Gb/s
+# for A100; 100 GbE assumed for L4).
+LINK_BYTES_PER_S = {"h100": (450e9, 50e9), "h200": (450e9, 50e9), "a100": (300e9, 25e9), "a100-40gb": (300e9, 25e9),
+                    "l4": (32e9, 12.5e9)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,6 +103,16 @@ def batch_sharding(rules: Rules, mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, rules, "the input batch"))
 
 
+def logical_ways(rules: Rules, mesh: Mesh, logical: str) -> int:
+    """How many ways the rules split a dimension with logical axis ``logical``."""
+    return math.prod(mesh.shape[a] for a in rules.get(logical) or ())
+
+
 def batch_shards(rules: Rules, mesh: Mesh) -> int:
     """How many ways the batch dimension is split."""
-    return math.prod(mesh.shape[a] for a in rules.get("activation_batch") or ())
+    return logical_ways(rules, mesh, "activation_batch")
+
+
+def spec_axes(spec: PartitionSpec) -> list[str]:
+    """Mesh axis names a PartitionSpec uses."""
+    return [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]

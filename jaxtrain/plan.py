@@ -28,15 +28,15 @@ from jaxtrain.errors import UserError
 from jaxtrain.flops import flops_per_token, peak_flops
 from jaxtrain.gpu_targets import compile_only_devices, gpu_memory_bytes
 from jaxtrain.mesh import describe_axes
-from jaxtrain.partitioning import batch_shards
+from jaxtrain.partitioning import batch_shards, logical_ways, spec_axes
 from jaxtrain.state import bytes_per_device
+from jaxtrain.step_cost import StepTime, step_time
 from jaxtrain.train import Layout, lower_steps, make_layout, peak_bytes
 from models.config import REMAT_POLICIES
 
 GIB = 2**30
 DEFAULT_HEADROOM = 0.10  # share of device memory kept free for the CUDA context, NCCL buffers, fragmentation
 RULE_SETS = ("dp", "fsdp", "tp", "fsdp_tp")
-MICROBATCH_OVERHEAD = 0.02  # step-time cost of each extra micro-batch (weights re-gathered, smaller matmuls)
 ACCELERATOR = "gpu"  # the platform plans are for, whatever the step was compiled on
 AUTO_COMPILES = 4  # train.microbatches=auto: compiles tried past the estimate's choice before giving up
 T = TypeVar("T")
@@ -47,12 +47,7 @@ T = TypeVar("T")
 
 
 def _ways(layout: Layout, logical: str) -> int:
-    return math.prod(layout.mesh.shape[a] for a in layout.rules.get(logical) or ())
-
-
-def _spec_axes(spec) -> list[str]:
-    """Mesh axis names a PartitionSpec uses."""
-    return [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
+    return logical_ways(layout.rules, layout.mesh, logical)
 
 
 def platform(layout: Layout) -> str:
@@ -95,7 +90,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # and float32 gradient; the tensor axes keep their split
     batch_axes = set(layout.rules.get("activation_batch") or ())
     layer_weights = sum(math.prod(sh.shard_shape(x.shape)[1:]) * math.prod(
-        layout.mesh.shape[a] for a in _spec_axes(sh.spec) if a in batch_axes)
+        layout.mesh.shape[a] for a in spec_axes(sh.spec) if a in batch_axes)
         for x, sh in zip(jax.tree.leaves(layout.spec.shapes["layers"]), jax.tree.leaves(layout.shardings.params["layers"])))
     vocab_table = m.d_model * m.vocab_size / _ways(layout, "vocab")  # elements, gathered over fsdp
     # backward of one layer: XLA attention's score arrays (probabilities, their gradient, the scores' gradient:
@@ -136,18 +131,6 @@ def peak_items(breakdown: dict[str, int]) -> dict[str, int]:
     """The items that make up ``estimate_total``: the smaller working set is left out."""
     smaller = min(WORKING_SETS, key=lambda key: breakdown[key])
     return {key: v for key, v in breakdown.items() if key != smaller}
-
-
-def recompute_factor(cfg: Config) -> float:
-    """Step FLOPs relative to no remat: the forward work each policy repeats in the backward pass."""
-    m, seq = cfg.model, cfg.data.seq_len
-    total = flops_per_token(m, seq)
-    attention_core = 2 * m.num_layers * seq * m.num_heads * m.resolved_head_dim  # causal fwd (the 6x formula / 3)
-    layer_matmuls = 2 * m.num_layers * (m.d_model * m.resolved_head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * m.d_model * m.mlp_dim)
-    mlp_matmuls = 2 * m.num_layers * 3 * m.d_model * m.mlp_dim
-    extra = {"none": 0, "save_dots": attention_core, "save_qkv_out": attention_core + mlp_matmuls,
-             "full": attention_core + layer_matmuls}[m.remat]
-    return 1 + extra / total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +268,7 @@ class Suggestion:
     changes: dict  # config key -> value
     total: int  # estimated bytes per device on the accelerator
     breakdown: dict
-    relative_step_time: float  # vs. the planned config, from recompute FLOPs and micro-batch overhead
+    relative_step_time: float  # vs. the planned config, by step_cost.step_time
     compiled: int | None = None  # the compiled step's bytes per device on the accelerator, when it was compiled
 
     def describe(self, limit: int) -> str:
@@ -295,15 +278,11 @@ class Suggestion:
         return f"{change}: {self.total / GIB:.1f} GiB of {limit / GIB:.1f} GiB usable, step time x{self.relative_step_time:.2f}{checked}"
 
 
-def _step_cost(cfg: Config) -> float:
-    return recompute_factor(cfg) * (1 + MICROBATCH_OVERHEAD * (cfg.train.microbatches - 1))
-
-
-def suggest(cfg: Config, limit_bytes: float, devices=None, count: int = 5) -> list[Suggestion]:
+def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = None, count: int = 5) -> list[Suggestion]:
     """Configurations that fit, over rule set x remat x micro-batches (the fewest that fit for each pair),
-    ranked by estimated step time. Micro-batches are how the per-device batch shrinks: the global batch,
-    a training hyper-parameter, is left alone."""
-    base_cost = _step_cost(cfg)
+    ranked by estimated step time on ``gpu`` (recompute and communication). Micro-batches are how the
+    per-device batch shrinks: the global batch, a training hyper-parameter, is left alone."""
+    base_time = step_time(make_layout(cfg, devices), gpu).total_s
     found = []
     for rules, layout in _layouts_by_rules(cfg, devices, dict.fromkeys((cfg.rules, *RULE_SETS))).items():
         for remat in REMAT_POLICIES:
@@ -315,7 +294,8 @@ def suggest(cfg: Config, limit_bytes: float, devices=None, count: int = 5) -> li
                     changes = {key: new for key, old, new in (
                         ("rules", cfg.rules, rules), ("model.remat", cfg.model.remat, remat),
                         ("train.microbatches", cfg.train.microbatches, k)) if old != new}
-                    found.append(Suggestion(candidate, changes, total, breakdown, _step_cost(candidate) / base_cost))
+                    relative = step_time(_with_cfg(layout, candidate), gpu).total_s / base_time
+                    found.append(Suggestion(candidate, changes, total, breakdown, relative))
                     break  # more micro-batches only cost time
     return sorted(found, key=lambda s: (s.relative_step_time, len(s.changes), s.total))[:count]
 
@@ -347,6 +327,7 @@ class Plan:
     accelerator_estimate: dict  # for the accelerator (the suggestions' figures)
     compiled: Compiled
     accelerator_total: int  # the compiled total, less what only the CPU backend adds
+    step_time: StepTime
     flops_per_token: float
     tokens_per_step: int
     gpu: str | None
@@ -393,6 +374,7 @@ class Plan:
             "accelerator_total_bytes": self.accelerator_total,
             "fits": self.fits,
             "compile_s": c.compile_s,
+            "step_time_s": {"total": self.step_time.total_s, "compute": self.step_time.compute_s} | self.step_time.communication_s,
             "flops_per_token": self.flops_per_token,
             "xla_flops_per_token": self.xla_flops_per_token,
             "tokens_per_s": self.tokens_per_s, "mfu_needed": self.mfu_needed,
@@ -423,9 +405,10 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
         layout = make_layout(_replace(cfg, microbatches=1) if cfg.train.microbatches == "auto" else cfg, devices)
         compiled = compile_truth(layout)
     cfg, predicted = layout.cfg, accelerator_total(layout, compiled)
-    suggestions = [] if usable is None or predicted <= usable else compile_suggestions(suggest(cfg, usable, devices), usable, devices)
+    suggestions = [] if usable is None or predicted <= usable else \
+        compile_suggestions(suggest(cfg, usable, devices, gpu), usable, devices)
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, estimate_as_compiled(layout, compiled),
-                estimate(layout, ACCELERATOR), compiled, predicted, flops_per_token(cfg.model, cfg.data.seq_len),
+                estimate(layout, ACCELERATOR), compiled, predicted, step_time(layout, gpu), flops_per_token(cfg.model, cfg.data.seq_len),
                 cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions)
 
 
@@ -463,6 +446,7 @@ def render(plan: Plan) -> str:
         lines.append(f"  {i}. {s.describe(plan.usable)}")
     if plan.usable is not None and not plan.fits and not plan.suggestions:
         lines.append("  no rule set, remat policy or micro-batch count fits by the estimate: use more devices or a mesh with more fsdp/tensor ways")
+    lines.append(f"estimated step time: {plan.step_time.describe()}")
     xla = plan.xla_flops_per_token
     lines.append(f"FLOPs per token: {plan.flops_per_token:.4g} (PaLM formula, causal attention halved)"
                  + ("" if xla is None else f"; XLA cost analysis {xla:.4g} (counts each loop body - layer scan, micro-batch scan - once)"))

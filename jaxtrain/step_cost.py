@@ -1,0 +1,98 @@
+"""Estimated step time of a layout on a GPU model, to rank the planner's suggestions.
+
+Compute: the PaLM FLOPs plus what the remat policy recomputes, at ASSUMED_MFU of the datasheet peak.
+Communication: the collectives the rule set implies, with ring algorithms (an all-gather or
+reduce-scatter of N bytes over n devices moves N (n-1)/n per device, an all-reduce twice that), each over
+NVLink when all its mesh axes sit inside a node and over the network otherwise:
+- FSDP: per micro-batch, each weight all-gathered over the batch axes it is split on, for the forward and
+  again for the backward (compute dtype), and its gradient reduce-scattered (float32);
+- data parallel: per step, each gradient all-reduced over the batch axes its weight is replicated on;
+- tensor parallel: per micro-batch and layer, the residual stream all-reduced after attention and the MLP
+  in the forward and the backward, and again for each of those the remat policy recomputes.
+Tensor-parallel all-reduces sit on the critical path (each layer waits for them) and add to the compute;
+weight gathers and gradient reductions do not depend on the layer being computed, so XLA's latency-hiding
+scheduler overlaps them with it and only what exceeds the compute shows. A ranking heuristic, not a
+measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from jaxtrain.config import Config
+from jaxtrain.flops import flops_per_token, peak_flops
+from jaxtrain.gpu_targets import LINK_BYTES_PER_S
+from jaxtrain.partitioning import batch_shards, logical_ways, spec_axes
+from jaxtrain.train import Layout
+
+ASSUMED_MFU = 0.45  # share of the datasheet peak a well-tuned step reaches (MaxText reports 45-55% on H100)
+DEFAULT_GPU = "h100"  # what a step is timed on when no GPU is named
+# forward all-reduces of the tensor-parallel residual stream that each policy recomputes in the backward
+RECOMPUTED_ALL_REDUCES = {"none": 0, "save_dots": 0, "save_qkv_out": 1, "full": 2}
+
+
+def recompute_factor(cfg: Config) -> float:
+    """Step FLOPs relative to no remat: the forward work each policy repeats in the backward pass."""
+    m, seq = cfg.model, cfg.data.seq_len
+    total = flops_per_token(m, seq)
+    attention_core = 2 * m.num_layers * seq * m.num_heads * m.resolved_head_dim  # causal fwd (the 6x formula / 3)
+    layer_matmuls = 2 * m.num_layers * (m.d_model * m.resolved_head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * m.d_model * m.mlp_dim)
+    mlp_matmuls = 2 * m.num_layers * 3 * m.d_model * m.mlp_dim
+    extra = {"none": 0, "save_dots": attention_core, "save_qkv_out": attention_core + mlp_matmuls,
+             "full": attention_core + layer_matmuls}[m.remat]
+    return 1 + extra / total
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    gpu: str
+    compute_s: float
+    communication_s: dict  # "fsdp", "data", "tensor" -> seconds
+
+    @property
+    def total_s(self) -> float:
+        """Compute, plus the tensor-parallel all-reduces, plus the overlapped traffic the compute cannot hide."""
+        c = self.communication_s
+        return self.compute_s + c["tensor"] + max(0.0, c["fsdp"] + c["data"] - self.compute_s)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in self.communication_s.items() if seconds >= 0.005)
+        return (f"{self.total_s:.2f} s on {self.gpu} (compute {self.compute_s:.2f} s at {100 * ASSUMED_MFU:.0f}% MFU"
+                + (f"; communication {parts}, fsdp and data overlapped with compute" if parts else "") + ")")
+
+
+def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
+    cfg, m = layout.cfg, layout.cfg.model
+    name = (gpu or DEFAULT_GPU).lower()
+    k, seq, act = cfg.train.microbatches, cfg.data.seq_len, np.dtype(m.dtype).itemsize
+    tokens_per_device = cfg.train.global_batch * seq / layout.mesh.size
+    compute = flops_per_token(m, seq) * recompute_factor(cfg) * tokens_per_device / (peak_flops(name, m.dtype) * ASSUMED_MFU)
+
+    batch_axes = layout.rules.get("activation_batch") or ()
+    fsdp = data = 0.0
+    fsdp_axes, data_axes = set(), set()
+    for x, sharding in zip(jax.tree.leaves(layout.spec.shapes), jax.tree.leaves(layout.shardings.params)):
+        local = math.prod(sharding.shard_shape(x.shape))
+        used = spec_axes(sharding.spec)
+        split = math.prod(layout.mesh.shape[a] for a in batch_axes if a in used)
+        replicated = math.prod(layout.mesh.shape[a] for a in batch_axes if a not in used)
+        fsdp += k * local * split * (2 * act + 4) * (split - 1) / split
+        data += 2 * local * 4 * (replicated - 1) / replicated
+        fsdp_axes.update(a for a in batch_axes if a in used)
+        data_axes.update(a for a in batch_axes if a not in used)
+    tensor_ways = logical_ways(layout.rules, layout.mesh, "activation_mlp")
+    sequences = cfg.train.global_batch / k / batch_shards(layout.rules, layout.mesh)
+    all_reduces = k * m.num_layers * (4 + RECOMPUTED_ALL_REDUCES[m.remat])
+    tensor = all_reduces * sequences * seq * m.d_model * act * 2 * (tensor_ways - 1) / tensor_ways
+
+    def seconds(traffic: float, axes) -> float:
+        nvlink, network = LINK_BYTES_PER_S[name]
+        across_nodes = any(getattr(cfg.mesh.dcn, a) != 1 for a in axes)
+        return traffic / (network if across_nodes else nvlink)
+
+    return StepTime(name, compute, {"fsdp": seconds(fsdp, fsdp_axes), "data": seconds(data, data_axes),
+                                    "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ())})

@@ -1,0 +1,64 @@
+"""The step-time model that ranks the planner's suggestions: compute, and each collective's bytes over the
+right link."""
+
+import dataclasses
+
+import pytest
+from conftest import with_
+from test_plan import medium_config
+
+from jaxtrain import step_cost
+from jaxtrain.config import AxisSizes, MeshConfig
+from jaxtrain.flops import flops_per_token
+from jaxtrain.gpu_targets import LINK_BYTES_PER_S
+from jaxtrain.train import make_layout
+
+H100_BF16 = 989.4e12
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_fsdp_traffic_compute_and_data_traffic_are_counted_exactly(microbatches):
+    cfg = medium_config("fsdp", "full", mesh=(1, 8, 1), microbatches=microbatches)
+    layout = make_layout(cfg)
+    timed = step_cost.step_time(layout, "h100")
+    norms = (2 * 4 + 1) * 256  # replicated over fsdp: their gradients are all-reduced, not reduce-scattered
+    split = layout.spec.num_params - norms
+    nvlink, _ = LINK_BYTES_PER_S["h100"]
+    # per micro-batch: bf16 weights gathered for forward and backward, float32 gradients reduce-scattered
+    assert timed.communication_s["fsdp"] == pytest.approx(microbatches * split * (2 * 2 + 4) * 7 / 8 / nvlink)
+    assert timed.communication_s["data"] == pytest.approx(2 * norms * 4 * 7 / 8 / nvlink)  # once per step
+    assert timed.communication_s["tensor"] == 0  # no tensor axis in use
+    tokens_per_device = 16 * 512 / 8
+    assert timed.compute_s == pytest.approx(flops_per_token(cfg.model, 512) * step_cost.recompute_factor(cfg) * tokens_per_device
+                                            / (H100_BF16 * step_cost.ASSUMED_MFU))
+    # weight traffic overlaps the compute: only what exceeds it adds to the step
+    hidden = timed.communication_s["fsdp"] + timed.communication_s["data"]
+    assert timed.total_s == pytest.approx(max(timed.compute_s, hidden))
+
+
+def test_tensor_all_reduces_follow_the_remat_policy_and_sit_on_the_critical_path():
+    times = {remat: step_cost.step_time(make_layout(medium_config("fsdp_tp", remat, mesh=(1, 4, 2))), "h100")
+             for remat in ("save_dots", "save_qkv_out", "full")}
+    tensor = {remat: t.communication_s["tensor"] for remat, t in times.items()}
+    # 4 all-reduces per layer and micro-batch, plus the recomputed forward ones (0, 1, 2)
+    assert tensor["save_dots"] > 0 and tensor["save_qkv_out"] == pytest.approx(tensor["save_dots"] * 5 / 4)
+    assert tensor["full"] == pytest.approx(tensor["save_dots"] * 6 / 4)
+    assert all(t.total_s >= t.compute_s + t.communication_s["tensor"] for t in times.values())
+
+
+def test_traffic_across_nodes_goes_over_the_network():
+    layout = make_layout(medium_config("fsdp", "full", mesh=(1, 8, 1)))
+    inside = step_cost.step_time(layout, "h100")
+    # the same split, with the fsdp axis spanning 2 nodes of 4
+    across_cfg = dataclasses.replace(layout.cfg, mesh=MeshConfig(ici=AxisSizes(1, 4, 1), dcn=AxisSizes(1, 2, 1)))
+    across = step_cost.step_time(dataclasses.replace(layout, cfg=across_cfg), "h100")
+    nvlink, network = LINK_BYTES_PER_S["h100"]
+    assert across.communication_s["fsdp"] == pytest.approx(inside.communication_s["fsdp"] * nvlink / network)
+    assert across.compute_s == inside.compute_s
+
+
+def test_float32_compute_is_timed_against_the_float32_peak():
+    cfg = medium_config("fsdp", "full", mesh=(1, 8, 1))
+    bf16 = step_cost.step_time(make_layout(cfg), "a100")
+    fp32 = step_cost.step_time(make_layout(with_(cfg, model={"dtype": "float32"})), "a100")
+    assert fp32.compute_s == pytest.approx(bf16.compute_s * 312 / 156)
