@@ -151,6 +151,10 @@ class Compiled:
     compile_s: float
 
 
+def _with_cfg(layout: Layout, cfg: Config) -> Layout:
+    return dataclasses.replace(layout, cfg=cfg)
+
+
 def _with_attention(layout: Layout, attention: str) -> Layout:
     return _with_cfg(layout, dataclasses.replace(layout.cfg, model=dataclasses.replace(layout.cfg.model, attention=attention)))
 
@@ -167,8 +171,9 @@ def compile_truth(layout: Layout) -> Compiled:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return Compiled(platform(layout), layout.mesh.devices.flat[0].device_kind, layout.cfg.model.attention, mem.argument_size_in_bytes, mem.output_size_in_bytes,
-                    mem.alias_size_in_bytes, mem.temp_size_in_bytes, peak_bytes(mem), (cost or {}).get("flops"), seconds)
+    return Compiled(platform(layout), layout.mesh.devices.flat[0].device_kind, layout.cfg.model.attention,
+                    mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes, mem.temp_size_in_bytes,
+                    peak_bytes(mem), (cost or {}).get("flops"), seconds)
 
 
 def estimate_as_compiled(layout: Layout, compiled: Compiled) -> dict[str, int]:
@@ -187,8 +192,9 @@ def target_devices(count: int, gpu: str | None = None) -> list:
 
 def accelerator_total(layout: Layout, compiled: Compiled) -> int:
     """Per-device peak on the accelerator: the compiled total, less the estimated difference between what was
-    compiled and the accelerator; on simulated CPU devices that is the float32 copies of saved bfloat16 stacks
-    only the CPU backend makes, and the score arrays of XLA attention compiled in place of cuDNN's."""
+    compiled and the accelerator. On simulated CPU devices that is what only the CPU compile holds (float32
+    copies of the saved bfloat16 stacks, more score arrays and vocabulary-table copies in the working sets) and
+    the score arrays of XLA attention compiled in place of cuDNN's; on a GPU it is nothing."""
     return compiled.total - (estimate_total(estimate_as_compiled(layout, compiled)) - estimate_total(estimate(layout, ACCELERATOR)))
 
 
@@ -227,10 +233,6 @@ def _layouts_by_rules(cfg: Config, devices, rule_sets) -> dict[str, Layout]:
             seen.add(splits)
             out[rules] = layout
     return out
-
-
-def _with_cfg(layout: Layout, cfg: Config) -> Layout:
-    return dataclasses.replace(layout, cfg=cfg)
 
 
 def microbatch_candidates(cfg: Config, limit_bytes: float, devices=None) -> list[int]:
@@ -432,9 +434,10 @@ def render(plan: Plan) -> str:
                  f"(estimate {100 * (plan.estimate_total / c.total - 1):+.1f}%)")
     lines.append("(the two working sets, logits and loss / layer backward, are not live together: the total counts the larger)")
     if c.platform == "cpu":
-        only_cpu = "float32 copies of saved stacks" + (" and XLA attention's scores" if c.attention != cfg.model.attention else "")
+        only_cpu = "float32 copies of saved stacks, extra score and table copies" + (
+            ", XLA attention's scores" if c.attention != cfg.model.attention else "")
         lines.append(f"on the accelerator: {plan.accelerator_total / GIB:.2f} GiB, the compiled total less an estimated "
-                     f"{(c.total - plan.accelerator_total) / GIB:.2f} GiB of {only_cpu} that only the CPU compile has")
+                     f"{(c.total - plan.accelerator_total) / GIB:.2f} GiB that only the CPU compile holds ({only_cpu})")
     lines.append("")
     if plan.usable is None:
         lines.append("verdict: no device memory given (--gpu NAME or --device-memory GiB)")
