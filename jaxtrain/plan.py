@@ -447,7 +447,11 @@ def render(plan: Plan) -> str:
                      f"({plan.device_memory / GIB:.1f} GiB, {100 * plan.headroom:.0f}% headroom)")
     for i, s in enumerate(plan.suggestions, 1):
         lines.append(f"  {i}. {s.describe(plan.usable)}")
-    if plan.usable is not None and not plan.fits and not plan.suggestions:
+    own = estimate_total(plan.accelerator_estimate)
+    if plan.usable is not None and not plan.fits and not plan.suggestions and own <= plan.usable:
+        lines.append(f"  the estimate for the GPU ({own / GIB:.1f} GiB) fits, the compiled figure does not"
+                     + ("; with jax's CUDA plugin the plan compiles for the GPU itself (docs/PLANNER.md)" if c.platform == "cpu" else ""))
+    elif plan.usable is not None and not plan.fits and not plan.suggestions:
         lines.append("  no rule set, remat policy or micro-batch count fits by the estimate: use more devices or a mesh with more fsdp/tensor ways")
     lines.append(f"estimated step time: {plan.step_time.describe()}")
     xla = plan.xla_flops_per_token
