@@ -2,11 +2,11 @@
 
 Two views of the same train step, side by side:
 - an analytic estimate per device, itemised (parameters, gradients, optimizer state, activations saved
-  under the remat policy, and the two working sets: logits and loss, one layer's backward), computed from the shardings of the real
-  layout (``train.make_layout``) and the model shape;
+  under the remat policy, and the two working sets: logits and loss, one layer's backward), computed from
+  the shardings of the real layout (``train.make_layout``) and the model shape;
 - the compiled truth: the real train step (``train.lower_steps``) compiled for the target mesh, on this
-  machine's accelerators when it has enough, else on simulated CPU devices, read back with XLA's
-  ``memory_analysis`` and ``cost_analysis``.
+  machine's accelerators when it has enough, else on compile-only GPUs (``gpu_targets``), else on simulated
+  CPU devices, read back with XLA's ``memory_analysis`` and ``cost_analysis``.
 Suggestions (rule set, remat, micro-batches) are searched with the analytic estimate, which costs
 milliseconds per candidate; the plan itself is compiled, so are the best suggestions until one fits, and
 so is each micro-batch count ``train.microbatches=auto`` tries.
@@ -15,7 +15,6 @@ so is each micro-batch count ``train.microbatches=auto`` tries.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -28,8 +27,8 @@ from jaxtrain.errors import UserError
 from jaxtrain.flops import flops_per_token, peak_flops
 from jaxtrain.gpu_targets import compile_only_devices, gpu_memory_bytes
 from jaxtrain.mesh import describe_axes
-from jaxtrain.partitioning import batch_shards, logical_ways, spec_axes
-from jaxtrain.state import bytes_per_device
+from jaxtrain.partitioning import batch_shards, logical_ways
+from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.step_cost import StepTime, step_time
 from jaxtrain.train import Layout, lower_steps, make_layout, peak_bytes
 from models.config import REMAT_POLICIES
@@ -88,10 +87,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     }[m.remat]
     # one layer's weights gathered over the batch axes (FSDP) for its forward and backward: compute-dtype copy
     # and float32 gradient; the tensor axes keep their split
-    batch_axes = set(layout.rules.get("activation_batch") or ())
-    layer_weights = sum(math.prod(sh.shard_shape(x.shape)[1:]) * math.prod(
-        layout.mesh.shape[a] for a in spec_axes(sh.spec) if a in batch_axes)
-        for x, sh in zip(jax.tree.leaves(layout.spec.shapes["layers"]), jax.tree.leaves(layout.shardings.params["layers"])))
+    batch_axes = layout.rules.get("activation_batch") or ()
+    layer_weights = sum(gathered_elements(x, batch_axes) / x.sharding.shard_shape(x.shape)[0]  # per stacked layer
+                        for x in jax.tree.leaves(state.params["layers"]))
     vocab_table = m.d_model * m.vocab_size / _ways(layout, "vocab")  # elements, gathered over fsdp
     # backward of one layer: XLA attention's score arrays (probabilities, their gradient, the scores' gradient:
     # two in float32 and two in the compute dtype on a GPU; three in float32 and one in the compute dtype on the
@@ -121,16 +119,15 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
 WORKING_SETS = ("logits and loss", "layer backward")
 
 
-def estimate_total(breakdown: dict[str, int]) -> int:
-    """Peak bytes: what lives through the step plus the larger of the two working sets."""
-    held = sum(v for key, v in breakdown.items() if key not in WORKING_SETS)
-    return held + max(breakdown[key] for key in WORKING_SETS)
-
-
 def peak_items(breakdown: dict[str, int]) -> dict[str, int]:
-    """The items that make up ``estimate_total``: the smaller working set is left out."""
+    """The items live at the peak: what lives through the step and the larger of the two working sets."""
     smaller = min(WORKING_SETS, key=lambda key: breakdown[key])
     return {key: v for key, v in breakdown.items() if key != smaller}
+
+
+def estimate_total(breakdown: dict[str, int]) -> int:
+    """Peak bytes: the sum of ``peak_items``."""
+    return sum(peak_items(breakdown).values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,22 +232,29 @@ def _layouts_by_rules(cfg: Config, devices, rule_sets) -> dict[str, Layout]:
     return out
 
 
+def _candidates(base: Layout, limit_bytes: float) -> list[int]:
+    """Micro-batch counts for ``base`` (a layout of the config), from the fewest whose estimated accelerator total
+    fits ``limit_bytes`` (the most the batch allows when none does) upwards."""
+    cfg = base.cfg
+    options = _valid_microbatches(cfg, batch_shards(base.rules, base.mesh))
+    fits = [i for i, k in enumerate(options)
+            if estimate_total(estimate(_with_cfg(base, _replace(cfg, microbatches=k)), ACCELERATOR)) <= limit_bytes]
+    return options[fits[0] if fits else -1:]
+
+
 def microbatch_candidates(cfg: Config, limit_bytes: float, devices=None) -> list[int]:
     """The micro-batch counts worth trying for ``limit_bytes`` per device: from the fewest whose estimated
     accelerator total fits (the most the batch allows when none does) upwards."""
-    layout = make_layout(_replace(cfg, microbatches=1), devices)
-    options = _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh))
-    fits = [i for i, k in enumerate(options)
-            if estimate_total(estimate(_with_cfg(layout, _replace(cfg, microbatches=k)), ACCELERATOR)) <= limit_bytes]
-    return options[fits[0] if fits else -1:]
+    return _candidates(make_layout(_replace(cfg, microbatches=1), devices), limit_bytes)
 
 
 def fit_microbatches(cfg: Config, limit_bytes: float, devices, compile_fn: Callable[[Layout], tuple[T, int]]) -> tuple[Layout, T]:
     """``train.microbatches=auto``: compile with the estimate's choice, and while the compiled peak (the second
     value ``compile_fn`` returns) exceeds ``limit_bytes`` try the next count, at most AUTO_COMPILES times.
     Returns the layout and what ``compile_fn`` made of it."""
-    for k in microbatch_candidates(cfg, limit_bytes, devices)[:AUTO_COMPILES]:
-        layout = make_layout(_replace(cfg, microbatches=k), devices)
+    base = make_layout(_replace(cfg, microbatches=1), devices)  # the micro-batch count changes neither model nor sharding
+    for k in _candidates(base, limit_bytes)[:AUTO_COMPILES]:
+        layout = _with_cfg(base, _replace(cfg, microbatches=k))
         result, peak = compile_fn(layout)
         if peak <= limit_bytes:
             break
@@ -284,9 +288,10 @@ def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = Non
     """Configurations that fit, over rule set x remat x micro-batches (the fewest that fit for each pair),
     ranked by estimated step time on ``gpu`` (recompute and communication). Micro-batches are how the
     per-device batch shrinks: the global batch, a training hyper-parameter, is left alone."""
-    base_time = step_time(make_layout(cfg, devices), gpu).total_s
+    layouts = _layouts_by_rules(cfg, devices, dict.fromkeys((cfg.rules, *RULE_SETS)))
+    base_time = step_time(_with_cfg(layouts[cfg.rules], cfg), gpu).total_s
     found = []
-    for rules, layout in _layouts_by_rules(cfg, devices, dict.fromkeys((cfg.rules, *RULE_SETS))).items():
+    for rules, layout in layouts.items():
         for remat in REMAT_POLICIES:
             for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh)):
                 candidate = _replace(cfg, rules=rules, remat=remat, microbatches=k)
@@ -304,7 +309,8 @@ def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = Non
 
 def compile_suggestions(suggestions: list[Suggestion], limit_bytes: float, devices=None) -> list[Suggestion]:
     """Compile the suggestions in rank order until one fits ``limit_bytes`` (at most AUTO_COMPILES of them),
-    recording each compiled figure for the accelerator."""
+    recording each compiled figure for the accelerator. Each gets a layout of its own: the model graph holds
+    the remat policy."""
     out = list(suggestions)
     for i, suggestion in enumerate(out[:AUTO_COMPILES]):
         layout = make_layout(suggestion.cfg, devices)
@@ -385,9 +391,10 @@ class Plan:
         }
 
 
-def _compile_and_predict(layout: Layout) -> tuple[Compiled, int]:
+def _compile_and_predict(layout: Layout) -> tuple[tuple[Compiled, int], int]:
     compiled = compile_truth(layout)
-    return compiled, accelerator_total(layout, compiled)
+    predicted = accelerator_total(layout, compiled)
+    return (compiled, predicted), predicted
 
 
 def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None = None, headroom: float = DEFAULT_HEADROOM,
@@ -402,11 +409,11 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
         raise UserError(f"headroom={headroom} must be in [0, 1), e.g. 0.1 to keep 10% of device memory free")
     usable = None if device_memory is None else device_memory * (1 - headroom)
     if cfg.train.microbatches == "auto" and usable is not None:
-        layout, compiled = fit_microbatches(cfg, usable, devices, _compile_and_predict)
+        layout, (compiled, predicted) = fit_microbatches(cfg, usable, devices, _compile_and_predict)
     else:
         layout = make_layout(_replace(cfg, microbatches=1) if cfg.train.microbatches == "auto" else cfg, devices)
-        compiled = compile_truth(layout)
-    cfg, predicted = layout.cfg, accelerator_total(layout, compiled)
+        (compiled, predicted), _ = _compile_and_predict(layout)
+    cfg = layout.cfg
     suggestions = [] if usable is None or predicted <= usable else \
         compile_suggestions(suggest(cfg, usable, devices, gpu), usable, devices)
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, estimate_as_compiled(layout, compiled),

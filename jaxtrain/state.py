@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtrain.partitioning import Rules, param_shardings
+from jaxtrain.partitioning import Rules, param_shardings, spec_axes
 from models.config import LlamaConfig
 from models.llama import Llama
 
@@ -48,6 +48,14 @@ def model_spec(model_cfg: LlamaConfig) -> ModelSpec:
 def elements_per_device(tree) -> int:
     """Elements one device holds of a tree of arrays or ShapeDtypeStructs carrying shardings."""
     return sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def gathered_elements(x, axes) -> int:
+    """Elements one device holds of ``x`` (an array or ShapeDtypeStruct carrying a NamedSharding) once it is
+    all-gathered over those of the mesh ``axes`` it is split on (FSDP: the batch axes)."""
+    sharding = x.sharding
+    split = math.prod(sharding.mesh.shape[a] for a in spec_axes(sharding.spec) if a in axes)
+    return math.prod(sharding.shard_shape(x.shape)) * split
 
 
 def bytes_per_device(tree) -> int:

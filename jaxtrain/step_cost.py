@@ -27,6 +27,7 @@ from jaxtrain.config import Config
 from jaxtrain.flops import flops_per_token, peak_flops
 from jaxtrain.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.partitioning import batch_shards, logical_ways, spec_axes
+from jaxtrain.state import elements_per_device, gathered_elements
 from jaxtrain.train import Layout
 
 ASSUMED_MFU = 0.45  # share of the datasheet peak a well-tuned step reaches (MaxText reports 45-55% on H100)
@@ -73,15 +74,16 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     compute = flops_per_token(m, seq) * recompute_factor(cfg) * tokens_per_device / (peak_flops(name, m.dtype) * ASSUMED_MFU)
 
     batch_axes = layout.rules.get("activation_batch") or ()
+    batch_ways = math.prod(layout.mesh.shape[a] for a in batch_axes)
     fsdp = data = 0.0
     fsdp_axes, data_axes = set(), set()
-    for x, sharding in zip(jax.tree.leaves(layout.spec.shapes), jax.tree.leaves(layout.shardings.params)):
-        local = math.prod(sharding.shard_shape(x.shape))
-        used = spec_axes(sharding.spec)
-        split = math.prod(layout.mesh.shape[a] for a in batch_axes if a in used)
-        replicated = math.prod(layout.mesh.shape[a] for a in batch_axes if a not in used)
-        fsdp += k * local * split * (2 * act + 4) * (split - 1) / split
+    for x in jax.tree.leaves(layout.abstract_state().params):
+        local, gathered = elements_per_device(x), gathered_elements(x, batch_axes)
+        split = gathered // local
+        replicated = batch_ways // split
+        fsdp += k * gathered * (2 * act + 4) * (split - 1) / split
         data += 2 * local * 4 * (replicated - 1) / replicated
+        used = spec_axes(x.sharding.spec)
         fsdp_axes.update(a for a in batch_axes if a in used)
         data_axes.update(a for a in batch_axes if a not in used)
     tensor_ways = logical_ways(layout.rules, layout.mesh, "activation_mlp")
