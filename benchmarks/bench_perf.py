@@ -31,8 +31,9 @@ import optax
 from jaxtrain import data as data_lib
 from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig
 from jaxtrain.flops import flops_per_token, measure_matmul_peak
+from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.state import init_state
-from jaxtrain.train import Trainer, build, lower_steps, make_layout, train
+from jaxtrain.train import Trainer, build, train
 from models.config import REMAT_POLICIES, LlamaConfig
 
 REPEATS = 5  # timed repetitions per measurement; the median is reported

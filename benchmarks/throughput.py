@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench_perf import fixed_batch, random_corpus
     from jaxtrain.flops import flops_per_token, measure_matmul_peak
+    from jaxtrain.layout import peak_bytes
     from jaxtrain.plan import estimate, estimate_total
-    from jaxtrain.train import build, peak_bytes
+    from jaxtrain.train import build
 
     trainer = build(cfg, random_corpus(cfg.model.vocab_size, tokens=(cfg.train.global_batch + 1) * (cfg.data.seq_len + 1) * 12))
     batch, state = fixed_batch(trainer), trainer.init_state()

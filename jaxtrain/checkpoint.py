@@ -96,8 +96,10 @@ def _manager(directory: Path, cfg: CheckpointConfig | None) -> ocp.CheckpointMan
     if cfg is None:
         options = ocp.CheckpointManagerOptions(save_interval_steps=0, create=False)
     else:
+        # only the configured steps: Orbax's default policy also saves the first step and on its own preemption check
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=cfg.every, max_to_keep=cfg.keep, keep_period=cfg.keep_every or None,
+            save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(cfg.every),
+            max_to_keep=cfg.keep, keep_period=cfg.keep_every or None,
             enable_async_checkpointing=cfg.async_save, create=True)
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=handlers)
@@ -162,13 +164,18 @@ class RunCheckpoints:
             multihost_utils.sync_global_devices(f"jaxtrain quarantine checkpoint {step}")
         self.manager.reload()
 
-    def after_step(self, step: int, state, data_iterator) -> None:
-        """Save if due (always at the last step); on preemption save, wait for the commit and raise Preempted."""
-        preempted = step < self.last_step and self.preemption.reached(step)
-        self.save(step, state, data_iterator, force=preempted or step == self.last_step)
+    def preempted(self, step: int) -> bool:
+        """Whether to stop after ``step`` (every process must ask at every step, in the same order)."""
+        return step < self.last_step and self.preemption.reached(step)
+
+    def after_step(self, step: int, state, data_iterator, *, preempted: bool) -> bool:
+        """Save if due (always at the last step); on preemption save, wait for the commit and raise Preempted.
+        Returns whether a save started."""
+        started = self.save(step, state, data_iterator, force=preempted or step == self.last_step)
         if preempted:
             self.close()
             raise Preempted(step)
+        return started
 
     def save(self, step: int, state, data_iterator, *, force: bool = False) -> bool:
         """Start saving ``step`` if it is due (or ``force``); the write continues in the background
@@ -205,6 +212,12 @@ class RunCheckpoints:
         finally:
             self.manager.close()
             self.preemption.close()
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    """Whether the run directory holds a complete checkpoint of its own (so a start resumes it); looks only."""
+    directory = run_dir / CHECKPOINTS_DIR
+    return directory.is_dir() and any(p.name.isdigit() and p.is_dir() for p in directory.iterdir())
 
 
 def _check_writable(directory: Path) -> None:

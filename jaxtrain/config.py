@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import importlib
 import importlib.util
+import math
 import types
 import typing
 from pathlib import Path
@@ -86,6 +87,8 @@ class LogConfig:
     peak_tflops: float | None = None  # per-device peak for MFU; None: datasheet table, or measured on CPU
     tensorboard: bool = True  # TensorBoard event files in the run directory
     wandb: str | None = None  # Weights & Biases project name (needs the wandb package); None: off
+    mlflow: str | None = None  # MLflow experiment name (needs mlflow; MLFLOW_TRACKING_URI picks the server); None: off
+    prometheus_port: int | None = None  # process 0 serves gauges on this port (needs prometheus_client); None: off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,11 +204,12 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     return cfg
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}: dotted keys, as overrides name them."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -213,7 +217,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def from_dict(d: dict) -> Config:
     cfg = Config()
-    for key, value in _flatten(d).items():
+    for key, value in flatten(d).items():
         cfg = set_key(cfg, key, value)
     return cfg
 
@@ -293,44 +297,83 @@ def profile_range(spec: str) -> tuple[int, int]:
 
 def log_problems(cfg: Config) -> list[str]:
     log, problems = cfg.log, []
-    if log.layer_every < 0:
-        problems.append(f"log.layer_every={log.layer_every} must be 0 (off) or positive")
-    if log.peak_tflops is not None and log.peak_tflops <= 0:
-        problems.append(f"log.peak_tflops={log.peak_tflops} must be positive (per-device peak in TFLOP/s)")
     if log.profile_steps is not None:
         try:
             if profile_range(log.profile_steps)[1] > cfg.train.steps:
                 problems.append(f"log.profile_steps={log.profile_steps} ends after train.steps={cfg.train.steps}")
         except UserError as e:
             problems.append(str(e))
-    if log.wandb and importlib.util.find_spec("wandb") is None:
-        problems.append(f"log.wandb={log.wandb!r} needs the wandb package; pip install wandb, or drop log.wandb")
+    for key, value, package, pip_name in (("log.wandb", log.wandb, "wandb", "wandb"), ("log.mlflow", log.mlflow, "mlflow", "mlflow-skinny"),
+                                          ("log.prometheus_port", log.prometheus_port, "prometheus_client", "prometheus-client")):
+        if value is not None and importlib.util.find_spec(package) is None:
+            problems.append(f"{key}={value!r} needs the {package} package; pip install {pip_name}, or drop {key}")
     return problems
+
+
+def _out_of_range(key: str, value: float, low: float, high: float = math.inf, *, low_open: bool = False,
+                  high_open: bool = False, meaning: str = "") -> str | None:
+    """The problem with ``value`` when it lies outside [low, high] (open ends excluded); NaN is never in range."""
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if above and below:
+        return None
+    if high == math.inf:
+        what = f"{'greater than' if low_open else 'at least'} {low:g}"
+    else:
+        what = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    return f"{key}={value} must be {what}{meaning}"
+
+
+def range_problems(cfg: Config) -> list[str]:
+    """Every numeric key against its valid range."""
+    t, d, o, c = cfg.train, cfg.data, cfg.optim, cfg.checkpoint
+    r = _out_of_range
+    problems = [
+        r("train.steps", t.steps, 1), r("train.global_batch", t.global_batch, 1), r("data.seq_len", d.seq_len, 1),
+        r("log.every", cfg.log.every, 1), r("train.eval_batches", t.eval_batches, 1),
+        r("checkpoint.every", c.every, 1), r("checkpoint.keep", c.keep, 1),
+        r("train.eval_every", t.eval_every, 0, meaning=" (0: evaluate only at the end)"),
+        r("checkpoint.keep_every", c.keep_every, 0, meaning=" (0: off)"),
+        r("log.layer_every", cfg.log.layer_every, 0, meaning=" (0: off)"),
+        r("train.skip_nonfinite", t.skip_nonfinite, 0, meaning=" (0: stop at the first)"),
+        r("train.seed", t.seed, 0), r("data.seed", d.seed, 0),
+        r("data.val_fraction", d.val_fraction, 0, 1, low_open=True, high_open=True),
+        r("optim.lr", o.lr, 0, high_open=True),
+        r("optim.warmup_steps", o.warmup_steps, 0),
+        r("optim.min_lr_ratio", o.min_lr_ratio, 0, 1, meaning=" (the share of optim.lr the cosine decays to)"),
+        r("optim.weight_decay", o.weight_decay, 0, high_open=True),
+        r("optim.b1", o.b1, 0, 1, high_open=True), r("optim.b2", o.b2, 0, 1, high_open=True),
+        r("optim.eps", o.eps, 0, low_open=True, high_open=True),
+        r("optim.clip_norm", o.clip_norm, 0, high_open=True, meaning=" (0: no clipping)"),
+    ]
+    if isinstance(t.microbatches, int):
+        problems.append(r("train.microbatches", t.microbatches, 1, meaning=" or 'auto'"))
+    if cfg.log.peak_tflops is not None:
+        problems.append(r("log.peak_tflops", cfg.log.peak_tflops, 0, low_open=True, high_open=True, meaning=" (per-device peak in TFLOP/s)"))
+    if cfg.log.prometheus_port is not None:
+        problems.append(r("log.prometheus_port", cfg.log.prometheus_port, 1, 65535, meaning=" (a free TCP port)"))
+    for level in ("ici", "dcn"):
+        sizes = getattr(cfg.mesh, level)
+        for axis, size in zip(MESH_AXES, sizes.as_tuple()):
+            if size < 1 and size != -1:
+                problems.append(f"mesh.{level}.{axis}={size} must be a positive integer or -1 (fill)")
+        if sizes.as_tuple().count(-1) > 1:
+            problems.append(f"at most one mesh.{level} axis may be -1, got {sizes}")
+    return [p for p in problems if p]
 
 
 def check(cfg: Config) -> None:
     """Checks that need no devices; raises UserError with every problem found."""
     problems = list(cfg.model.problems())
     t, d = cfg.train, cfg.data
-    microbatches = 1 if t.microbatches == "auto" else t.microbatches
-    if isinstance(microbatches, str):
-        problems.append(f"train.microbatches={microbatches!r} must be a positive integer or 'auto'")
-        microbatches = 1
-    for key, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch), ("train.microbatches", microbatches),
-                       ("data.seq_len", d.seq_len), ("log.every", cfg.log.every), ("train.eval_batches", t.eval_batches),
-                       ("checkpoint.every", cfg.checkpoint.every), ("checkpoint.keep", cfg.checkpoint.keep)):
-        if value <= 0:
-            problems.append(f"{key}={value} must be positive")
-    if cfg.checkpoint.keep_every < 0:
-        problems.append(f"checkpoint.keep_every={cfg.checkpoint.keep_every} must be 0 (off) or positive")
+    if isinstance(t.microbatches, str) and t.microbatches != "auto":
+        problems.append(f"train.microbatches={t.microbatches!r} must be a positive integer or 'auto'")
+    problems.extend(range_problems(cfg))
     problems.extend(log_problems(cfg))
-    if t.skip_nonfinite < 0:
-        problems.append(f"train.skip_nonfinite={t.skip_nonfinite} must be 0 (stop at the first) or positive")
-    if t.loss_chunk < 0 or (t.loss_chunk > 0 and d.seq_len % t.loss_chunk):
+    microbatches = 1 if isinstance(t.microbatches, str) else t.microbatches
+    if t.loss_chunk < 0 or (t.loss_chunk > 0 and d.seq_len > 0 and d.seq_len % t.loss_chunk):
         problems.append(f"train.loss_chunk={t.loss_chunk} must be 0 (off) or a positive divisor of data.seq_len={d.seq_len}")
     if microbatches > 0 and t.global_batch % microbatches:
         problems.append(f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}")
-    if not 0.0 < d.val_fraction < 1.0:
-        problems.append(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
     if problems:
         raise UserError("; ".join(problems))

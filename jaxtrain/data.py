@@ -76,15 +76,26 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     return Corpus(_join(train), _join(val), BYTE_VOCAB, f"{what}: {len(train)} train / {len(val)} validation files")
 
 
+NPY_MAGIC = b"\x93NUMPY"  # how every .npy file starts (numpy.lib.format)
+
+
 def _load_token_file(path: Path, val_fraction: float) -> Corpus:
-    if path.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
-    elif path.suffix == ".bin":
-        tokens = np.memmap(path, dtype="<u2", mode="r")
-    else:
+    if path.suffix not in TOKEN_FILE_SUFFIXES:
         raise UserError(f"data.path={path}: unknown token file type; use .npy (any integer dtype) or .bin (uint16)")
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise UserError(f"data.path={path}: expected a 1-D integer token array, got shape {tokens.shape} dtype {tokens.dtype}")
+    expected = "a .npy file of a 1-D integer array (numpy.save)" if path.suffix == ".npy" else "raw little-endian uint16 tokens"
+    try:
+        if path.suffix == ".npy":
+            with open(path, "rb") as f:
+                if f.read(len(NPY_MAGIC)) != NPY_MAGIC:  # else np.load would try to unpickle it
+                    raise ValueError("no .npy header")
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        else:
+            tokens = np.memmap(path, dtype="<u2", mode="r")
+    except (ValueError, OSError) as e:  # truncated, odd byte count, empty, object dtype, unreadable
+        reason = (e.strerror if isinstance(e, OSError) else None) or str(e).split(". ")[0]
+        raise UserError(f"data.path={path} is not {expected}: {reason}") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or len(tokens) == 0:
+        raise UserError(f"data.path={path}: expected a non-empty 1-D integer token array, got shape {tokens.shape} dtype {tokens.dtype}")
     split = int(len(tokens) * (1 - val_fraction))
     return Corpus(tokens[:split], tokens[split:], int(tokens.max()) + 1, f"token file {path}: {len(tokens)} tokens")
 

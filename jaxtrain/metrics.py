@@ -1,9 +1,11 @@
 """What a run reports: the start-up summary, metrics records (``metrics.jsonl``, TensorBoard, optional
-Weights & Biases), the progress line, MFU, memory, profiler traces, and the non-finite guard.
+Weights & Biases, MLflow and Prometheus), the progress line, MFU, memory, profiler traces, and the
+non-finite guard.
 
 The loop hands every step's device metrics to ``MetricsLog.after_step``; they are fetched from the
-devices (the only host sync) once per ``log.every`` steps and before every checkpoint step, so a
-non-finite loss or gradient norm stops the run before a checkpoint is written. Every process runs
+devices (the only host sync) once per ``log.every`` steps and before every checkpoint step (a
+preemption save writes a record first), so a non-finite loss or gradient norm stops the run before a
+checkpoint is written. Every process runs
 the checks (so all stop together); only process 0 writes.
 """
 
@@ -16,7 +18,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,12 +28,11 @@ import tqdm
 from jaxtrain import config as config_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
+from jaxtrain.exporters import MlflowRun, PrometheusGauges
 from jaxtrain.flops import flops_per_token, measure_matmul_peak, peak_flops
+from jaxtrain.layout import Layout
 from jaxtrain.mesh import describe_axes
 from jaxtrain.state import bytes_per_device, elements_per_device
-
-if TYPE_CHECKING:
-    from jaxtrain.train import Trainer
 
 SUMMARY_FILE = "summary.json"
 GIB = 2**30
@@ -81,18 +82,18 @@ def memory_gib() -> tuple[float, float, str]:
     return rss / GIB, peak / GIB, "host_rss"
 
 
-def startup_summary(trainer: Trainer, peak: float | None, peak_source: str) -> dict[str, Any]:
-    cfg, mesh, state = trainer.cfg, trainer.mesh, trainer.layout.abstract_state()
+def startup_summary(layout: Layout, compile_s: float, data: str, peak: float | None, peak_source: str) -> dict[str, Any]:
+    cfg, mesh, state = layout.cfg, layout.mesh, layout.abstract_state()
     return {
         "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count(),
         "mesh": dict(mesh.shape), "rules": cfg.rules,
-        "params": trainer.layout.spec.num_params, "params_per_device": elements_per_device(state.params),
+        "params": layout.spec.num_params, "params_per_device": elements_per_device(state.params),
         "param_bytes_per_device": bytes_per_device(state.params),
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
-        "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": trainer.tokens_per_step,
+        "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": layout.tokens_per_step,
         "microbatches": cfg.train.microbatches, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
-        "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(trainer.compile_s, 3),
-        "data": trainer.corpus.description,
+        "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(compile_s, 3),
+        "data": data,
     }
 
 
@@ -166,23 +167,32 @@ def drop_records_after(path: Path, step: int) -> None:
 class MetricsLog:
     """Created by the loop once the state is ready; see the module docstring."""
 
-    def __init__(self, cfg: Config, trainer: Trainer, run_dir: Path, initial_step: int, *, enabled: bool):
+    def __init__(self, layout: Layout, run_dir: Path, initial_step: int, *, compile_s: float, data: str, enabled: bool):
+        cfg = layout.cfg
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
-        self.tokens_per_step = trainer.tokens_per_step
-        self.devices = trainer.mesh.size
+        self.tokens_per_step = layout.tokens_per_step
+        self.devices = layout.mesh.size
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.profile = config_lib.profile_range(cfg.log.profile_steps) if cfg.log.profile_steps else None
         self.profiling = False
         self.pending: list[tuple[int, dict]] = []  # (step, metrics) not yet fetched from the devices
         self.timers = {"data_wait_s": 0.0, "checkpoint_s": 0.0, "eval_s": 0.0}  # since the last record
-        self.last_time, self.last_step = time.perf_counter(), initial_step
+        self.last_step = initial_step
         self.last_finite: tuple[int, dict] | None = None
         self.skipped = 0
-        self.file = self.tensorboard = self.wandb = self.progress = None
-        self.peak, peak_source = resolve_peak(cfg, list(trainer.mesh.devices.flat)) if enabled else (None, "")
-        if not enabled:
-            return
-        summary = startup_summary(trainer, self.peak, peak_source)
+        self.file = self.tensorboard = self.wandb = self.mlflow = self.prometheus = self.progress = None
+        self.peak, peak_source = resolve_peak(cfg, list(layout.mesh.devices.flat)) if enabled else (None, "")
+        if enabled:
+            try:
+                self._open(startup_summary(layout, compile_s, data, self.peak, peak_source), initial_step)
+            except BaseException:
+                self.close()
+                raise
+        # the first record's step time starts here, after the start-up work (peak benchmark, summary, loggers)
+        self.last_time = time.perf_counter()
+
+    def _open(self, summary: dict[str, Any], initial_step: int) -> None:
+        cfg, run_dir = self.cfg, self.run_dir
         (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         drop_records_after(run_dir / "metrics.jsonl", initial_step)
         self.file = open(run_dir / "metrics.jsonl", "a")
@@ -195,6 +205,10 @@ class MetricsLog:
             import wandb
 
             self.wandb = wandb.init(project=cfg.log.wandb, name=run_dir.name, dir=str(run_dir), config=config_lib.to_dict(cfg))
+        if cfg.log.mlflow:
+            self.mlflow = MlflowRun(cfg, run_dir)
+        if cfg.log.prometheus_port:
+            self.prometheus = PrometheusGauges(cfg.log.prometheus_port)
         print(format_summary(summary), file=sys.stderr)
         if cfg.log.progress:
             self.progress = Progress(cfg.train.steps, initial_step)
@@ -214,8 +228,9 @@ class MetricsLog:
             jax.profiler.start_trace(str(self.run_dir))
             self.profiling = True
 
-    def after_step(self, step: int, metrics: dict) -> None:
-        """Queue the step's device metrics; fetch, check and write them when a record or checkpoint is due."""
+    def after_step(self, step: int, metrics: dict, *, flush: bool = False) -> None:
+        """Queue the step's device metrics; fetch, check and write them when a record or checkpoint is due, or
+        ``flush`` (a preemption save follows)."""
         layer_every = self.cfg.log.layer_every
         if not (layer_every and step % layer_every == 0):
             metrics = {k: v for k, v in metrics.items() if k not in PER_LAYER}
@@ -223,7 +238,7 @@ class MetricsLog:
         if self.profiling and step == self.profile[1]:
             self._stop_trace(metrics)
         last = step == self.cfg.train.steps
-        if step % self.cfg.log.every == 0 or last:
+        if step % self.cfg.log.every == 0 or last or flush:
             self._record(step)
         elif step % self.cfg.checkpoint.every == 0:
             self._check_pending()
@@ -299,6 +314,14 @@ class MetricsLog:
             self.tensorboard.flush()
         if self.wandb:
             self.wandb.log(scalars, step=step)
+        if self.mlflow:
+            self.mlflow.log(scalars, step)
+        if self.prometheus and "loss" in record and "tokens_per_s" in record:
+            self.prometheus.record(record)
+
+    def checkpoint_saved(self, step: int) -> None:
+        if self.prometheus:
+            self.prometheus.checkpoint(step)
 
     def _stop_trace(self, metrics: dict) -> None:
         jax.block_until_ready(metrics)  # the traced steps must have run
@@ -316,7 +339,7 @@ class MetricsLog:
         else:
             print(line, file=sys.stderr, flush=True)
 
-    def close(self) -> None:
+    def close(self, mlflow_status: str = "FINISHED") -> None:
         if self.profiling:
             jax.profiler.stop_trace()
         if self.progress:
@@ -327,3 +350,7 @@ class MetricsLog:
             self.wandb.finish()
         if self.file:
             self.file.close()
+        if self.prometheus:
+            self.prometheus.close()
+        if self.mlflow:
+            self.mlflow.close(mlflow_status)

@@ -3,8 +3,8 @@
 Two views of the same train step, side by side:
 - an analytic estimate per device, itemised (parameters, gradients, optimizer state, activations saved
   under the remat policy, and the two working sets: logits and loss, one layer's backward), computed from
-  the shardings of the real layout (``train.make_layout``) and the model shape;
-- the compiled truth: the real train step (``train.lower_steps``) compiled for the target mesh, on this
+  the shardings of the real layout (``layout.make_layout``) and the model shape;
+- the compiled truth: the real train step (``layout.lower_steps``) compiled for the target mesh, on this
   machine's accelerators when it has enough, else on compile-only GPUs (``gpu_targets``), else on simulated
   CPU devices, read back with XLA's ``memory_analysis`` and ``cost_analysis``.
 Suggestions (rule set, remat, micro-batches) are searched with the analytic estimate, which costs
@@ -30,7 +30,7 @@ from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards, logical_ways
 from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.step_cost import StepTime, step_time
-from jaxtrain.train import Layout, lower_steps, make_layout, peak_bytes
+from jaxtrain.layout import Layout, lower_steps, make_layout, peak_bytes
 from models.config import REMAT_POLICIES
 
 GIB = 2**30

@@ -46,6 +46,13 @@ def per_layer_norm(layers: dict) -> jax.Array:
     return jnp.sqrt(sum(squares))
 
 
+def schedule_count(opt_state) -> jax.Array:
+    """The updates the optimizer has applied, as its learning-rate schedule counts them: a skipped update
+    rolls this back while the train state's step still advances."""
+    return next(s.count for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByScheduleState))
+                if isinstance(s, optax.ScaleByScheduleState))
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
                     layer_norms: bool = False, loss_chunk: int = 0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
@@ -77,7 +84,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
-                   "learning_rate": schedule(state.step)}
+                   "learning_rate": schedule(schedule_count(state.opt_state))}
         if layer_norms:
             metrics |= {"grad_norm_per_layer": per_layer_norm(grads["layers"]),
                         "param_norm_per_layer": per_layer_norm(params["layers"])}

@@ -26,9 +26,9 @@ import numpy as np
 from jaxtrain.config import Config
 from jaxtrain.flops import flops_per_token, peak_flops
 from jaxtrain.gpu_targets import LINK_BYTES_PER_S
+from jaxtrain.layout import Layout
 from jaxtrain.partitioning import batch_shards, logical_ways, spec_axes
 from jaxtrain.state import elements_per_device, gathered_elements
-from jaxtrain.train import Layout
 
 ASSUMED_MFU = 0.45  # share of the datasheet peak a well-tuned step reaches (MaxText reports 45-55% on H100)
 DEFAULT_GPU = "h100"  # what a step is timed on when no GPU is named

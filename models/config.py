@@ -45,6 +45,9 @@ class LlamaConfig:
         for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
             if getattr(self, key) <= 0:
                 out.append(f"model.{key}={getattr(self, key)} must be positive")
+        for key in ("rope_theta", "norm_eps", "init_std"):
+            if not getattr(self, key) > 0:  # NaN too
+                out.append(f"model.{key}={getattr(self, key)} must be positive")
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
             out.append(
                 f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}; "

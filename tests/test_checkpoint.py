@@ -18,7 +18,8 @@ import yaml
 from conftest import REPO, run_cli, with_
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.config import AxisSizes, MeshConfig, from_dict
-from jaxtrain.train import build, make_layout, train
+from jaxtrain.layout import make_layout
+from jaxtrain.train import build, train
 
 STEPS = 16
 ARGS = [f"train.steps={STEPS}", "log.every=1", "train.eval_batches=1", "train.global_batch=8", "data.seq_len=32",

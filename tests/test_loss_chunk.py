@@ -10,7 +10,7 @@ from jaxtrain.config import check
 from jaxtrain.errors import UserError
 from jaxtrain.state import init_state
 from jaxtrain.step import token_nll
-from jaxtrain.train import lower_steps, make_layout
+from jaxtrain.layout import lower_steps, make_layout
 
 
 def _compiled_and_grads(cfg, batch):

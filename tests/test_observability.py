@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import run_cli, small_config, with_
 from jaxtrain import train as train_lib
 from jaxtrain.flops import flops_per_token
+from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.metrics import NonFiniteError, Progress
 
 STEPS = 6
@@ -105,8 +106,8 @@ def test_flops_per_token_matches_xla_cost_analysis():
     cfg = with_(small_config(mesh=(1, 1, 1), vocab_size=256, d_model=256, num_layers=1, num_heads=4, num_kv_heads=4,
                              mlp_dim=1024),
                 data={"seq_len": 32})
-    layout = train_lib.make_layout(cfg, jax.devices()[:1])
-    train_lowered, _ = train_lib.lower_steps(layout)
+    layout = make_layout(cfg, jax.devices()[:1])
+    train_lowered, _ = lower_steps(layout)
     xla_flops = train_lowered.compile().cost_analysis()["flops"]
     tokens = cfg.train.global_batch * cfg.data.seq_len
     assert flops_per_token(cfg.model, cfg.data.seq_len) * tokens == pytest.approx(xla_flops, rel=0.10)

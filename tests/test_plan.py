@@ -8,8 +8,8 @@ from conftest import REPO, run_cli, small_config, with_
 
 from jaxtrain import plan as plan_lib
 from jaxtrain.config import check, load_experiment
+from jaxtrain.layout import compile_train_step, make_layout, peak_bytes
 from jaxtrain.state import model_spec
-from jaxtrain.train import make_layout
 
 GIB = plan_lib.GIB
 
@@ -106,14 +106,14 @@ def test_trainer_resolves_auto_with_its_compiled_step_against_the_device_limit(m
     from jaxtrain import train as train_lib
 
     cfg = small_config(rules="fsdp", mesh=(1, 2, 4), num_layers=4, d_model=64, mlp_dim=256)  # micro-batches 1, 2, 4
-    peaks = {k: train_lib.compile_train_step(make_layout(with_(cfg, train={"microbatches": k})))[1] for k in (1, 2)}
+    peaks = {k: compile_train_step(make_layout(with_(cfg, train={"microbatches": k})))[1] for k in (1, 2)}
     assert peaks[1] > peaks[2]
     limit = (peaks[1] + peaks[2]) / 2  # the compiled step fits with 2 micro-batches, not with 1
     monkeypatch.setattr(plan_lib, "memory_limit", lambda devices=None: limit)  # as a GPU reports it, less headroom
     trainer = train_lib.build(with_(cfg, train={"microbatches": "auto"}), corpus)
     k = trainer.cfg.train.microbatches
     assert k >= 2 and peaks.get(k, 0) <= limit
-    assert train_lib.peak_bytes(trainer.train_step.memory_analysis()) <= limit
+    assert peak_bytes(trainer.train_step.memory_analysis()) <= limit
 
 
 def test_target_devices_are_the_accelerators_when_there_are_enough(monkeypatch):

@@ -13,7 +13,7 @@ pytest.importorskip("jax_plugins.xla_cuda12", reason="jax's CUDA plugin is not i
 
 from jaxtrain import gpu_targets  # noqa: E402
 from jaxtrain import plan as plan_lib  # noqa: E402
-from jaxtrain.train import make_layout  # noqa: E402
+from jaxtrain.layout import make_layout  # noqa: E402
 
 
 def test_compile_only_devices_of_a_described_gpu():

@@ -11,7 +11,7 @@ from jaxtrain import step_cost
 from jaxtrain.config import AxisSizes, MeshConfig
 from jaxtrain.flops import flops_per_token
 from jaxtrain.gpu_targets import LINK_BYTES_PER_S
-from jaxtrain.train import make_layout
+from jaxtrain.layout import make_layout
 
 H100_BF16 = 989.4e12
 

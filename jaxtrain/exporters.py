@@ -1,0 +1,110 @@
+"""Optional exporters of a run's records to the monitoring a team already runs: MLflow (``log.mlflow``) and
+Prometheus (``log.prometheus_port``). ``MetricsLog`` (metrics.py) feeds them on process 0; each package is
+imported only when its key is set (config.log_problems checks it is installed).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+from pathlib import Path
+
+from jaxtrain import config as config_lib
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+from jaxtrain.plot import plot_runs
+
+MLFLOW_RUN_ID_FILE = "mlflow_run_id"  # in the run directory: a resumed run continues the same MLflow run
+PLOT_FILE = "metrics.png"
+
+
+class MlflowRun:
+    """One MLflow run per run directory (``MLFLOW_TRACKING_URI`` picks the server or store): the resolved
+    config as params, the records' scalars as metrics, ``config.yaml`` and the plot as artifacts at the end."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        import mlflow
+
+        self.mlflow, self.run_dir = mlflow, run_dir
+        id_file = run_dir / MLFLOW_RUN_ID_FILE
+        mlflow.set_experiment(cfg.log.mlflow)
+        if id_file.is_file():
+            self.run = mlflow.start_run(run_id=id_file.read_text().strip())
+        else:
+            self.run = mlflow.start_run(run_name=run_dir.name)
+            id_file.write_text(self.run.info.run_id + "\n")
+            # MLflow refuses to change a param, so a resumed run keeps the ones it started with
+            mlflow.log_params(config_lib.flatten(config_lib.to_dict(cfg)))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics(scalars, step=step, run_id=self.run.info.run_id)
+
+    def close(self, status: str) -> None:
+        """``status``: FINISHED, KILLED (preempted) or FAILED."""
+        try:
+            if (self.run_dir / "metrics.jsonl").stat().st_size:
+                plot_runs([self.run_dir], self.run_dir / PLOT_FILE)
+                self.mlflow.log_artifact(str(self.run_dir / PLOT_FILE), run_id=self.run.info.run_id)
+            self.mlflow.log_artifact(str(self.run_dir / "config.yaml"), run_id=self.run.info.run_id)
+        finally:
+            self.mlflow.end_run(status)
+
+
+def check_port_free(port: int) -> None:
+    """Before the run directory is touched: ``log.prometheus_port`` must be free to serve on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server sets it
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            raise _port_error(port, e) from None
+
+
+def _port_error(port: int, error: OSError) -> UserError:
+    why = "already in use" if error.errno == errno.EADDRINUSE else error.strerror
+    return UserError(f"log.prometheus_port={port}: cannot serve metrics there ({why}); choose a free port or drop log.prometheus_port")
+
+
+class PrometheusGauges:
+    """Process 0 serves the latest record as gauges at ``http://HOST:PORT/metrics``, so a cluster's Prometheus
+    sees a stalled run (the step and checkpoint age stop moving) or a diverging one (the loss)."""
+
+    def __init__(self, port: int):
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()  # this run's gauges only, not the process's default ones
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"jaxtrain_{name}", doc, registry=self.registry)
+
+        self.gauges = {
+            "step": gauge("step", "latest step with a metrics record"),
+            "loss": gauge("loss", "training loss (nats per token) at that step"),
+            "tokens_per_s": gauge("tokens_per_second", "global training throughput"),
+            "mfu": gauge("mfu", "model FLOPs utilisation (0-1); NaN when the device peak is unknown"),
+            "memory_in_use_gib": gauge("memory_in_use_gib", "memory in use on the fullest device (host RSS on CPU), GiB"),
+            "memory_peak_gib": gauge("memory_peak_gib", "peak memory of the fullest device (host RSS on CPU), GiB"),
+        }
+        self.checkpoint_step = gauge("last_checkpoint_step", "step of the latest checkpoint saved by this process; NaN before one")
+        self.checkpoint_step.set(float("nan"))
+        self.checkpoint_time = None
+        gauge("last_checkpoint_age_seconds", "seconds since that checkpoint was saved; NaN before one").set_function(
+            lambda: float("nan") if self.checkpoint_time is None else time.time() - self.checkpoint_time)
+        try:
+            self.server, _ = start_http_server(port, registry=self.registry)
+        except OSError as e:
+            raise _port_error(port, e) from None
+
+    def record(self, record: dict) -> None:
+        for key, gauge in self.gauges.items():
+            value = record.get(key)
+            gauge.set(float("nan") if value is None else value)
+
+    def checkpoint(self, step: int) -> None:
+        self.checkpoint_step.set(step)
+        self.checkpoint_time = time.time()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

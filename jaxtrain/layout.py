@@ -1,0 +1,98 @@
+"""How a config maps onto the devices, and the train step lowered and compiled for it.
+
+The trainer (train.py) and the planner (plan.py) both build on this module, so the planner reads the
+very layout and step the trainer runs, and neither imports the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+from flax.core import spmd
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxtrain import config as config_lib
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+from jaxtrain.mesh import build_mesh
+from jaxtrain.optim import learning_rate_schedule, make_optimizer
+from jaxtrain.partitioning import Rules, batch_sharding, batch_shards, check_rules_against_mesh, flax_rules, load_rules
+from jaxtrain.state import ModelSpec, TrainState, abstract_state, model_spec, state_shardings
+from jaxtrain.step import make_eval_step, make_train_step
+from models.sharding import MissingLogicalRule
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a config maps onto the devices: mesh, rules, model, optimizer, shardings. Checked, not compiled."""
+
+    cfg: Config
+    mesh: Mesh
+    rules: Rules
+    spec: ModelSpec
+    tx: optax.GradientTransformation
+    shardings: TrainState
+    batch_sharding: NamedSharding
+
+    def abstract_state(self) -> TrainState:
+        return abstract_state(self.spec, self.tx, self.shardings)
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        shape = (self.cfg.train.global_batch, self.cfg.data.seq_len)
+        return {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding) for k in ("inputs", "targets")}
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch * self.cfg.data.seq_len
+
+
+def make_layout(cfg: Config, devices: list | None = None) -> Layout:
+    """Check the config against the devices, mesh, rules and model parameters; no compilation."""
+    config_lib.check(cfg)
+    mesh = build_mesh(cfg.mesh, devices)
+    rules = load_rules(cfg.rules)
+    check_rules_against_mesh(rules, mesh, cfg.rules)
+    spec = model_spec(cfg.model)
+    tx = make_optimizer(cfg)
+    shardings = state_shardings(spec, tx, rules, mesh)
+    t = cfg.train
+    shards = batch_shards(rules, mesh)
+    if (t.global_batch // t.microbatches) % shards:
+        raise UserError(
+            f"train.global_batch={t.global_batch} / train.microbatches={t.microbatches} = {t.global_batch // t.microbatches} "
+            f"sequences per micro-batch do not split over the {shards} batch shards of the mesh; use a multiple of {shards * t.microbatches}")
+    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh))
+
+
+def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+    """Trace and lower the train and eval steps (no XLA compilation yet). Activation axes without a
+    rule surface here, as a UserError."""
+    cfg, shardings, batch_sh = layout.cfg, layout.shardings, layout.batch_sharding
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    train_fn = jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), cfg.train.microbatches,
+                                       layer_norms=cfg.log.layer_every > 0, loss_chunk=cfg.train.loss_chunk),
+                       in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
+    eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk), in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
+    state, batch = layout.abstract_state(), layout.abstract_batch()
+    with jax.set_mesh(layout.mesh), spmd.logical_axis_rules(flax_rules(layout.rules)):
+        try:
+            return train_fn.lower(state, batch), eval_fn.lower(state.params, batch)
+        except MissingLogicalRule as e:
+            raise UserError(f"logical axis '{e.axis}' (an activation of the model) has no rule in rule set {cfg.rules}; "
+                            f"add '{e.axis}: null' or map it to mesh axes") from None
+
+
+def peak_bytes(memory) -> int:
+    """Peak bytes per device from a compiled step's ``memory_analysis()``: inputs, outputs not written in place
+    of a donated input, temporaries."""
+    return memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+
+
+def compile_train_step(layout: Layout) -> tuple[tuple[jax.stages.Compiled, jax.stages.Lowered], int]:
+    """The compiled train step and the lowered eval step, and the train step's peak bytes per device."""
+    train_lowered, eval_lowered = lower_steps(layout)
+    train_step = train_lowered.compile()
+    return (train_step, eval_lowered), peak_bytes(train_step.memory_analysis())
