@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -78,11 +78,17 @@ def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation, shardings:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def init_state(model_cfg: LlamaConfig, tx: optax.GradientTransformation, seed: int, shardings: TrainState) -> TrainState:
-    """Initialise inside jit with output shardings, so no parameter is ever whole on one device."""
+def state_initializer(model_cfg: LlamaConfig, tx: optax.GradientTransformation, seed: int,
+                      shardings: TrainState) -> Callable[[], TrainState]:
+    """A jitted initialiser with output shardings, so no parameter is ever whole on one device. Keep it to
+    make more fresh states: it compiles on its first call only."""
 
     def init():
         params = nnx.to_pure_dict(nnx.state(Llama(model_cfg, rngs=nnx.Rngs(seed))))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-    return jax.jit(init, out_shardings=shardings)()
+    return jax.jit(init, out_shardings=shardings)
+
+
+def init_state(model_cfg: LlamaConfig, tx: optax.GradientTransformation, seed: int, shardings: TrainState) -> TrainState:
+    return state_initializer(model_cfg, tx, seed, shardings)()

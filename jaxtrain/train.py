@@ -23,7 +23,7 @@ from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.layout import Layout, compile_train_step, make_layout
 from jaxtrain.metrics import MetricsLog
-from jaxtrain.state import TrainState, init_state
+from jaxtrain.state import TrainState, state_initializer
 
 
 @dataclasses.dataclass
@@ -35,6 +35,13 @@ class Trainer:
     train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]  # compiled; donates the state
     eval_step: Callable[[dict, dict], jax.Array]  # compiled
     compile_s: float
+    initializer: Callable[[], TrainState]  # jitted: compiles on the first fresh state, not on every run
+
+    @classmethod
+    def of(cls, layout: Layout, corpus: data_lib.Corpus, train_step, eval_step, compile_s: float) -> Trainer:
+        cfg = layout.cfg
+        return cls(layout, corpus, train_step, eval_step, compile_s,
+                   state_initializer(cfg.model, layout.tx, cfg.train.seed, layout.shardings))
 
     @property
     def cfg(self) -> Config:
@@ -49,7 +56,7 @@ class Trainer:
         return self.layout.batch_sharding
 
     def init_state(self) -> TrainState:
-        return init_state(self.cfg.model, self.layout.tx, self.cfg.train.seed, self.layout.shardings)
+        return self.initializer()
 
     @property
     def tokens_per_step(self) -> int:
@@ -75,7 +82,7 @@ def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
         layout, (train_step, eval_lowered) = plan.fit_microbatches(cfg, limit, devices, compile_train_step)
     else:
         (train_step, eval_lowered), _ = compile_train_step(layout)
-    return Trainer(layout, corpus, train_step, eval_lowered.compile(), time.perf_counter() - start)
+    return Trainer.of(layout, corpus, train_step, eval_lowered.compile(), time.perf_counter() - start)
 
 
 def evaluate(trainer: Trainer, params: dict, batches: list[dict]) -> float:

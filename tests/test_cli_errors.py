@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -20,6 +21,11 @@ def _rules_file(tmp_path: Path, **changes) -> str:
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump(rules))
     return str(path)
+
+
+def _random_bytes(path: Path) -> Path:
+    path.write_bytes(np.random.default_rng(0).bytes(1000))
+    return path
 
 
 CASES = {
@@ -43,6 +49,12 @@ CASES = {
     "bad flag": (lambda t: ["--devcies", "2"], "unrecognized arguments: --devcies"),
     "cuDNN attention without a GPU": (lambda t: ["model.attention=cudnn"],
                                       "model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are cpu"),
+    "negative learning rate": (lambda t: ["optim.lr=-1"], "optim.lr=-1.0 must be at least 0"),
+    "negative warmup": (lambda t: ["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be at least 0"),
+    "token file that is not a .npy file": (lambda t: [f"data.path={_random_bytes(t / 'tokens.npy')}"],
+                                           "tokens.npy is not a .npy file of a 1-D integer array (numpy.save): no .npy header"),
+    "--init-from a path with no checkpoints": (lambda t: ["--init-from", str(t / "nonexistent")],
+                                               "nonexistent: no checkpoints there; give a run directory"),
 }
 
 
@@ -62,3 +74,12 @@ def test_unknown_experiment(tmp_path):
     result = run_cli("train", "nonexistent", cwd=tmp_path)
     assert result.returncode == 2 and "unknown experiment 'nonexistent'; available: " in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
+def test_run_dir_that_is_a_file(tmp_path):
+    not_a_dir = tmp_path / "run"
+    not_a_dir.write_text("notes")
+    result = run_cli("train", "tiny", "--run-dir", str(not_a_dir), *FAST, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"jaxtrain: error: --run-dir {not_a_dir} is an existing file, not a directory; give a new or existing run directory"]
+    assert not_a_dir.read_text() == "notes" and sorted(p.name for p in tmp_path.iterdir()) == ["run"]

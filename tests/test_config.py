@@ -78,3 +78,47 @@ def test_bad_mesh_files(tmp_path: Path, body, message):
 def test_unknown_experiment_lists_available():
     with pytest.raises(UserError, match="unknown experiment 'nope'; available: .*tiny"):
         config_lib.load_experiment("nope")
+
+
+@pytest.mark.parametrize("item, message", [
+    ("optim.lr=-1", "optim.lr=-1.0 must be at least 0"),
+    ("optim.lr=nan", "optim.lr=nan must be at least 0"),
+    ("optim.lr=inf", "optim.lr=inf must be at least 0"),
+    ("optim.warmup_steps=-5", "optim.warmup_steps=-5 must be at least 0"),
+    ("optim.b1=-0.1", r"optim.b1=-0.1 must be in \[0, 1\)"),
+    ("optim.b2=1", r"optim.b2=1.0 must be in \[0, 1\)"),
+    ("optim.eps=0", "optim.eps=0.0 must be greater than 0"),
+    ("optim.min_lr_ratio=1.5", r"optim.min_lr_ratio=1.5 must be in \[0, 1\] \(the share of optim.lr"),
+    ("optim.clip_norm=-1", r"optim.clip_norm=-1.0 must be at least 0 \(0: no clipping\)"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1 must be at least 0"),
+    ("train.eval_batches=0", "train.eval_batches=0 must be at least 1"),
+    ("train.eval_every=-1", r"train.eval_every=-1 must be at least 0 \(0: evaluate only at the end\)"),
+    ("train.seed=-1", "train.seed=-1 must be at least 0"),
+    ("data.seed=-3", "data.seed=-3 must be at least 0"),
+    ("data.val_fraction=1", r"data.val_fraction=1.0 must be in \(0, 1\)"),
+    ("log.layer_every=-1", "log.layer_every=-1 must be at least 0"),
+    ("log.peak_tflops=0", "log.peak_tflops=0.0 must be greater than 0"),
+    ("log.prometheus_port=70000", r"log.prometheus_port=70000 must be in \[1, 65535\]"),
+    ("checkpoint.keep_every=-2", "checkpoint.keep_every=-2 must be at least 0"),
+    ("train.microbatches=0", "train.microbatches=0 must be at least 1 or 'auto'"),
+    ("mesh.ici.data=0", r"mesh.ici.data=0 must be a positive integer or -1 \(fill\)"),
+    ("model.norm_eps=0", "model.norm_eps=0.0 must be positive"),
+    ("model.rope_theta=-1", "model.rope_theta=-1.0 must be positive"),
+])
+def test_every_numeric_key_is_range_checked(item, message):
+    with pytest.raises(UserError, match=message):
+        config_lib.check(apply_overrides(Config(), [item]))
+
+
+def test_defaults_and_boundaries_are_in_range():
+    config_lib.check(apply_overrides(Config(), ["optim.lr=0", "optim.warmup_steps=0", "optim.b1=0", "optim.min_lr_ratio=1",
+                                                "optim.clip_norm=0", "optim.weight_decay=0", "train.eval_every=0"]))
+
+
+@pytest.mark.parametrize("item, package", [("log.mlflow=exp", "mlflow"), ("log.prometheus_port=9100", "prometheus_client"),
+                                           ("log.wandb=proj", "wandb")])
+def test_exporter_without_its_package_is_one_line(monkeypatch, item, package):
+    real = config_lib.importlib.util.find_spec
+    monkeypatch.setattr(config_lib.importlib.util, "find_spec", lambda name: None if name == package else real(name))
+    with pytest.raises(UserError, match=f"needs the {package} package; pip install "):
+        config_lib.check(apply_overrides(Config(), [item]))

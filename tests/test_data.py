@@ -81,3 +81,30 @@ def test_user_text_directory_and_token_files(tmp_path):
     (tmp_path / "t.csv").write_text("1,2")
     with pytest.raises(UserError, match="unknown token file type"):
         load_corpus(DataConfig(path=str(tmp_path / "t.csv")))
+
+
+def _bad_token_files(tmp_path):
+    """(file, the end of its one-line error) for token files that are not what their suffix says."""
+    good = tmp_path / "good.npy"
+    np.save(good, np.arange(100, dtype=np.int32))
+    cases = {
+        "random.npy": (np.random.default_rng(0).bytes(1000), "is not a .npy file of a 1-D integer array (numpy.save): no .npy header"),
+        "truncated.npy": (good.read_bytes()[:-40], "(numpy.save): mmap length is greater than file size"),
+        "header_only.npy": (good.read_bytes()[:20], "(numpy.save): EOF: reading array header, expected"),
+        "odd.bin": (b"abc", "is not raw little-endian uint16 tokens: Size of available data is not a multiple of the data-type size"),
+        "empty.bin": (b"", "is not raw little-endian uint16 tokens: cannot mmap an empty file"),
+    }
+    for name, (body, _) in cases.items():
+        (tmp_path / name).write_bytes(body)
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    cases["objects.npy"] = (None, "(numpy.save): Array can't be memory-mapped: Python objects in dtype")
+    np.save(tmp_path / "floats.npy", np.ones(10, np.float32))
+    cases["floats.npy"] = (None, "expected a non-empty 1-D integer token array, got shape (10,) dtype float32")
+    return {tmp_path / name: message for name, (_, message) in cases.items()}
+
+
+def test_malformed_token_files_are_one_line_errors(tmp_path):
+    for path, message in _bad_token_files(tmp_path).items():
+        with pytest.raises(UserError) as error:
+            load_corpus(DataConfig(path=str(path)))
+        assert str(error.value).startswith(f"data.path={path}") and message in str(error.value) and "\n" not in str(error.value)

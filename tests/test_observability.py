@@ -4,6 +4,11 @@
 import dataclasses
 import io
 import json
+import os
+import signal
+import socket
+import time
+import urllib.request
 
 import jax
 import numpy as np
@@ -11,10 +16,15 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import run_cli, small_config, with_
+from jaxtrain import metrics as metrics_lib
 from jaxtrain import train as train_lib
+from jaxtrain.checkpoint import Preempted
+from jaxtrain.errors import UserError
 from jaxtrain.flops import flops_per_token
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.metrics import NonFiniteError, Progress
+from jaxtrain.optim import learning_rate_schedule
+from jaxtrain.step import schedule_count
 
 STEPS = 6
 PEAK_TFLOPS = 0.5  # an override, so MFU is checked against a known denominator
@@ -133,19 +143,27 @@ def test_progress_is_one_line_on_a_terminal_and_log_lines_otherwise(stream):
 
 
 class _Poisoned:
-    """The run's batches with out-of-range token ids (NaN embeddings) at the given steps."""
+    """The run's batches with out-of-range token ids (NaN embeddings) at the given steps; ``on_step`` {step: fn}
+    runs fn as that step's batch is read (a SIGTERM to this process, a scrape)."""
 
-    def __init__(self, batches, bad_steps, vocab_size):
-        self.batches, self.iterator, self.bad, self.vocab, self.step = batches, batches.iterator, bad_steps, vocab_size, 0
+    def __init__(self, batches, bad_steps, vocab_size, on_step):
+        self.batches, self.iterator, self.bad, self.vocab, self.on_step = batches, batches.iterator, bad_steps, vocab_size, on_step
 
     def __next__(self):
-        batch, self.step = next(self.batches), self.step + 1
-        return {**batch, "inputs": batch["inputs"] + self.vocab} if self.step in self.bad else batch
+        batch = next(self.batches)
+        step = int(self.iterator.get_state()["next_index"])  # batches read, this one included: a resumed run counts on
+        self.on_step.get(step, lambda: None)()
+        return {**batch, "inputs": batch["inputs"] + self.vocab} if step in self.bad else batch
 
 
-def _poison(monkeypatch, bad_steps, vocab_size):
+def _poison(monkeypatch, bad_steps, vocab_size, on_step=None):
     real = train_lib.data_lib.train_batches
-    monkeypatch.setattr(train_lib.data_lib, "train_batches", lambda *a, **k: _Poisoned(real(*a, **k), bad_steps, vocab_size))
+    monkeypatch.setattr(train_lib.data_lib, "train_batches",
+                        lambda *a, **k: _Poisoned(real(*a, **k), bad_steps, vocab_size, on_step or {}))
+
+
+def _sigterm():
+    os.kill(os.getpid(), signal.SIGTERM)  # the run's preemption watch owns SIGTERM while it trains
 
 
 def test_nonfinite_stops_before_saving_and_last_checkpoint_restores(trainer, tmp_path, monkeypatch):
@@ -181,3 +199,100 @@ def test_skip_nonfinite_leaves_state_unchanged_and_logs_each_skip(trainer, tmp_p
     assert not np.isfinite(float(metrics["loss"])) and int(after.step) == 1
     jax.tree.map(np.testing.assert_array_equal, jax.device_get((after.params, after.opt_state)),
                  (before.params, before.opt_state))
+
+
+def _checkpoint_steps(run_dir):
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_checkpoints_only_at_configured_steps_and_the_last(trainer, tmp_path):
+    every4 = _loop_config(trainer, checkpoint={"every": 4, "keep": 10})
+    train_lib.train(every4.cfg, tmp_path / "run", every4)
+    assert _checkpoint_steps(tmp_path / "run") == [4, STEPS]
+
+
+def test_first_record_times_the_step_not_the_start_up(trainer, tmp_path, monkeypatch):
+    real = metrics_lib.resolve_peak
+
+    def slow_peak(*args):  # a start-up benchmark that takes 2 s
+        time.sleep(2.0)
+        return real(*args)
+
+    monkeypatch.setattr(metrics_lib, "resolve_peak", slow_peak)
+    every_step = _loop_config(trainer, log={"every": 1})
+    train_lib.train(every_step.cfg, tmp_path / "run", every_step)
+    times = [r["step_time_s"] for r in _records(tmp_path / "run") if "step_time_s" in r]
+    assert len(times) == STEPS and times[0] < 1.0, times
+
+
+def test_logged_learning_rate_is_the_applied_one_after_a_skip(trainer, tmp_path, monkeypatch):
+    _poison(monkeypatch, {3}, trainer.cfg.model.vocab_size)
+    skipping = _loop_config(trainer, train={"skip_nonfinite": 1})
+    state = train_lib.train(skipping.cfg, tmp_path / "run", skipping)
+    schedule = learning_rate_schedule(skipping.cfg)
+    logged = {r["step"]: r["learning_rate"] for r in _records(tmp_path / "run") if "learning_rate" in r}
+    # step s applies the optimizer's update number (s - 1 - updates skipped before it): step 3 was skipped
+    assert logged == {2: pytest.approx(float(schedule(1))), 4: pytest.approx(float(schedule(2))), 6: pytest.approx(float(schedule(4)))}
+    assert float(schedule(2)) != float(schedule(3))  # the schedule moves every step, so a wrong count shows
+    assert int(schedule_count(state.opt_state)) == STEPS - 1 and int(state.step) == STEPS
+
+
+def test_preemption_on_a_nonfinite_step_stops_without_saving_it(trainer, tmp_path, monkeypatch):
+    _poison(monkeypatch, {3}, trainer.cfg.model.vocab_size, on_step={3: _sigterm})
+    with pytest.raises(NonFiniteError, match="^step 3: loss and grad_norm not finite"):
+        train_lib.train(trainer.cfg, tmp_path / "run", trainer)
+    assert _checkpoint_steps(tmp_path / "run") == [2]  # the last good state; no checkpoint of step 3
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the watch let go of SIGTERM
+
+
+def test_preemption_flushes_pending_records_and_logs_the_skip(trainer, tmp_path, monkeypatch):
+    _poison(monkeypatch, {3}, trainer.cfg.model.vocab_size, on_step={3: _sigterm})
+    sparse = _loop_config(trainer, train={"skip_nonfinite": 1}, log={"every": 4}, checkpoint={"every": 4})
+    with pytest.raises(Preempted):
+        train_lib.train(sparse.cfg, tmp_path / "run", sparse)
+    assert _checkpoint_steps(tmp_path / "run") == [3]
+    monkeypatch.undo()
+    train_lib.train(sparse.cfg, tmp_path / "run", sparse)  # resumes after step 3
+    records = _records(tmp_path / "run")
+    assert [r["step"] for r in records if "step_time_s" in r] == [3, 4, 6]  # steps 1-3 recorded before the save
+    assert [r["step"] for r in records if "skipped_nonfinite" in r] == [3]
+
+
+def test_infinite_grad_norm_with_finite_loss_is_not_applied_and_stops(trainer, tmp_path):
+    batch = next(train_lib.data_lib.train_batches(trainer.corpus, trainer.cfg.data, trainer.cfg.train.global_batch, trainer.batch_sharding))
+    state = trainer.init_state()
+    # a tiny final-norm scale against a huge output projection: logits stay small (finite loss) while the
+    # final-norm gradients, about 1e24, square past float32's range in the global norm
+    params = {**state.params, "final_norm": {"scale": state.params["final_norm"]["scale"] * 1e-25},
+              "lm_head": state.params["lm_head"] * 1e24}
+    before = jax.device_get((params, state.opt_state))
+    after, metrics = trainer.train_step(state.replace(params=params), batch)
+    assert np.isfinite(float(metrics["loss"])) and np.isinf(float(metrics["grad_norm"]))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get((after.params, after.opt_state)), before)
+    log = metrics_lib.MetricsLog(trainer.layout, tmp_path, 1, compile_s=0.0, data="", enabled=False)
+    with pytest.raises(NonFiniteError, match=r"^step 2: grad_norm not finite \(loss 4\.\d+, grad_norm inf\)"):
+        log.after_step(2, metrics)
+
+
+def test_errors_before_the_loop_release_the_checkpoints_and_sigterm(trainer, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    train_lib.train(trainer.cfg, run_dir, trainer)
+    mismatch = UserError("checkpoint does not match the model")
+    monkeypatch.setattr(train_lib.checkpoint_lib, "check_same_shapes", lambda *a: (_ for _ in ()).throw(mismatch))
+    more = _loop_config(trainer, train={"steps": STEPS + 2})
+    with pytest.raises(UserError, match="does not match the model"):
+        train_lib.train(more.cfg, run_dir, more)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    monkeypatch.undo()
+    with pytest.raises(ModuleNotFoundError):  # log.wandb without the package (config.check is what catches it first)
+        train_lib.train(more.cfg, run_dir, _loop_config(more, log={"wandb": "project"}))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_failing_close_does_not_hide_the_stop(trainer, tmp_path, monkeypatch, capsys):
+    _poison(monkeypatch, {5}, trainer.cfg.model.vocab_size)
+    write_error = UserError("could not write checkpoint step 4")
+    monkeypatch.setattr(train_lib.checkpoint_lib.RunCheckpoints, "finish", lambda self: (_ for _ in ()).throw(write_error))
+    with pytest.raises(NonFiniteError, match="^step 5: "):
+        train_lib.train(trainer.cfg, tmp_path / "run", trainer)
+    assert "jaxtrain: warning: could not write checkpoint step 4" in capsys.readouterr().err
