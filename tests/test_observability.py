@@ -20,6 +20,7 @@ from jaxtrain import metrics as metrics_lib
 from jaxtrain import train as train_lib
 from jaxtrain.checkpoint import Preempted
 from jaxtrain.errors import UserError
+from jaxtrain.exporters import check_port_free
 from jaxtrain.flops import flops_per_token
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.metrics import NonFiniteError, Progress
@@ -296,3 +297,69 @@ def test_a_failing_close_does_not_hide_the_stop(trainer, tmp_path, monkeypatch, 
     with pytest.raises(NonFiniteError, match="^step 5: "):
         train_lib.train(trainer.cfg, tmp_path / "run", trainer)
     assert "jaxtrain: warning: could not write checkpoint step 4" in capsys.readouterr().err
+
+
+def test_mlflow_gets_the_config_the_tensorboard_scalars_and_the_artifacts(trainer, tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # a local file store
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for this opt-in to use one
+    run_dir = tmp_path / "run"
+    tracked = _loop_config(trainer, log={"mlflow": "jaxtrain-test"})
+    train_lib.train(tracked.cfg, run_dir, tracked)
+    longer = _loop_config(tracked, train={"steps": STEPS + 2})
+    train_lib.train(longer.cfg, run_dir, longer)  # a resumed run continues the same MLflow run
+
+    client = mlflow.MlflowClient()
+    [run] = client.search_runs([client.get_experiment_by_name("jaxtrain-test").experiment_id])
+    assert run.info.run_id == (run_dir / "mlflow_run_id").read_text().strip() and run.info.status == "FINISHED"
+    assert run.info.run_name == "run" and run.data.params["optim.lr"] == str(trainer.cfg.optim.lr)
+    assert run.data.params["train.steps"] == str(STEPS) and run.data.params["rules"] == "fsdp_tp"
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert set(run.data.metrics) == set(tags) and "perf/mfu" in tags and "eval/loss" in tags
+    for tag in tags:
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, tag))
+        assert history == [(e.step, pytest.approx(e.value, rel=1e-6)) for e in events.Scalars(tag)], tag
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [2, 4, 6, 8]
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"config.yaml", "metrics.png"}
+    artifact = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="config.yaml", dst_path=str(tmp_path / "a"))
+    assert open(artifact).read() == (run_dir / "config.yaml").read_text()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prometheus_serves_the_latest_record_during_the_run(trainer, tmp_path, monkeypatch):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port, scraped = _free_port(), {}
+
+    def scrape():  # as step 5's batch is read: step 4 is recorded and checkpointed
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        scraped.update({s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples})
+
+    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size, on_step={5: scrape})
+    served = _loop_config(trainer, log={"prometheus_port": port})
+    train_lib.train(served.cfg, tmp_path / "run", served)
+    record = next(r for r in _records(tmp_path / "run") if r["step"] == 4 and "loss" in r)
+    assert scraped["jaxtrain_step"] == 4 and scraped["jaxtrain_loss"] == pytest.approx(record["loss"])
+    assert scraped["jaxtrain_tokens_per_second"] == pytest.approx(record["tokens_per_s"])
+    assert scraped["jaxtrain_mfu"] == pytest.approx(record["mfu"]) and scraped["jaxtrain_memory_in_use_gib"] == pytest.approx(record["memory_in_use_gib"])
+    assert scraped["jaxtrain_last_checkpoint_step"] == 4 and 0 <= scraped["jaxtrain_last_checkpoint_age_seconds"] < 60
+    check_port_free(port)  # the run let go of its port
+
+
+def test_prometheus_port_in_use_is_one_line_before_the_run_dir(trainer, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        served = _loop_config(trainer, log={"prometheus_port": port})
+        with pytest.raises(UserError, match=f"^log.prometheus_port={port}: cannot serve metrics there \\(already in use\\)"):
+            train_lib.train(served.cfg, tmp_path / "run", served)
+    assert not (tmp_path / "run").exists()

@@ -5,7 +5,8 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from conftest import small_config
+from conftest import small_config, with_
+from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.train import build
 
 
@@ -56,3 +57,14 @@ def test_optimizer_state_follows_its_parameter(corpus):
     for moments in (adam.mu, adam.nu):
         jax.tree.map(lambda m, p: np.testing.assert_equal(m.sharding.spec, p.sharding.spec), moments, state.params)
         jax.tree.map(lambda m, p: np.testing.assert_equal(m.sharding.is_equivalent_to(p.sharding, p.ndim), True), moments, state.params)
+
+
+def test_activation_constraints_keep_fsdp_activations_split_like_the_batch():
+    """FSDP splits the batch as data parallelism does and shards parameters on top, so its step's temporaries
+    (mostly activations) must not exceed the data-parallel step's. Without the model's activation sharding
+    constraints XLA splits FSDP activations along the sharded embedding instead, and they grow past it."""
+    temp = {}
+    for rules in ("dp", "fsdp"):
+        layout = make_layout(with_(small_config(rules), log={"layer_every": 0}))
+        temp[rules] = lower_steps(layout)[0].compile().memory_analysis().temp_size_in_bytes
+    assert temp["fsdp"] < temp["dp"], temp

@@ -1,0 +1,78 @@
+"""The cluster templates give `jaxtrain train` the right multi-process flags: the SLURM batch script and the
+Kubernetes entrypoint run against a fake environment and a stand-in `jaxtrain` that prints its arguments;
+the Kubernetes manifest's parts agree with each other."""
+
+import os
+import subprocess
+
+import yaml
+
+from conftest import REPO
+
+K8S = REPO / "scripts" / "k8s"
+USER_ARGS = ["llama3_70b", "--mesh", "h100x64", "--run-dir", "/shared/runs/x", "data.path=/shared/tokens.bin"]
+
+
+def _fake_commands(tmp_path, **scripts) -> dict:
+    """An environment whose PATH finds the given stand-in commands first."""
+    for name, body in scripts.items():
+        path = tmp_path / name
+        path.write_text("#!/bin/bash\n" + body)
+        path.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JOB_COMPLETION", "NUM_PROCESSES", "COORDINATOR"))}
+    return env | {"PATH": f"{tmp_path}:{env['PATH']}"}
+
+
+PRINT_ARGS = 'printf "%s\\n" "$@"\n'
+
+
+def test_k8s_entrypoint_derives_the_three_flags_from_the_pod(tmp_path):
+    env = _fake_commands(tmp_path, jaxtrain=PRINT_ARGS) | {
+        "JOB_COMPLETION_INDEX": "3", "NUM_PROCESSES": "8", "COORDINATOR_HOST": "jaxtrain-0.jaxtrain"}
+    result = subprocess.run([K8S / "entrypoint.sh", *USER_ARGS], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.splitlines() == ["train", *USER_ARGS, "--coordinator", "jaxtrain-0.jaxtrain:12355",
+                                          "--num-processes", "8", "--process-id", "3"]
+
+
+def test_k8s_entrypoint_outside_an_indexed_job_is_one_line(tmp_path):
+    env = _fake_commands(tmp_path, jaxtrain=PRINT_ARGS) | {"NUM_PROCESSES": "8", "COORDINATOR_HOST": "h"}
+    result = subprocess.run([K8S / "entrypoint.sh", "tiny"], env=env, capture_output=True, text=True)
+    assert result.returncode != 0 and result.stdout == ""
+    assert "JOB_COMPLETION_INDEX: not set: run this in a pod of an Indexed Job" in result.stderr
+
+
+def test_k8s_manifest_parts_agree():
+    service, job = yaml.safe_load_all((K8S / "train.yaml").read_text())
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    n = spec["completions"]
+    assert spec["completionMode"] == "Indexed" and spec["parallelism"] == n == int(env["NUM_PROCESSES"]) == 8
+    # pod 0 is JOB-0.SERVICE: the service is headless, selects the Job's pods, and is the pods' subdomain
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert env["COORDINATOR_HOST"] == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert env["COORDINATOR_PORT"] == str(service["spec"]["ports"][0]["port"]) == str(container["ports"][0]["containerPort"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["command"] == ["scripts/k8s/entrypoint.sh"] and (REPO / container["command"][0]).stat().st_mode & 0o111
+    # preemption: exit 143 (checkpoint committed) and evictions restart the pod without using up retries
+    rules = spec["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "onExitCodes": {"containerName": "jaxtrain", "operator": "In", "values": [143]}} in rules
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
+    assert pod["restartPolicy"] == "Never" and pod["terminationGracePeriodSeconds"] >= 120
+    # the run directory is on the volume every pod mounts
+    run_dir = container["args"][container["args"].index("--run-dir") + 1]
+    mount = next(m for m in container["volumeMounts"] if run_dir.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert "persistentVolumeClaim" in volume
+
+
+def test_slurm_script_derives_the_three_flags_from_srun(tmp_path):
+    # srun starts the command once per task with SLURM_PROCID and SLURM_NTASKS; this one plays task 5 of 8
+    srun = 'while [[ "$1" == --* ]]; do shift; done\nSLURM_NTASKS=8 SLURM_PROCID=5 exec "$@"\n'
+    env = _fake_commands(tmp_path, jaxtrain=PRINT_ARGS, srun=srun, scontrol='printf "gpu-node-017\\ngpu-node-018\\n"\n')
+    env |= {"SLURM_JOB_NODELIST": "gpu-node-[017-024]"}
+    result = subprocess.run(["bash", REPO / "scripts" / "slurm" / "train.sbatch", *USER_ARGS], env=env,
+                            capture_output=True, text=True, check=True)
+    assert result.stdout.splitlines() == ["train", *USER_ARGS, "--coordinator", "gpu-node-017:12355",
+                                          "--num-processes", "8", "--process-id", "5"]
