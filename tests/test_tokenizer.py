@@ -141,17 +141,19 @@ def test_token_file_without_sidecar_is_raw_uint16_and_a_truncated_one_is_refused
 def bad_inputs(trained, texts):
     """Files the bad-input cases point at: a token file, a second tokenizer, a JSONL line without text."""
     where = texts.parent
+    (where / "notext.jsonl").write_text('{"text": "fine"}\n{"body": "no text here"}\n')
+    # few distinct tokens: the vocabulary checks must count the tokenizer's ids, not the ones the text happens to use
+    (where / "few.jsonl").write_text("".join(json.dumps({"text": f"a b {i}"}) + "\n" for i in range(40)))
     tokens = where / "tokens.bin"
-    assert cli.main(["tokenize", str(texts), "--tokenizer", str(trained), "--out", str(tokens)]) == 0
+    assert cli.main(["tokenize", str(where / "few.jsonl"), "--tokenizer", str(trained), "--out", str(tokens)]) == 0
     other = where / "other_tokenizer"
     assert cli.main(["train-tokenizer", str(sorted(texts.iterdir())[0]), "--vocab-size", "300", "--out", str(other)]) == 0
-    (where / "notext.jsonl").write_text('{"text": "fine"}\n{"body": "no text here"}\n')
-    return {"tokens": tokens, "tokenizer": trained, "other": other, "texts": texts, "notext": where / "notext.jsonl"}
+    return {"tokens": tokens, "tokenizer": trained, "other": other, "texts": texts, "notext": where / "notext.jsonl", "few": where / "few.jsonl"}
 
 
 TRAIN_ERRORS = {
     "tokenizer vocabulary larger than model.vocab_size": (
-        lambda p: [f"data.path={p['texts']}", f"data.tokenizer={p['tokenizer']}", "model.vocab_size=256", "data.val_fraction=0.25"],
+        lambda p: [f"data.path={p['few']}", f"data.tokenizer={p['tokenizer']}", "model.vocab_size=256", "data.val_fraction=0.25"],
         f"has token ids up to {VOCAB - 1} but model.vocab_size=256; set model.vocab_size>={VOCAB}"),
     "token file vocabulary larger than model.vocab_size": (
         lambda p: [f"data.path={p['tokens']}", "model.vocab_size=256"], f"set model.vocab_size>={VOCAB}"),
