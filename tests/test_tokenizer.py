@@ -65,6 +65,42 @@ def test_trained_tokenizer_loads_in_transformers_and_encodes_identically(trained
                      "tokenizer_config.json": (trained / "tokenizer_config.json").read_bytes()}
 
 
+def test_hf_files_for_a_bare_tokenizer_json_name_its_end_of_text(trained, tmp_path):
+    from transformers import AutoTokenizer
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(trained / "tokenizer.json", bare / "tokenizer.json")
+    export = tmp_path / "export"
+    export.mkdir()
+    for name, contents in hf_tokenizer_files(bare / "tokenizer.json").items():
+        (export / name).write_bytes(contents)
+    assert sorted(p.name for p in export.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert AutoTokenizer.from_pretrained(export).eos_token == END_OF_TEXT
+
+
+def _word_level(directory: Path, vocab: dict, config: dict | None = None) -> Path:
+    """A tokenizer directory whose special tokens are the vocabulary's <...> entries."""
+    from tokenizers import Tokenizer, models
+
+    directory.mkdir()
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tokenizer.add_special_tokens([t for t in vocab if t.startswith("<")])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    if config:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_end_of_text_is_found_by_family_spelling_or_eos_token(tmp_path):
+    llama3 = _word_level(tmp_path / "llama3", {"a": 0, "<|begin_of_text|>": 1, "<|end_of_text|>": 2})
+    assert load_tokenizer(llama3).end_of_text == 2
+    custom = _word_level(tmp_path / "custom", {"a": 0, "<stop>": 1}, {"eos_token": {"content": "<stop>"}})
+    assert load_tokenizer(custom).end_of_text == 1
+    with pytest.raises(UserError, match=r"has no end-of-text token to put between documents \(looked for <\|endoftext\|>"):
+        load_tokenizer(_word_level(tmp_path / "none", {"a": 0, "<pad>": 1}))
+
+
 def test_train_tokenize_train_loss_falls(trained, texts, tmp_path, capsys):
     tokens = tmp_path / "tokens.bin"
     status, err = jaxtrain(capsys, "tokenize", str(texts), "--tokenizer", str(trained), "--out", str(tokens))
@@ -182,6 +218,8 @@ COMMAND_ERRORS = {
     "train a tokenizer on a JSONL without text": (
         lambda p, out: ["train-tokenizer", str(p["notext"]), "--vocab-size", "300", "--out", str(out / "tok")],
         "notext.jsonl:2 has no string 'text' field"),
+    "tokenize an empty directory": (lambda p, out: ["tokenize", str(out), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
+                                    "hold no files (hidden ones are skipped)"),
     "train a tokenizer into a directory in use": (
         lambda p, out: ["train-tokenizer", str(p["texts"]), "--vocab-size", "300", "--out", str(p["texts"])],
         "already exists and is not an empty directory"),

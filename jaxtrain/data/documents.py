@@ -40,8 +40,8 @@ def is_validation_file(relative: str, val_fraction: float) -> bool:
 
 def input_files(inputs: Iterable[str]) -> list[tuple[Path, Path]]:
     """(root, file) for every file of the inputs: a file is its own; a directory gives its files (hidden ones skipped)."""
-    found = []
-    for name in inputs:
+    found, names = [], list(inputs)
+    for name in names:
         path = Path(name)
         if path.is_dir():
             found.extend((path, f) for f in text_files(path))
@@ -49,6 +49,8 @@ def input_files(inputs: Iterable[str]) -> list[tuple[Path, Path]]:
             found.append((path.parent, path))
         else:
             raise UserError(f"input {name} does not exist; give text files, .jsonl files or directories of them")
+    if not found:
+        raise UserError(f"inputs {' '.join(names)} hold no files (hidden ones are skipped); give text files, .jsonl files or directories of them")
     return found
 
 
