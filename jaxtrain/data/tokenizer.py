@@ -74,7 +74,7 @@ class TextTokenizer:
         return tokens
 
 
-def tokenizer_json(path: str | Path) -> Path:
+def _tokenizer_json(path: str | Path) -> Path:
     """The tokenizer.json that ``path`` (the file, or a directory holding it) names."""
     path = Path(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
@@ -99,7 +99,7 @@ def _end_of_text_id(tokenizer: tokenizers.Tokenizer, file: Path) -> int:
 
 def load_tokenizer(path: str | Path) -> TextTokenizer:
     """Load ``data.tokenizer`` (a tokenizer.json, or a directory holding one, like a Hugging Face model directory)."""
-    file = tokenizer_json(path)
+    file = _tokenizer_json(path)
     try:
         tokenizer = tokenizers.Tokenizer.from_file(str(file))
     except Exception as e:  # the library reports a malformed file as a plain Exception
