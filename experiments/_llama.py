@@ -24,7 +24,7 @@ def experiment(model: LlamaConfig, *, seq_len: int, batch_tokens: int, lr: float
         raise UserError(f"batch_tokens={batch_tokens} is not a multiple of seq_len={seq_len}; use a whole number of sequences")
     return Config(
         model=model,
-        data=DataConfig(seq_len=seq_len),  # data.path=...: a token file (.npy/.bin) made with the Llama 3 tokenizer
+        data=DataConfig(seq_len=seq_len),  # data.path=TOKENS.bin from `jaxtrain tokenize ... --tokenizer LLAMA3_DIR`, data.tokenizer=LLAMA3_DIR
         train=TrainConfig(steps=steps, global_batch=batch_tokens // seq_len, microbatches=microbatches, eval_every=1000),
         optim=OptimConfig(lr=lr, warmup_steps=warmup_steps, min_lr_ratio=0.1, weight_decay=0.1, clip_norm=1.0),
         log=LogConfig(every=10),

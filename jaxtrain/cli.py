@@ -1,4 +1,5 @@
-"""Command line: ``jaxtrain train EXPERIMENT [--mesh FILE] [--rules NAME] [--run-dir DIR] [--devices N] [key=value ...]``.
+"""Command line: ``jaxtrain train EXPERIMENT [--mesh FILE] [--rules NAME] [--run-dir DIR] [--devices N] [key=value ...]``,
+and ``plan``, ``checkpoints``, ``plot``, ``tokenize``, ``train-tokenizer``.
 
 jax is imported only after the arguments are read, because the simulated CPU device count must be
 in XLA_FLAGS before jax starts.
@@ -13,6 +14,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from jaxtrain import config as config_lib
@@ -121,6 +123,26 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_tokenize(args) -> int:
+    from jaxtrain.data import token_file
+
+    start = time.perf_counter()
+    sidecar = token_file.write_token_file(args.inputs, args.tokenizer, args.out)
+    seconds = time.perf_counter() - start
+    print(f"jaxtrain: wrote {args.out}: {sidecar['tokens']} tokens ({sidecar['dtype']}) from {sidecar['documents']} documents "
+          f"in {seconds:.1f}s; sidecar {token_file.sidecar_path(Path(args.out))}", file=sys.stderr)
+    return 0
+
+
+def cmd_train_tokenizer(args) -> int:
+    from jaxtrain.data import tokenizer
+
+    trained = tokenizer.train_tokenizer(args.inputs, args.vocab_size, args.out)
+    print(f"jaxtrain: wrote {args.out}: byte-level BPE, vocabulary {trained.vocab_size}, "
+          f"end-of-text {tokenizer.END_OF_TEXT} = {trained.end_of_text}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxtrain", description="Train large language models with JAX on device meshes.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -160,6 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", metavar="FILE.png", help="output image (default RUN_DIR/metrics.png of the first run)")
     plot.set_defaults(func=cmd_plot)
+    tokenize = sub.add_parser("tokenize", help="text files, directories or .jsonl files -> a token file (.bin) and its .bin.json sidecar")
+    tokenize.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, .jsonl files (one JSON object with 'text' a line), or directories of them")
+    tokenize.add_argument("--tokenizer", required=True, metavar="PATH", help="a tokenizer.json or a directory holding one")
+    tokenize.add_argument("--out", required=True, metavar="TOKENS.bin", help="the token file (uint16, or uint32 for vocabularies over 65536)")
+    tokenize.set_defaults(func=cmd_tokenize)
+    train_tok = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer that transformers' AutoTokenizer loads")
+    train_tok.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, .jsonl files, or directories of them")
+    train_tok.add_argument("--vocab-size", required=True, type=_positive_int, metavar="N", help="vocabulary size, special token included")
+    train_tok.add_argument("--out", required=True, metavar="DIR", help="new directory for tokenizer.json and tokenizer_config.json")
+    train_tok.set_defaults(func=cmd_train_tokenizer)
     return parser
 
 

@@ -49,6 +49,7 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     path: str | None = None  # None: the running Python's standard library .py files
+    tokenizer: str | None = None  # a tokenizer.json (or a directory holding one); None: raw bytes
     seq_len: int = 256
     val_fraction: float = 0.02  # share of files (or of a token file) held out for evaluation
     seed: int = 0  # shuffle seed

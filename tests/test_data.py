@@ -4,7 +4,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.config import DataConfig
-from jaxtrain.data import DOC_SEPARATOR, GlobalBatches, Windows, eval_batches, is_validation_file, load_corpus, stdlib_files
+from jaxtrain.data import GlobalBatches, Windows, eval_batches, is_validation_file, load_corpus, stdlib_files
 from jaxtrain.errors import UserError
 
 
@@ -69,7 +69,7 @@ def test_user_text_directory_and_token_files(tmp_path):
     (docs / ".hidden").write_text("skip me")
     corpus = load_corpus(DataConfig(path=str(docs), val_fraction=0.1))
     assert b"skip me" not in corpus.train.tobytes() + corpus.validation.tobytes()
-    assert corpus.train.tobytes().count(bytes([DOC_SEPARATOR])) + corpus.validation.tobytes().count(bytes([DOC_SEPARATOR])) == 200
+    assert corpus.train.tobytes().count(b"\0") + corpus.validation.tobytes().count(b"\0") == 200
 
     tokens = np.arange(5000, dtype=np.uint16) % 1000
     np.save(tmp_path / "t.npy", tokens)
@@ -79,7 +79,7 @@ def test_user_text_directory_and_token_files(tmp_path):
         assert corpus.vocab_size == 1000 and len(corpus.train) == 4500
         np.testing.assert_array_equal(corpus.validation, tokens[4500:])
     (tmp_path / "t.csv").write_text("1,2")
-    with pytest.raises(UserError, match="unknown token file type"):
+    with pytest.raises(UserError, match="unknown file type"):
         load_corpus(DataConfig(path=str(tmp_path / "t.csv")))
 
 

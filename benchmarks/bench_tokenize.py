@@ -1,0 +1,87 @@
+"""Tokenizing throughput of ``jaxtrain tokenize`` against a plain ``tokenizers`` loop, on the same files in
+the same run, interleaved (each round runs both, so a busy machine slows both alike):
+
+- ``tokenize_mb_per_s``: megabytes (10^6 bytes) of input text per second of the whole command, process
+  start, file reading, encoding on all cores, writing TOKENS.bin and its sidecar included.
+- ``tokenize_baseline_mb_per_s``: a Python process that reads the same files and calls
+  ``Tokenizer.encode_batch`` on batches of 256 documents, keeping nothing (the library's own speed).
+- ``tokenize_ratio``: the two's ratio, median over rounds (goal >= 0.8).
+- ``tokenize_fast_baseline_mb_per_s``, ``tokenize_ratio_vs_fast``: the same loop with ``encode_batch_fast``
+  (no character offsets), which jaxtrain itself calls: the ratio is then jaxtrain's own overhead.
+
+Input: the first ``INPUT_BYTES`` of the Python standard library's source (the default corpus), with a
+byte-level BPE of ``VOCAB`` tokens trained on part of it by ``jaxtrain train-tokenizer``.
+Writes under a temporary directory; deletes what it wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from jaxtrain.data import stdlib_files, train_tokenizer
+
+INPUT_BYTES = 8_000_000
+TRAIN_BYTES = 4_000_000
+VOCAB = 16_384
+ROUNDS = 3
+
+BASELINE = """
+import sys
+from pathlib import Path
+import tokenizers
+tokenizer = tokenizers.Tokenizer.from_file(sys.argv[1])
+files = Path(sys.argv[2]).read_text().splitlines()
+encode = getattr(tokenizer, sys.argv[3])
+for start in range(0, len(files), 256):
+    encode([Path(f).read_text(errors="replace") for f in files[start:start + 256]], add_special_tokens=False)
+"""
+
+
+def _first_files(files: list[Path], limit: int) -> list[Path]:
+    chosen, total = [], 0
+    for f in files:
+        if total >= limit:
+            break
+        chosen.append(f)
+        total += f.stat().st_size
+    return chosen
+
+
+def _seconds(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def run() -> dict:
+    _, files = stdlib_files()
+    inputs = _first_files(files, INPUT_BYTES)
+    megabytes = sum(f.stat().st_size for f in inputs) / 1e6
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        train_tokenizer(map(str, _first_files(files, TRAIN_BYTES)), VOCAB, scratch / "tokenizer")
+        listing = scratch / "files.txt"
+        listing.write_text("\n".join(map(str, inputs)))
+        ours = [sys.executable, "-m", "jaxtrain.cli", "tokenize", *map(str, inputs), "--tokenizer", str(scratch / "tokenizer"),
+                "--out", str(scratch / "tokens.bin")]
+        baseline = [sys.executable, "-c", BASELINE, str(scratch / "tokenizer" / "tokenizer.json"), str(listing)]
+        rounds = [(_seconds(ours), _seconds([*baseline, "encode_batch"]), _seconds([*baseline, "encode_batch_fast"]))
+                  for _ in range(ROUNDS)]
+        tokens = os.path.getsize(scratch / "tokens.bin") // 2
+    ours_s, baseline_s, fast_s = (statistics.median(r[i] for r in rounds) for i in range(3))
+    return {
+        "tokenize_mb_per_s": round(megabytes / ours_s, 2),
+        "tokenize_baseline_mb_per_s": round(megabytes / baseline_s, 2),
+        "tokenize_ratio": round(statistics.median(r[1] / r[0] for r in rounds), 3),
+        "tokenize_fast_baseline_mb_per_s": round(megabytes / fast_s, 2),
+        "tokenize_ratio_vs_fast": round(statistics.median(r[2] / r[0] for r in rounds), 3),
+        "tokenize_input_mb": round(megabytes, 1),
+        "tokenize_tokens": tokens,
+        "tokenize_vocab": VOCAB,
+    }

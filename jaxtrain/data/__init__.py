@@ -1,0 +1,24 @@
+"""Training data: text sources (documents.py), tokenizers (tokenizer.py), token files (token_file.py), the
+corpus a run trains on (corpus.py), and the grain pipeline that turns it into per-process batches
+(pipeline.py). Other modules import these names from ``jaxtrain.data``.
+
+The pipeline's names load on first use: it imports jax, which the tokenizer commands do without.
+"""
+
+from jaxtrain.data.corpus import Corpus, load_corpus
+from jaxtrain.data.documents import is_validation_file, stdlib_files, text_files
+from jaxtrain.data.token_file import read_token_file, write_token_file
+from jaxtrain.data.tokenizer import TextTokenizer, hf_tokenizer_files, load_tokenizer, train_tokenizer
+
+_PIPELINE = ("GlobalBatches", "Windows", "check_sizes", "eval_batches", "train_batches")
+
+__all__ = ["Corpus", "TextTokenizer", "hf_tokenizer_files", "is_validation_file", "load_corpus", "load_tokenizer",
+           "read_token_file", "stdlib_files", "text_files", "train_tokenizer", "write_token_file", *_PIPELINE]
+
+
+def __getattr__(name: str):
+    if name in _PIPELINE:
+        from jaxtrain.data import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,71 @@
+"""A corpus: the training data as one token stream per split. From text (the Python standard library by
+default, a directory of text files, or a JSONL file), encoded as raw bytes or with ``data.tokenizer``,
+split by document; or from a token file, split by position.
+
+No jax here: the tokenizer commands start without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from jaxtrain.config import DataConfig
+from jaxtrain.data.documents import JSONL_SUFFIX, batches, documents, is_validation_file, stdlib_files, text_files
+from jaxtrain.data.token_file import read_token_file
+from jaxtrain.data.tokenizer import RawBytes, TextTokenizer, load_tokenizer
+from jaxtrain.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    train: np.ndarray
+    validation: np.ndarray
+    vocab_size: int  # the tokens are all < vocab_size (a tokenizer's whole vocabulary when there is one)
+    description: str
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    if cfg.path is None:
+        root, files = stdlib_files()
+        what = f"Python standard library at {root}"
+    else:
+        root = Path(cfg.path)
+        if not root.exists():
+            raise UserError(f"data.path={cfg.path} does not exist; give a directory of text files, a {JSONL_SUFFIX} file "
+                            "or a token file (.npy, .bin)")
+        if root.is_dir():
+            files, what = text_files(root), f"text files under {root}"
+        elif root.suffix == JSONL_SUFFIX:
+            root, files, what = root.parent, [root], f"JSONL file {root}"
+        else:
+            return _token_file_corpus(root, cfg.val_fraction, tokenizer)
+    return _text_corpus(root, files, what, cfg.val_fraction, tokenizer)
+
+
+def _text_corpus(root: Path, files: list[Path], what: str, val_fraction: float, tokenizer: TextTokenizer | None) -> Corpus:
+    encoding = tokenizer or RawBytes()
+    splits = {False: [], True: []}
+    for doc in documents((root, f) for f in files):
+        splits[is_validation_file(doc.key, val_fraction)].append(doc)
+    train, val = splits[False], splits[True]
+    if not train or not val:
+        raise UserError(f"data: {what} has {len(train) + len(val)} documents, too few for a train/validation split at "
+                        f"data.val_fraction={val_fraction}")
+
+    def encode(docs):
+        return np.concatenate([encoding.encode([d.text for d in batch]) for batch in batches(docs)])
+
+    encoded_as = f"tokenizer {tokenizer.path}" if tokenizer else "bytes"
+    return Corpus(encode(train), encode(val), encoding.vocab_size,
+                  f"{what} ({encoded_as}): {len(train)} train / {len(val)} validation documents")
+
+
+def _token_file_corpus(path: Path, val_fraction: float, tokenizer: TextTokenizer | None) -> Corpus:
+    file = read_token_file(path, tokenizer)
+    split = int(len(file.tokens) * (1 - val_fraction))
+    made_with = f", tokenizer {file.tokenizer}" if file.tokenizer else ""
+    return Corpus(file.tokens[:split], file.tokens[split:], file.vocab_size, f"token file {path}: {len(file.tokens)} tokens{made_with}")

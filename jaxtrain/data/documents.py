@@ -1,0 +1,95 @@
+"""Text sources as documents: a text file is one document, each line of a ``.jsonl`` file (a JSON object
+with a string ``text``) is one. The default source is the running Python's standard library, which
+every machine has. No jax here: the tokenizer commands start without it."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+import zlib
+from pathlib import Path
+from typing import Iterable, Iterator, NamedTuple
+
+from jaxtrain.errors import UserError
+
+SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+JSONL_SUFFIX = ".jsonl"
+BATCH_BYTES = 4 << 20  # text per encoding batch: enough documents to keep every core busy, bounded memory
+
+
+class Document(NamedTuple):
+    key: str  # path relative to its source ("#LINE" for a JSONL line): decides the train/validation split
+    text: bytes
+    size: int  # bytes of the source file this document used (progress)
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not SKIPPED_STDLIB_DIRS & set(p.relative_to(root).parts[:-1])]
+    return root, sorted(files)
+
+
+def text_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+
+
+def is_validation_file(relative: str, val_fraction: float) -> bool:
+    """Deterministic split: a document's own key decides, so adding documents moves no others."""
+    return zlib.crc32(relative.encode()) % 10_000 < val_fraction * 10_000
+
+
+def input_files(inputs: Iterable[str]) -> list[tuple[Path, Path]]:
+    """(root, file) for every file of the inputs: a file is its own; a directory gives its files (hidden ones skipped)."""
+    found, names = [], list(inputs)
+    for name in names:
+        path = Path(name)
+        if path.is_dir():
+            found.extend((path, f) for f in text_files(path))
+        elif path.is_file():
+            found.append((path.parent, path))
+        else:
+            raise UserError(f"input {name} does not exist; give text files, .jsonl files or directories of them")
+    if not found:
+        raise UserError(f"inputs {' '.join(names)} hold no files (hidden ones are skipped); give text files, .jsonl files or directories of them")
+    return found
+
+
+def _jsonl_documents(path: Path, key: str) -> Iterator[Document]:
+    with path.open("rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{number} is not valid JSON ({e.msg}); each line of a {JSONL_SUFFIX} file must be a JSON object") from None
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                found = f"keys {', '.join(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+                raise UserError(f"{path}:{number} has no string 'text' field ({found}); each line of a {JSONL_SUFFIX} file "
+                                "must be a JSON object with the document in 'text'")
+            yield Document(f"{key}#{number}", text.encode(), len(line))
+
+
+def documents(files: Iterable[tuple[Path, Path]]) -> Iterator[Document]:
+    """The documents of (root, file) pairs, in order."""
+    for root, path in files:
+        key = path.relative_to(root).as_posix()
+        if path.suffix == JSONL_SUFFIX:
+            yield from _jsonl_documents(path, key)
+        else:
+            text = path.read_bytes()
+            yield Document(key, text, len(text))
+
+
+def batches(docs: Iterable[Document], max_bytes: int = BATCH_BYTES) -> Iterator[list[Document]]:
+    """Consecutive documents in groups of about ``max_bytes`` of text."""
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc.text)
+        if size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch

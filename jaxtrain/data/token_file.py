@@ -1,0 +1,114 @@
+"""Token files: ``jaxtrain tokenize`` writes TOKENS.bin (the ids, uint16 or uint32 by vocabulary size) and
+TOKENS.bin.json, a sidecar naming the tokenizer, dtype and token count, which training checks against
+``data.tokenizer`` and ``model.vocab_size``. A ``.bin`` without a sidecar is raw uint16; a ``.npy`` is any
+integer array.
+
+No jax here: the tokenizer commands start without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+from tqdm import tqdm
+
+from jaxtrain.atomic import atomic_file
+from jaxtrain.data.documents import batches, documents, input_files
+from jaxtrain.data.tokenizer import TextTokenizer, load_tokenizer, token_dtype
+from jaxtrain.errors import UserError
+
+TOKEN_FILE_SUFFIXES = (".npy", ".bin")
+RAW_BIN_DTYPE = np.dtype("<u2")  # a .bin without a sidecar (nanoGPT's convention)
+SIDECAR_FORMAT = "jaxtrain-tokens-1"
+NPY_MAGIC = b"\x93NUMPY"  # how every .npy file starts (numpy.lib.format)
+
+
+def sidecar_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFile:
+    tokens: np.ndarray  # memory-mapped
+    vocab_size: int  # every id is below it
+    tokenizer: str | None  # the tokenizer it was made with, when a sidecar says
+
+
+def write_token_file(inputs: Iterable[str], tokenizer_path: str, out: str | Path) -> dict:
+    """Tokenize every document of ``inputs`` (end-of-text after each) into ``out`` and its sidecar, both
+    written atomically; returns the sidecar's contents."""
+    out = Path(out)
+    if out.suffix != ".bin":
+        raise UserError(f"--out {out} must end in .bin (the raw token ids; a .bin.json sidecar goes beside it)")
+    tokenizer = load_tokenizer(tokenizer_path)
+    files = input_files(inputs)
+    dtype = token_dtype(tokenizer.vocab_size)
+    count = docs = 0
+    with atomic_file(out, "token file") as f, \
+            tqdm(total=sum(path.stat().st_size for _, path in files), unit="B", unit_scale=True, desc="tokenize",
+                 disable=None, file=sys.stderr) as progress:  # shown only on a terminal
+        for batch in batches(documents(files)):
+            tokens = tokenizer.encode([doc.text for doc in batch])
+            f.write(tokens.data)  # already of the file's dtype
+            count, docs = count + len(tokens), docs + len(batch)
+            progress.update(sum(doc.size for doc in batch))
+        sidecar = {"format": SIDECAR_FORMAT, "dtype": dtype.name, "tokens": count, "documents": docs,
+                   "vocab_size": tokenizer.vocab_size, "end_of_text": tokenizer.end_of_text,
+                   "tokenizer": str(tokenizer.path.resolve()), "tokenizer_sha256": tokenizer.sha256}
+        # the sidecar lands first: a stale one beside an older TOKENS.bin fails the size check below
+        with atomic_file(sidecar_path(out), "token file sidecar") as s:
+            s.write((json.dumps(sidecar, indent=2) + "\n").encode())
+    return sidecar
+
+
+def _sidecar(path: Path) -> dict | None:
+    side = sidecar_path(path)
+    if not side.is_file():
+        return None
+    try:
+        sidecar = json.loads(side.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"token file sidecar {side} is not valid JSON ({e.msg}); remake it with jaxtrain tokenize") from None
+    if not isinstance(sidecar, dict) or sidecar.get("format") != SIDECAR_FORMAT:
+        raise UserError(f"{side} is not a jaxtrain token file sidecar (format {SIDECAR_FORMAT}); remake it with jaxtrain tokenize")
+    return sidecar
+
+
+def read_token_file(path: Path, tokenizer: TextTokenizer | None) -> TokenFile:
+    """Memory-map a token file, checked against its sidecar (if any) and the run's tokenizer (if any)."""
+    sidecar = _sidecar(path)
+    if path.suffix not in TOKEN_FILE_SUFFIXES:
+        raise UserError(f"data.path={path}: unknown file type; use a directory of text files, a .jsonl file, "
+                        "or a token file: .npy (any integer dtype) or .bin (uint16, or as its .bin.json sidecar says)")
+    dtype = RAW_BIN_DTYPE if sidecar is None else np.dtype(sidecar["dtype"]).newbyteorder("<")
+    expected = "a .npy file of a 1-D integer array (numpy.save)" if path.suffix == ".npy" else f"raw little-endian {dtype.name} tokens"
+    try:
+        if path.suffix == ".npy":
+            with open(path, "rb") as f:
+                if f.read(len(NPY_MAGIC)) != NPY_MAGIC:  # else np.load would try to unpickle it
+                    raise ValueError("no .npy header")
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        else:
+            tokens = np.memmap(path, dtype=dtype, mode="r")
+    except (ValueError, OSError) as e:  # truncated, odd byte count, empty, object dtype, unreadable
+        reason = (e.strerror if isinstance(e, OSError) else None) or str(e).split(". ")[0]
+        raise UserError(f"data.path={path} is not {expected}: {reason}") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or len(tokens) == 0:
+        raise UserError(f"data.path={path}: expected a non-empty 1-D integer token array, got shape {tokens.shape} dtype {tokens.dtype}")
+    if sidecar is None:
+        # without a record of its tokenizer, the ids themselves bound the vocabulary
+        vocab_size = max(int(tokens.max()) + 1, tokenizer.vocab_size if tokenizer else 0)
+        return TokenFile(tokens, vocab_size, None)
+    if len(tokens) != sidecar["tokens"]:
+        raise UserError(f"token file {path} holds {len(tokens)} tokens but its sidecar {sidecar_path(path)} says {sidecar['tokens']}; "
+                        "it is truncated or the two are from different runs: remake them with jaxtrain tokenize")
+    if tokenizer is not None and tokenizer.sha256 != sidecar["tokenizer_sha256"]:
+        raise UserError(f"token file {path} was made with tokenizer {sidecar['tokenizer']} (sha256 {sidecar['tokenizer_sha256'][:12]}) "
+                        f"but data.tokenizer={tokenizer.path} is another (sha256 {tokenizer.sha256[:12]}); retokenize with "
+                        f"'jaxtrain tokenize ... --tokenizer {tokenizer.path}' or set data.tokenizer={sidecar['tokenizer']}")
+    return TokenFile(tokens, sidecar["vocab_size"], sidecar["tokenizer"])

@@ -1,0 +1,146 @@
+"""Tokenizers through the Hugging Face ``tokenizers`` library: load one (``data.tokenizer``), train a
+byte-level BPE (``jaxtrain train-tokenizer``), and the files a Hugging Face model directory carries
+for it. Raw bytes (vocabulary 256, NUL between documents) remain the default encoding.
+
+No jax here: the tokenizer commands start without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from jaxtrain.atomic import atomic_dir
+from jaxtrain.data.documents import documents, input_files
+from jaxtrain.errors import UserError
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+# files beside tokenizer.json that transformers reads; an exported model directory carries those present
+HF_SIDE_FILES = (CONFIG_FILE, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+END_OF_TEXT = "<|endoftext|>"  # the one special token of a trained tokenizer: document separator, bos and eos
+# how tokenizer families spell their document separator (GPT-2 / Qwen2, Llama 3, Llama 2 / Mistral, Gemma)
+END_OF_TEXT_NAMES = (END_OF_TEXT, "<|end_of_text|>", "</s>", "<eos>")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned type that holds every id: token files and corpora stay at 2 bytes a token where they can."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RawBytes:
+    """The default encoding: a document's bytes, NUL (which never occurs in text files) after each."""
+
+    vocab_size: int = 256
+    end_of_text: int = 0
+
+    def encode(self, texts: list[bytes]) -> np.ndarray:
+        return np.frombuffer(b"\0".join([*texts, b""]), np.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextTokenizer:
+    """A loaded ``tokenizer.json``. ``sha256`` (of its canonical JSON) names it in token-file sidecars."""
+
+    path: Path  # the tokenizer.json
+    tokenizer: tokenizers.Tokenizer
+    sha256: str
+    end_of_text: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, texts: list[bytes]) -> np.ndarray:
+        """The documents' tokens, the end-of-text token after each; encoded in parallel on all cores
+        (``encode_batch_fast``: no character offsets, which training never reads)."""
+        encodings = self.tokenizer.encode_batch_fast([t.decode("utf-8", "replace") for t in texts], add_special_tokens=False)
+        tokens = np.empty(sum(len(e) for e in encodings) + len(encodings), token_dtype(self.vocab_size))
+        start = 0
+        for encoding in encodings:
+            end = start + len(encoding)
+            tokens[start:end] = encoding.ids
+            tokens[end] = self.end_of_text
+            start = end + 1
+        return tokens
+
+
+def _tokenizer_json(path: str | Path) -> Path:
+    """The tokenizer.json that ``path`` (the file, or a directory holding it) names."""
+    path = Path(path)
+    file = path / TOKENIZER_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise UserError(f"tokenizer {path} not found: give a {TOKENIZER_FILE} or a directory holding one "
+                        "(jaxtrain train-tokenizer makes one)")
+    return file
+
+
+def _end_of_text_id(tokenizer: tokenizers.Tokenizer, file: Path) -> int:
+    names = list(END_OF_TEXT_NAMES)
+    config = file.parent / CONFIG_FILE
+    if config.is_file():  # the family's own end-of-sequence token, when none of the usual spellings exists
+        eos = json.loads(config.read_text()).get("eos_token")
+        names.append(eos.get("content") if isinstance(eos, dict) else eos)
+    for name in filter(None, names):
+        if (token := tokenizer.token_to_id(name)) is not None:
+            return token
+    raise UserError(f"tokenizer {file} has no end-of-text token to put between documents (looked for {', '.join(filter(None, names))}); "
+                    f"add one as a special token, or set eos_token in {config}")
+
+
+def load_tokenizer(path: str | Path) -> TextTokenizer:
+    """Load ``data.tokenizer`` (a tokenizer.json, or a directory holding one, like a Hugging Face model directory)."""
+    file = _tokenizer_json(path)
+    try:
+        tokenizer = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # the library reports a malformed file as a plain Exception
+        raise UserError(f"tokenizer {file} could not be read: {str(e).splitlines()[0]}") from None
+    return TextTokenizer(file, tokenizer, hashlib.sha256(tokenizer.to_str().encode()).hexdigest(), _end_of_text_id(tokenizer, file))
+
+
+def hf_tokenizer_files(path: str | Path) -> dict[str, bytes]:
+    """File name -> contents of the tokenizer files a Hugging Face model directory needs so that
+    ``AutoTokenizer.from_pretrained`` loads it: tokenizer.json, the side files found beside it, and a
+    tokenizer_config.json naming the end-of-text token when there is none."""
+    tokenizer = load_tokenizer(path)
+    files = {TOKENIZER_FILE: tokenizer.path.read_bytes()}
+    files |= {name: (tokenizer.path.parent / name).read_bytes() for name in HF_SIDE_FILES if (tokenizer.path.parent / name).is_file()}
+    if CONFIG_FILE not in files:
+        files[CONFIG_FILE] = _hf_config(tokenizer.tokenizer.id_to_token(tokenizer.end_of_text))
+    return files
+
+
+def _hf_config(end_of_text: str) -> bytes:
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": end_of_text, "eos_token": end_of_text,
+              "clean_up_tokenization_spaces": False, "model_max_length": 1 << 30}
+    return (json.dumps(config, indent=2) + "\n").encode()
+
+
+def train_tokenizer(inputs: Iterable[str], vocab_size: int, out: str | Path) -> TextTokenizer:
+    """Train a byte-level BPE (GPT-2 style: any text encodes, no unknown token) on the documents of
+    ``inputs`` and write it to the directory ``out`` (tokenizer.json + tokenizer_config.json), atomically."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise UserError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs the {len(alphabet)} bytes "
+                        f"and {END_OF_TEXT}, at least {len(alphabet) + 1}")
+    files = input_files(inputs)
+    with atomic_dir(Path(out), "tokenizer directory") as temp:
+        bpe = tokenizers.Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], initial_alphabet=alphabet,
+                                      show_progress=sys.stderr.isatty())
+        bpe.train_from_iterator((doc.text.decode("utf-8", "replace") for doc in documents(files)), trainer)
+        bpe.save(str(temp / TOKENIZER_FILE))
+        (temp / CONFIG_FILE).write_bytes(_hf_config(END_OF_TEXT))
+    return load_tokenizer(out)

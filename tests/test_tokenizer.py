@@ -1,0 +1,235 @@
+"""Tokenizers and text data: train-tokenizer -> tokenize -> train, JSONL sources, transformers loading the
+trained tokenizer, token-file sidecars, and every bad input as one line with exit status 2."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxtrain import cli
+from jaxtrain.config import DataConfig
+from jaxtrain.data import hf_tokenizer_files, load_corpus, load_tokenizer, stdlib_files
+from jaxtrain.data.token_file import sidecar_path
+from jaxtrain.data.tokenizer import END_OF_TEXT, token_dtype
+from jaxtrain.errors import UserError
+
+VOCAB = 384
+TINY_MODEL = [f"model.vocab_size={VOCAB}", "model.d_model=32", "model.num_layers=2", "model.mlp_dim=64", "data.seq_len=32",
+              "train.global_batch=8", "train.eval_batches=1", "log.progress=false", "log.peak_tflops=1", "log.tensorboard=false", "log.layer_every=0"]
+
+
+def jaxtrain(capsys, *args: str) -> tuple[int, list[str]]:
+    """Run the command line in this process: (exit status, stderr lines)."""
+    status = cli.main([*args])
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory) -> Path:
+    """Real text: 24 small files of the standard library's top level (about 200 kB), copied so the test owns them."""
+    docs = tmp_path_factory.mktemp("texts") / "docs"
+    docs.mkdir()
+    root, files = stdlib_files()
+    for f in [f for f in files if f.parent == root and f.stat().st_size < 20_000][:24]:
+        shutil.copy(f, docs / f"{f.stem}.txt")
+    return docs
+
+
+@pytest.fixture(scope="module")
+def trained(texts) -> Path:
+    out = texts.parent / "tokenizer"
+    assert cli.main(["train-tokenizer", str(texts), "--vocab-size", str(VOCAB), "--out", str(out)]) == 0
+    return out
+
+
+def _encode_each(tokenizer, texts: list[str]) -> list[int]:
+    return [i for t in texts for i in (*tokenizer.tokenizer.encode(t, add_special_tokens=False).ids, tokenizer.end_of_text)]
+
+
+def test_trained_tokenizer_loads_in_transformers_and_encodes_identically(trained, texts):
+    from transformers import AutoTokenizer
+
+    ours = load_tokenizer(trained)
+    assert ours.vocab_size == VOCAB and ours.tokenizer.id_to_token(ours.end_of_text) == END_OF_TEXT
+    theirs = AutoTokenizer.from_pretrained(trained)
+    assert theirs.eos_token == theirs.bos_token == END_OF_TEXT and theirs.eos_token_id == ours.end_of_text
+    samples = [sorted(texts.iterdir())[0].read_text()[:2000], "naïve café — 数据 🚀\n\tdef f(x): return x", ""]
+    for text in samples:
+        ids = ours.tokenizer.encode(text).ids
+        assert theirs.encode(text) == ids and theirs.decode(ids) == text
+    assert theirs.encode(END_OF_TEXT) == [ours.end_of_text]
+    files = hf_tokenizer_files(trained)
+    assert files == {"tokenizer.json": (trained / "tokenizer.json").read_bytes(),
+                     "tokenizer_config.json": (trained / "tokenizer_config.json").read_bytes()}
+
+
+def test_hf_files_for_a_bare_tokenizer_json_name_its_end_of_text(trained, tmp_path):
+    from transformers import AutoTokenizer
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(trained / "tokenizer.json", bare / "tokenizer.json")
+    export = tmp_path / "export"
+    export.mkdir()
+    for name, contents in hf_tokenizer_files(bare / "tokenizer.json").items():
+        (export / name).write_bytes(contents)
+    assert sorted(p.name for p in export.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert AutoTokenizer.from_pretrained(export).eos_token == END_OF_TEXT
+
+
+def _word_level(directory: Path, vocab: dict, config: dict | None = None) -> Path:
+    """A tokenizer directory whose special tokens are the vocabulary's <...> entries."""
+    from tokenizers import Tokenizer, models
+
+    directory.mkdir()
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tokenizer.add_special_tokens([t for t in vocab if t.startswith("<")])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    if config:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_end_of_text_is_found_by_family_spelling_or_eos_token(tmp_path):
+    llama3 = _word_level(tmp_path / "llama3", {"a": 0, "<|begin_of_text|>": 1, "<|end_of_text|>": 2})
+    assert load_tokenizer(llama3).end_of_text == 2
+    custom = _word_level(tmp_path / "custom", {"a": 0, "<stop>": 1}, {"eos_token": {"content": "<stop>"}})
+    assert load_tokenizer(custom).end_of_text == 1
+    with pytest.raises(UserError, match=r"has no end-of-text token to put between documents \(looked for <\|endoftext\|>"):
+        load_tokenizer(_word_level(tmp_path / "none", {"a": 0, "<pad>": 1}))
+
+
+def test_train_tokenize_train_loss_falls(trained, texts, tmp_path, capsys):
+    tokens = tmp_path / "tokens.bin"
+    status, err = jaxtrain(capsys, "tokenize", str(texts), "--tokenizer", str(trained), "--out", str(tokens))
+    assert status == 0 and f"wrote {tokens}" in err[-1]
+    tokenizer = load_tokenizer(trained)
+    files = sorted(texts.iterdir())
+    expected = _encode_each(tokenizer, [f.read_text() for f in files])  # end-of-text after every document
+    np.testing.assert_array_equal(np.fromfile(tokens, np.uint16), expected)
+    sidecar = json.loads(sidecar_path(tokens).read_text())
+    assert sidecar | {"format": None} == {
+        "format": None, "dtype": "uint16", "tokens": len(expected), "documents": len(files), "vocab_size": VOCAB,
+        "end_of_text": tokenizer.end_of_text, "tokenizer": str((trained / "tokenizer.json").resolve()), "tokenizer_sha256": tokenizer.sha256}
+
+    run = tmp_path / "run"
+    status, err = jaxtrain(capsys, "train", "tiny", "--run-dir", str(run), f"data.path={tokens}", f"data.tokenizer={trained}",
+                           *TINY_MODEL, "train.steps=20", "log.every=1", "optim.lr=1e-2", "optim.warmup_steps=0")
+    assert status == 0, err
+    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 20 and abs(losses[0] - np.log(VOCAB)) < 0.3 and losses[-1] < losses[0] - 0.8, losses
+
+
+def test_jsonl_source_matches_the_same_texts_as_files(trained, texts, tmp_path, capsys):
+    docs = [f.read_text() for f in sorted(texts.iterdir())]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" + ("\n" if i == 3 else "") for i, t in enumerate(docs)))
+    tokens = tmp_path / "tokens.bin"
+    assert jaxtrain(capsys, "tokenize", str(jsonl), "--tokenizer", str(trained), "--out", str(tokens))[0] == 0
+    tokenizer = load_tokenizer(trained)
+    np.testing.assert_array_equal(np.fromfile(tokens, np.uint16), _encode_each(tokenizer, docs))
+
+    # as data.path: split by line, each line's document tokenized with end-of-text after it
+    corpus = load_corpus(DataConfig(path=str(jsonl), tokenizer=str(trained), val_fraction=0.25))
+    assert corpus.vocab_size == VOCAB and corpus.train.dtype == np.uint16
+    both = np.concatenate([corpus.train, corpus.validation])
+    assert np.sort(both).tolist() == sorted(_encode_each(tokenizer, docs))
+    assert 0 < (corpus.validation == tokenizer.end_of_text).sum() < len(docs)
+    raw = load_corpus(DataConfig(path=str(jsonl), val_fraction=0.25))  # no tokenizer: the text's UTF-8 bytes
+    assert raw.vocab_size == 256 and len(raw.train) + len(raw.validation) == sum(len(t.encode()) + 1 for t in docs)
+
+
+def test_large_vocabulary_writes_uint32(trained, tmp_path, capsys):
+    big = load_tokenizer(trained).tokenizer
+    big.add_tokens([f"<extra{i}>" for i in range(70_000)])
+    big_dir = tmp_path / "big"
+    big_dir.mkdir()
+    big.save(str(big_dir / "tokenizer.json"))
+    (tmp_path / "doc.txt").write_text("a <extra69999> b")
+    tokens = tmp_path / "tokens.bin"
+    assert jaxtrain(capsys, "tokenize", str(tmp_path / "doc.txt"), "--tokenizer", str(big_dir), "--out", str(tokens))[0] == 0
+    expected = [*big.encode("a <extra69999> b").ids, 0]
+    assert max(expected) == VOCAB + 69_999 and token_dtype(VOCAB + 70_000) == np.uint32
+    np.testing.assert_array_equal(np.fromfile(tokens, np.uint32), expected)
+    corpus = load_corpus(DataConfig(path=str(tokens), tokenizer=str(big_dir), val_fraction=0.5))
+    assert corpus.vocab_size == VOCAB + 70_000
+    np.testing.assert_array_equal(np.concatenate([corpus.train, corpus.validation]), expected)
+
+
+def test_token_file_without_sidecar_is_raw_uint16_and_a_truncated_one_is_refused(trained, texts, tmp_path, capsys):
+    tokens = tmp_path / "tokens.bin"
+    assert jaxtrain(capsys, "tokenize", str(texts), "--tokenizer", str(trained), "--out", str(tokens))[0] == 0
+    with_sidecar = load_corpus(DataConfig(path=str(tokens), val_fraction=0.1))
+    assert with_sidecar.vocab_size == VOCAB and "tokenizer" in with_sidecar.description
+    raw = tmp_path / "raw.bin"
+    raw.write_bytes(tokens.read_bytes())
+    without = load_corpus(DataConfig(path=str(raw), val_fraction=0.1))
+    np.testing.assert_array_equal(without.train, with_sidecar.train)
+    assert without.vocab_size == int(np.fromfile(raw, np.uint16).max()) + 1
+    tokens.write_bytes(tokens.read_bytes()[:-2])
+    with pytest.raises(UserError, match=r"holds \d+ tokens but its sidecar .* says \d+; it is truncated"):
+        load_corpus(DataConfig(path=str(tokens)))
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(trained, texts):
+    """Files the bad-input cases point at: a token file, a second tokenizer, a JSONL line without text."""
+    where = texts.parent
+    (where / "notext.jsonl").write_text('{"text": "fine"}\n{"body": "no text here"}\n')
+    # few distinct tokens: the vocabulary checks must count the tokenizer's ids, not the ones the text happens to use
+    (where / "few.jsonl").write_text("".join(json.dumps({"text": f"a b {i}"}) + "\n" for i in range(40)))
+    tokens = where / "tokens.bin"
+    assert cli.main(["tokenize", str(where / "few.jsonl"), "--tokenizer", str(trained), "--out", str(tokens)]) == 0
+    other = where / "other_tokenizer"
+    assert cli.main(["train-tokenizer", str(sorted(texts.iterdir())[0]), "--vocab-size", "300", "--out", str(other)]) == 0
+    return {"tokens": tokens, "tokenizer": trained, "other": other, "texts": texts, "notext": where / "notext.jsonl", "few": where / "few.jsonl"}
+
+
+TRAIN_ERRORS = {
+    "tokenizer vocabulary larger than model.vocab_size": (
+        lambda p: [f"data.path={p['few']}", f"data.tokenizer={p['tokenizer']}", "model.vocab_size=256", "data.val_fraction=0.25"],
+        f"has token ids up to {VOCAB - 1} but model.vocab_size=256; set model.vocab_size>={VOCAB}"),
+    "token file vocabulary larger than model.vocab_size": (
+        lambda p: [f"data.path={p['tokens']}", "model.vocab_size=256"], f"set model.vocab_size>={VOCAB}"),
+    "token file made with another tokenizer": (
+        lambda p: [f"data.path={p['tokens']}", f"data.tokenizer={p['other']}"], "was made with tokenizer"),
+    "missing tokenizer path": (lambda p: ["data.tokenizer=/no/such/tokenizer"], "tokenizer /no/such/tokenizer not found"),
+    "JSONL without text": (lambda p: [f"data.path={p['notext']}"], "notext.jsonl:2 has no string 'text' field (keys body)"),
+}
+
+
+@pytest.mark.parametrize("case", TRAIN_ERRORS)
+def test_bad_training_data_is_one_line_and_writes_nothing(case, bad_inputs, tmp_path, capsys):
+    make_args, message = TRAIN_ERRORS[case]
+    run = tmp_path / "run"
+    status, err = jaxtrain(capsys, "train", "tiny", "--run-dir", str(run), *TINY_MODEL, "train.steps=1",
+                           *make_args(bad_inputs))
+    assert status == 2 and len(err) == 1 and err[0].startswith("jaxtrain: error: ") and message in err[0], err
+    assert not run.exists()
+
+
+COMMAND_ERRORS = {
+    "tokenize a JSONL without text": (lambda p, out: ["tokenize", str(p["notext"]), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
+                                      "notext.jsonl:2 has no string 'text' field"),
+    "tokenize with a missing tokenizer": (lambda p, out: ["tokenize", str(p["texts"]), "--tokenizer", str(out / "none"), "--out", str(out / "t.bin")],
+                                          "none not found: give a tokenizer.json or a directory holding one"),
+    "train a tokenizer on a JSONL without text": (
+        lambda p, out: ["train-tokenizer", str(p["notext"]), "--vocab-size", "300", "--out", str(out / "tok")],
+        "notext.jsonl:2 has no string 'text' field"),
+    "tokenize an empty directory": (lambda p, out: ["tokenize", str(out), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
+                                    "hold no files (hidden ones are skipped)"),
+    "train a tokenizer into a directory in use": (
+        lambda p, out: ["train-tokenizer", str(p["texts"]), "--vocab-size", "300", "--out", str(p["texts"])],
+        "already exists and is not an empty directory"),
+}
+
+
+@pytest.mark.parametrize("case", COMMAND_ERRORS)
+def test_bad_tokenizer_command_is_one_line_and_writes_nothing(case, bad_inputs, tmp_path, capsys):
+    make_args, message = COMMAND_ERRORS[case]
+    before = sorted(bad_inputs["texts"].parent.rglob("*"))
+    status, err = jaxtrain(capsys, *make_args(bad_inputs, tmp_path))
+    assert status == 2 and len(err) == 1 and err[0].startswith("jaxtrain: error: ") and message in err[0], err
+    assert list(tmp_path.iterdir()) == [] and sorted(bad_inputs["texts"].parent.rglob("*")) == before
