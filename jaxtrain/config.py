@@ -108,6 +108,26 @@ class Config:
     rules: str = "fsdp_tp"  # a name under sharding_rules/ or a path to a YAML rule set
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How `jaxtrain generate` picks each new token (command-line flags, not part of a run's config)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy (the most likely token)
+    top_p: float = 1.0  # nucleus sampling: draw among the most likely tokens whose probability reaches top_p
+    seed: int = 0
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.max_new_tokens < 1:
+            out.append(f"--max-new-tokens {self.max_new_tokens} must be at least 1")
+        if not self.temperature >= 0:
+            out.append(f"--temperature {self.temperature:g} must be 0 (greedy) or positive")
+        if not 0 < self.top_p <= 1:
+            out.append(f"--top-p {self.top_p:g} must be in (0, 1]; 1 samples from the whole distribution")
+        return out
+
+
 # ---------------------------------------------------------------------------------------------
 # dict / YAML conversion and overrides
 

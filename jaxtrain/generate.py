@@ -1,0 +1,217 @@
+"""Text generation with a key/value cache through the model's own layers (``Llama.extend``), jitted and
+sharded with the run's rules.
+
+``load(path)`` gives a ``Loaded`` model (config, parameters on the mesh, encode, decode); ``generate``
+runs a prefill of the prompts, which fills a fixed-size cache (prompt + max_new_tokens), then a
+``lax.scan`` of one-token decoding steps over it: greedy at temperature 0, else temperature and top-p
+(nucleus) sampling from a seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import config as config_lib
+from jaxtrain.config import Config, SamplingConfig
+from jaxtrain.data import BYTE_VOCAB, DOC_SEPARATOR, TOKEN_FILE_SUFFIXES
+from jaxtrain.errors import UserError
+from jaxtrain.partitioning import Rules, batch_sharding, logical_to_spec, logical_ways, model_tracing
+from jaxtrain.state import model_spec
+from models.config import LlamaConfig
+from models.llama import KVCache
+
+Encode = Callable[[str], list[int]]
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A model ready to generate: what every source (a run directory; later a Hugging Face directory) gives."""
+
+    model_cfg: LlamaConfig
+    params: dict  # placed on ``mesh`` with the rule set's shardings
+    mesh: Mesh
+    rules: Rules
+    rules_name: str
+    encode: Encode  # prompt text -> token ids
+    decode: Decode | None  # token ids -> text; None: the ids are printed
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    tokens: np.ndarray  # (batch, max_new_tokens) int32: the new tokens only
+    prompt_tokens: int  # across the batch
+    prefill_s: float  # prompt through the layers and the first new token (compiled, timed apart from compiling)
+    decode_s: float  # the other max_new_tokens - 1 tokens
+    compile_s: float
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        steps = self.tokens.size - self.tokens.shape[0]
+        return steps / self.decode_s if steps else None
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def load(path: Path, mesh: str | None = None, rules: str | None = None) -> Loaded:
+    """The model of ``path``: a training run directory (config.yaml and checkpoints/). ``mesh`` / ``rules``
+    replace the run's own (e.g. generating on one GPU from a run trained on many)."""
+    if (path / "config.yaml").is_file():
+        return load_run(path, mesh, rules)
+    raise UserError(f"{path} is not a run directory (no config.yaml); give the --run-dir of a training run")
+
+
+def load_run(run_dir: Path, mesh: str | None = None, rules: str | None = None) -> Loaded:
+    from jaxtrain.train import make_layout  # the trainer's checks and shardings, no compilation
+
+    body = yaml.safe_load((run_dir / "config.yaml").read_text())
+    body.pop("resolved", None)  # what the run derived, not config keys
+    cfg = config_lib.from_dict(body)
+    if mesh:
+        cfg = dataclasses.replace(cfg, mesh=config_lib.load_mesh_file(mesh))
+    if rules:
+        cfg = dataclasses.replace(cfg, rules=rules)
+    layout = make_layout(cfg)
+    params = checkpoint_lib.restore_from(run_dir, layout.abstract_state(), None, params_only=True, source="jaxtrain generate")
+    encode, decode = codec(cfg)
+    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode, decode)
+
+
+def codec(cfg: Config) -> tuple[Encode, Decode | None]:
+    """Bytes of UTF-8 text for byte-level runs (the standard library or a text directory); token ids
+    written as numbers for runs trained on a token file, which carry no tokenizer."""
+    vocab = cfg.model.vocab_size
+    if cfg.data.path is None or Path(cfg.data.path).suffix not in TOKEN_FILE_SUFFIXES:
+        return (lambda text: _in_vocab(list(text.encode("utf-8")), vocab, "a byte of the prompt's UTF-8")), _bytes_to_text
+    return (lambda text: _in_vocab(_ids(text), vocab, "a prompt token id")), None
+
+
+def _bytes_to_text(ids: Sequence[int]) -> str:
+    """Up to the first document separator (the model's end of text), invalid UTF-8 shown as U+FFFD."""
+    data = bytes(int(i) % BYTE_VOCAB for i in ids)
+    return data.split(bytes([DOC_SEPARATOR]))[0].decode("utf-8", errors="replace")
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise UserError(f"--prompt {text!r}: this run has no tokenizer, so the prompt is token ids, e.g. --prompt '12 7 99'") from None
+
+
+def _in_vocab(ids: list[int], vocab: int, what: str) -> list[int]:
+    if not ids:
+        raise UserError("--prompt is empty; give at least one token of text")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise UserError(f"{what} is {bad[0]}, outside the model's vocabulary of {vocab} (model.vocab_size); use tokens below {vocab}")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
+
+
+def nucleus(logits: jax.Array, top_p: float) -> jax.Array:
+    """``logits`` with every token outside the smallest most-likely set whose probability reaches
+    ``top_p`` set to -inf (the most likely token always stays)."""
+    descending = -jnp.sort(-logits, axis=-1)
+    probs = jax.nn.softmax(descending, axis=-1)
+    kept = jnp.cumsum(probs, axis=-1) - probs < top_p  # the probability of the more likely tokens
+    threshold = jnp.min(jnp.where(kept, descending, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """logits (batch, vocab) float32 -> token ids (batch,) int32."""
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_p < 1:
+        logits = nucleus(logits, sampling.top_p)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# generation
+
+
+def generation_rules(rules: Rules, mesh: Mesh, batch: int) -> Rules:
+    """The run's rules, with the batch left whole when the prompts do not fill its shards (one prompt)."""
+    if batch % logical_ways(rules, mesh, "activation_batch"):
+        return rules | {"activation_batch": None}
+    return rules
+
+
+def generate(loaded: Loaded, prompts: np.ndarray, sampling: SamplingConfig) -> Generation:
+    """``prompts`` (batch, length) int32, all of one length -> ``sampling.max_new_tokens`` new tokens each."""
+    cfg, mesh = loaded.model_cfg, loaded.mesh
+    batch, prompt_len = prompts.shape
+    new = sampling.max_new_tokens
+    rules = generation_rules(loaded.rules, mesh, batch)
+    graphdef = model_spec(cfg).graphdef
+
+    def sharding(*logical) -> NamedSharding:
+        return NamedSharding(mesh, logical_to_spec(logical, rules, "generation"))
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    cache_sharding = KVCache(sharding(*KVCache.AXES), sharding(*KVCache.AXES), replicated)
+    params_sharding = jax.tree.map(lambda x: x.sharding, loaded.params)
+
+    def prefill(params, prompt, seed):
+        model = nnx.merge(graphdef, params)
+        hidden, cache = model.extend(prompt, KVCache.zeros(cfg, batch, prompt_len + new))
+        first = sample(model.logits(hidden[:, -1:])[:, 0], jax.random.fold_in(jax.random.key(seed), 0), sampling)
+        return cache, first
+
+    def decode(params, cache, token, seed):
+        model = nnx.merge(graphdef, params)
+
+        def step(carry, index):
+            cache, token = carry
+            hidden, cache = model.extend(token[:, None], cache)
+            token = sample(model.logits(hidden)[:, 0], jax.random.fold_in(jax.random.key(seed), index), sampling)
+            return (cache, token), token
+
+        (cache, _), tokens = jax.lax.scan(step, (cache, token), jnp.arange(1, new))
+        return tokens.T, cache  # the cache returned, so the donated one is updated in place
+
+    token_sharding = sharding("activation_batch")
+    prefill_fn = jax.jit(prefill, in_shardings=(params_sharding, batch_sharding(rules, mesh), replicated),
+                         out_shardings=(cache_sharding, token_sharding))
+    decode_fn = jax.jit(decode, in_shardings=(params_sharding, cache_sharding, token_sharding, replicated),
+                        out_shardings=(sharding("activation_batch", None), cache_sharding), donate_argnums=1)
+    prompt = jax.device_put(np.asarray(prompts, np.int32), batch_sharding(rules, mesh))
+    seed = jax.device_put(np.int32(sampling.seed), replicated)
+    start = time.perf_counter()
+    with model_tracing(mesh, rules, loaded.rules_name):
+        prefill_fn = prefill_fn.lower(loaded.params, prompt, seed).compile()
+        cache_shape, token_shape = prefill_fn.out_info
+        decode_fn = decode_fn.lower(loaded.params, cache_shape, token_shape, seed).compile() if new > 1 else None
+    compile_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    cache, first = jax.block_until_ready(prefill_fn(loaded.params, prompt, seed))
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    rest = jax.block_until_ready(decode_fn(loaded.params, cache, first, seed)[0]) if decode_fn else np.zeros((batch, 0), np.int32)
+    decode_s = time.perf_counter() - start
+    tokens = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
+    return Generation(tokens, batch * prompt_len, prefill_s, decode_s, compile_s)
