@@ -1,4 +1,5 @@
-"""Command line: ``jaxtrain train EXPERIMENT [--mesh FILE] [--rules NAME] [--run-dir DIR] [--devices N] [key=value ...]``.
+"""Command line: ``jaxtrain train EXPERIMENT [--mesh FILE] [--rules NAME] [--run-dir DIR] [--devices N] [key=value ...]``,
+``jaxtrain generate RUN_DIR --prompt TEXT``, ``plan``, ``checkpoints``, ``plot``.
 
 jax is imported only after the arguments are read, because the simulated CPU device count must be
 in XLA_FLAGS before jax starts.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from jaxtrain import config as config_lib
 from jaxtrain import distributed
+from jaxtrain.config import SamplingConfig
 from jaxtrain.errors import UserError
 
 DEFAULT_CPU_DEVICES = 8
@@ -104,6 +106,25 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    sampling = config_lib.SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    if sampling.problems():
+        raise UserError("; ".join(sampling.problems()))
+    import numpy as np
+
+    from jaxtrain import generate as generate_lib  # starts jax
+
+    loaded = generate_lib.load(Path(args.path), args.mesh, args.rules)
+    prompt = loaded.encode(args.prompt)
+    out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling)
+    new = out.tokens[0]
+    print(args.prompt + loaded.decode(new) if loaded.decode else " ".join(map(str, new)), flush=True)
+    decode = f"{out.decode_tokens_per_s:,.1f} tokens/s" if out.decode_tokens_per_s else "no decoding steps"
+    print(f"jaxtrain: {len(new)} new tokens; prefill {out.prompt_tokens} tokens in {out.prefill_s:.3f} s "
+          f"({out.prefill_tokens_per_s:,.0f} tokens/s); decode {decode}; compile {out.compile_s:.1f} s", file=sys.stderr)
+    return 0
+
+
 def cmd_checkpoints(args) -> int:
     from jaxtrain import checkpoint as checkpoint_lib  # starts jax
 
@@ -153,6 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--plot", metavar="FILE.png", help="write a stacked per-device memory chart of the plan and suggestions")
     plan.set_defaults(func=cmd_plan)
+    generate = sub.add_parser("generate", help="continue a prompt with a run's latest checkpoint: KV-cache decoding, jitted, "
+                              "sharded with the run's rules; prints the text and tokens/s")
+    generate.add_argument("path", metavar="RUN_DIR", help="a training run directory (config.yaml and checkpoints/)")
+    generate.add_argument("--prompt", required=True, help="text (byte-level runs: its UTF-8 bytes); token ids for runs without a tokenizer")
+    generate.add_argument("--max-new-tokens", type=int, default=SamplingConfig.max_new_tokens, metavar="N",
+                          help=f"tokens to generate (default {SamplingConfig.max_new_tokens})")
+    generate.add_argument("--temperature", type=float, default=SamplingConfig.temperature, metavar="T",
+                          help="0: greedy (default); above 0: sample from softmax(logits / T)")
+    generate.add_argument("--top-p", type=float, default=SamplingConfig.top_p, metavar="P",
+                          help="sample among the most likely tokens whose probability reaches P (default 1: all)")
+    generate.add_argument("--seed", type=int, default=SamplingConfig.seed, help="sampling seed (default 0)")
+    generate.add_argument("--mesh", help="mesh file to generate on (default: the run's mesh)")
+    generate.add_argument("--rules", help="sharding rule set (default: the run's)")
+    generate.add_argument("--devices", type=_positive_int, help=f"simulated CPU devices when there is no accelerator (default {DEFAULT_CPU_DEVICES})")
+    generate.set_defaults(func=cmd_generate)
     checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, complete, mesh/rules")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR")
     checkpoints.set_defaults(func=cmd_checkpoints)

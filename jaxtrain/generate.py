@@ -10,6 +10,7 @@ runs a prefill of the prompts, which fills a fixed-size cache (prompt + max_new_
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -139,14 +140,16 @@ def nucleus(logits: jax.Array, top_p: float) -> jax.Array:
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.Array:
-    """logits (batch, vocab) float32 -> token ids (batch,) int32."""
-    if sampling.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / sampling.temperature
-    if sampling.top_p < 1:
-        logits = nucleus(logits, sampling.top_p)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
+    """logits (batch, vocab) float32 -> token ids (batch,) int32. ``temperature`` and ``top_p`` are traced
+    scalars, so one compiled program serves every setting."""
+
+    def draw(logits):
+        logits = logits / temperature
+        logits = jax.lax.cond(top_p < 1, nucleus, lambda x, _: x, logits, top_p)
+        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(temperature > 0, draw, lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32), logits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,57 +164,80 @@ def generation_rules(rules: Rules, mesh: Mesh, batch: int) -> Rules:
 
 
 def generate(loaded: Loaded, prompts: np.ndarray, sampling: SamplingConfig) -> Generation:
-    """``prompts`` (batch, length) int32, all of one length -> ``sampling.max_new_tokens`` new tokens each."""
-    cfg, mesh = loaded.model_cfg, loaded.mesh
+    """``prompts`` (batch, length) int32, all of one length -> ``sampling.max_new_tokens`` new tokens each.
+    The compiled prefill and decode are kept for later calls with the same shapes and max_new_tokens."""
     batch, prompt_len = prompts.shape
-    new = sampling.max_new_tokens
-    rules = generation_rules(loaded.rules, mesh, batch)
-    graphdef = model_spec(cfg).graphdef
+    rules = generation_rules(loaded.rules, loaded.mesh, batch)
+    param_shardings = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, loaded.params))
+    start = time.perf_counter()
+    prefill, decode = _compiled(loaded.model_cfg, loaded.mesh, tuple(rules.items()), loaded.rules_name,
+                                (param_shardings[1], tuple(param_shardings[0])), batch, prompt_len, sampling.max_new_tokens)
+    compile_s = time.perf_counter() - start
+    prompt = jax.device_put(np.asarray(prompts, np.int32), batch_sharding(rules, loaded.mesh))
+    knobs = jax.device_put(_knobs(sampling), NamedSharding(loaded.mesh, PartitionSpec()))
+
+    start = time.perf_counter()
+    cache, first = jax.block_until_ready(prefill(loaded.params, prompt, knobs))
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    rest = jax.block_until_ready(decode(loaded.params, cache, first, knobs)[0]) if decode else np.zeros((batch, 0), np.int32)
+    decode_s = time.perf_counter() - start
+    tokens = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
+    return Generation(tokens, batch * prompt_len, prefill_s, decode_s, compile_s)
+
+
+def _knobs(sampling: SamplingConfig) -> dict[str, np.ndarray]:
+    return {"seed": np.int32(sampling.seed), "temperature": np.float32(sampling.temperature), "top_p": np.float32(sampling.top_p)}
+
+
+def _sample_at(logits, knobs, index):
+    """The token drawn for new token number ``index``: its own key from the seed."""
+    key = jax.random.fold_in(jax.random.key(knobs["seed"]), index)
+    return sample(logits, key, knobs["temperature"], knobs["top_p"])
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(cfg: LlamaConfig, mesh: Mesh, rule_items: tuple, rules_name: str, param_shardings: tuple, batch: int,
+              prompt_len: int, new: int):
+    """(prefill, decode) compiled for these shapes and shardings; decode is None for a single new token.
+
+    prefill(params, prompt, knobs) -> (cache, first token); decode(params, cache (donated), token, knobs) ->
+    (the other new - 1 tokens (batch, new - 1), cache). knobs: seed, temperature, top_p (``_knobs``)."""
+    rules = dict(rule_items)
+    spec = model_spec(cfg)
+    graphdef, params_sharding = spec.graphdef, jax.tree.unflatten(*param_shardings)
 
     def sharding(*logical) -> NamedSharding:
         return NamedSharding(mesh, logical_to_spec(logical, rules, "generation"))
 
     replicated = NamedSharding(mesh, PartitionSpec())
     cache_sharding = KVCache(sharding(*KVCache.AXES), sharding(*KVCache.AXES), replicated)
-    params_sharding = jax.tree.map(lambda x: x.sharding, loaded.params)
+    token_sharding = sharding("activation_batch")
 
-    def prefill(params, prompt, seed):
+    def prefill(params, prompt, knobs):
         model = nnx.merge(graphdef, params)
         hidden, cache = model.extend(prompt, KVCache.zeros(cfg, batch, prompt_len + new))
-        first = sample(model.logits(hidden[:, -1:])[:, 0], jax.random.fold_in(jax.random.key(seed), 0), sampling)
-        return cache, first
+        return cache, _sample_at(model.logits(hidden[:, -1:])[:, 0], knobs, 0)
 
-    def decode(params, cache, token, seed):
+    def decode(params, cache, token, knobs):
         model = nnx.merge(graphdef, params)
 
         def step(carry, index):
             cache, token = carry
             hidden, cache = model.extend(token[:, None], cache)
-            token = sample(model.logits(hidden)[:, 0], jax.random.fold_in(jax.random.key(seed), index), sampling)
+            token = _sample_at(model.logits(hidden)[:, 0], knobs, index)
             return (cache, token), token
 
         (cache, _), tokens = jax.lax.scan(step, (cache, token), jnp.arange(1, new))
         return tokens.T, cache  # the cache returned, so the donated one is updated in place
 
-    token_sharding = sharding("activation_batch")
-    prefill_fn = jax.jit(prefill, in_shardings=(params_sharding, batch_sharding(rules, mesh), replicated),
-                         out_shardings=(cache_sharding, token_sharding))
-    decode_fn = jax.jit(decode, in_shardings=(params_sharding, cache_sharding, token_sharding, replicated),
-                        out_shardings=(sharding("activation_batch", None), cache_sharding), donate_argnums=1)
-    prompt = jax.device_put(np.asarray(prompts, np.int32), batch_sharding(rules, mesh))
-    seed = jax.device_put(np.int32(sampling.seed), replicated)
-    start = time.perf_counter()
-    with model_tracing(mesh, rules, loaded.rules_name):
-        prefill_fn = prefill_fn.lower(loaded.params, prompt, seed).compile()
-        cache_shape, token_shape = prefill_fn.out_info
-        decode_fn = decode_fn.lower(loaded.params, cache_shape, token_shape, seed).compile() if new > 1 else None
-    compile_s = time.perf_counter() - start
-
-    start = time.perf_counter()
-    cache, first = jax.block_until_ready(prefill_fn(loaded.params, prompt, seed))
-    prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    rest = jax.block_until_ready(decode_fn(loaded.params, cache, first, seed)[0]) if decode_fn else np.zeros((batch, 0), np.int32)
-    decode_s = time.perf_counter() - start
-    tokens = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
-    return Generation(tokens, batch * prompt_len, prefill_s, decode_s, compile_s)
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), spec.shapes, params_sharding)
+    prompt = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=batch_sharding(rules, mesh))
+    knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct((), x.dtype, sharding=replicated), _knobs(SamplingConfig()))
+    with model_tracing(mesh, rules, rules_name):
+        prefill = jax.jit(prefill, out_shardings=(cache_sharding, token_sharding)).lower(params, prompt, knobs).compile()
+        if new == 1:
+            return prefill, None
+        cache, token = prefill.out_info
+        decode = jax.jit(decode, out_shardings=(sharding("activation_batch", None), cache_sharding), donate_argnums=1)
+        return prefill, decode.lower(params, cache, token, knobs).compile()
