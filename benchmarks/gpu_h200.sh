@@ -3,8 +3,10 @@
 # each remat policy in REMATS (the best is the fastest one that fits); one JSON line per run with
 # TFLOP/s per device and MFU against 989 TFLOP/s (dense bf16), collected in benchmarks/results/gpu_h200.jsonl.
 #
-#   benchmarks/gpu_h200.sh                        # llama3_1b llama3_3b
+#   benchmarks/gpu_h200.sh                        # llama3_1b llama3_3b generate
 #   benchmarks/gpu_h200.sh llama3_1b              # just one
+#   benchmarks/gpu_h200.sh generate               # generation: KV-cache prefill and decode tokens/s of llama3_1b
+#                                                 # (bf16 weights, prompt 512, 256 new tokens, batch 1 and 8)
 #   ATTENTION=xla STEPS=2 benchmarks/gpu_h200.sh  # planner check: XLA attention (the estimate's model), memory
 #                                                 # predicted (estimate, compiled) vs measured (memory_stats peak)
 #   TINY=1 benchmarks/gpu_h200.sh                 # the same runs, tiny shapes, on CPU: checks the script
@@ -19,19 +21,32 @@ SEQ=${SEQ:-4096}
 LOSS_CHUNK=${LOSS_CHUNK:-0}  # e.g. 512: chunked cross-entropy, less memory for a ~7% extra lm_head forward
 # single-device flags; the latency-hiding scheduler overlaps the collectives of multi-GPU meshes
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
-if [ "$#" -eq 0 ]; then set -- llama3_1b llama3_3b; fi
+if [ "$#" -eq 0 ]; then set -- llama3_1b llama3_3b generate; fi
 
 shape=(data.seq_len="$SEQ" model.dtype=bfloat16 model.attention="${ATTENTION:-cudnn}" train.microbatches=1 train.loss_chunk="$LOSS_CHUNK")
+generate=(--prompt-tokens 512 --new-tokens 256 model.param_dtype=bfloat16)
 mesh=gpu1
 if [ -n "${TINY:-}" ]; then
   export JAX_PLATFORMS=cpu
   shape=(data.seq_len=64 model.dtype=float32 model.attention=xla train.microbatches=1 train.global_batch=2 train.loss_chunk=16
          model.vocab_size=512 model.d_model=64 model.num_layers=2 model.num_heads=4 model.num_kv_heads=2 model.mlp_dim=128)
+  generate=(--prompt-tokens 16 --new-tokens 8)
 fi
 
 mkdir -p "$(dirname "$OUT")"
 failed=0
 for experiment in "$@"; do
+  if [ "$experiment" = generate ]; then
+    for batch in 1 8; do
+      echo "== generate llama3_1b batch=$batch" >&2
+      if ! timeout "${RUN_TIMEOUT:-240}" "$PY" benchmarks/bench_generate.py llama3_1b --mesh "$mesh" --rules fsdp --batch "$batch" \
+          "${shape[@]}" "${generate[@]}" | tee -a "$OUT"; then
+        echo "== generate batch=$batch FAILED" >&2
+        failed=1
+      fi
+    done
+    continue
+  fi
   # sequences per step on one device: the most that fits with save_dots at seq 4096 (141 GB)
   case "$experiment" in llama3_1b) batch=8 ;; *) batch=4 ;; esac
   for remat in $REMATS; do

@@ -14,6 +14,7 @@ from conftest import REPO, run_cli, small_config, with_
 from jaxtrain.config import SamplingConfig
 from jaxtrain.generate import Loaded, generate, nucleus, sample
 from jaxtrain.partitioning import model_tracing
+from jaxtrain.state import init_state, model_spec
 from jaxtrain.train import make_layout
 from models.llama import KVCache
 
@@ -27,14 +28,8 @@ def _loaded(rules, mesh, devices: int) -> Loaded:
     """A random model placed with the rule set's shardings (built once per module)."""
     cfg = small_config(rules, mesh, **MODEL)
     layout = make_layout(cfg, jax.devices()[:devices])
-    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(_model(cfg.model))), out_shardings=layout.shardings.params)()
+    params = init_state(cfg.model, layout.tx, 0, layout.shardings).params
     return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode=None, decode=None)
-
-
-def _model(model_cfg):
-    from models.llama import Llama
-
-    return Llama(model_cfg, rngs=nnx.Rngs(0))
 
 
 def _prompts(batch, length=5) -> np.ndarray:
@@ -44,7 +39,7 @@ def _prompts(batch, length=5) -> np.ndarray:
 def _greedy_without_cache(loaded: Loaded, prompts: np.ndarray) -> np.ndarray:
     """The whole forward re-run on the growing sequence, argmax of the last position each time (one
     compiled shape: the sequence padded to its final length; causal attention ignores the padding)."""
-    graphdef = nnx.split(_model(loaded.model_cfg))[0]
+    graphdef = model_spec(loaded.model_cfg).graphdef
     forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
     params = jax.device_get(loaded.params)  # one device, no sharding rules: the plain model
     batch, length = prompts.shape
@@ -70,7 +65,7 @@ def test_greedy_with_cache_equals_full_forward(rules, mesh, devices, batch):
 def test_prefill_logits_equal_training_forward():
     loaded = _loaded("fsdp_tp", (2, 2, 2), 8)
     cfg, prompts = loaded.model_cfg, _prompts(4, 12)
-    graphdef = nnx.split(_model(cfg))[0]
+    graphdef = model_spec(cfg).graphdef
 
     def prefill_logits(params, tokens):
         model = nnx.merge(graphdef, params)
