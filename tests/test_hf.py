@@ -112,68 +112,48 @@ def test_import_equals_transformers_and_export_loads_back(name, devices, hf_mode
     _assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(out16).float()), ours, rtol=3e-2)
 
 
-def test_import_train_export_reload(hf_models, tmp_path):
-    """finetune from a Hugging Face directory on the cpu8 mesh, 5 steps; export; transformers' logits of the
-    export equal ours of the final checkpoint; the source's tokenizer files travel with it."""
+def _launch(*args, stderr):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "launch_local.py"), "--num-processes", "2", "--devices", "4", "--",
+                           sys.executable, "-m", "jaxtrain.cli", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                          timeout=600)
+
+
+def test_import_train_export_reload_on_two_processes(hf_models, tmp_path):
+    """2 processes x 4 devices, FSDP across the processes: finetune from a Hugging Face directory, each process
+    reading half of every matrix and all of the (replicated) norms; 5 steps; export (process 0 writes);
+    transformers' logits of the export equal ours of the final checkpoint; the source's tokenizer travels along."""
     hf_dir = tmp_path / "hf"
     _make_hf_model(hf_dir, "llama3")
     (hf_dir / "tokenizer.json").write_text('{"stand-in": "a real tokenizer is only copied"}')
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.random.default_rng(1).integers(0, 64, 4000).astype(np.int32))
-    run_dir, out = tmp_path / "run", tmp_path / "export"
-    args = ["--mesh", "cpu8", "--rules", "fsdp_tp", f"data.path={tokens}", f"data.seq_len={SEQ}", "data.val_fraction=0.1", "train.steps=5", "train.global_batch=8",
-            "train.microbatches=1", "train.eval_batches=1", "log.progress=false", "model.dtype=float32", "optim.lr=1e-3", "optim.warmup_steps=0"]
-    result = run_cli("train", "finetune", "--init-from", str(hf_dir), "--run-dir", str(run_dir), *args, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (run_dir / "hf" / "config.json").is_file()
-    result = run_cli("export-hf", str(run_dir), "--out", str(out), "--dtype", "float32", cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (out / "tokenizer.json").read_text() == (hf_dir / "tokenizer.json").read_text()
-
-    cfg = hf_config.model_config(hf_dir, small_config().model, set(), SEQ)
-    layout = make_layout(dataclasses.replace(small_config(), model=cfg))
-    params = checkpoint_lib.restore_from(run_dir, layout.abstract_state(), None, params_only=True)
-    ours = _our_logits(layout, params)
-    _assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(out)), ours)
-    assert np.max(np.abs(ours - hf_models["llama3"][2])) > 1e-3  # it trained
-
-
-def _launch(*args, stderr):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "launch_local.py"), "--num-processes", "2", "--devices", "4", "--",
-                           sys.executable, "-m", "jaxtrain.cli", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
-                          timeout=300)
-
-
-def test_two_processes_read_only_their_slices(hf_models, tmp_path):
-    """2 processes x 4 devices, FSDP across the processes: each reads half of every matrix and all of the
-    (replicated) norms; with lr 0 the multi-process export gives back the source tensors exactly."""
-    hf_dir = hf_models["qwen2"][0]
-    tokens = tmp_path / "tokens.npy"
-    np.save(tokens, np.random.default_rng(1).integers(0, 64, 4000).astype(np.int32))
+    run_dir, out, log = tmp_path / "run", tmp_path / "export", tmp_path / "stderr"
     mesh = ["mesh.dcn.data=1", "mesh.dcn.fsdp=2", "mesh.ici.data=1", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"]
-    log = tmp_path / "stderr"
+    fast = ["log.progress=false", "log.tensorboard=false", "log.layer_every=0", "log.peak_tflops=1", "train.eval_batches=1"]
     with open(log, "w") as stderr:
-        result = _launch("train", "finetune", "--init-from", str(hf_dir), "--run-dir", str(tmp_path / "run"), "--rules", "fsdp_tp", *mesh,
-                         f"data.path={tokens}", f"data.seq_len={SEQ}", "data.val_fraction=0.1", "train.steps=1", "train.global_batch=8", "train.microbatches=1",
-                         "train.eval_batches=1", "log.progress=false", "model.dtype=float32", "optim.lr=0", stderr=stderr)
+        result = _launch("train", "finetune", "--init-from", str(hf_dir), "--run-dir", str(run_dir), "--rules", "fsdp_tp", *mesh, *fast,
+                         f"data.path={tokens}", f"data.seq_len={SEQ}", "data.val_fraction=0.1", "train.steps=5", "train.global_batch=8",
+                         "train.microbatches=1", "model.dtype=float32", "optim.lr=1e-3", "optim.warmup_steps=0", stderr=stderr)
     assert result.returncode == 0, log.read_text()[-3000:]
-    with safe_open(hf_dir / "model.safetensors", "np") as f:
-        source = {name: f.get_tensor(name) for name in f.keys()}
-    replicated = sum(t.nbytes for name, t in source.items() if "norm" in name or "bias" in name)
-    total = sum(t.nbytes for t in source.values())
+    source = hf_models["llama3"][1]
+    sizes = {name: source.get_parameter(name).numel() * 4
+             for name in json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]}
+    replicated, total = sum(n for name, n in sizes.items() if "norm" in name), sum(sizes.values())
     for process in (0, 1):
         line = next(line for line in log.read_text().splitlines() if line.startswith(f"jaxtrain: process {process} read "))
         assert line.split()[4] == str(replicated + (total - replicated) // 2) and line.split()[7] == str(total), line
+    assert (run_dir / "hf" / "config.json").is_file()
 
-    out = tmp_path / "export"
     with open(log, "a") as stderr:
-        result = _launch("export-hf", str(tmp_path / "run"), "--out", str(out), "--dtype", "float32", stderr=stderr)
+        result = _launch("export-hf", str(run_dir), "--out", str(out), "--dtype", "float32", stderr=stderr)
     assert result.returncode == 0, log.read_text()[-3000:]
-    with safe_open(out / "model.safetensors", "np") as f:
-        assert set(f.keys()) == set(source)
-        for name in source:
-            np.testing.assert_array_equal(f.get_tensor(name), source[name], err_msg=name)
+    assert (out / "tokenizer.json").read_text() == (hf_dir / "tokenizer.json").read_text()
+    layout = make_layout(_config(hf_dir))
+    params = checkpoint_lib.restore_from(run_dir, layout.abstract_state(), None, params_only=True)
+    ours = _our_logits(layout, params)
+    _assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(out)), ours)
+    assert np.max(np.abs(ours - hf_models["llama3"][2])) > 1e-2 * np.max(np.abs(ours))  # it trained
 
 
 def _edit_config(hf_dir, **changes):
