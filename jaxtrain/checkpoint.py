@@ -254,7 +254,7 @@ def restore_from(path: Path, abstract_state, data_iterator, *, params_only: bool
         check_same_shapes(saved, abstract_state, where)
         result = manager.restore(step, args=_restore_args(abstract_state, data_iterator)).state
     manager.close()
-    _say(f"jaxtrain: initialised {'parameters' if params_only else 'the whole state'} from {directory / str(step)}")
+    _say(f"jaxtrain: read {'the parameters' if params_only else 'the whole state'} of {directory / str(step)}")
     return result
 
 

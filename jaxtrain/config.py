@@ -238,6 +238,16 @@ def from_dict(d: dict) -> Config:
     return cfg
 
 
+def load_run_config(run_dir: Path) -> Config:
+    """The resolved config a run saved in RUN_DIR/config.yaml."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise UserError(f"{run_dir} has no config.yaml; give the --run-dir of a training run")
+    body = yaml.safe_load(path.read_text()) or {}
+    body.pop("resolved", None)
+    return from_dict(body)
+
+
 def save_yaml(cfg: Config, path: Path, extra: dict | None = None) -> None:
     body = to_dict(cfg) | (extra or {})
     path.write_text(yaml.safe_dump(body, sort_keys=False))

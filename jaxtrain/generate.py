@@ -1,7 +1,8 @@
 """Text generation with a key/value cache through the model's own layers (``Llama.extend``), jitted and
 sharded with the run's rules.
 
-``load(path)`` gives a ``Loaded`` model (config, parameters on the mesh, encode, decode); ``generate``
+``load(path)`` gives a ``Loaded`` model (config, parameters on the mesh, encode, decode) from a run
+directory or a Hugging Face model directory; ``generate``
 runs a prefill of the prompts, which fills a fixed-size cache (prompt + max_new_tokens), then a
 ``lax.scan`` of one-token decoding steps over it: greedy at temperature 0, else temperature and top-p
 (nucleus) sampling from a seed.
@@ -18,7 +19,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
+import tokenizers
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -27,6 +28,7 @@ from jaxtrain import config as config_lib
 from jaxtrain.config import Config, SamplingConfig
 from jaxtrain.data import BYTE_VOCAB, DOC_SEPARATOR, TOKEN_FILE_SUFFIXES
 from jaxtrain.errors import UserError
+from jaxtrain.interop import hf_config, hf_import, hf_weights
 from jaxtrain.partitioning import Rules, batch_sharding, logical_to_spec, logical_ways, model_tracing
 from jaxtrain.state import model_spec
 from models.config import LlamaConfig
@@ -72,27 +74,50 @@ class Generation:
 
 
 def load(path: Path, mesh: str | None = None, rules: str | None = None) -> Loaded:
-    """The model of ``path``: a training run directory (config.yaml and checkpoints/). ``mesh`` / ``rules``
-    replace the run's own (e.g. generating on one GPU from a run trained on many)."""
+    """The model of ``path``: a training run directory (config.yaml, checkpoints/) or a Hugging Face model
+    directory (config.json, safetensors). ``mesh`` / ``rules`` replace the run's own (e.g. generating on one
+    GPU from a run trained on many); a Hugging Face model defaults to every device on fsdp, rules fsdp_tp."""
+    if hf_config.is_hf_dir(path):
+        return load_hf(path, mesh, rules)
     if (path / "config.yaml").is_file():
         return load_run(path, mesh, rules)
-    raise UserError(f"{path} is not a run directory (no config.yaml); give the --run-dir of a training run")
+    raise UserError(f"{path} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json); "
+                    "give the --run-dir of a training run or a model directory")
+
+
+def _with_layout(cfg: Config, mesh: str | None, rules: str | None) -> Config:
+    if mesh:
+        cfg = dataclasses.replace(cfg, mesh=config_lib.load_mesh_file(mesh))
+    return dataclasses.replace(cfg, rules=rules) if rules else cfg
 
 
 def load_run(run_dir: Path, mesh: str | None = None, rules: str | None = None) -> Loaded:
     from jaxtrain.train import make_layout  # the trainer's checks and shardings, no compilation
 
-    body = yaml.safe_load((run_dir / "config.yaml").read_text())
-    body.pop("resolved", None)  # what the run derived, not config keys
-    cfg = config_lib.from_dict(body)
-    if mesh:
-        cfg = dataclasses.replace(cfg, mesh=config_lib.load_mesh_file(mesh))
-    if rules:
-        cfg = dataclasses.replace(cfg, rules=rules)
+    cfg = _with_layout(config_lib.load_run_config(run_dir), mesh, rules)
     layout = make_layout(cfg)
     params = checkpoint_lib.restore_from(run_dir, layout.abstract_state(), None, params_only=True, source="jaxtrain generate")
     encode, decode = codec(cfg)
     return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode, decode)
+
+
+def load_hf(hf_dir: Path, mesh: str | None = None, rules: str | None = None) -> Loaded:
+    """A Hugging Face model, computing in float32 (so greedy output equals transformers'), with its
+    tokenizer.json when it has one (else prompts and output are token ids)."""
+    from jaxtrain.train import make_layout
+
+    cfg = _with_layout(Config(model=LlamaConfig(dtype="float32")), mesh, rules)
+    cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
+    hf_weights.check_dir(hf_dir, cfg.model)
+    layout = make_layout(cfg)
+    params = hf_import.load_params(hf_dir, cfg.model, layout.abstract_state().params)
+    vocab = cfg.model.vocab_size
+    if (hf_dir / "tokenizer.json").is_file():
+        tokenizer = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+        encode = lambda text: _in_vocab(tokenizer.encode(text).ids, vocab, "a prompt token id")  # noqa: E731
+        return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode,
+                      lambda ids: tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
+    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, *_id_codec(vocab))
 
 
 def codec(cfg: Config) -> tuple[Encode, Decode | None]:
@@ -101,6 +126,10 @@ def codec(cfg: Config) -> tuple[Encode, Decode | None]:
     vocab = cfg.model.vocab_size
     if cfg.data.path is None or Path(cfg.data.path).suffix not in TOKEN_FILE_SUFFIXES:
         return (lambda text: _in_vocab(list(text.encode("utf-8")), vocab, "a byte of the prompt's UTF-8")), _bytes_to_text
+    return _id_codec(vocab)
+
+
+def _id_codec(vocab: int) -> tuple[Encode, None]:
     return (lambda text: _in_vocab(_ids(text), vocab, "a prompt token id")), None
 
 
@@ -114,7 +143,7 @@ def _ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise UserError(f"--prompt {text!r}: this run has no tokenizer, so the prompt is token ids, e.g. --prompt '12 7 99'") from None
+        raise UserError(f"--prompt {text!r}: this model has no tokenizer, so the prompt is token ids, e.g. --prompt '12 7 99'") from None
 
 
 def _in_vocab(ids: list[int], vocab: int, what: str) -> list[int]:

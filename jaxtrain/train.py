@@ -20,11 +20,13 @@ from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
+from jaxtrain.interop import hf_config, hf_import
 from jaxtrain.mesh import build_mesh
 from jaxtrain.metrics import MetricsLog
 from jaxtrain.optim import learning_rate_schedule, make_optimizer
 from jaxtrain.partitioning import Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, model_tracing
-from jaxtrain.state import ModelSpec, TrainState, abstract_state, init_state, model_spec, state_shardings
+from jaxtrain.state import (ModelSpec, TrainState, abstract_state, init_state, model_spec, state_from_params,
+                            state_shardings)
 from jaxtrain.step import make_eval_step, make_train_step
 
 
@@ -167,7 +169,7 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
     t = cfg.train
     batches = data_lib.train_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding)
     checkpoints = checkpoint_lib.RunCheckpoints(run_dir, cfg.checkpoint, t.steps, _checkpoint_meta(trainer))
-    state = _start_state(trainer, checkpoints, batches, init_from, params_only)
+    state = _start_state(trainer, checkpoints, batches, init_from, params_only, run_dir)
     eval_data = data_lib.eval_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding, t.eval_batches)
     log = MetricsLog(cfg, trainer, run_dir, int(state.step), enabled=is_main)
     try:
@@ -195,12 +197,19 @@ def _checkpoint_meta(trainer: Trainer) -> dict[str, Any]:
 
 
 def _start_state(trainer: Trainer, checkpoints: checkpoint_lib.RunCheckpoints, batches: data_lib.GlobalBatches,
-                 init_from: Path | None, params_only: bool) -> TrainState:
-    """The run's own latest checkpoint (so a restarted command resumes), else ``init_from``, else fresh."""
-    abstract = trainer.layout.abstract_state()
+                 init_from: Path | None, params_only: bool, run_dir: Path) -> TrainState:
+    """The run's own latest checkpoint (so a restarted command resumes), else ``init_from`` (a Hugging Face
+    model directory: its weights, a fresh optimizer), else fresh."""
+    layout = trainer.layout
+    abstract = layout.abstract_state()
     state = checkpoints.restore_latest(abstract, batches.iterator)
-    if state is None and init_from and params_only:
-        state = trainer.init_state().replace(params=checkpoint_lib.restore_from(init_from, abstract, None, params_only=True))
+    if state is None and init_from and hf_config.is_hf_dir(init_from):
+        state = state_from_params(hf_import.load_params(init_from, trainer.cfg.model, abstract.params), layout.tx, layout.shardings)
+        if jax.process_index() == 0:
+            hf_import.keep_source_files(init_from, run_dir)
+    elif state is None and init_from and params_only:
+        params = checkpoint_lib.restore_from(init_from, abstract, None, params_only=True)
+        state = state_from_params(params, layout.tx, layout.shardings)
     elif state is None and init_from:
         state = checkpoint_lib.restore_from(init_from, abstract, batches.iterator, params_only=False)
     return trainer.init_state() if state is None else state

@@ -9,6 +9,7 @@ a key/value cache (prefill, then one token per decoding step).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.config import LlamaConfig
+from models.config import LlamaConfig, RopeScaling
 from models.sharding import constrain
 
 BATCH, LENGTH = "activation_batch", "activation_length"
@@ -51,10 +52,26 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, start=0):
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()):
+    """Rotary inverse frequencies (head_dim // 2,), float32, rescaled by wavelength for ``llama3`` scaling
+    (as Meta's reference code and transformers' ``_compute_llama3_parameters``)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling.type != "llama3":
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = scaling.original_max_len / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_len / scaling.high_freq_factor
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(), start=0):
     """sin/cos of positions start .. start + seq_len - 1, shape (seq_len, head_dim // 2), float32;
     ``start`` may be traced (the first position of a decoding step)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    inv_freq = inverse_frequencies(head_dim, theta, scaling)
     angles = (start + jnp.arange(seq_len, dtype=jnp.float32))[:, None] * inv_freq[None, :]
     return jnp.sin(angles), jnp.cos(angles)
 
@@ -102,15 +119,27 @@ class Attention(nnx.Module):
         # residual-branch outputs scaled down with depth (GPT-2 / Megatron init)
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
         self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), out_std, pd)
+        self.qkv_bias = cfg.qkv_bias
+        if cfg.qkv_bias:
+            self.bq = nnx.Param(jnp.zeros((h, hd), pd), out_sharding=("heads", "head_dim"), eager_sharding=False)
+            self.bk = nnx.Param(jnp.zeros((k, hd), pd), out_sharding=("kv_heads", "head_dim"), eager_sharding=False)
+            self.bv = nnx.Param(jnp.zeros((k, hd), pd), out_sharding=("kv_heads", "head_dim"), eager_sharding=False)
+
+    def _project(self, x, name: str, axes):
+        """x @ w{name} (+ b{name}) for name in q, k, v."""
+        out = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"w{name}")[...].astype(self.dtype))
+        if self.qkv_bias:
+            out = out + getattr(self, f"b{name}")[...].astype(self.dtype)
+        return constrain(out, axes)
 
     def __call__(self, x, sin, cos):
-        q, k, v = self._project(x, sin, cos)
+        q, k, v = self._qkv(x, sin, cos)
         return self._output(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation))
 
     def extend(self, x, sin, cos, cache: LayerCache):
         """x (batch, length, d_model) at positions cache.length ...: its keys and values are written into
         the cache there, and each position attends to every cached position up to its own."""
-        q, k, v = self._project(x, sin, cos)
+        q, k, v = self._qkv(x, sin, cos)
         keys = constrain(jax.lax.dynamic_update_slice_in_dim(cache.keys, k.astype(cache.keys.dtype), cache.length, 1), LAYER_CACHE)
         values = constrain(jax.lax.dynamic_update_slice_in_dim(cache.values, v.astype(cache.values.dtype), cache.length, 1), LAYER_CACHE)
         query_positions = cache.length + jnp.arange(x.shape[1])
@@ -119,12 +148,12 @@ class Attention(nnx.Module):
         out = jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None], implementation="xla")
         return self._output(out), LayerCache(keys, values, cache.length)
 
-    def _project(self, x, sin, cos):
+    def _qkv(self, x, sin, cos):
         heads = (BATCH, LENGTH, "activation_heads", "activation_head_dim")
         kv_heads = (BATCH, LENGTH, "activation_kv_heads", "activation_head_dim")
-        q = constrain(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(self.dtype)), heads)
-        k = constrain(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(self.dtype)), kv_heads)
-        v = constrain(jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(self.dtype)), kv_heads)
+        q = self._project(x, "q", heads)
+        k = self._project(x, "k", kv_heads)
+        v = self._project(x, "v", kv_heads)
         q = checkpoint_name(apply_rotary(q, sin, cos), "query_proj")
         k = checkpoint_name(apply_rotary(k, sin, cos), "key_proj")
         v = checkpoint_name(v, "value_proj")
@@ -195,7 +224,7 @@ class Llama(nnx.Module):
         """tokens (batch, length) int32 -> final-normed hidden states (batch, length, d_model)."""
         cfg = self.cfg
         x = self._embed_tokens(tokens)
-        sin, cos = rotary_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
+        sin, cos = rotary_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
 
         layer_def, layer_params = nnx.split(self.layers)
 
@@ -214,7 +243,7 @@ class Llama(nnx.Module):
         holding them too): the prompt at once (prefill), then one token per decoding step."""
         cfg = self.cfg
         x = self._embed_tokens(tokens)
-        sin, cos = rotary_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta, start=cache.length)
+        sin, cos = rotary_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling, start=cache.length)
         layer_def, layer_params = nnx.split(self.layers)
 
         def layer(x, per_layer):

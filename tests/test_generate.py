@@ -132,7 +132,7 @@ def test_generate_command_prints_the_runs_greedy_text(byte_run):
      "--max-new-tokens 0 must be at least 1; --temperature -1 must be 0 (greedy) or positive; --top-p 1.5 must be in (0, 1]"),
     (["--top-p", "0"], "--top-p 0 must be in (0, 1]"),
     ("no checkpoints", "jaxtrain generate {run}: no checkpoints there"),
-    ("no run", "{run} is not a run directory (no config.yaml)"),
+    ("no run", "{run} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json)"),
 ])
 def test_generate_command_bad_input(args, message, byte_run, tmp_path):
     run = byte_run
@@ -146,3 +146,21 @@ def test_generate_command_bad_input(args, message, byte_run, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("jaxtrain: error: ") and message.format(run=run) in lines[0], lines[0]
+
+
+def test_greedy_equals_transformers_generate(tmp_path):
+    """A tiny random Llama (grouped-query attention, llama3 rope scaling) from transformers, imported onto
+    the cpu8 mesh (every device on fsdp, rules fsdp_tp): 32 greedy tokens equal transformers' greedy generate."""
+    import torch
+    from test_hf import _make_hf_model
+
+    from jaxtrain.generate import load
+
+    model = _make_hf_model(tmp_path, "llama3")
+    loaded = load(tmp_path)
+    prompts = _prompts(2, 6)
+    ours = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS)).tokens
+    with torch.no_grad():  # min_new_tokens: the random model's end-of-text token must not stop it early
+        theirs = model.generate(torch.tensor(prompts), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    assert len(np.unique(ours)) > 8
+    np.testing.assert_array_equal(ours, theirs[:, prompts.shape[1]:].numpy())
