@@ -18,7 +18,6 @@ runs the same measurement for an experiment on the local devices and prints one 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -97,11 +96,9 @@ def run() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiment")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
-    parser.add_argument("--mesh", default="gpu1")
-    parser.add_argument("--rules", default="fsdp")
+    from throughput import experiment_parser
+
+    parser = experiment_parser(__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
