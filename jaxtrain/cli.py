@@ -136,11 +136,15 @@ def cmd_generate(args) -> int:
     sampling = config_lib.SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     if sampling.problems():
         raise UserError("; ".join(sampling.problems()))
+    path = Path(args.path)
+    if not (hf_config.is_hf_dir(path) or (path / "config.yaml").is_file()):
+        raise UserError(f"{path} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json); "
+                        "give the --run-dir of a training run or a model directory")
     import numpy as np
 
     from jaxtrain import generate as generate_lib  # starts jax
 
-    loaded = generate_lib.load(Path(args.path), args.mesh, args.rules)
+    loaded = generate_lib.load(path, args.mesh, args.rules)
     prompt = loaded.encode(args.prompt)
     out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling)
     new = out.tokens[0]

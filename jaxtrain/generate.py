@@ -77,12 +77,7 @@ def load(path: Path, mesh: str | None = None, rules: str | None = None) -> Loade
     """The model of ``path``: a training run directory (config.yaml, checkpoints/) or a Hugging Face model
     directory (config.json, safetensors). ``mesh`` / ``rules`` replace the run's own (e.g. generating on one
     GPU from a run trained on many); a Hugging Face model defaults to every device on fsdp, rules fsdp_tp."""
-    if hf_config.is_hf_dir(path):
-        return load_hf(path, mesh, rules)
-    if (path / "config.yaml").is_file():
-        return load_run(path, mesh, rules)
-    raise UserError(f"{path} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json); "
-                    "give the --run-dir of a training run or a model directory")
+    return load_hf(path, mesh, rules) if hf_config.is_hf_dir(path) else load_run(path, mesh, rules)
 
 
 def _with_layout(cfg: Config, mesh: str | None, rules: str | None) -> Config:
