@@ -10,6 +10,7 @@
 #   ATTENTION=xla STEPS=2 benchmarks/gpu_h200.sh  # planner check: XLA attention (the estimate's model), memory
 #                                                 # predicted (estimate, compiled) vs measured (memory_stats peak)
 #   TINY=1 benchmarks/gpu_h200.sh                 # the same runs, tiny shapes, on CPU: checks the script
+#   REMATS= benchmarks/gpu_h200.sh                # only the Hugging Face import / export row (NO_HF=1: without it)
 #
 # A run that fails (e.g. out of memory for a remat policy) is reported and the others go on.
 set -uo pipefail
@@ -58,4 +59,16 @@ for experiment in "$@"; do
     fi
   done
 done
+# Hugging Face import / export of a random llama3_1b-shaped model (1.24B parameters, 5 GB in float32) onto
+# the GPU and back: seconds and peak host RSS growth of each, beside the safetensors library's own whole
+# read and save (benchmarks/bench_hf.py).
+if [ -z "${NO_HF:-}" ]; then
+  echo "== hf import/export llama3_1b" >&2
+  hf_shape=()
+  if [ -n "${TINY:-}" ]; then hf_shape=(model.vocab_size=512 model.d_model=64 model.num_layers=2 model.num_heads=4 model.num_kv_heads=2 model.mlp_dim=128); fi
+  if ! timeout "${RUN_TIMEOUT:-240}" "$PY" benchmarks/bench_hf.py llama3_1b --mesh "$mesh" --rules fsdp "${hf_shape[@]}" | tee -a "$OUT"; then
+    echo "== hf import/export FAILED" >&2
+    failed=1
+  fi
+fi
 exit $failed

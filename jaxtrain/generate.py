@@ -34,6 +34,7 @@ from jaxtrain.state import model_spec
 from models.config import LlamaConfig
 from models.llama import KVCache
 
+TOKENIZER_FILE = "tokenizer.json"
 Encode = Callable[[str], list[int]]
 Decode = Callable[[Sequence[int]], str]
 
@@ -92,7 +93,7 @@ def load_run(run_dir: Path, mesh: str | None = None, rules: str | None = None) -
     cfg = _with_layout(config_lib.load_run_config(run_dir), mesh, rules)
     layout = make_layout(cfg)
     params = checkpoint_lib.restore_from(run_dir, layout.abstract_state(), None, params_only=True, source="jaxtrain generate")
-    encode, decode = codec(cfg)
+    encode, decode = codec(cfg, run_dir / hf_import.RUN_SUBDIR / TOKENIZER_FILE)
     return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode, decode)
 
 
@@ -106,26 +107,26 @@ def load_hf(hf_dir: Path, mesh: str | None = None, rules: str | None = None) -> 
     hf_weights.check_dir(hf_dir, cfg.model)
     layout = make_layout(cfg)
     params = hf_import.load_params(hf_dir, cfg.model, layout.abstract_state().params)
-    vocab = cfg.model.vocab_size
-    if (hf_dir / "tokenizer.json").is_file():
-        tokenizer = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-        encode = lambda text: _in_vocab(tokenizer.encode(text).ids, vocab, "a prompt token id")  # noqa: E731
-        return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode,
-                      lambda ids: tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
-    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, *_id_codec(vocab))
+    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, *_token_codec(cfg.model.vocab_size, hf_dir / TOKENIZER_FILE))
 
 
-def codec(cfg: Config) -> tuple[Encode, Decode | None]:
-    """Bytes of UTF-8 text for byte-level runs (the standard library or a text directory); token ids
-    written as numbers for runs trained on a token file, which carry no tokenizer."""
+def codec(cfg: Config, tokenizer_file: Path) -> tuple[Encode, Decode | None]:
+    """Bytes of UTF-8 text for byte-level runs (the standard library or a text directory). A run trained on
+    a token file: ``tokenizer_file`` when there is one (the source model's, kept by ``--init-from HF_DIR``),
+    else token ids written as numbers."""
     vocab = cfg.model.vocab_size
     if cfg.data.path is None or Path(cfg.data.path).suffix not in TOKEN_FILE_SUFFIXES:
         return (lambda text: _in_vocab(list(text.encode("utf-8")), vocab, "a byte of the prompt's UTF-8")), _bytes_to_text
-    return _id_codec(vocab)
+    return _token_codec(vocab, tokenizer_file)
 
 
-def _id_codec(vocab: int) -> tuple[Encode, None]:
-    return (lambda text: _in_vocab(_ids(text), vocab, "a prompt token id")), None
+def _token_codec(vocab: int, tokenizer_file: Path) -> tuple[Encode, Decode | None]:
+    """A ``tokenizers`` tokenizer.json when the file exists, else token ids written as numbers."""
+    if not tokenizer_file.is_file():
+        return (lambda text: _in_vocab(_ids(text), vocab, "a prompt token id")), None
+    tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    return ((lambda text: _in_vocab(tokenizer.encode(text).ids, vocab, "a prompt token id")),
+            lambda ids: tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
 
 
 def _bytes_to_text(ids: Sequence[int]) -> str:

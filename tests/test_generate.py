@@ -164,3 +164,24 @@ def test_greedy_equals_transformers_generate(tmp_path):
         theirs = model.generate(torch.tensor(prompts), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
     assert len(np.unique(ours)) > 8
     np.testing.assert_array_equal(ours, theirs[:, prompts.shape[1]:].numpy())
+
+
+def test_text_codecs(tmp_path):
+    """Byte-level runs: UTF-8 bytes, text cut at the document separator; a token-file run: the tokenizer kept
+    in RUN_DIR/hf/ when there is one, else token ids."""
+    import tokenizers
+
+    from jaxtrain.generate import codec
+
+    byte_run = small_config(vocab_size=256)
+    encode, decode = codec(byte_run, tmp_path / "none.json")
+    assert encode("é!") == [0xC3, 0xA9, 0x21] and decode([0xC3, 0xA9, 0x21, 0, 0x41]) == "é!"
+    token_run = with_(byte_run, data={"path": "tokens.bin"})
+    encode, decode = codec(token_run, tmp_path / "none.json")
+    assert encode("12, 7 99") == [12, 7, 99] and decode is None
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(["the quick brown fox", "the lazy dog"] * 10, tokenizers.trainers.BpeTrainer(vocab_size=60))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    encode, decode = codec(token_run, tmp_path / "tokenizer.json")
+    assert encode("the lazy fox") == tokenizer.encode("the lazy fox").ids and decode(encode("the lazy fox")) == "the lazy fox"

@@ -121,7 +121,7 @@ def _launch(*args, stderr):
 
 def test_import_train_export_reload_on_two_processes(hf_models, tmp_path):
     """2 processes x 4 devices, FSDP across the processes: finetune from a Hugging Face directory, each process
-    reading half of every matrix and all of the (replicated) norms; 5 steps; export (process 0 writes);
+    reading half of every matrix and all of the (replicated) norms, once; 5 steps; export (process 0 writes);
     transformers' logits of the export equal ours of the final checkpoint; the source's tokenizer travels along."""
     hf_dir = tmp_path / "hf"
     _make_hf_model(hf_dir, "llama3")
@@ -129,7 +129,8 @@ def test_import_train_export_reload_on_two_processes(hf_models, tmp_path):
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.random.default_rng(1).integers(0, 64, 4000).astype(np.int32))
     run_dir, out, log = tmp_path / "run", tmp_path / "export", tmp_path / "stderr"
-    mesh = ["mesh.dcn.data=1", "mesh.dcn.fsdp=2", "mesh.ici.data=1", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"]
+    # each process: data 2 x fsdp 2, so every block it holds sits on two of its devices and is read once
+    mesh = ["mesh.dcn.data=1", "mesh.dcn.fsdp=2", "mesh.ici.data=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=1"]
     fast = ["log.progress=false", "log.tensorboard=false", "log.layer_every=0", "log.peak_tflops=1", "train.eval_batches=1"]
     with open(log, "w") as stderr:
         result = _launch("train", "finetune", "--init-from", str(hf_dir), "--run-dir", str(run_dir), "--rules", "fsdp_tp", *mesh, *fast,

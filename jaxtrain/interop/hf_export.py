@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.config import Config
@@ -33,6 +34,7 @@ from jaxtrain.interop.hf_weights import DTYPES, INDEX_FILE, SINGLE_FILE, TensorM
 from jaxtrain.train import make_layout
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
+WRITE_CHUNK_BYTES = 16 << 20
 SAFETENSORS_DTYPE = {np.dtype(v).name: k for k, v in DTYPES.items()}  # 'bfloat16' -> 'BF16'
 
 
@@ -92,15 +94,20 @@ class ShardWriter:
         self.file.write(struct.pack("<Q", len(blob)) + blob)
 
     def write(self, array: np.ndarray) -> None:
-        self.file.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        """Append ``array``'s elements in row-major order, a few rows at a time (a strided view, e.g. a
+        transposed one, is copied only chunk by chunk)."""
+        rows = max(1, WRITE_CHUNK_BYTES // max(array[:1].nbytes, 1))
+        for start in range(0, len(array), rows):
+            self.file.write(np.ascontiguousarray(array[start:start + rows]).reshape(-1).view(np.uint8))
 
     def close(self) -> None:
         self.file.close()
 
 
 class Gatherer:
-    """One Hugging Face tensor from the sharded parameters: sliced, transposed and cast on the devices
-    (one compiled function per parameter, the layer a traced index), then gathered to the host."""
+    """One Hugging Face tensor, in our layout, from the sharded parameters: the layer sliced and cast on the
+    devices, keeping the parameter's own split (any other would make XLA replicate the tensor on every
+    device first), then gathered to the host."""
 
     def __init__(self, params: dict, dtype: np.dtype):
         self.params, self.dtype, self.compiled = params, dtype, {}
@@ -109,11 +116,29 @@ class Gatherer:
         param = self.params
         for key in t.tm.path:
             param = param[key]
-        if t.tm.path not in self.compiled:
-            tm, dtype = t.tm, self.dtype
-            self.compiled[tm.path] = jax.jit(lambda p, i: tm.to_hf(p[i] if tm.layers else p).astype(dtype))
-        on_devices = self.compiled[t.tm.path](param, np.int32(t.layer or 0))
-        return multihost_utils.process_allgather(on_devices, tiled=True)  # one process: a plain device-to-host copy
+        tm, dtype = t.tm, self.dtype
+        if tm.layers or param.dtype != dtype:
+            if tm.path not in self.compiled:
+                spec = param.sharding.spec
+                sharding = NamedSharding(param.sharding.mesh, PartitionSpec(*spec[1:])) if tm.layers else param.sharding
+                self.compiled[tm.path] = jax.jit(lambda p, i: (p[i] if tm.layers else p).astype(dtype), out_shardings=sharding)
+            param = self.compiled[tm.path](param, np.int32(t.layer or 0))
+        if jax.process_count() > 1:
+            return multihost_utils.process_allgather(param, tiled=True)
+        return _to_host(param)
+
+
+def _to_host(array: jax.Array) -> np.ndarray:
+    """A fresh host copy, shard by shard. (``np.asarray`` first copies every shard to the host, then keeps
+    the assembled copy on the array: on a parameter, for as long as the parameters live.)"""
+    out = np.empty(array.shape, array.dtype)
+    done = set()
+    for shard in array.addressable_shards:
+        where = tuple((s.start, s.stop) for s in shard.index)
+        if where not in done:  # replicas: copied once
+            out[shard.index] = np.asarray(shard.data)
+            done.add(where)
+    return out
 
 
 def write_model(params: dict, cfg: Config, out: Path, dtype: str, source_dir: Path | None = None,
@@ -136,10 +161,10 @@ def write_model(params: dict, cfg: Config, out: Path, dtype: str, source_dir: Pa
         for name, shard in zip(names, shards):
             writer = ShardWriter(partial / name, shard, dtype) if is_main else None
             for t in shard:
-                array = gather(t)  # every process takes part in the gather
+                layer = gather(t)  # every process takes part in the gather
                 if writer:
-                    writer.write(array)
-                del array
+                    writer.write(t.tm.hf_order(layer))
+                del layer
             if writer:
                 writer.close()
         if is_main:

@@ -55,9 +55,13 @@ class TensorMap:
             dim += 1
         return groups
 
-    def to_hf(self, layer):
-        """One layer of our parameter (numpy or jax) -> the Hugging Face tensor."""
-        return layer.transpose(tuple(int(a) for a in np.argsort(self.perm))).reshape(self.hf_shape)
+    def hf_order(self, layer: np.ndarray) -> np.ndarray:
+        """One layer of our parameter as a view whose row-major order is the Hugging Face tensor's (shape ``split``)."""
+        return layer.transpose(np.argsort(self.perm))
+
+    def to_hf(self, layer: np.ndarray) -> np.ndarray:
+        """One layer of our parameter -> the Hugging Face tensor (a copy where the layouts differ)."""
+        return self.hf_order(layer).reshape(self.hf_shape)
 
     def read_block(self, checkpoint: "Checkpoint", index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
         """The block ``index`` of our parameter (global ``shape``), reading only the Hugging Face rows and
@@ -75,11 +79,14 @@ class TensorMap:
             read.append(slice(start * rows, stop * rows))
             view += [stop - start, *(self.split[d] for d in inner)]
             take += [slice(None), *(slice(*split_bounds[d]) for d in inner)]
-        blocks = []
-        for layer in layers:
+        out = None
+        for i, layer in enumerate(layers):
             raw = checkpoint.read(self.name.format(layer=layer), tuple(read))
-            blocks.append(raw.reshape(view)[tuple(take)].transpose(self.perm).astype(dtype))
-        return np.stack(blocks) if self.layers else blocks[0]
+            block = raw.reshape(view)[tuple(take)].transpose(self.perm)
+            if out is None:
+                out = np.empty((len(layers), *block.shape), dtype)
+            out[i] = block  # transposed and converted in one copy
+        return out if self.layers else out[0]
 
 
 def tensor_maps(cfg: LlamaConfig) -> list[TensorMap]:
