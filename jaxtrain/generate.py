@@ -2,10 +2,9 @@
 sharded with the run's rules.
 
 ``load(path)`` gives a ``Loaded`` model (config, parameters on the mesh, encode, decode) from a run
-directory or a Hugging Face model directory; ``generate``
-runs a prefill of the prompts, which fills a fixed-size cache (prompt + max_new_tokens), then a
-``lax.scan`` of one-token decoding steps over it: greedy at temperature 0, else temperature and top-p
-(nucleus) sampling from a seed.
+directory or a Hugging Face model directory; ``generate`` runs a prefill of the prompts, which fills a
+fixed-size cache (prompt + max_new_tokens), then a ``lax.scan`` of one-token decoding steps over it:
+greedy at temperature 0, else temperature and top-p (nucleus) sampling from a seed.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ Decode = Callable[[Sequence[int]], str]
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
-    """A model ready to generate: what every source (a run directory; later a Hugging Face directory) gives."""
+    """A model ready to generate: what every source (``load_run``, ``load_hf``) gives."""
 
     model_cfg: LlamaConfig
     params: dict  # placed on ``mesh`` with the rule set's shardings
@@ -254,7 +253,7 @@ def _compiled(cfg: LlamaConfig, mesh: Mesh, rule_items: tuple, rules_name: str, 
             return (cache, token), token
 
         (cache, _), tokens = jax.lax.scan(step, (cache, token), jnp.arange(1, new))
-        return tokens.T, cache  # the cache returned, so the donated one is updated in place
+        return tokens.T, cache  # returned, so the donated cache's buffers can hold it
 
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), spec.shapes, params_sharding)
     prompt = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=batch_sharding(rules, mesh))
