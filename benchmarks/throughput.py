@@ -21,12 +21,18 @@ from jaxtrain.cli import resolve_config
 from jaxtrain.errors import UserError
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def experiment_parser(description: str) -> argparse.ArgumentParser:
+    """EXPERIMENT [key=value ...] [--mesh FILE] [--rules NAME]: what a one-GPU benchmark of an experiment takes."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("experiment")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--mesh", default="gpu1")
     parser.add_argument("--rules", default="fsdp")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = experiment_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU; ignored on CPUs")
     args = parser.parse_intermixed_args(argv)

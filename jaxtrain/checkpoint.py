@@ -235,7 +235,7 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _checkpoints_dir(path: Path) -> tuple[Path, int | None]:
+def _checkpoints_dir(path: Path, source: str) -> tuple[Path, int | None]:
     """(checkpoints directory, step or None for the latest) for a run directory, its checkpoints/
     directory, or one step's directory."""
     if (path / CHECKPOINTS_DIR).is_dir():
@@ -244,18 +244,19 @@ def _checkpoints_dir(path: Path) -> tuple[Path, int | None]:
         return path.parent, int(path.name)
     if path.is_dir() and any(p.name.isdigit() for p in path.iterdir()):
         return path, None
-    raise UserError(f"--init-from {path}: no checkpoints there; give a run directory, its checkpoints/ directory or one step's directory")
+    raise UserError(f"{source} {path}: no checkpoints there; give a run directory, its checkpoints/ directory or one step's directory")
 
 
-def restore_from(path: Path, abstract_state, data_iterator, *, params_only: bool):
-    """``--init-from``: another run's checkpoint, resharded onto ``abstract_state``. With ``params_only``
-    only the parameters are read (and returned); otherwise the whole state and the data position."""
-    directory, step = _checkpoints_dir(path)
+def restore_from(path: Path, abstract_state, data_iterator, *, params_only: bool, source: str = "--init-from"):
+    """``--init-from`` (or ``source``, named in messages): another run's checkpoint, resharded onto
+    ``abstract_state``. With ``params_only`` only the parameters are read (and returned); otherwise the
+    whole state and the data position."""
+    directory, step = _checkpoints_dir(path, source)
     manager = _manager(directory, None)
     step = manager.latest_step() if step is None else step
     if step is None or step not in manager.all_steps():
-        raise UserError(f"--init-from {path}: no complete checkpoint found (steps: {list(manager.all_steps()) or 'none'})")
-    where = f"--init-from {directory / str(step)}"
+        raise UserError(f"{source} {path}: no complete checkpoint found (steps: {list(manager.all_steps()) or 'none'})")
+    where = f"{source} {directory / str(step)}"
     saved = manager.item_metadata(step)["state"]
     if params_only:
         check_same_shapes(saved["params"], abstract_state.params, where)
@@ -266,7 +267,7 @@ def restore_from(path: Path, abstract_state, data_iterator, *, params_only: bool
         check_same_shapes(saved, abstract_state, where)
         result = manager.restore(step, args=_restore_args(abstract_state, data_iterator)).state
     manager.close()
-    _say(f"jaxtrain: initialised {'parameters' if params_only else 'the whole state'} from {directory / str(step)}")
+    _say(f"jaxtrain: read {'the parameters' if params_only else 'the whole state'} of {directory / str(step)}")
     return result
 
 

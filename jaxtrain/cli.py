@@ -1,5 +1,5 @@
 """Command line: ``jaxtrain train EXPERIMENT [--mesh FILE] [--rules NAME] [--run-dir DIR] [--devices N] [key=value ...]``,
-and ``plan``, ``checkpoints``, ``plot``, ``tokenize``, ``train-tokenizer``.
+and ``plan``, ``checkpoints``, ``plot``, ``tokenize``, ``train-tokenizer``, ``export-hf``; ``jaxtrain generate RUN_DIR|HF_DIR --prompt TEXT``.
 
 jax is imported only after the arguments are read, because the simulated CPU device count must be
 in XLA_FLAGS before jax starts.
@@ -19,7 +19,9 @@ from pathlib import Path
 
 from jaxtrain import config as config_lib
 from jaxtrain import distributed
+from jaxtrain.config import SamplingConfig
 from jaxtrain.errors import UserError
+from jaxtrain.interop import hf_config, hf_weights
 
 DEFAULT_CPU_DEVICES = 8
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -47,19 +49,28 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def resolve_config(experiment: str, mesh: str | None, rules: str | None, overrides: list[str]) -> config_lib.Config:
+def resolve_config(experiment: str, mesh: str | None, rules: str | None, overrides: list[str],
+                   hf_dir: Path | None = None) -> config_lib.Config:
+    """The experiment's config with the mesh file, rule set and overrides applied; with ``hf_dir`` (a Hugging
+    Face model), the model's shape from its config.json, checked against the model keys the user gave."""
     cfg = config_lib.load_experiment(experiment)
     if mesh:
         cfg = dataclasses.replace(cfg, mesh=config_lib.load_mesh_file(mesh))
     if rules:
         cfg = dataclasses.replace(cfg, rules=rules)
+    given = hf_config.given_model_keys(cfg.model, overrides)
     cfg = config_lib.apply_overrides(cfg, overrides)
+    if hf_dir:
+        cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, given, cfg.data.seq_len))
     config_lib.check(cfg)
+    if hf_dir:
+        hf_weights.check_dir(hf_dir, cfg.model)
     return cfg
 
 
 def cmd_train(args) -> int:
-    cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
+    hf_dir = Path(args.init_from) if args.init_from and hf_config.is_hf_dir(Path(args.init_from)) else None
+    cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides, hf_dir)
     run_dir = Path(args.run_dir or Path("runs") / Path(args.experiment).stem)
     if args.params_only and not args.init_from:
         raise UserError("--params-only needs --init-from PATH (the checkpoint whose parameters to start from)")
@@ -72,6 +83,22 @@ def cmd_train(args) -> int:
     except checkpoint_lib.Preempted as e:
         print(f"jaxtrain: {e}", file=sys.stderr)
         return checkpoint_lib.PREEMPTED_EXIT_STATUS
+    return 0
+
+
+def cmd_export_hf(args) -> int:
+    run_dir, out = Path(args.run_dir), Path(args.out)
+    cfg = config_lib.load_run_config(run_dir)
+    if args.mesh:
+        cfg = dataclasses.replace(cfg, mesh=config_lib.load_mesh_file(args.mesh))
+    if args.rules:
+        cfg = dataclasses.replace(cfg, rules=args.rules)
+    if out.exists():
+        raise UserError(f"--out {out} already exists; give a new directory (export-hf never overwrites)")
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before jax sees devices
+    from jaxtrain.interop import hf_export  # starts jax
+
+    hf_export.export(cfg, run_dir, out, step=args.step, dtype=args.dtype)
     return 0
 
 
@@ -103,6 +130,29 @@ def cmd_plan(args) -> int:
     if args.plot:
         plan_lib.plot(plan, args.plot)
         print(f"jaxtrain: wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    sampling = config_lib.SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    if sampling.problems():
+        raise UserError("; ".join(sampling.problems()))
+    path = Path(args.path)
+    if not (hf_config.is_hf_dir(path) or (path / "config.yaml").is_file()):
+        raise UserError(f"{path} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json); "
+                        "give the --run-dir of a training run or a model directory")
+    import numpy as np
+
+    from jaxtrain import generate as generate_lib  # starts jax
+
+    loaded = generate_lib.load(path, args.mesh, args.rules)
+    prompt = loaded.encode(args.prompt)
+    out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling)
+    new = out.tokens[0]
+    print(args.prompt + loaded.decode(new) if loaded.decode else " ".join(map(str, new)), flush=True)
+    decode = f"{out.decode_tokens_per_s:,.1f} tokens/s" if out.decode_tokens_per_s else "no decoding steps"
+    print(f"jaxtrain: {len(new)} new tokens; prefill {out.prompt_tokens} tokens in {out.prefill_s:.3f} s "
+          f"({out.prefill_tokens_per_s:,.0f} tokens/s); decode {decode}; compile {out.compile_s:.1f} s", file=sys.stderr)
     return 0
 
 
@@ -153,12 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
     train.add_argument("--run-dir", help="run directory (default runs/EXPERIMENT)")
     train.add_argument("--devices", type=_positive_int, help=f"simulated CPU devices when there is no accelerator (default {DEFAULT_CPU_DEVICES})")
-    train.add_argument("--init-from", metavar="PATH", help="start from another run's checkpoint (run dir or step dir); "
-                       "ignored once this run has checkpoints of its own")
+    train.add_argument("--init-from", metavar="PATH", help="start from another run's checkpoint (run dir or step dir), or from a "
+                       "Hugging Face model directory (its config.json gives the model's shape); ignored once this run has checkpoints of its own")
     train.add_argument("--params-only", action="store_true", help="with --init-from: take only the parameters (fresh optimizer, step 0)")
-    train.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process: address of process 0's coordinator")
-    train.add_argument("--num-processes", type=_positive_int, metavar="N", help="multi-process: number of processes")
-    train.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's index, 0..N-1")
+    _add_process_flags(train)
     train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="per-device memory of an experiment on a target mesh: estimate, compiled truth, fixes")
     plan.add_argument("experiment", help="a name under experiments/ (e.g. llama3_8b) or a path to an experiment .py file")
@@ -175,6 +223,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--plot", metavar="FILE.png", help="write a stacked per-device memory chart of the plan and suggestions")
     plan.set_defaults(func=cmd_plan)
+    generate = sub.add_parser("generate", help="continue a prompt with a run's latest checkpoint or a Hugging Face model: "
+                              "KV-cache decoding, jitted, sharded with the run's rules; prints the text and tokens/s")
+    generate.add_argument("path", metavar="RUN_DIR|HF_DIR", help="a training run directory (config.yaml and checkpoints/) or a "
+                          "Hugging Face model directory (config.json, safetensors; computed in float32)")
+    generate.add_argument("--prompt", required=True, help="text (byte-level runs: its UTF-8 bytes; Hugging Face models: their "
+                          "tokenizer.json); token ids, e.g. '12 7 99', for models without a tokenizer")
+    generate.add_argument("--max-new-tokens", type=int, default=SamplingConfig.max_new_tokens, metavar="N",
+                          help=f"tokens to generate (default {SamplingConfig.max_new_tokens})")
+    generate.add_argument("--temperature", type=float, default=SamplingConfig.temperature, metavar="T",
+                          help="0: greedy (default); above 0: sample from softmax(logits / T)")
+    generate.add_argument("--top-p", type=float, default=SamplingConfig.top_p, metavar="P",
+                          help="sample among the most likely tokens whose probability reaches P (default 1: all)")
+    generate.add_argument("--seed", type=int, default=SamplingConfig.seed, help="sampling seed (default 0)")
+    generate.add_argument("--mesh", help="mesh file to generate on (default: the run's mesh; HF_DIR: every device on fsdp)")
+    generate.add_argument("--rules", help="sharding rule set (default: the run's; HF_DIR: fsdp_tp)")
+    generate.add_argument("--devices", type=_positive_int, help=f"simulated CPU devices when there is no accelerator (default {DEFAULT_CPU_DEVICES})")
+    generate.set_defaults(func=cmd_generate)
     checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, complete, mesh/rules")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR")
     checkpoints.set_defaults(func=cmd_checkpoints)
@@ -192,7 +257,23 @@ def build_parser() -> argparse.ArgumentParser:
     train_tok.add_argument("--vocab-size", required=True, type=_positive_int, metavar="N", help="vocabulary size, special token included")
     train_tok.add_argument("--out", required=True, metavar="DIR", help="new directory for tokenizer.json and tokenizer_config.json")
     train_tok.set_defaults(func=cmd_train_tokenizer)
+    export = sub.add_parser("export-hf", help="a run's checkpoint as a Hugging Face model directory (config.json, safetensors shards)")
+    export.add_argument("run_dir", metavar="RUN_DIR")
+    export.add_argument("--out", required=True, metavar="DIR", help="the new model directory (must not exist)")
+    export.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: the latest)")
+    export.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight dtype in the files (default bfloat16)")
+    export.add_argument("--mesh", help="mesh to restore onto (default: the run's)")
+    export.add_argument("--rules", help="sharding rule set to restore with (default: the run's)")
+    export.add_argument("--devices", type=_positive_int, help=f"simulated CPU devices when there is no accelerator (default {DEFAULT_CPU_DEVICES})")
+    _add_process_flags(export)
+    export.set_defaults(func=cmd_export_hf)
     return parser
+
+
+def _add_process_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process: address of process 0's coordinator")
+    parser.add_argument("--num-processes", type=_positive_int, metavar="N", help="multi-process: number of processes")
+    parser.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's index, 0..N-1")
 
 
 def main(argv: list[str] | None = None) -> int:

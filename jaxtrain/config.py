@@ -112,6 +112,26 @@ class Config:
     rules: str = "fsdp_tp"  # a name under sharding_rules/ or a path to a YAML rule set
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How `jaxtrain generate` picks each new token (command-line flags, not part of a run's config)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy (the most likely token)
+    top_p: float = 1.0  # nucleus sampling: draw among the most likely tokens whose probability reaches top_p
+    seed: int = 0
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.max_new_tokens < 1:
+            out.append(f"--max-new-tokens {self.max_new_tokens} must be at least 1")
+        if not self.temperature >= 0:
+            out.append(f"--temperature {self.temperature:g} must be 0 (greedy) or positive")
+        if not 0 < self.top_p <= 1:
+            out.append(f"--top-p {self.top_p:g} must be in (0, 1]; 1 samples from the whole distribution")
+        return out
+
+
 # ---------------------------------------------------------------------------------------------
 # dict / YAML conversion and overrides
 
@@ -221,6 +241,16 @@ def from_dict(d: dict) -> Config:
     for key, value in flatten(d).items():
         cfg = set_key(cfg, key, value)
     return cfg
+
+
+def load_run_config(run_dir: Path) -> Config:
+    """The resolved config a run saved in RUN_DIR/config.yaml."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise UserError(f"{run_dir} has no config.yaml; give the --run-dir of a training run")
+    body = yaml.safe_load(path.read_text()) or {}
+    body.pop("resolved", None)
+    return from_dict(body)
 
 
 def save_yaml(cfg: Config, path: Path, extra: dict | None = None) -> None:

@@ -11,7 +11,6 @@ import dataclasses
 import jax
 import numpy as np
 import optax
-from flax.core import spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import config as config_lib
@@ -19,10 +18,9 @@ from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import build_mesh
 from jaxtrain.optim import learning_rate_schedule, make_optimizer
-from jaxtrain.partitioning import Rules, batch_sharding, batch_shards, check_rules_against_mesh, flax_rules, load_rules
+from jaxtrain.partitioning import Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, model_tracing
 from jaxtrain.state import ModelSpec, TrainState, abstract_state, model_spec, state_shardings
 from jaxtrain.step import make_eval_step, make_train_step
-from models.sharding import MissingLogicalRule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +75,8 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk), in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
     state, batch = layout.abstract_state(), layout.abstract_batch()
-    with jax.set_mesh(layout.mesh), spmd.logical_axis_rules(flax_rules(layout.rules)):
-        try:
-            return train_fn.lower(state, batch), eval_fn.lower(state.params, batch)
-        except MissingLogicalRule as e:
-            raise UserError(f"logical axis '{e.axis}' (an activation of the model) has no rule in rule set {cfg.rules}; "
-                            f"add '{e.axis}: null' or map it to mesh axes") from None
+    with model_tracing(layout.mesh, layout.rules, cfg.rules):
+        return train_fn.lower(state, batch), eval_fn.lower(state.params, batch)
 
 
 def peak_bytes(memory) -> int:

@@ -3,16 +3,19 @@ axis names into PartitionSpecs / NamedShardings."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
 import jax
 import yaml
+from flax.core import spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding_rules
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
+from models.sharding import MissingLogicalRule
 
 RULES_DIR = Path(sharding_rules.__file__).parent
 
@@ -58,6 +61,18 @@ def check_rules_against_mesh(rules: Rules, mesh: Mesh, source: str) -> None:
 def flax_rules(rules: Rules) -> tuple:
     """The rules in the form flax's ``logical_axis_rules`` context expects (read by models/sharding.py)."""
     return tuple((logical, targets[0] if targets and len(targets) == 1 else targets) for logical, targets in rules.items())
+
+
+@contextlib.contextmanager
+def model_tracing(mesh: Mesh, rules: Rules, rules_name: str):
+    """The mesh and logical rules the model's activation constraints read while it is traced; an
+    activation axis without a rule becomes a UserError."""
+    with jax.set_mesh(mesh), spmd.logical_axis_rules(flax_rules(rules)):
+        try:
+            yield
+        except MissingLogicalRule as e:
+            raise UserError(f"logical axis '{e.axis}' (an activation of the model) has no rule in rule set {rules_name}; "
+                            f"add '{e.axis}: null' or map it to mesh axes") from None
 
 
 def logical_to_spec(logical_axes, rules: Rules, what: str) -> PartitionSpec:

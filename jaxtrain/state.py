@@ -78,6 +78,12 @@ def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation, shardings:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
+def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+    """A fresh train state (step 0, new optimizer state) around given parameters, which it takes over."""
+    start = lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))  # noqa: E731
+    return jax.jit(start, out_shardings=shardings, donate_argnums=0)(params)
+
+
 def state_initializer(model_cfg: LlamaConfig, tx: optax.GradientTransformation, seed: int,
                       shardings: TrainState) -> Callable[[], TrainState]:
     """A jitted initialiser with output shardings, so no parameter is ever whole on one device. Keep it to

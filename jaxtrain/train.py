@@ -21,9 +21,10 @@ from jaxtrain import exporters
 from jaxtrain import plan
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
+from jaxtrain.interop import hf_config, hf_import
 from jaxtrain.layout import Layout, compile_train_step, make_layout
 from jaxtrain.metrics import MetricsLog
-from jaxtrain.state import TrainState, state_initializer
+from jaxtrain.state import TrainState, state_from_params, state_initializer
 
 
 @dataclasses.dataclass
@@ -114,6 +115,8 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_lib.save_yaml(cfg, run_dir / "config.yaml", {"resolved": _resolved(trainer)})
+        if initial is not None and hf_config.is_hf_dir(init_from):  # its tokenizer and config, for generate and export
+            hf_import.keep_source_files(init_from, run_dir)
     checkpoints = checkpoint_lib.RunCheckpoints(run_dir, cfg.checkpoint, t.steps, _checkpoint_meta(trainer))
     log = None
     try:  # from here on every exit closes the checkpoints (and the SIGTERM handler) and the metrics log
@@ -162,10 +165,14 @@ def _close(log: MetricsLog | None, checkpoints: checkpoint_lib.RunCheckpoints, *
 
 
 def _init_from(trainer: Trainer, path: Path, batches: data_lib.GlobalBatches, params_only: bool) -> TrainState:
-    """``--init-from``: the whole state and data position of another run, or only its parameters."""
-    abstract = trainer.layout.abstract_state()
+    """``--init-from``: a Hugging Face model directory's weights (fresh optimizer), or another run's whole state
+    and data position, or only its parameters."""
+    layout = trainer.layout
+    abstract = layout.abstract_state()
+    if hf_config.is_hf_dir(path):
+        return state_from_params(hf_import.load_params(path, trainer.cfg.model, abstract.params), layout.tx, layout.shardings)
     if params_only:
-        return trainer.init_state().replace(params=checkpoint_lib.restore_from(path, abstract, None, params_only=True))
+        return state_from_params(checkpoint_lib.restore_from(path, abstract, None, params_only=True), layout.tx, layout.shardings)
     return checkpoint_lib.restore_from(path, abstract, batches.iterator, params_only=False)
 
 

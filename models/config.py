@@ -8,6 +8,31 @@ import dataclasses
 REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_out")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+ROPE_SCALING_TYPES = ("none", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling for a context longer than pretraining's. ``llama3`` (Llama 3.1 / 3.2):
+    frequencies whose wavelength exceeds original_max_len / low_freq_factor are divided by ``factor``,
+    those below original_max_len / high_freq_factor are kept, and those between are interpolated."""
+
+    type: str = "none"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.type not in ROPE_SCALING_TYPES:
+            out.append(f"model.rope_scaling.type={self.type!r} is unknown; choose one of {', '.join(ROPE_SCALING_TYPES)}")
+        elif self.type == "llama3":
+            if self.factor <= 0 or self.original_max_len <= 0:
+                out.append(f"model.rope_scaling.factor={self.factor} and original_max_len={self.original_max_len} must be positive")
+            if not 0 < self.low_freq_factor < self.high_freq_factor:
+                out.append(f"model.rope_scaling needs 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor ({self.high_freq_factor})")
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,8 +45,10 @@ class LlamaConfig:
     head_dim: int | None = None  # None: d_model // num_heads
     mlp_dim: int = 1024
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     init_std: float = 0.02
     dtype: str = "bfloat16"  # compute dtype; softmax, logits and loss are always float32
     param_dtype: str = "float32"
@@ -34,7 +61,7 @@ class LlamaConfig:
 
     def problems(self) -> list[str]:
         """Every inconsistency in this config, each as one sentence that says how to fix it."""
-        out = []
+        out = list(self.rope_scaling.problems())
         if self.remat not in REMAT_POLICIES:
             out.append(f"model.remat={self.remat!r} is not a remat policy; choose one of {', '.join(REMAT_POLICIES)}")
         for key in ("dtype", "param_dtype"):

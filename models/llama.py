@@ -3,21 +3,27 @@
 Every parameter carries logical axis names (``out_sharding`` metadata) and activations are
 constrained with logical names; which mesh axes those map to is decided by the caller's rule set.
 Layers are stacked on a leading ``layers`` axis and applied with ``jax.lax.scan`` so the compiled
-program does not grow with depth.
+program does not grow with depth. ``Llama.extend`` runs the same parameters and scan over new tokens with
+a key/value cache (prefill, then one token per decoding step).
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.config import LlamaConfig
+from models.config import LlamaConfig, RopeScaling
 from models.sharding import constrain
 
 BATCH, LENGTH = "activation_batch", "activation_length"
 EMBED_ACT = (BATCH, LENGTH, "activation_embed")
+# one layer's cached keys or values: (batch, cache length, kv_heads, head_dim)
+LAYER_CACHE = (BATCH, "cache_length", "activation_kv_heads", "activation_head_dim")
 
 REMAT_POLICY_FNS = {
     "none": None,
@@ -46,10 +52,27 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float):
-    """sin/cos of shape (seq_len, head_dim // 2), float32."""
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()):
+    """Rotary inverse frequencies (head_dim // 2,), float32, rescaled by wavelength for ``llama3`` scaling
+    (as Meta's reference code and transformers' ``_compute_llama3_parameters``)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    if scaling.type != "llama3":
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = scaling.original_max_len / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_len / scaling.high_freq_factor
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(), start=0):
+    """sin/cos of positions start .. start + seq_len - 1, shape (seq_len, head_dim // 2), float32;
+    ``start`` may be traced (the first position of a decoding step)."""
+    inv_freq = inverse_frequencies(head_dim, theta, scaling)
+    angles = (start + jnp.arange(seq_len, dtype=jnp.float32))[:, None] * inv_freq[None, :]
     return jnp.sin(angles), jnp.cos(angles)
 
 
@@ -58,6 +81,30 @@ def apply_rotary(x, sin, cos):
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     sin, cos = sin[None, :, None, :], cos[None, :, None, :]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class LayerCache(NamedTuple):
+    """One layer's keys and values, (batch, max_length, kv_heads, head_dim), and how many positions hold tokens."""
+
+    keys: jax.Array
+    values: jax.Array
+    length: jax.Array  # int32 scalar
+
+
+class KVCache(NamedTuple):
+    """Every layer's keys and values, stacked like the layers: (layers, batch, max_length, kv_heads, head_dim)."""
+
+    keys: jax.Array
+    values: jax.Array
+    length: jax.Array  # int32 scalar: positions filled, the next token's position
+
+    AXES = ("layers",) + LAYER_CACHE  # logical axes of keys and values
+
+    @classmethod
+    def zeros(cls, cfg: LlamaConfig, batch: int, max_length: int) -> KVCache:
+        shape = (cfg.num_layers, batch, max_length, cfg.num_kv_heads, cfg.resolved_head_dim)
+        keys, values = (constrain(jnp.zeros(shape, cfg.dtype), cls.AXES) for _ in range(2))
+        return cls(keys, values, jnp.zeros((), jnp.int32))
 
 
 class Attention(nnx.Module):
@@ -72,18 +119,48 @@ class Attention(nnx.Module):
         # residual-branch outputs scaled down with depth (GPT-2 / Megatron init)
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
         self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), out_std, pd)
+        self.qkv_bias = cfg.qkv_bias
+        if cfg.qkv_bias:
+            self.bq = nnx.Param(jnp.zeros((h, hd), pd), out_sharding=("heads", "head_dim"), eager_sharding=False)
+            self.bk = nnx.Param(jnp.zeros((k, hd), pd), out_sharding=("kv_heads", "head_dim"), eager_sharding=False)
+            self.bv = nnx.Param(jnp.zeros((k, hd), pd), out_sharding=("kv_heads", "head_dim"), eager_sharding=False)
+
+    def _project(self, x, name: str, axes):
+        """x @ w{name} (+ b{name}) for name in q, k, v."""
+        out = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"w{name}")[...].astype(self.dtype))
+        if self.qkv_bias:
+            out = out + getattr(self, f"b{name}")[...].astype(self.dtype)
+        return constrain(out, axes)
 
     def __call__(self, x, sin, cos):
+        q, k, v = self._qkv(x, sin, cos)
+        return self._output(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation))
+
+    def extend(self, x, sin, cos, cache: LayerCache):
+        """x (batch, length, d_model) at positions cache.length ...: its keys and values are written into
+        the cache there, and each position attends to every cached position up to its own."""
+        q, k, v = self._qkv(x, sin, cos)
+        keys = constrain(jax.lax.dynamic_update_slice_in_dim(cache.keys, k.astype(cache.keys.dtype), cache.length, 1), LAYER_CACHE)
+        values = constrain(jax.lax.dynamic_update_slice_in_dim(cache.values, v.astype(cache.values.dtype), cache.length, 1), LAYER_CACHE)
+        query_positions = cache.length + jnp.arange(x.shape[1])
+        visible = jnp.arange(keys.shape[1])[None, :] <= query_positions[:, None]  # causal; also hides unwritten slots
+        # XLA attention: cuDNN's fused kernel brings nothing to a one-token query
+        out = jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None], implementation="xla")
+        return self._output(out), LayerCache(keys, values, cache.length)
+
+    def _qkv(self, x, sin, cos):
         heads = (BATCH, LENGTH, "activation_heads", "activation_head_dim")
         kv_heads = (BATCH, LENGTH, "activation_kv_heads", "activation_head_dim")
-        q = constrain(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(self.dtype)), heads)
-        k = constrain(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(self.dtype)), kv_heads)
-        v = constrain(jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(self.dtype)), kv_heads)
+        q = self._project(x, "q", heads)
+        k = self._project(x, "k", kv_heads)
+        v = self._project(x, "v", kv_heads)
         q = checkpoint_name(apply_rotary(q, sin, cos), "query_proj")
         k = checkpoint_name(apply_rotary(k, sin, cos), "key_proj")
         v = checkpoint_name(v, "value_proj")
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
-        out = constrain(out, heads)
+        return q, k, v
+
+    def _output(self, out):
+        out = constrain(out, (BATCH, LENGTH, "activation_heads", "activation_head_dim"))
         out = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(self.dtype))
         return checkpoint_name(constrain(out, EMBED_ACT), "attn_out")
 
@@ -113,7 +190,13 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, sin, cos):
-        x = constrain(x + self.attn(self.attn_norm(x), sin, cos), EMBED_ACT)
+        return self._mlp_residual(constrain(x + self.attn(self.attn_norm(x), sin, cos), EMBED_ACT))
+
+    def extend(self, x, sin, cos, cache: LayerCache):
+        attended, cache = self.attn.extend(self.attn_norm(x), sin, cos, cache)
+        return self._mlp_residual(constrain(x + attended, EMBED_ACT)), cache
+
+    def _mlp_residual(self, x):
         return constrain(x + self.mlp(self.mlp_norm(x)), EMBED_ACT)
 
 
@@ -140,14 +223,8 @@ class Llama(nnx.Module):
     def hidden(self, tokens: jax.Array) -> jax.Array:
         """tokens (batch, length) int32 -> final-normed hidden states (batch, length, d_model)."""
         cfg = self.cfg
-        dtype = jnp.dtype(cfg.dtype)
-        tokens = constrain(tokens, (BATCH, LENGTH))
-        # the table's embed dimension laid out as the activations' before the lookup (FSDP all-gathers
-        # it): rows gathered from a table split on embed come out split on embed, and SPMD can move
-        # that to the batch split only by replicating the whole activation
-        table = constrain(self.embed[...], ("vocab", "activation_embed"))
-        x = constrain(jnp.take(table, tokens, axis=0).astype(dtype), EMBED_ACT)
-        sin, cos = rotary_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
+        x = self._embed_tokens(tokens)
+        sin, cos = rotary_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
 
         layer_def, layer_params = nnx.split(self.layers)
 
@@ -160,6 +237,30 @@ class Llama(nnx.Module):
         x, _ = jax.lax.scan(layer, x, layer_params)
 
         return self.final_norm(x)
+
+    def extend(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """tokens (batch, length) at positions cache.length ... -> (final-normed hidden states, the cache
+        holding them too): the prompt at once (prefill), then one token per decoding step."""
+        cfg = self.cfg
+        x = self._embed_tokens(tokens)
+        sin, cos = rotary_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling, start=cache.length)
+        layer_def, layer_params = nnx.split(self.layers)
+
+        def layer(x, per_layer):
+            params, keys, values = per_layer
+            x, updated = nnx.merge(layer_def, params).extend(x, sin, cos, LayerCache(keys, values, cache.length))
+            return x, (updated.keys, updated.values)
+
+        x, (keys, values) = jax.lax.scan(layer, x, (layer_params, cache.keys, cache.values))
+        return self.final_norm(x), KVCache(keys, values, cache.length + tokens.shape[1])
+
+    def _embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        tokens = constrain(tokens, (BATCH, LENGTH))
+        # the table's embed dimension laid out as the activations' before the lookup (FSDP all-gathers
+        # it): rows gathered from a table split on embed come out split on embed, and SPMD can move
+        # that to the batch split only by replicating the whole activation
+        table = constrain(self.embed[...], ("vocab", "activation_embed"))
+        return constrain(jnp.take(table, tokens, axis=0).astype(jnp.dtype(self.cfg.dtype)), EMBED_ACT)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Hidden states (batch, length, d_model) -> logits (batch, length, vocab) float32; any length,

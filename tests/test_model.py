@@ -86,3 +86,34 @@ def test_models_name_no_mesh_axes():
         text = path.read_text()
         for axis in ("data", "fsdp", "tensor"):
             assert not re.search(rf"['\"]{axis}['\"]", text), f"{path.name} names mesh axis {axis}"
+
+
+def test_llama3_rope_scaling_equals_transformers():
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from models.config import RopeScaling
+    from models.llama import inverse_frequencies
+
+    scaling = RopeScaling(type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=8192)
+    hf = transformers.LlamaConfig(hidden_size=2048, num_attention_heads=32, max_position_embeddings=131072, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    ours = inverse_frequencies(64, 500000.0, scaling)
+    plain = inverse_frequencies(64, 500000.0)
+    # all three bands are present: kept, divided by the factor, interpolated
+    assert 0 < int(jnp.sum(ours == plain)) < 32 and int(jnp.sum(jnp.isclose(ours, plain / 32, rtol=1e-6))) > 0
+    np.testing.assert_allclose(ours, expected.numpy(), rtol=1e-6)
+
+
+def test_qkv_bias_is_added_to_the_projections():
+    cfg = LlamaConfig(**{**CFG.__dict__, "qkv_bias": True})
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    before = model(TOKENS)
+    model.layers.attn.bv[...] = jnp.ones_like(model.layers.attn.bv[...])
+    after = model(TOKENS)
+    assert not np.allclose(before, after)
+    # zero-initialised biases: the same function as the model without them
+    unbiased = Llama(CFG, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(before, unbiased(TOKENS), rtol=1e-6)

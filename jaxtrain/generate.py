@@ -1,0 +1,274 @@
+"""Text generation with a key/value cache through the model's own layers (``Llama.extend``), jitted and
+sharded with the run's rules.
+
+``load(path)`` gives a ``Loaded`` model (config, parameters on the mesh, encode, decode) from a run
+directory or a Hugging Face model directory; ``generate`` runs a prefill of the prompts, which fills a
+fixed-size cache (prompt + max_new_tokens), then a ``lax.scan`` of one-token decoding steps over it:
+greedy at temperature 0, else temperature and top-p (nucleus) sampling from a seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import config as config_lib
+from jaxtrain.config import Config, SamplingConfig
+from jaxtrain.data.token_file import TOKEN_FILE_SUFFIXES
+from jaxtrain.data.tokenizer import TOKENIZER_FILE, RawBytes, TextTokenizer, load_tokenizer
+from jaxtrain.errors import UserError
+from jaxtrain.interop import hf_config, hf_import, hf_weights
+from jaxtrain.layout import make_layout
+from jaxtrain.partitioning import Rules, batch_sharding, logical_to_spec, logical_ways, model_tracing
+from jaxtrain.state import model_spec
+from models.config import LlamaConfig
+from models.llama import KVCache
+
+Encode = Callable[[str], list[int]]
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A model ready to generate: what every source (``load_run``, ``load_hf``) gives."""
+
+    model_cfg: LlamaConfig
+    params: dict  # placed on ``mesh`` with the rule set's shardings
+    mesh: Mesh
+    rules: Rules
+    rules_name: str
+    encode: Encode  # prompt text -> token ids
+    decode: Decode | None  # token ids -> text; None: the ids are printed
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    tokens: np.ndarray  # (batch, max_new_tokens) int32: the new tokens only
+    prompt_tokens: int  # across the batch
+    prefill_s: float  # prompt through the layers and the first new token (compiled, timed apart from compiling)
+    decode_s: float  # the other max_new_tokens - 1 tokens
+    compile_s: float
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        steps = self.tokens.size - self.tokens.shape[0]
+        return steps / self.decode_s if steps else None
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def load(path: Path, mesh: str | None = None, rules: str | None = None) -> Loaded:
+    """The model of ``path``: a training run directory (config.yaml, checkpoints/) or a Hugging Face model
+    directory (config.json, safetensors). ``mesh`` / ``rules`` replace the run's own (e.g. generating on one
+    GPU from a run trained on many); a Hugging Face model defaults to every device on fsdp, rules fsdp_tp."""
+    return load_hf(path, mesh, rules) if hf_config.is_hf_dir(path) else load_run(path, mesh, rules)
+
+
+def _with_layout(cfg: Config, mesh: str | None, rules: str | None) -> Config:
+    if mesh:
+        cfg = dataclasses.replace(cfg, mesh=config_lib.load_mesh_file(mesh))
+    return dataclasses.replace(cfg, rules=rules) if rules else cfg
+
+
+def load_run(run_dir: Path, mesh: str | None = None, rules: str | None = None) -> Loaded:
+
+
+    cfg = _with_layout(config_lib.load_run_config(run_dir), mesh, rules)
+    layout = make_layout(cfg)
+    params = checkpoint_lib.restore_from(run_dir, layout.abstract_state(), None, params_only=True, source="jaxtrain generate")
+    encode, decode = codec(cfg, run_dir)
+    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode, decode)
+
+
+def load_hf(hf_dir: Path, mesh: str | None = None, rules: str | None = None) -> Loaded:
+    """A Hugging Face model, computing in float32 (so greedy output equals transformers'), with its
+    tokenizer.json when it has one (else prompts and output are token ids)."""
+
+
+    cfg = _with_layout(Config(model=LlamaConfig(dtype="float32")), mesh, rules)
+    cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
+    hf_weights.check_dir(hf_dir, cfg.model)
+    layout = make_layout(cfg)
+    params = hf_import.load_params(hf_dir, cfg.model, layout.abstract_state().params)
+    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, *_hf_codec(cfg.model.vocab_size, hf_dir))
+
+
+def codec(cfg: Config, run_dir: Path) -> tuple[Encode, Decode | None]:
+    """The run's own encoding: its ``data.tokenizer``; else UTF-8 bytes for byte-level text runs (the standard
+    library or a text directory); else, for a token file, the tokenizer its sidecar or ``--init-from HF_DIR``
+    names (kept in RUN_DIR/hf/), or token ids written as numbers when there is none."""
+    vocab = cfg.model.vocab_size
+    if cfg.data.tokenizer:
+        return _token_codec(vocab, load_tokenizer(cfg.data.tokenizer))
+    if cfg.data.path is None or Path(cfg.data.path).suffix not in TOKEN_FILE_SUFFIXES:
+        return (lambda text: _in_vocab(list(text.encode("utf-8")), vocab, "a byte of the prompt's UTF-8")), _bytes_to_text
+    kept = run_dir / hf_import.RUN_SUBDIR / TOKENIZER_FILE
+    return _token_codec(vocab, load_tokenizer(kept) if kept.is_file() else None)
+
+
+def _hf_codec(vocab: int, hf_dir: Path) -> tuple[Encode, Decode | None]:
+    return _token_codec(vocab, load_tokenizer(hf_dir) if (hf_dir / TOKENIZER_FILE).is_file() else None)
+
+
+def _token_codec(vocab: int, tokenizer: TextTokenizer | None) -> tuple[Encode, Decode | None]:
+    """A ``tokenizers`` tokenizer when there is one, else token ids written as numbers."""
+    if tokenizer is None:
+        return (lambda text: _in_vocab(_ids(text), vocab, "a prompt token id")), None
+    return ((lambda text: _in_vocab(tokenizer.tokenizer.encode(text).ids, vocab, "a prompt token id")),
+            lambda ids: tokenizer.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
+
+
+def _bytes_to_text(ids: Sequence[int]) -> str:
+    """Up to the first document separator (the model's end of text), invalid UTF-8 shown as U+FFFD."""
+    raw = RawBytes()
+    data = bytes(int(i) % raw.vocab_size for i in ids)
+    return data.split(bytes([raw.end_of_text]))[0].decode("utf-8", errors="replace")
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise UserError(f"--prompt {text!r}: this model has no tokenizer, so the prompt is token ids, e.g. --prompt '12 7 99'") from None
+
+
+def _in_vocab(ids: list[int], vocab: int, what: str) -> list[int]:
+    if not ids:
+        raise UserError("--prompt is empty; give at least one token of text")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise UserError(f"{what} is {bad[0]}, outside the model's vocabulary of {vocab} (model.vocab_size); use tokens below {vocab}")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
+
+
+def nucleus(logits: jax.Array, top_p: float) -> jax.Array:
+    """``logits`` with every token outside the smallest most-likely set whose probability reaches
+    ``top_p`` set to -inf (the most likely token always stays)."""
+    descending = -jnp.sort(-logits, axis=-1)
+    probs = jax.nn.softmax(descending, axis=-1)
+    kept = jnp.cumsum(probs, axis=-1) - probs < top_p  # the probability of the more likely tokens
+    threshold = jnp.min(jnp.where(kept, descending, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
+    """logits (batch, vocab) float32 -> token ids (batch,) int32. ``temperature`` and ``top_p`` are traced
+    scalars, so one compiled program serves every setting."""
+
+    def draw(logits):
+        logits = logits / temperature
+        logits = jax.lax.cond(top_p < 1, nucleus, lambda x, _: x, logits, top_p)
+        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(temperature > 0, draw, lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32), logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# generation
+
+
+def generation_rules(rules: Rules, mesh: Mesh, batch: int) -> Rules:
+    """The run's rules, with the batch left whole when the prompts do not fill its shards (one prompt)."""
+    if batch % logical_ways(rules, mesh, "activation_batch"):
+        return rules | {"activation_batch": None}
+    return rules
+
+
+def generate(loaded: Loaded, prompts: np.ndarray, sampling: SamplingConfig) -> Generation:
+    """``prompts`` (batch, length) int32, all of one length -> ``sampling.max_new_tokens`` new tokens each.
+    The compiled prefill and decode are kept for later calls with the same shapes and max_new_tokens."""
+    batch, prompt_len = prompts.shape
+    rules = generation_rules(loaded.rules, loaded.mesh, batch)
+    param_shardings = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, loaded.params))
+    start = time.perf_counter()
+    prefill, decode = _compiled(loaded.model_cfg, loaded.mesh, tuple(rules.items()), loaded.rules_name,
+                                (param_shardings[1], tuple(param_shardings[0])), batch, prompt_len, sampling.max_new_tokens)
+    compile_s = time.perf_counter() - start
+    prompt = jax.device_put(np.asarray(prompts, np.int32), batch_sharding(rules, loaded.mesh))
+    knobs = jax.device_put(_knobs(sampling), NamedSharding(loaded.mesh, PartitionSpec()))
+
+    start = time.perf_counter()
+    cache, first = jax.block_until_ready(prefill(loaded.params, prompt, knobs))
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    rest = jax.block_until_ready(decode(loaded.params, cache, first, knobs)[0]) if decode else np.zeros((batch, 0), np.int32)
+    decode_s = time.perf_counter() - start
+    tokens = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
+    return Generation(tokens, batch * prompt_len, prefill_s, decode_s, compile_s)
+
+
+def _knobs(sampling: SamplingConfig) -> dict[str, np.ndarray]:
+    return {"seed": np.int32(sampling.seed), "temperature": np.float32(sampling.temperature), "top_p": np.float32(sampling.top_p)}
+
+
+def _sample_at(logits, knobs, index):
+    """The token drawn for new token number ``index``: its own key from the seed."""
+    key = jax.random.fold_in(jax.random.key(knobs["seed"]), index)
+    return sample(logits, key, knobs["temperature"], knobs["top_p"])
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(cfg: LlamaConfig, mesh: Mesh, rule_items: tuple, rules_name: str, param_shardings: tuple, batch: int,
+              prompt_len: int, new: int):
+    """(prefill, decode) compiled for these shapes and shardings; decode is None for a single new token.
+
+    prefill(params, prompt, knobs) -> (cache, first token); decode(params, cache (donated), token, knobs) ->
+    (the other new - 1 tokens (batch, new - 1), cache). knobs: seed, temperature, top_p (``_knobs``)."""
+    rules = dict(rule_items)
+    spec = model_spec(cfg)
+    graphdef, params_sharding = spec.graphdef, jax.tree.unflatten(*param_shardings)
+
+    def sharding(*logical) -> NamedSharding:
+        return NamedSharding(mesh, logical_to_spec(logical, rules, "generation"))
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    cache_sharding = KVCache(sharding(*KVCache.AXES), sharding(*KVCache.AXES), replicated)
+    token_sharding = sharding("activation_batch")
+
+    def prefill(params, prompt, knobs):
+        model = nnx.merge(graphdef, params)
+        hidden, cache = model.extend(prompt, KVCache.zeros(cfg, batch, prompt_len + new))
+        return cache, _sample_at(model.logits(hidden[:, -1:])[:, 0], knobs, 0)
+
+    def decode(params, cache, token, knobs):
+        model = nnx.merge(graphdef, params)
+
+        def step(carry, index):
+            cache, token = carry
+            hidden, cache = model.extend(token[:, None], cache)
+            token = _sample_at(model.logits(hidden)[:, 0], knobs, index)
+            return (cache, token), token
+
+        (cache, _), tokens = jax.lax.scan(step, (cache, token), jnp.arange(1, new))
+        return tokens.T, cache  # returned, so the donated cache's buffers can hold it
+
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), spec.shapes, params_sharding)
+    prompt = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=batch_sharding(rules, mesh))
+    knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct((), x.dtype, sharding=replicated), _knobs(SamplingConfig()))
+    with model_tracing(mesh, rules, rules_name):
+        prefill = jax.jit(prefill, out_shardings=(cache_sharding, token_sharding)).lower(params, prompt, knobs).compile()
+        if new == 1:
+            return prefill, None
+        cache, token = prefill.out_info
+        decode = jax.jit(decode, out_shardings=(sharding("activation_batch", None), cache_sharding), donate_argnums=1)
+        return prefill, decode.lower(params, cache, token, knobs).compile()

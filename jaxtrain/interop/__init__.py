@@ -1,0 +1,1 @@
+"""Model files of other ecosystems in and out: Hugging Face transformers (hf_*)."""

@@ -1,0 +1,190 @@
+"""Hugging Face ``config.json`` <-> the model config.
+
+No jax import: ``jaxtrain train --init-from HF_DIR`` reads the model shape from here before jax starts.
+Both config.json dialects are read: transformers 5's ``rope_parameters`` and the older ``rope_theta`` +
+``rope_scaling``; export writes the older one, which transformers 4 and 5 (and serving engines) read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from jaxtrain.errors import UserError
+from models.config import LlamaConfig
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# architecture -> model_type
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+# model.KEY -> config.json key, for every model field config.json decides
+SHAPE_KEYS = {
+    "vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+    "mlp_dim": "intermediate_size", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings", "qkv_bias": "architectures (Qwen2: query/key/value biases)",
+    "rope_scaling.type": "rope_scaling.rope_type", "rope_scaling.factor": "rope_scaling.factor",
+    "rope_scaling.low_freq_factor": "rope_scaling.low_freq_factor",
+    "rope_scaling.high_freq_factor": "rope_scaling.high_freq_factor",
+    "rope_scaling.original_max_len": "rope_scaling.original_max_position_embeddings",
+}
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+ROPE_TYPES = {"default": "none", "llama3": "llama3"}  # config.json rope_type -> model.rope_scaling.type
+# transformers' defaults for these architectures when config.json leaves a key out
+DEFAULT_NORM_EPS = 1e-6
+DEFAULT_ROPE_THETA = 10000.0
+
+
+def is_hf_dir(path: Path) -> bool:
+    """A Hugging Face model directory (config.json), as opposed to a jaxtrain run or checkpoint directory."""
+    return (path / CONFIG_FILE).is_file()
+
+
+def read_json(path: Path) -> dict:
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not readable JSON ({e}); give a Hugging Face model directory") from None
+    if not isinstance(body, dict):
+        raise UserError(f"{path} must hold a JSON object, got {type(body).__name__}")
+    return body
+
+
+def architecture(config: dict, where: str) -> str:
+    names = config.get("architectures") or []
+    by_type = {t: a for a, t in ARCHITECTURES.items()}
+    name = names[0] if names else by_type.get(config.get("model_type"), config.get("model_type"))
+    if name not in ARCHITECTURES:
+        field = f"architectures={names}" if names else f"model_type={config.get('model_type')!r}"
+        raise UserError(f"{where}: {field} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    return name
+
+
+def _unsupported(where: str, field: str, value, supported: str) -> UserError:
+    return UserError(f"{where}: {field}={value!r} is not supported ({supported})")
+
+
+def _rope(config: dict, where: str) -> dict:
+    """model.rope_theta and model.rope_scaling.* from either dialect."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = params.get("rope_theta", config.get("rope_theta", DEFAULT_ROPE_THETA))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise _unsupported(where, "rope_scaling.rope_type", rope_type, f"supported: {', '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise _unsupported(where, "partial_rotary_factor", partial, "rotary embeddings over the whole head only")
+    values = {"rope_theta": float(theta), "rope_scaling.type": ROPE_TYPES[rope_type]}
+    if rope_type == "llama3":
+        values |= {"rope_scaling.factor": float(params["factor"]), "rope_scaling.low_freq_factor": float(params["low_freq_factor"]),
+                   "rope_scaling.high_freq_factor": float(params["high_freq_factor"]),
+                   "rope_scaling.original_max_len": int(params.get("original_max_position_embeddings",
+                                                                   config.get("max_position_embeddings", 8192)))}
+    return values
+
+
+def model_values(config: dict, where: str, seq_len: int) -> dict:
+    """The model fields config.json decides, as flat ``model.*`` keys (``rope_scaling.type``); UserError
+    naming the field and value for anything this model cannot reproduce exactly."""
+    arch = architecture(config, where)
+    missing = [k for k in REQUIRED if k not in config]
+    if missing:
+        raise UserError(f"{where}: {', '.join(missing)} missing; a {arch} config.json needs {', '.join(REQUIRED)}")
+    if config.get("hidden_act", "silu") != "silu":
+        raise _unsupported(where, "hidden_act", config["hidden_act"], "only silu (SwiGLU)")
+    if arch != "Qwen2ForCausalLM" and config.get("attention_bias"):
+        raise _unsupported(where, "attention_bias", True, f"{arch} without projection biases only")
+    if config.get("mlp_bias"):
+        raise _unsupported(where, "mlp_bias", True, "MLP without biases only")
+    window = config.get("sliding_window")
+    windowed = window is not None and (arch == "MistralForCausalLM" or config.get("use_sliding_window"))
+    if windowed and window < seq_len:
+        raise UserError(f"{where}: sliding_window={window} is shorter than data.seq_len={seq_len}, and this model attends to "
+                        f"the whole sequence; set data.seq_len<={window}")
+    heads = config["num_attention_heads"]
+    return {
+        "vocab_size": config["vocab_size"], "d_model": config["hidden_size"], "num_layers": config["num_hidden_layers"],
+        "num_heads": heads, "num_kv_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": config.get("head_dim") or config["hidden_size"] // heads, "mlp_dim": config["intermediate_size"],
+        "norm_eps": float(config.get("rms_norm_eps", DEFAULT_NORM_EPS)),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)), "qkv_bias": arch == "Qwen2ForCausalLM",
+    } | _rope(config, where)
+
+
+def flat_model(model: LlamaConfig) -> dict:
+    """``model.*`` keys without the prefix, nested sections dotted: {'d_model': 256, 'rope_scaling.type': 'none', ...}."""
+    out = {}
+    for key, value in dataclasses.asdict(model).items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def given_model_keys(experiment_model: LlamaConfig, overrides: list[str]) -> set[str]:
+    """The model keys a user gave: those the experiment sets to something other than LlamaConfig's default,
+    and every model.* key on the command line (a value equal to the default in an experiment cannot be told
+    from an unset one)."""
+    defaults, ours = flat_model(LlamaConfig()), flat_model(experiment_model)
+    given = {k for k, v in ours.items() if v != defaults[k]}
+    keys = (item.partition("=")[0].strip() for item in overrides)
+    return given | {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+
+
+def model_config(hf_dir: Path, model: LlamaConfig, given: set[str], seq_len: int) -> LlamaConfig:
+    """``model`` with every field config.json decides taken from there; a given key that disagrees is an error
+    naming both values. dtype, param_dtype, remat, attention stay the user's."""
+    where = str(hf_dir / CONFIG_FILE)
+    values = model_values(read_json(hf_dir / CONFIG_FILE), where, seq_len)
+    current = flat_model(model)
+    for key, value in values.items():
+        if key in given and current[key] != value:
+            raise UserError(f"model.{key}={current[key]} (experiment or command line) disagrees with {SHAPE_KEYS[key]}={value} "
+                            f"in {where}; the model's shape comes from there: drop model.{key} or use another model directory")
+    rope = {k.removeprefix("rope_scaling."): v for k, v in values.items() if k.startswith("rope_scaling.")}
+    top = {k: v for k, v in values.items() if not k.startswith("rope_scaling.")}
+    return dataclasses.replace(model, **top, rope_scaling=dataclasses.replace(model.rope_scaling, **rope))
+
+
+def _architecture_for(model: LlamaConfig, base: dict) -> str:
+    """The source model's architecture when this model still is one (Qwen2 has the biases, the others not)."""
+    try:
+        source = architecture(base, "") if base else None
+    except UserError:
+        source = None
+    if source and (source == "Qwen2ForCausalLM") == model.qkv_bias:
+        return source
+    return "Qwen2ForCausalLM" if model.qkv_bias else "LlamaForCausalLM"
+
+
+def export_config(model: LlamaConfig, dtype: str, seq_len: int, base: dict | None = None) -> dict:
+    """config.json for ``model``: the imported model's own config.json (``base``, which keeps its token ids,
+    context length, sliding window...) with every field this model decides written over it."""
+    base = dict(base or {})
+    arch = _architecture_for(model, base)
+    for key in ("rope_parameters", "rope_scaling", "rope_theta", "torch_dtype", "dtype", "architectures", "model_type"):
+        base.pop(key, None)
+    s = model.rope_scaling
+    rope_scaling = None if s.type == "none" else {
+        "rope_type": s.type, "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_len}
+    body = {
+        "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": model.vocab_size,
+        "hidden_size": model.d_model, "intermediate_size": model.mlp_dim, "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads, "head_dim": model.resolved_head_dim,
+        "hidden_act": "silu", "rms_norm_eps": model.norm_eps, "rope_theta": model.rope_theta, "rope_scaling": rope_scaling,
+        "tie_word_embeddings": model.tie_embeddings, "max_position_embeddings": base.get("max_position_embeddings", seq_len),
+        "torch_dtype": dtype, "dtype": dtype,  # transformers 4 reads the first, 5 the second
+    }
+    if arch == "LlamaForCausalLM":
+        body |= {"attention_bias": False, "mlp_bias": False}
+    return base | body
+
+
+def generation_config(config: dict, base: dict | None) -> dict:
+    """generation_config.json: the imported model's own, else the token ids its config.json names."""
+    if base:
+        return base
+    return {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}

@@ -1,0 +1,217 @@
+"""``jaxtrain export-hf RUN_DIR --out DIR``: a run's checkpoint as a Hugging Face model directory that
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads unchanged.
+
+Streamed: the parameters are restored sharded onto the mesh, then one Hugging Face tensor at a time (one
+layer of a stacked parameter) is put in Hugging Face's layout and dtype on the devices, gathered, and
+appended by process 0 to its safetensors shard, so host memory stays near the largest tensor whatever the
+model's size. Shards hold at most 5 GB; everything is written to a temporary directory renamed when complete.
+
+The safetensors writer is written here: the safetensors library serializes a whole shard from memory at
+once, and a shard (up to 5 GB) is far larger than one tensor. The format is an 8-byte little-endian header
+length, a JSON header of dtype, shape and byte offsets per tensor, then the tensors' bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+from jaxtrain.interop import hf_config
+from jaxtrain.interop.hf_import import KEPT_FILES, RUN_SUBDIR
+from jaxtrain.interop.hf_weights import DTYPES, INDEX_FILE, SINGLE_FILE, TensorMap, tensor_maps
+from jaxtrain.layout import make_layout
+
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
+WRITE_CHUNK_BYTES = 16 << 20
+SAFETENSORS_DTYPE = {np.dtype(v).name: k for k, v in DTYPES.items()}  # 'bfloat16' -> 'BF16'
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One Hugging Face tensor: a TensorMap and, for a stacked parameter, its layer."""
+
+    tm: TensorMap
+    layer: int | None
+
+    @property
+    def name(self) -> str:
+        return self.tm.name.format(layer=self.layer)
+
+    def nbytes(self, dtype: np.dtype) -> int:
+        return int(np.prod(self.tm.hf_shape)) * dtype.itemsize
+
+
+def tensors_in_order(maps: list[TensorMap], num_layers: int) -> list[Tensor]:
+    """transformers' order: the embedding, each layer's tensors, then the final norm and the output head."""
+    stacked = [tm for tm in maps if tm.layers]
+    first, last = [tm for tm in maps if not tm.layers and tm.path == ("embed",)], [tm for tm in maps if not tm.layers and tm.path != ("embed",)]
+    return ([Tensor(tm, None) for tm in first] + [Tensor(tm, i) for i in range(num_layers) for tm in stacked]
+            + [Tensor(tm, None) for tm in last])
+
+
+def plan_shards(tensors: list[Tensor], dtype: np.dtype, max_bytes: int) -> list[list[Tensor]]:
+    """Consecutive tensors in shards of at most ``max_bytes`` (a larger tensor gets a shard of its own)."""
+    shards, size = [[]], 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes(dtype) > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes(dtype)
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    return [SINGLE_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+class ShardWriter:
+    """One safetensors file written tensor by tensor: the header (known in advance) first, then each
+    tensor's bytes as it arrives, in header order."""
+
+    def __init__(self, path: Path, tensors: list[Tensor], dtype: np.dtype):
+        header, offset = {}, 0
+        for t in tensors:
+            header[t.name] = {"dtype": SAFETENSORS_DTYPE[dtype.name], "shape": list(t.tm.hf_shape),
+                              "data_offsets": [offset, offset + t.nbytes(dtype)]}
+            offset += t.nbytes(dtype)
+        header["__metadata__"] = {"format": "pt"}  # transformers refuses files without it
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # tensor data 8-byte aligned, as the safetensors library writes it
+        self.file = open(path, "wb")
+        self.file.write(struct.pack("<Q", len(blob)) + blob)
+
+    def write(self, array: np.ndarray) -> None:
+        """Append ``array``'s elements in row-major order, a few rows at a time (a strided view, e.g. a
+        transposed one, is copied only chunk by chunk)."""
+        rows = max(1, WRITE_CHUNK_BYTES // max(array[:1].nbytes, 1))
+        for start in range(0, len(array), rows):
+            self.file.write(np.ascontiguousarray(array[start:start + rows]).reshape(-1).view(np.uint8))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class Gatherer:
+    """One Hugging Face tensor, in our layout, from the sharded parameters: the layer sliced and cast on the
+    devices, keeping the parameter's own split (any other would make XLA replicate the tensor on every
+    device first), then gathered to the host."""
+
+    def __init__(self, params: dict, dtype: np.dtype):
+        self.params, self.dtype, self.compiled = params, dtype, {}
+
+    def __call__(self, t: Tensor) -> np.ndarray:
+        param = self.params
+        for key in t.tm.path:
+            param = param[key]
+        tm, dtype = t.tm, self.dtype
+        if tm.layers or param.dtype != dtype:
+            if tm.path not in self.compiled:
+                spec = param.sharding.spec
+                sharding = NamedSharding(param.sharding.mesh, PartitionSpec(*spec[1:])) if tm.layers else param.sharding
+                self.compiled[tm.path] = jax.jit(lambda p, i: (p[i] if tm.layers else p).astype(dtype), out_shardings=sharding)
+            param = self.compiled[tm.path](param, np.int32(t.layer or 0))
+        if jax.process_count() > 1:
+            return multihost_utils.process_allgather(param, tiled=True)
+        return _to_host(param)
+
+
+def _to_host(array: jax.Array) -> np.ndarray:
+    """A fresh host copy, shard by shard. (``np.asarray`` first copies every shard to the host, then keeps
+    the assembled copy on the array: on a parameter, for as long as the parameters live.)"""
+    out = np.empty(array.shape, array.dtype)
+    done = set()
+    for shard in array.addressable_shards:
+        where = tuple((s.start, s.stop) for s in shard.index)
+        if where not in done:  # replicas: copied once
+            out[shard.index] = np.asarray(shard.data)
+            done.add(where)
+    return out
+
+
+def write_model(params: dict, cfg: Config, out: Path, dtype: str, source_dir: Path | None = None,
+                max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Write ``params`` (sharded, on the mesh) as a Hugging Face model directory ``out``; every process
+    calls this, process 0 writes. ``source_dir`` holds the imported model's config and tokenizer files.
+    Returns the shard file names."""
+    dtype = np.dtype(dtype)
+    model = cfg.model
+    tensors = tensors_in_order(tensor_maps(model), model.num_layers)
+    shards = plan_shards(tensors, dtype, max_shard_bytes)
+    names = shard_names(len(shards))
+    is_main = jax.process_index() == 0
+    partial = out.with_name(f"{out.name}.partial")
+    if is_main:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    gather = Gatherer(params, dtype)
+    try:
+        for name, shard in zip(names, shards):
+            writer = ShardWriter(partial / name, shard, dtype) if is_main else None
+            for t in shard:
+                layer = gather(t)  # every process takes part in the gather
+                if writer:
+                    writer.write(t.tm.hf_order(layer))
+                del layer
+            if writer:
+                writer.close()
+        if is_main:
+            _write_metadata(partial, cfg, dtype.name, shards, names, source_dir)
+            partial.rename(out)
+    except BaseException:
+        if is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("jaxtrain export-hf written")
+    return names
+
+
+def _write_metadata(directory: Path, cfg: Config, dtype: str, shards: list[list[Tensor]], names: list[str],
+                    source_dir: Path | None) -> None:
+    """config.json, generation_config.json, the shard index (several shards) and the source's tokenizer files."""
+    base = hf_config.read_json(source_dir / hf_config.CONFIG_FILE) if source_dir and (source_dir / hf_config.CONFIG_FILE).is_file() else None
+    config = hf_config.export_config(cfg.model, dtype, cfg.data.seq_len, base)
+    generation_source = source_dir / hf_config.GENERATION_CONFIG_FILE if source_dir else None
+    generation = hf_config.read_json(generation_source) if generation_source and generation_source.is_file() else None
+    (directory / hf_config.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    (directory / hf_config.GENERATION_CONFIG_FILE).write_text(json.dumps(hf_config.generation_config(config, generation), indent=2) + "\n")
+    if len(shards) > 1:
+        size = np.dtype(dtype).itemsize
+        index = {"metadata": {"total_size": sum(int(np.prod(t.tm.hf_shape)) * size for s in shards for t in s)},
+                 "weight_map": {t.name: name for name, s in zip(names, shards) for t in s}}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    for name in tokenizer_files(source_dir):
+        shutil.copy2(source_dir / name, directory / name)
+
+
+def tokenizer_files(source_dir: Path | None) -> list[str]:
+    """The tokenizer files a run carries (today: those of the model it was imported from)."""
+    if source_dir is None:
+        return []
+    return [n for n in KEPT_FILES if n not in (hf_config.CONFIG_FILE, hf_config.GENERATION_CONFIG_FILE) and (source_dir / n).is_file()]
+
+
+def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: str) -> None:
+    """``jaxtrain export-hf``: restore the parameters of ``step`` (default the latest) onto the run's mesh and write them."""
+    layout = make_layout(cfg)
+    source = run_dir if step is None else run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)
+    if step is not None and not source.is_dir():
+        raise UserError(f"--step {step}: {run_dir} has no checkpoint of that step; `jaxtrain checkpoints {run_dir}` lists them")
+    params = checkpoint_lib.restore_from(source, layout.abstract_state(), None, params_only=True)
+    source_dir = run_dir / RUN_SUBDIR
+    names = write_model(params, cfg, out, dtype, source_dir if source_dir.is_dir() else None)
+    if jax.process_index() == 0:
+        print(f"jaxtrain: wrote {out} ({len(names)} safetensors file(s), {dtype})", file=sys.stderr, flush=True)

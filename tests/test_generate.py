@@ -1,0 +1,190 @@
+"""Generation with a key/value cache: equal to re-running the whole forward, on one device and on the
+cpu8 mesh; prefill equal to the training forward; seeded sampling; the command line end to end."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import REPO, run_cli, small_config, with_
+from jaxtrain.config import SamplingConfig
+from jaxtrain.generate import Loaded, generate, nucleus, sample
+from jaxtrain.partitioning import model_tracing
+from jaxtrain.state import init_state, model_spec
+from jaxtrain.layout import make_layout
+from models.llama import KVCache
+
+NEW_TOKENS = 32
+# init_std 0.3: decisive logits, so the greedy continuation is far from ties and varied
+MODEL = {"init_std": 0.3, "vocab_size": 64}
+
+
+@functools.lru_cache
+def _loaded(rules, mesh, devices: int) -> Loaded:
+    """A random model placed with the rule set's shardings (built once per module)."""
+    cfg = small_config(rules, mesh, **MODEL)
+    layout = make_layout(cfg, jax.devices()[:devices])
+    params = init_state(cfg.model, layout.tx, 0, layout.shardings).params
+    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode=None, decode=None)
+
+
+def _prompts(batch, length=5) -> np.ndarray:
+    return np.random.default_rng(1).integers(0, MODEL["vocab_size"], (batch, length)).astype(np.int32)
+
+
+def _greedy_without_cache(loaded: Loaded, prompts: np.ndarray) -> np.ndarray:
+    """The whole forward re-run on the growing sequence, argmax of the last position each time (one
+    compiled shape: the sequence padded to its final length; causal attention ignores the padding)."""
+    graphdef = model_spec(loaded.model_cfg).graphdef
+    forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
+    params = jax.device_get(loaded.params)  # one device, no sharding rules: the plain model
+    batch, length = prompts.shape
+    sequence = np.zeros((batch, length + NEW_TOKENS), np.int32)
+    sequence[:, :length] = prompts
+    for position in range(length, length + NEW_TOKENS):
+        sequence[:, position] = np.argmax(np.asarray(forward(params, sequence))[:, position - 1], axis=-1)
+    return sequence[:, length:]
+
+
+@pytest.mark.parametrize("rules, mesh, devices, batch", [("dp", (1, 1, 1), 1, 2), ("fsdp_tp", (2, 2, 2), 8, 4)])
+def test_greedy_with_cache_equals_full_forward(rules, mesh, devices, batch):
+    loaded = _loaded(rules, mesh, devices)
+    prompts = _prompts(batch)
+    out = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS))
+    assert out.tokens.shape == (batch, NEW_TOKENS)
+    assert len(np.unique(out.tokens)) > 8  # a varied continuation, not one token repeated
+    np.testing.assert_array_equal(out.tokens, _greedy_without_cache(loaded, prompts))
+    assert out.prefill_tokens_per_s > 0 and out.decode_tokens_per_s > 0
+
+
+def test_prefill_logits_equal_training_forward():
+    loaded = _loaded("fsdp_tp", (2, 2, 2), 8)
+    cfg, prompts = loaded.model_cfg, _prompts(4, 12)
+    graphdef = model_spec(cfg).graphdef
+
+    def prefill_logits(params, tokens):
+        model = nnx.merge(graphdef, params)
+        hidden, cache = model.extend(tokens, KVCache.zeros(cfg, tokens.shape[0], tokens.shape[1] + 7))
+        return model.logits(hidden), cache.length
+
+    with model_tracing(loaded.mesh, loaded.rules, "fsdp_tp"):
+        logits, length = jax.jit(prefill_logits)(loaded.params, prompts)
+        reference = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))(loaded.params, prompts)
+    assert int(length) == 12
+    np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_nucleus_keeps_the_smallest_set_reaching_top_p():
+    logits = jnp.log(jnp.array([[0.05, 0.5, 0.15, 0.3]]))
+    kept = lambda top_p: np.isfinite(np.asarray(nucleus(logits, top_p)))[0].tolist()  # noqa: E731
+    assert kept(0.5) == [False, True, False, False]  # the most likely token alone reaches 0.5
+    assert kept(0.7) == [False, True, False, True]
+    assert kept(0.96) == [True, True, True, True]
+    assert kept(1e-9) == [False, True, False, False]
+    # sampled frequencies follow the renormalised nucleus: 0.5 / 0.8 and 0.3 / 0.8
+    draws = sample(jnp.tile(logits, (20000, 1)), jax.random.key(0), jnp.float32(1.0), jnp.float32(0.7))
+    np.testing.assert_allclose(np.bincount(np.asarray(draws), minlength=4) / 20000, [0, 0.625, 0, 0.375], atol=0.015)
+
+
+def test_seeded_sampling_is_reproducible_and_tiny_top_p_is_greedy():
+    loaded = _loaded("dp", (1, 1, 1), 1)
+    prompts = _prompts(2)
+    run = lambda **kw: generate(loaded, prompts, SamplingConfig(max_new_tokens=16, **kw)).tokens  # noqa: E731
+    first = run(temperature=1.0, seed=3)
+    np.testing.assert_array_equal(run(temperature=1.0, seed=3), first)
+    assert not np.array_equal(run(temperature=1.0, seed=4), first)
+    greedy = run()
+    assert not np.array_equal(first, greedy)
+    np.testing.assert_array_equal(run(temperature=1.0, top_p=1e-6, seed=5), greedy)
+
+
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory):
+    """A byte-level run (vocab 256, cpu8 mesh, fsdp_tp) trained for 3 steps on a repeated sentence."""
+    from jaxtrain.data import Corpus
+    from jaxtrain.train import build, train
+
+    text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 60, np.uint8)
+    cfg = with_(small_config(vocab_size=256), train={"steps": 3}, log={"peak_tflops": 1.0, "tensorboard": False, "layer_every": 0})
+    run_dir = tmp_path_factory.mktemp("generate") / "run"
+    train(cfg, run_dir, build(cfg, Corpus(text, text[:400], 256, "a sentence")))
+    return run_dir
+
+
+def test_generate_command_prints_the_runs_greedy_text(byte_run):
+    """One prompt on the run's cpu8 mesh: a batch of 1, left whole by the fsdp_tp rules' batch split."""
+    from jaxtrain.generate import load
+
+    result = run_cli("generate", str(byte_run), "--prompt", "the quick", "--max-new-tokens", "24", cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = load(byte_run)  # the run's own mesh and rules, its latest checkpoint
+    expected = generate(loaded, np.array([loaded.encode("the quick")]), SamplingConfig(max_new_tokens=24)).tokens[0]
+    assert result.stdout == "the quick" + loaded.decode(expected) + "\n"
+    assert re.search(r"24 new tokens; prefill 9 tokens in [\d.]+ s \([\d,]+ tokens/s\); decode [\d,.]+ tokens/s", result.stderr)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "0", "--temperature", "-1", "--top-p", "1.5"],
+     "--max-new-tokens 0 must be at least 1; --temperature -1 must be 0 (greedy) or positive; --top-p 1.5 must be in (0, 1]"),
+    (["--top-p", "0"], "--top-p 0 must be in (0, 1]"),
+    ("no checkpoints", "jaxtrain generate {run}: no checkpoints there"),
+    ("no run", "{run} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json)"),
+])
+def test_generate_command_bad_input(args, message, byte_run, tmp_path):
+    run = byte_run
+    if args == "no checkpoints":
+        run = tmp_path / "fresh"
+        run.mkdir()
+        (run / "config.yaml").write_bytes((byte_run / "config.yaml").read_bytes())
+    elif args == "no run":
+        run = tmp_path
+    result = run_cli("generate", str(run), "--prompt", "a", *(args if isinstance(args, list) else []), cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("jaxtrain: error: ") and message.format(run=run) in lines[0], lines[0]
+
+
+def test_greedy_equals_transformers_generate(tmp_path):
+    """A tiny random Llama (grouped-query attention, llama3 rope scaling) from transformers, imported onto
+    the cpu8 mesh (every device on fsdp, rules fsdp_tp): 32 greedy tokens equal transformers' greedy generate."""
+    import torch
+    from test_hf import _make_hf_model
+
+    from jaxtrain.generate import load
+
+    model = _make_hf_model(tmp_path, "llama3")
+    loaded = load(tmp_path)
+    prompts = _prompts(2, 6)
+    ours = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS)).tokens
+    with torch.no_grad():  # min_new_tokens: the random model's end-of-text token must not stop it early
+        theirs = model.generate(torch.tensor(prompts), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    assert len(np.unique(ours)) > 8
+    np.testing.assert_array_equal(ours, theirs[:, prompts.shape[1]:].numpy())
+
+
+def test_text_codecs(tmp_path):
+    """Byte-level runs: UTF-8 bytes, text cut at the document separator; a token-file run: the tokenizer kept
+    in RUN_DIR/hf/ when there is one, else token ids; a run with data.tokenizer: that tokenizer."""
+    import tokenizers
+
+    from jaxtrain.generate import codec
+
+    byte_run = small_config(vocab_size=256)
+    encode, decode = codec(byte_run, tmp_path)
+    assert encode("é!") == [0xC3, 0xA9, 0x21] and decode([0xC3, 0xA9, 0x21, 0, 0x41]) == "é!"
+    token_run = with_(byte_run, data={"path": "tokens.bin"})
+    encode, decode = codec(token_run, tmp_path)
+    assert encode("12, 7 99") == [12, 7, 99] and decode is None
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(["the quick brown fox", "the lazy dog"] * 10,
+                                  tokenizers.trainers.BpeTrainer(vocab_size=60, special_tokens=["<|endoftext|>"]))
+    (tmp_path / "hf").mkdir()
+    tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
+    for run in (token_run, with_(byte_run, data={"tokenizer": str(tmp_path / "hf")})):
+        encode, decode = codec(run, tmp_path)
+        assert encode("the lazy fox") == tokenizer.encode("the lazy fox").ids and decode(encode("the lazy fox")) == "the lazy fox"

@@ -1,0 +1,218 @@
+"""Hugging Face import and export against transformers (torch on CPU), with tiny random models made here:
+logits equal on 1 device and on the 8-device fsdp_tp mesh, exported directories load in transformers,
+import -> train -> export -> reload, two processes reading only their own slices, and bad input."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from flax.core import spmd
+from safetensors import safe_open
+
+from conftest import REPO, run_cli, small_config, with_
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import cli
+from jaxtrain.config import AxisSizes, MeshConfig
+from jaxtrain.interop import hf_config, hf_export, hf_import
+from jaxtrain.partitioning import flax_rules
+from jaxtrain.layout import make_layout
+
+SEQ = 16
+TOKENS = np.random.default_rng(0).integers(0, 64, (2, SEQ))
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 512}  # head_dim 8: all three bands
+MODELS = {
+    # GQA, untied, Llama 3.1 rope scaling; saved in shards with an index
+    "llama3": (transformers.LlamaForCausalLM, transformers.LlamaConfig, dict(rope_parameters=LLAMA3_ROPE), "2KB"),
+    # tied embeddings (Llama 3.2 1B / 3B), plain rope
+    "llama_tied": (transformers.LlamaForCausalLM, transformers.LlamaConfig, dict(tie_word_embeddings=True, rms_norm_eps=1e-5), None),
+    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(sliding_window=4096, head_dim=8), None),
+    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, dict(tie_word_embeddings=True), None),  # q/k/v biases
+}
+
+
+def _make_hf_model(directory, name):
+    model_cls, config_cls, extra, shard_size = MODELS[name]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SHAPE, **extra)).eval()
+    with torch.no_grad():  # random everything (transformers initialises norms to 1 and biases to 0)
+        for pname, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in pname else 0.0) + 0.2 * torch.randn_like(p))
+    model.save_pretrained(directory, **({"max_shard_size": shard_size} if shard_size else {}))
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """name -> (directory, transformers model, its logits on TOKENS)."""
+    out = {}
+    for name in MODELS:
+        directory = tmp_path_factory.mktemp(name)
+        model = _make_hf_model(directory, name)
+        out[name] = (directory, model, _hf_logits(model))
+    return out
+
+
+def _hf_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.float().numpy()
+
+
+def _config(hf_dir, mesh=(2, 2, 2), **sections):
+    cfg = with_(small_config(mesh=mesh), **sections)
+    model = hf_config.model_config(hf_dir, cfg.model, set(), SEQ)
+    return dataclasses.replace(cfg, model=model)
+
+
+def _our_logits(layout, params) -> np.ndarray:
+    forward = jax.jit(lambda p, t: nnx.merge(layout.spec.graphdef, p)(t))
+    with jax.set_mesh(layout.mesh), spmd.logical_axis_rules(flax_rules(layout.rules)):
+        return np.asarray(forward(params, TOKENS))
+
+
+def _assert_close(ours, theirs, rtol=1e-4):
+    """Within ``rtol`` of the largest logit: float32 sums in another order."""
+    assert np.max(np.abs(ours - theirs)) <= rtol * np.max(np.abs(theirs)), np.max(np.abs(ours - theirs))
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("name", MODELS)
+def test_import_equals_transformers_and_export_loads_back(name, devices, hf_models, tmp_path):
+    hf_dir, _, expected = hf_models[name]
+    cfg = _config(hf_dir, mesh=(1, 1, 1) if devices == 1 else (2, 2, 2))
+    layout = make_layout(cfg, jax.devices()[:devices])
+    params = hf_import.load_params(hf_dir, cfg.model, layout.abstract_state().params)
+    ours = _our_logits(layout, params)
+    _assert_close(ours, expected)
+    if devices == 1:
+        return
+    # export (float32, small shards) -> transformers loads it unchanged -> the same logits
+    out = tmp_path / "export"
+    names = hf_export.write_model(params, cfg, out, "float32", source_dir=hf_dir, max_shard_bytes=20_000)
+    assert len(names) > 1 and (out / "model.safetensors.index.json").is_file()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(reloaded).__name__ == json.loads((hf_dir / "config.json").read_text())["architectures"][0]
+    _assert_close(_hf_logits(reloaded), ours)
+    # bfloat16: the same weights rounded
+    out16 = tmp_path / "export16"
+    hf_export.write_model(params, cfg, out16, "bfloat16")
+    with safe_open(out16 / "model.safetensors", "pt") as f, safe_open(out / names[0], "pt") as g:
+        embed = f.get_tensor("model.embed_tokens.weight")
+        assert embed.dtype == torch.bfloat16 and torch.equal(embed, g.get_tensor("model.embed_tokens.weight").bfloat16())
+    _assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(out16).float()), ours, rtol=3e-2)
+
+
+def _launch(*args, stderr):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "launch_local.py"), "--num-processes", "2", "--devices", "4", "--",
+                           sys.executable, "-m", "jaxtrain.cli", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                          timeout=600)
+
+
+def test_import_train_export_reload_on_two_processes(hf_models, tmp_path):
+    """2 processes x 4 devices, FSDP across the processes: finetune from a Hugging Face directory, each process
+    reading half of every matrix and all of the (replicated) norms, once; 5 steps; export (process 0 writes);
+    transformers' logits of the export equal ours of the final checkpoint; the source's tokenizer travels along."""
+    hf_dir = tmp_path / "hf"
+    _make_hf_model(hf_dir, "llama3")
+    (hf_dir / "tokenizer.json").write_text('{"stand-in": "a real tokenizer is only copied"}')
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(1).integers(0, 64, 4000).astype(np.int32))
+    run_dir, out, log = tmp_path / "run", tmp_path / "export", tmp_path / "stderr"
+    # each process: data 2 x fsdp 2, so every block it holds sits on two of its devices and is read once
+    mesh = ["mesh.dcn.data=1", "mesh.dcn.fsdp=2", "mesh.ici.data=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=1"]
+    fast = ["log.progress=false", "log.tensorboard=false", "log.layer_every=0", "log.peak_tflops=1", "train.eval_batches=1"]
+    with open(log, "w") as stderr:
+        result = _launch("train", "finetune", "--init-from", str(hf_dir), "--run-dir", str(run_dir), "--rules", "fsdp_tp", *mesh, *fast,
+                         f"data.path={tokens}", f"data.seq_len={SEQ}", "data.val_fraction=0.1", "train.steps=5", "train.global_batch=8",
+                         "train.microbatches=1", "model.dtype=float32", "optim.lr=1e-3", "optim.warmup_steps=0", stderr=stderr)
+    assert result.returncode == 0, log.read_text()[-3000:]
+    source = hf_models["llama3"][1]
+    sizes = {name: source.get_parameter(name).numel() * 4
+             for name in json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]}
+    replicated, total = sum(n for name, n in sizes.items() if "norm" in name), sum(sizes.values())
+    for process in (0, 1):
+        line = next(line for line in log.read_text().splitlines() if line.startswith(f"jaxtrain: process {process} read "))
+        assert line.split()[4] == str(replicated + (total - replicated) // 2) and line.split()[7] == str(total), line
+    assert (run_dir / "hf" / "config.json").is_file()
+
+    with open(log, "a") as stderr:
+        result = _launch("export-hf", str(run_dir), "--out", str(out), "--dtype", "float32", stderr=stderr)
+    assert result.returncode == 0, log.read_text()[-3000:]
+    assert (out / "tokenizer.json").read_text() == (hf_dir / "tokenizer.json").read_text()
+    layout = make_layout(_config(hf_dir))
+    params = checkpoint_lib.restore_from(run_dir, layout.abstract_state(), None, params_only=True)
+    ours = _our_logits(layout, params)
+    _assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(out)), ours)
+    assert np.max(np.abs(ours - hf_models["llama3"][2])) > 1e-2 * np.max(np.abs(ours))  # it trained
+
+
+def _edit_config(hf_dir, **changes):
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.update(changes)
+    (hf_dir / "config.json").write_text(json.dumps(config))
+
+
+def _remove_a_shard(hf_dir):
+    name = json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    (hf_dir / name).unlink()
+    return {"shard": name}
+
+
+def _truncate(hf_dir):
+    path = hf_dir / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+BAD_INPUT = {
+    "missing shard": ("llama3", _remove_a_shard, "{hf_dir}/{shard} is missing (model.safetensors.index.json lists it)"),
+    "truncated file": ("llama_tied", _truncate, "model.safetensors is not a complete safetensors file (Error while deserializing header"),
+    "tensor of the wrong shape": ("llama_tied", lambda d: _edit_config(d, intermediate_size=96),
+                                  "tensor model.layers.0.mlp.gate_proj.weight in {hf_dir}/model.safetensors has shape (64, 32), "
+                                  "expected (96, 32) from config.json"),
+    "unsupported architecture": ("llama_tied", lambda d: _edit_config(d, architectures=["GPT2LMHeadModel"]),
+                                 "architectures=['GPT2LMHeadModel'] is not supported; supported: LlamaForCausalLM"),
+    "unsupported rope type": ("llama_tied", lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+                              "rope_scaling.rope_type='yarn' is not supported"),
+    "attention bias on a Llama": ("llama_tied", lambda d: _edit_config(d, attention_bias=True), "attention_bias=True is not supported"),
+    "activation": ("llama_tied", lambda d: _edit_config(d, hidden_act="gelu"), "hidden_act='gelu' is not supported (only silu"),
+    "sliding window shorter than the sequence": ("mistral", lambda d: _edit_config(d, sliding_window=8),
+                                                 "sliding_window=8 is shorter than data.seq_len=16"),
+    "model key that disagrees": ("llama_tied", lambda d: None, "model.d_model=64 (experiment or command line) disagrees with hidden_size=32"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_is_one_line(case, tmp_path, capsys):
+    name, damage, message = BAD_INPUT[case]
+    hf_dir = tmp_path / "hf"
+    _make_hf_model(hf_dir, name)
+    values = damage(hf_dir) or {}
+    capsys.readouterr()  # transformers' progress bar
+    run_dir = tmp_path / "run"
+    extra = ["model.d_model=64"] if case == "model key that disagrees" else []
+    assert cli.main(["train", "finetune", "--init-from", str(hf_dir), "--run-dir", str(run_dir), f"data.seq_len={SEQ}", *extra]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxtrain: error: ") and message.format(hf_dir=hf_dir, **values) in lines[0], lines
+    assert not run_dir.exists()
+
+
+def test_export_refuses_an_existing_directory(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("{}")
+    assert cli.main(["export-hf", str(tmp_path / "run"), "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"jaxtrain: error: --out {out} already exists; give a new directory (export-hf never overwrites)"]
+    assert list(out.iterdir()) == []
