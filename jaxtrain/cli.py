@@ -58,7 +58,7 @@ def resolve_config(experiment: str, mesh: str | None, rules: str | None, overrid
         cfg = dataclasses.replace(cfg, mesh=config_lib.load_mesh_file(mesh))
     if rules:
         cfg = dataclasses.replace(cfg, rules=rules)
-    given = hf_config.given_model_keys(cfg.model, overrides)
+    given = hf_config.given_model_keys(cfg.model, overrides) if hf_dir else set()
     cfg = config_lib.apply_overrides(cfg, overrides)
     if hf_dir:
         cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, given, cfg.data.seq_len))

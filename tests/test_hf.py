@@ -2,6 +2,7 @@
 logits equal on 1 device and on the 8-device fsdp_tp mesh, exported directories load in transformers,
 import -> train -> export -> reload, two processes reading only their own slices, and bad input."""
 
+import copy
 import dataclasses
 import json
 import os
@@ -17,10 +18,9 @@ from flax import nnx
 from flax.core import spmd
 from safetensors import safe_open
 
-from conftest import REPO, run_cli, small_config, with_
+from conftest import REPO, small_config, with_
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import cli
-from jaxtrain.config import AxisSizes, MeshConfig
 from jaxtrain.interop import hf_config, hf_export, hf_import
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.layout import make_layout
@@ -31,25 +31,28 @@ SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
              num_key_value_heads=2, max_position_embeddings=1024)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 512}  # head_dim 8: all three bands
-MODELS = {
+MODELS = {  # class, config class, config, max shard size, file dtype
     # GQA, untied, Llama 3.1 rope scaling; saved in shards with an index
-    "llama3": (transformers.LlamaForCausalLM, transformers.LlamaConfig, dict(rope_parameters=LLAMA3_ROPE), "2KB"),
+    "llama3": (transformers.LlamaForCausalLM, transformers.LlamaConfig, dict(rope_parameters=LLAMA3_ROPE), "2KB", torch.float32),
     # tied embeddings (Llama 3.2 1B / 3B), plain rope
-    "llama_tied": (transformers.LlamaForCausalLM, transformers.LlamaConfig, dict(tie_word_embeddings=True, rms_norm_eps=1e-5), None),
-    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(sliding_window=4096, head_dim=8), None),
-    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, dict(tie_word_embeddings=True), None),  # q/k/v biases
+    "llama_tied": (transformers.LlamaForCausalLM, transformers.LlamaConfig, dict(tie_word_embeddings=True, rms_norm_eps=1e-5), None,
+                   torch.bfloat16),
+    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(sliding_window=4096, head_dim=8), None, torch.float32),
+    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, dict(tie_word_embeddings=True), None, torch.float16),  # q/k/v biases
 }
 
 
 def _make_hf_model(directory, name):
-    model_cls, config_cls, extra, shard_size = MODELS[name]
+    """A random model saved in its file dtype; returned in float32 (the same values: the reference)."""
+    model_cls, config_cls, extra, shard_size, dtype = MODELS[name]
     torch.manual_seed(0)
     model = model_cls(config_cls(**SHAPE, **extra)).eval()
-    with torch.no_grad():  # random everything (transformers initialises norms to 1 and biases to 0)
+    with torch.no_grad():  # random everything (transformers initialises norms to 1 and biases to 0), values the file dtype holds
         for pname, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in pname else 0.0) + 0.2 * torch.randn_like(p))
-    model.save_pretrained(directory, **({"max_shard_size": shard_size} if shard_size else {}))
-    return model
+            p.copy_(((1.0 if "norm" in pname else 0.0) + 0.2 * torch.randn_like(p)).to(dtype).float())
+    reference = copy.deepcopy(model)  # float32 (casting the model would round its rotary frequencies too)
+    model.to(dtype).save_pretrained(directory, **({"max_shard_size": shard_size} if shard_size else {}))
+    return reference
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,10 @@
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads unchanged.
 
 Streamed: the parameters are restored sharded onto the mesh, then one Hugging Face tensor at a time (one
-layer of a stacked parameter) is put in Hugging Face's layout and dtype on the devices, gathered, and
-appended by process 0 to its safetensors shard, so host memory stays near the largest tensor whatever the
-model's size. Shards hold at most 5 GB; everything is written to a temporary directory renamed when complete.
+layer of a stacked parameter) is sliced and cast on the devices, gathered to the host, and appended by
+process 0 to its safetensors shard in Hugging Face's layout (transposed a chunk at a time), so host memory
+stays near the largest tensor whatever the model's size (measured: benchmarks/bench_hf.py). Shards hold at
+most 5 GB; everything is written to a temporary directory renamed when complete.
 
 The safetensors writer is written here: the safetensors library serializes a whole shard from memory at
 once, and a shard (up to 5 GB) is far larger than one tensor. The format is an 8-byte little-endian header
@@ -29,6 +30,7 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config
+from jaxtrain.data.tokenizer import hf_tokenizer_files
 from jaxtrain.interop.hf_import import KEPT_FILES, RUN_SUBDIR
 from jaxtrain.interop.hf_weights import DTYPES, INDEX_FILE, SINGLE_FILE, TensorMap, tensor_maps
 from jaxtrain.layout import make_layout
@@ -56,9 +58,9 @@ class Tensor:
 def tensors_in_order(maps: list[TensorMap], num_layers: int) -> list[Tensor]:
     """transformers' order: the embedding, each layer's tensors, then the final norm and the output head."""
     stacked = [tm for tm in maps if tm.layers]
-    first, last = [tm for tm in maps if not tm.layers and tm.path == ("embed",)], [tm for tm in maps if not tm.layers and tm.path != ("embed",)]
-    return ([Tensor(tm, None) for tm in first] + [Tensor(tm, i) for i in range(num_layers) for tm in stacked]
-            + [Tensor(tm, None) for tm in last])
+    embed = [Tensor(tm, None) for tm in maps if tm.path == ("embed",)]
+    rest = [Tensor(tm, None) for tm in maps if not tm.layers and tm.path != ("embed",)]
+    return embed + [Tensor(tm, i) for i in range(num_layers) for tm in stacked] + rest
 
 
 def plan_shards(tensors: list[Tensor], dtype: np.dtype, max_bytes: int) -> list[list[Tensor]]:
@@ -182,26 +184,31 @@ def write_model(params: dict, cfg: Config, out: Path, dtype: str, source_dir: Pa
 def _write_metadata(directory: Path, cfg: Config, dtype: str, shards: list[list[Tensor]], names: list[str],
                     source_dir: Path | None) -> None:
     """config.json, generation_config.json, the shard index (several shards) and the source's tokenizer files."""
-    base = hf_config.read_json(source_dir / hf_config.CONFIG_FILE) if source_dir and (source_dir / hf_config.CONFIG_FILE).is_file() else None
-    config = hf_config.export_config(cfg.model, dtype, cfg.data.seq_len, base)
-    generation_source = source_dir / hf_config.GENERATION_CONFIG_FILE if source_dir else None
-    generation = hf_config.read_json(generation_source) if generation_source and generation_source.is_file() else None
+    config = hf_config.export_config(cfg.model, dtype, cfg.data.seq_len, _source_json(source_dir, hf_config.CONFIG_FILE))
+    generation = hf_config.generation_config(config, _source_json(source_dir, hf_config.GENERATION_CONFIG_FILE))
     (directory / hf_config.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    (directory / hf_config.GENERATION_CONFIG_FILE).write_text(json.dumps(hf_config.generation_config(config, generation), indent=2) + "\n")
+    (directory / hf_config.GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
     if len(shards) > 1:
-        size = np.dtype(dtype).itemsize
-        index = {"metadata": {"total_size": sum(int(np.prod(t.tm.hf_shape)) * size for s in shards for t in s)},
-                 "weight_map": {t.name: name for name, s in zip(names, shards) for t in s}}
+        index = {"metadata": {"total_size": sum(t.nbytes(np.dtype(dtype)) for shard in shards for t in shard)},
+                 "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    for name in tokenizer_files(source_dir):
-        shutil.copy2(source_dir / name, directory / name)
+    for name, content in tokenizer_files(cfg, source_dir).items():
+        (directory / name).write_bytes(content)
 
 
-def tokenizer_files(source_dir: Path | None) -> list[str]:
-    """The tokenizer files a run carries (today: those of the model it was imported from)."""
+def _source_json(source_dir: Path | None, name: str) -> dict | None:
+    return hf_config.read_json(source_dir / name) if source_dir and (source_dir / name).is_file() else None
+
+
+def tokenizer_files(cfg: Config, source_dir: Path | None) -> dict[str, bytes]:
+    """File name -> contents of the tokenizer files a run carries: those of its ``data.tokenizer``, else those
+    of the model it was imported from."""
+    if cfg.data.tokenizer:
+        return hf_tokenizer_files(cfg.data.tokenizer)
     if source_dir is None:
-        return []
-    return [n for n in KEPT_FILES if n not in (hf_config.CONFIG_FILE, hf_config.GENERATION_CONFIG_FILE) and (source_dir / n).is_file()]
+        return {}
+    return {n: (source_dir / n).read_bytes() for n in KEPT_FILES
+            if n not in (hf_config.CONFIG_FILE, hf_config.GENERATION_CONFIG_FILE) and (source_dir / n).is_file()}
 
 
 def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: str) -> None:
