@@ -121,6 +121,21 @@ def test_train_tokenize_train_loss_falls(trained, texts, tmp_path, capsys):
     losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(losses) == 20 and abs(losses[0] - np.log(VOCAB)) < 0.3 and losses[-1] < losses[0] - 0.8, losses
 
+    # the run generates text through its data.tokenizer, and its export carries that tokenizer for AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from jaxtrain import generate as generate_lib
+
+    status = cli.main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "8"])
+    assert status == 0 and capsys.readouterr().out.startswith("def ")
+    loaded = generate_lib.load(run)
+    assert loaded.decode is not None and loaded.encode("def f(x):") == tokenizer.tokenizer.encode("def f(x):").ids
+    export = tmp_path / "export"
+    assert cli.main(["export-hf", str(run), "--out", str(export), "--dtype", "float32"]) == 0
+    text = files[0].read_text()[:300]
+    assert AutoTokenizer.from_pretrained(export)(text, add_special_tokens=False)["input_ids"] == \
+        tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+
 
 def test_jsonl_source_matches_the_same_texts_as_files(trained, texts, tmp_path, capsys):
     docs = [f.read_text() for f in sorted(texts.iterdir())]
