@@ -291,6 +291,14 @@ def profile_range(spec: str) -> tuple[int, int]:
     return int(start), int(end)
 
 
+def resolve_attention(cfg: Config, nvidia_gpu: bool) -> Config:
+    """``model.attention=auto`` made concrete for the devices: cuDNN flash attention on NVIDIA GPUs, XLA
+    elsewhere. Explicit values stay."""
+    if cfg.model.attention != "auto":
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="cudnn" if nvidia_gpu else "xla"))
+
+
 def log_problems(cfg: Config) -> list[str]:
     log, problems = cfg.log, []
     if log.layer_every < 0:

@@ -53,6 +53,7 @@ class StepTime:
     gpu: str
     compute_s: float
     communication_s: dict  # "fsdp", "data", "tensor" -> seconds
+    traffic_bytes: dict  # the same kinds -> bytes each device sends per step
 
     @property
     def total_s(self) -> float:
@@ -97,4 +98,5 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         return traffic / (network if across_nodes else nvlink)
 
     return StepTime(name, compute, {"fsdp": seconds(fsdp, fsdp_axes), "data": seconds(data, data_axes),
-                                    "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ())})
+                                    "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ())},
+                    {"fsdp": fsdp, "data": data, "tensor": tensor})

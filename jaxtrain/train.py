@@ -21,6 +21,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
+from jaxtrain.gpu_targets import is_nvidia_gpu
 from jaxtrain.mesh import build_mesh
 from jaxtrain.metrics import MetricsLog
 from jaxtrain.optim import learning_rate_schedule, make_optimizer
@@ -85,6 +86,7 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
     """Check the config against the devices, mesh, rules and model parameters; no compilation."""
     config_lib.check(cfg)
     mesh = build_mesh(cfg.mesh, devices)
+    cfg = config_lib.resolve_attention(cfg, is_nvidia_gpu(mesh.devices.flat[0]))  # before the model is built
     rules = load_rules(cfg.rules)
     check_rules_against_mesh(rules, mesh, cfg.rules)
     spec = model_spec(cfg.model)
@@ -129,7 +131,7 @@ def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
     kind = (devices or jax.devices())[0].platform
     if cfg.model.attention == "cudnn" and kind != "gpu":
         raise UserError(f"model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are {kind}; "
-                        "use model.attention=xla")
+                        "use model.attention=auto or xla")
     layout = make_layout(cfg, devices) if limit is None else None  # every check before the data is read
     corpus = corpus or data_lib.load_corpus(cfg.data)
     data_lib.check_sizes(corpus, cfg.data, cfg.train.global_batch, cfg.model.vocab_size)

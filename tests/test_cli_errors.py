@@ -42,7 +42,7 @@ CASES = {
     "missing data path": (lambda t: ["data.path=/no/such/dir"], "data.path=/no/such/dir does not exist"),
     "bad flag": (lambda t: ["--devcies", "2"], "unrecognized arguments: --devcies"),
     "cuDNN attention without a GPU": (lambda t: ["model.attention=cudnn"],
-                                      "model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are cpu"),
+                                      "model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are cpu; use model.attention=auto or xla"),
 }
 
 

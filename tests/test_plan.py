@@ -81,6 +81,25 @@ def test_cudnn_attention_is_compiled_as_xla_on_cpu_and_its_scores_taken_out_for_
         plan_lib.estimate_total(as_compiled) - plan_lib.estimate_total(flash))
 
 
+def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_xla_elsewhere():
+    from types import SimpleNamespace
+
+    from jaxtrain.gpu_targets import is_nvidia_gpu
+
+    cfg = small_config()
+    assert cfg.model.attention == "auto"  # the default
+    assert make_layout(cfg).cfg.model.attention == "xla"  # CPU devices
+    assert is_nvidia_gpu(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3"))
+    assert not is_nvidia_gpu(SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI300X"))
+    assert not is_nvidia_gpu(SimpleNamespace(platform="cpu", device_kind="cpu"))
+    plan = plan_lib.make_plan(cfg, gpu="h100")  # compiled on CPUs, planned for the GPU: cuDNN
+    assert (plan.cfg.model.attention, plan.compiled.attention) == ("cudnn", "xla")
+    assert plan_lib.render(plan).splitlines()[0].count("cudnn attention") == 1
+    assert plan.to_json()["experiment"]["attention"] == "cudnn"
+    assert plan_lib.make_plan(cfg).cfg.model.attention == "xla"  # no GPU named: the devices decide
+    assert plan_lib.make_plan(with_(cfg, model={"attention": "xla"}), gpu="h100").cfg.model.attention == "xla"  # explicit stays
+
+
 def test_auto_microbatches_starts_from_the_estimate_and_steps_up_until_the_compiled_step_fits():
     cfg = medium_config("fsdp", "none", mesh=(1, 2, 4))  # batch over 2 shards: 1, 2, 4, 8 micro-batches are valid
     totals = {k: total(with_(cfg, train={"microbatches": k}), plan_lib.ACCELERATOR) for k in (1, 2, 4, 8)}
