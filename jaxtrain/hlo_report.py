@@ -163,17 +163,16 @@ def device_groups(attributes: str, devices: int) -> list[list[int]] | None:
         return [[int(i) for i in group.split(",") if i] for group in re.findall(r"\{([\d,]*)\}", match.group(1))]
     match = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
     if match:
-        shape = [int(i) for i in match.group(1).split(",")]
-        ids = np.arange(math.prod(int(i) for i in match.group(2).split(","))).reshape([int(i) for i in match.group(2).split(",")])
-        if match.group(3):
-            ids = ids.transpose([int(i) for i in match.group(3).split(",")])
-        return ids.reshape(shape).tolist()
-    match = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+        return _iota(match.group(2), match.group(3)).reshape([int(i) for i in match.group(1).split(",")]).tolist()
+    # mesh['a'=2,'b'=4], device_ids=([dims]T(perm)) {'b'}: the devices (iota, or the order given) laid out on the
+    # named axes, one group per position of the axes not in braces
+    match = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", attributes)
     if match:
         sizes = re.findall(r"'([^']+)'=(\d+)", match.group(1))
         names = [name for name, _ in sizes]
-        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", match.group(2))]
-        ids = np.arange(math.prod(int(s) for _, s in sizes)).reshape([int(s) for _, s in sizes])
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", match.group(4))]
+        order = _iota(match.group(2), match.group(3)) if match.group(2) else np.arange(math.prod(int(s) for _, s in sizes))
+        ids = order.reshape([int(s) for _, s in sizes])
         rest = [i for i in range(len(names)) if i not in grouped]
         ids = ids.transpose(rest + grouped)
         return ids.reshape(-1, math.prod(ids.shape[len(rest):])).tolist()
@@ -185,13 +184,22 @@ def device_groups(attributes: str, devices: int) -> list[list[int]] | None:
     return [list(range(devices))]
 
 
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """XLA's iota device list ``[dims]T(perm)``, flattened."""
+    ids = np.arange(math.prod(int(i) for i in dims.split(","))).reshape([int(i) for i in dims.split(",")])
+    return (ids.transpose([int(i) for i in perm.split(",")]) if perm else ids).reshape(-1)
+
+
 def mesh_axes(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -> tuple[str, ...] | None:
-    """The mesh axes along which the devices of a group differ (device i of the compiled program is the mesh's
+    """The mesh axes along which the devices of any group differ (device i of the compiled program is the mesh's
     i-th device in row-major order)."""
     if groups is None:
         return None
-    coords = np.array(np.unravel_index(np.asarray(groups[0]), tuple(mesh_shape.values())))
-    return tuple(name for name, row in zip(mesh_shape, coords) if len(set(row.tolist())) > 1)
+    varying = set()
+    for group in groups:
+        coords = np.unravel_index(np.asarray(group), tuple(mesh_shape.values()))
+        varying.update(i for i, row in enumerate(coords) if len(set(row.tolist())) > 1)
+    return tuple(name for i, name in enumerate(mesh_shape) if i in varying)
 
 
 def _multipliers(computations: dict[str, list[Instruction]], entry: str) -> dict[str, tuple[int, str | None]]:
@@ -213,14 +221,14 @@ def _multipliers(computations: dict[str, list[Instruction]], entry: str) -> dict
     return out
 
 
-def _overlap(computation: list[Instruction], start: str) -> tuple[bool, bool]:
-    """(asynchronous, compute scheduled between the start and its done) for the instruction named ``start``."""
+def _done(computation: list[Instruction], start: str) -> tuple[Instruction | None, bool]:
+    """The done of the async start named ``start``, and whether compute is scheduled between the two."""
     names = [ins.name for ins in computation]
     begin = names.index(start)
     for i in range(begin + 1, len(computation)):
         if start in computation[i].operands and computation[i].opcode.endswith("-done"):
-            return True, any(ins.opcode in COMPUTE_OPCODES for ins in computation[begin + 1:i])
-    return False, False
+            return computation[i], any(ins.opcode in COMPUTE_OPCODES for ins in computation[begin + 1:i])
+    return None, False
 
 
 def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloReport:
@@ -244,16 +252,15 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
             if kind not in COLLECTIVES:
                 continue
             operand_bytes = sum(sum(_array_bytes(types.get(o, ""))) for o in ins.operands)
-            result = _array_bytes(ins.type)
-            if ins.opcode.endswith("-start"):  # (operands, results[, context]): the largest array is the whole buffer
-                full, tensors = max(result, default=0), max(1, len(ins.operands))
-                is_async, overlapped = _overlap(computations[comp], ins.name)
+            if ins.opcode.endswith("-start"):  # its done holds the results
+                done, overlapped = _done(computations[comp], ins.name)
+                is_async, result = done is not None, _array_bytes(done.type if done else ins.type)
             else:
-                full = operand_bytes if kind == "reduce-scatter" else sum(result)
-                tensors = len(result)
-                is_async, overlapped = (_overlap(computations[where[async_start]], async_start) if async_start else (False, False))
+                done, overlapped = _done(computations[where[async_start]], async_start) if async_start else (None, False)
+                is_async, result = done is not None, _array_bytes(ins.type)
+            full = operand_bytes if kind == "reduce-scatter" else sum(result)
             groups = device_groups(ins.attributes, devices)
-            collectives.append(Collective(kind, mesh_axes(groups, mesh_shape), len(groups[0]) if groups else 0, tensors,
+            collectives.append(Collective(kind, mesh_axes(groups, mesh_shape), len(groups[0]) if groups else 0, len(result),
                                           full, times, is_async, overlapped))
     warnings = tuple(dict.fromkeys(line.strip() for line in log.splitlines() if any(m in line for m in WARNING_MARKERS)))
     return HloReport(tuple(collectives), fusions, "cudnn" if attention_calls else "xla", attention_calls, warnings)

@@ -17,11 +17,11 @@ def _bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def test_fsdp_gathers_each_weight_once_per_pass_and_reduces_each_gradient_once():
-    cfg = small_config(rules="fsdp", mesh=(1, 8, 1))
-    layout = make_layout(cfg)
-    plan = plan_lib.make_plan(cfg, hlo_report=True)
-    hlo = plan.compiled.hlo
+def check_fsdp_collectives(plan, layout):
+    """The rule set's collectives in the compiled step of ``small_config(rules="fsdp", mesh=(1, 8, 1))``: every
+    weight gathered once per pass, every gradient reduced once, byte for byte, all over fsdp. Also used on the
+    GPU compile (test_plan_gpu.py)."""
+    cfg, hlo = layout.cfg, plan.compiled.hlo
     params = layout.spec.shapes
     layers = params["layers"]
     per_layer_weights = _bytes({k: v for k, v in layers.items() if "norm" not in k}) // cfg.model.num_layers
@@ -31,15 +31,23 @@ def test_fsdp_gathers_each_weight_once_per_pass_and_reduces_each_gradient_once()
     # backward layer loop; the two vocabulary tables once, their gathered copies kept for the backward
     assert {c.axes for c in hlo.collectives} == {("fsdp",)}
     assert sum(c.bytes * c.executions for c in gathers) == 2 * cfg.model.num_layers * per_layer_weights + tables
-    assert sum(c.executions for c in gathers) == 2 * cfg.model.num_layers * 7 + 2  # wq wk wv wo, gate up down
+    # wq wk wv wo, gate up down (XLA may combine several into one collective)
+    assert sum(c.tensors * c.executions for c in gathers) == 2 * cfg.model.num_layers * 7 + 2
     # each gradient reduced once over fsdp (XLA:CPU reduces with all-reduces, a GPU with reduce-scatters); the
     # rest are the step's scalar metrics
     reductions = [c for c in hlo.collectives if c.kind in ("all-reduce", "reduce-scatter")]
     extra = sum(c.bytes * c.executions for c in reductions) - _bytes(params)
     assert 0 <= extra < 1024
     assert hlo.attention == "xla" and hlo.attention_calls == 0 and hlo.fusions > 0
+    assert plan.compiled_traffic["fsdp"] == sum(c.traffic for c in hlo.collectives if c.kind in ("all-gather", "reduce-scatter"))
+    return hlo
+
+
+def test_fsdp_gathers_each_weight_once_per_pass_and_reduces_each_gradient_once():
+    cfg = small_config(rules="fsdp", mesh=(1, 8, 1))
+    plan = plan_lib.make_plan(cfg, hlo_report=True)
+    hlo = check_fsdp_collectives(plan, make_layout(cfg))
     assert not any(c.is_async for c in hlo.collectives)  # XLA:CPU runs collectives synchronously
-    assert plan.compiled_traffic["fsdp"] == sum(c.traffic for c in gathers)
     text = plan_lib.render(plan)
     assert "all-gather over fsdp" in text and "step_cost's prediction / compiled" in text
 
@@ -49,8 +57,13 @@ def test_replica_group_notations_map_to_mesh_axes():
     explicit = hlo_report.device_groups("replica_groups={{0,2},{1,3},{4,6},{5,7}}, dimensions={0}", 8)
     iota = hlo_report.device_groups("replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={0}", 8)
     named = hlo_report.device_groups("replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2] {'axis_1'}, dimensions={0}", 8)
-    assert explicit == iota == named == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # the devices in another order: [2,2,2]T(1,0,2) lists 0 1 4 5 2 3 6 7, laid out as 2 x 1 x 4
+    ordered = hlo_report.device_groups("replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], device_ids=([2,2,2]T(1,0,2)) "
+                                       "{'axis_0'}, use_global_device_ids=true", 8)
+    assert explicit == iota == named == sorted(ordered) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert hlo_report.mesh_axes(explicit, mesh) == ("fsdp",)
+    swaps = hlo_report.device_groups("source_target_pairs={{0,0},{1,2},{2,1},{3,3}}", 8)  # the first pair moves nothing
+    assert hlo_report.mesh_axes(swaps, mesh) == ("fsdp", "tensor")
     assert hlo_report.mesh_axes(hlo_report.device_groups("replica_groups={}, to_apply=%add", 8), mesh) == ("data", "fsdp", "tensor")
     assert hlo_report.device_groups("replica_groups=<something new>", 8) is None  # unknown, not guessed
 

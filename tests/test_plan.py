@@ -7,7 +7,7 @@ import pytest
 from conftest import REPO, run_cli, small_config, with_
 
 from jaxtrain import plan as plan_lib
-from jaxtrain.config import check, load_experiment
+from jaxtrain.config import check, load_experiment, resolve_attention
 from jaxtrain.state import model_spec
 from jaxtrain.train import make_layout
 
@@ -86,7 +86,7 @@ def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_xla_elsewh
 
     from jaxtrain.gpu_targets import is_nvidia_gpu
 
-    cfg = small_config()
+    cfg = small_config(dtype="bfloat16")
     assert cfg.model.attention == "auto"  # the default
     assert make_layout(cfg).cfg.model.attention == "xla"  # CPU devices
     assert is_nvidia_gpu(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3"))
@@ -97,6 +97,10 @@ def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_xla_elsewh
     assert plan_lib.render(plan).splitlines()[0].count("cudnn attention") == 1
     assert plan.to_json()["experiment"]["attention"] == "cudnn"
     assert plan_lib.make_plan(cfg).cfg.model.attention == "xla"  # no GPU named: the devices decide
+    # cuDNN takes half-precision inputs and head dimensions that are multiples of 8
+    assert resolve_attention(with_(cfg, model={"dtype": "float32"}), nvidia_gpu=True).model.attention == "xla"
+    assert resolve_attention(with_(cfg, model={"head_dim": 12}), nvidia_gpu=True).model.attention == "xla"
+    assert resolve_attention(cfg, nvidia_gpu=True).model.attention == "cudnn"
     assert plan_lib.make_plan(with_(cfg, model={"attention": "xla"}), gpu="h100").cfg.model.attention == "xla"  # explicit stays
 
 
