@@ -27,7 +27,8 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
 COMPUTE_OPCODES = {"fusion", "custom-call", "dot", "convolution", "while", "call", "conditional"}
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-WARNING_MARKERS = ("Involuntary full rematerialization", "[SPMD]", "WARNING", "warning:")
+# XLA's C++ log lines of severity warning or error start W or E and the date (absl's format)
+WARNING_LINE = re.compile(r"^\s*[WE]\d{4} \d\d:\d\d|Involuntary full rematerialization|\bWARNING\b")
 
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
@@ -51,6 +52,7 @@ class Collective:
     tensors: int  # arrays it carries (XLA combines several into one collective)
     bytes: int  # per device per execution: the whole buffer (gathered, before scattering, or reduced)
     executions: int  # per step: the trip counts of the loops it sits in
+    executions_known: bool  # False inside a loop XLA gives no trip count (one its loop pipelining peeled): a lower bound
     is_async: bool
     overlapped: bool  # compute scheduled between its start and its done
 
@@ -78,7 +80,8 @@ class HloReport:
         for c in self.collectives:
             row = out.setdefault((c.kind, c.axes), {"kind": c.kind, "axes": None if c.axes is None else list(c.axes),
                                                     "instructions": 0, "tensors": 0, "executions": 0, "bytes": 0,
-                                                    "traffic_bytes": 0.0, "async": 0, "overlapped": 0})
+                                                    "traffic_bytes": 0.0, "async": 0, "overlapped": 0,
+                                                    "executions_known": True})
             row["instructions"] += 1
             row["tensors"] += c.tensors * c.executions
             row["executions"] += c.executions
@@ -86,6 +89,7 @@ class HloReport:
             row["traffic_bytes"] += c.traffic
             row["async"] += c.is_async
             row["overlapped"] += c.overlapped
+            row["executions_known"] &= c.executions_known
         return sorted(out.values(), key=lambda r: (COLLECTIVES.index(r["kind"]), r["axes"] or []))
 
     def traffic_by_step_cost_kind(self, batch_axes: tuple[str, ...]) -> dict[str, float]:
@@ -202,21 +206,24 @@ def mesh_axes(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -> tup
     return tuple(name for i, name in enumerate(mesh_shape) if i in varying)
 
 
-def _multipliers(computations: dict[str, list[Instruction]], entry: str) -> dict[str, tuple[int, str | None]]:
+def _multipliers(computations: dict[str, list[Instruction]], entry: str) -> dict[str, tuple[int, bool, str | None]]:
     """For each computation reached from ``entry``: how many times one step runs it (the product of the trip counts
-    of the while loops around it) and, for the body of an async start, the name of that start."""
-    out = {entry: (1, None)}
+    of the while loops around it), whether every one of those counts is known, and, for the body of an async
+    start, the name of that start."""
+    out = {entry: (1, True, None)}
     pending = [entry]
     while pending:
         name = pending.pop()
-        times, _ = out[name]
+        times, known, _ = out[name]
         for ins in computations.get(name, []):
             trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attributes)
             for key, callee in re.findall(r"\b(body|calls|to_apply|condition|branch_computations)=\{?%([\w.\-]+)", ins.attributes):
                 if callee in out or callee not in computations or ins.opcode == "fusion":
                     continue
-                factor = int(trip.group(1)) if key in ("body", "condition") and trip else 1
-                out[callee] = (times * factor, ins.name if ins.opcode == "async-start" else None)
+                looped = key in ("body", "condition")
+                factor = int(trip.group(1)) if looped and trip else 1
+                out[callee] = (times * factor, known and (trip is not None or not looped),
+                               ins.name if ins.opcode == "async-start" else None)
                 pending.append(callee)
     return out
 
@@ -243,7 +250,7 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
     devices = math.prod(mesh_shape.values())
     collectives = []
     fusions = attention_calls = 0
-    for comp, (times, async_start) in reached.items():
+    for comp, (times, known, async_start) in reached.items():
         for ins in computations[comp]:
             fusions += ins.opcode == "fusion"
             target = re.search(r'custom_call_target="([^"]+)"', ins.attributes) if ins.opcode == "custom-call" else None
@@ -261,8 +268,8 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
             full = operand_bytes if kind == "reduce-scatter" else sum(result)
             groups = device_groups(ins.attributes, devices)
             collectives.append(Collective(kind, mesh_axes(groups, mesh_shape), len(groups[0]) if groups else 0, len(result),
-                                          full, times, is_async, overlapped))
-    warnings = tuple(dict.fromkeys(line.strip() for line in log.splitlines() if any(m in line for m in WARNING_MARKERS)))
+                                          full, times, known, is_async, overlapped))
+    warnings = tuple(dict.fromkeys(line.strip() for line in log.splitlines() if WARNING_LINE.search(line)))
     return HloReport(tuple(collectives), fusions, "cudnn" if attention_calls else "xla", attention_calls, warnings)
 
 

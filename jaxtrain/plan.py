@@ -488,7 +488,7 @@ def render(plan: Plan) -> str:
 
 
 def _size(n: float) -> str:
-    return f"{n / GIB:.3g} GiB" if n >= GIB / 10 else f"{n / 2**20:.3g} MiB"
+    return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.3g} MiB"
 
 
 def render_hlo(plan: Plan) -> list[str]:
@@ -497,13 +497,17 @@ def render_hlo(plan: Plan) -> list[str]:
     c, hlo = plan.compiled, plan.compiled.hlo
     attention = f"cuDNN fused ({hlo.attention_calls} custom calls)" if hlo.attention == "cudnn" else "XLA (no fused attention kernel)"
     lines = [f"compiled program ({c.device_kind}): {hlo.fusions} fusions; attention: {attention}",
-             f"{'collectives per step':<36}{'instr.':>7}{'runs':>7}{'tensors':>8}{'bytes':>12}{'traffic':>12}{'async':>7}{'overlapped':>11}"]
+             f"{'collectives per step':<36}{'instr.':>7}{'runs':>7}{'tensors':>8} {'bytes':>12} {'traffic':>12}{'async':>7}{'overlapped':>11}"]
     for g in hlo.groups():
         axes = "?" if g["axes"] is None else ",".join(g["axes"]) or "-"
-        lines.append(f"  {g['kind'] + ' over ' + axes:<34}{g['instructions']:>7}{g['executions']:>7}{g['tensors']:>8}"
-                     f"{_size(g['bytes']):>12}{_size(g['traffic_bytes']):>12}{g['async']:>7}{g['overlapped']:>11}")
+        runs = f"{'' if g['executions_known'] else '>='}{g['executions']}"
+        lines.append(f"  {g['kind'] + ' over ' + axes:<34}{g['instructions']:>7}{runs:>7}{g['tensors']:>8}"
+                     f" {_size(g['bytes']):>12} {_size(g['traffic_bytes']):>12}{g['async']:>7}{g['overlapped']:>11}")
     if not hlo.collectives:
         lines.append("  none")
+    if not all(c.executions_known for c in hlo.collectives):
+        lines.append("  >=: inside a loop without a known trip count (XLA's loop pipelining peels loops): runs, bytes, "
+                     "traffic are lower bounds")
     predicted, compiled = plan.step_time.traffic_bytes, plan.compiled_traffic
     lines.append("traffic per device per step, step_cost's prediction / compiled: "
                  + ", ".join(f"{kind} {_size(predicted[kind])} / {_size(compiled[kind])}" for kind in predicted))

@@ -91,9 +91,30 @@ def test_xla_log_lines_are_captured_as_warnings_and_still_printed(capfd):
     with hlo_report.captured_stderr() as log:
         os.write(2, b"W0000 spmd_partitioner.cc:652] [SPMD] Involuntary full rematerialization. The compiler was not able\n")
         os.write(2, b"I0000 something routine\n")
+        os.write(2, b"W1130 12:21:14.583601    3561 hlo_rematerialization.cc:3231] Can't reduce memory use below 61.09GiB\n")
     assert "Involuntary full rematerialization" in capfd.readouterr().err  # written on
     report = hlo_report.report("ENTRY %e () -> f32[] {\n}\n", {"data": 8}, log[0])
-    assert len(report.warnings) == 1 and "Involuntary" in report.warnings[0]
+    assert len(report.warnings) == 2 and "Involuntary" in report.warnings[0] and "Can't reduce" in report.warnings[1]
+
+
+def test_runs_multiply_by_known_trip_counts_and_are_lower_bounds_without_one():
+    def module(trip: str) -> str:
+        return f"""HloModule m, is_scheduled=true
+
+%body (p: f32[8]) -> f32[8] {{
+  %p = f32[8]{{0}} parameter(0)
+  ROOT %ar = f32[8]{{0}} all-reduce(%p), replica_groups={{}}, to_apply=%add
+}}
+
+ENTRY %main (x: f32[8]) -> f32[8] {{
+  %x = f32[8]{{0}} parameter(0)
+  ROOT %w = f32[8]{{0}} while(%x), condition=%cond, body=%body, backend_config={{{trip}"known_induction_variable":{{}}}}
+}}
+"""
+    known = hlo_report.report(module('"known_trip_count":{"n":"5"},'), {"data": 8}).collectives[0]
+    assert (known.executions, known.executions_known, known.bytes) == (5, True, 32)
+    peeled = hlo_report.report(module(""), {"data": 8}).collectives[0]
+    assert (peeled.executions, peeled.executions_known) == (1, False)
 
 
 def test_cli_plan_json_has_the_hlo_report():
