@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: train test bench test-gpu-plan
+.PHONY: train test bench test-gpu-plan gpu-wheels gpu-dry-run
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,3 +34,18 @@ $(GPU_PLAN_VENV)/.installed: pyproject.toml
 
 test-gpu-plan: $(GPU_PLAN_VENV)/.installed
 	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 $(GPU_PLAN_VENV)/bin/python -m pytest -n 2 tests/test_plan_gpu.py
+
+# A lent GPU machine starts bare from its own image (Python 3.12, jax with its CUDA plugin, most of our
+# dependencies) with no network: what it lacks (benchmarks/gpu_wheels.txt) travels as wheels in .whl/
+# (git-ignored), and `benchmarks/gpu_h200.sh` there installs them and runs the GPU benchmark rows.
+GPU_PYTHON_VERSION ?= 3.12
+WHEELS ?= .whl
+MANYLINUX := $(foreach tag,manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1,--platform $(tag)_x86_64)
+gpu-wheels:
+	rm -rf $(WHEELS)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --implementation cp --python-version $(GPU_PYTHON_VERSION) \
+		$(MANYLINUX) -d $(WHEELS) -r benchmarks/gpu_wheels.txt
+
+# the same install and every row with tiny shapes, here on the CPU, in an environment like the image's (.venv-image)
+gpu-dry-run:
+	PYTHON=$(PYTHON) benchmarks/gpu_dry_run.sh

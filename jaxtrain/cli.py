@@ -125,7 +125,7 @@ def cmd_plan(args) -> int:
 
     memory = None if args.device_memory is None else int(args.device_memory * plan_lib.GIB)
     plan = plan_lib.make_plan(cfg, device_memory=memory, gpu=args.gpu, headroom=args.headroom, tokens_per_s=args.tokens_per_s,
-                              devices=plan_lib.target_devices(count, args.gpu))
+                              devices=plan_lib.target_devices(count, args.gpu), hlo_report=args.hlo_report)
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan_lib.render(plan))
     if args.plot:
         plan_lib.plot(plan, args.plot)
@@ -221,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--headroom", type=float, default=0.10, help="share of device memory kept free (default 0.10)")
     plan.add_argument("--tokens-per-s", type=float, metavar="N", help="target throughput: report the MFU it needs (with --gpu)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--hlo-report", action="store_true", help="also read the compiled program: collectives (kind, bytes, mesh "
+                      "axes, async, overlapped) next to step_cost's prediction, fusions, attention kernel, XLA's warnings")
     plan.add_argument("--plot", metavar="FILE.png", help="write a stacked per-device memory chart of the plan and suggestions")
     plan.set_defaults(func=cmd_plan)
     generate = sub.add_parser("generate", help="continue a prompt with a run's latest checkpoint or a Hugging Face model: "

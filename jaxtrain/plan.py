@@ -14,7 +14,9 @@ so is each micro-batch count ``train.microbatches=auto`` tries.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -22,10 +24,11 @@ from typing import TypeVar
 import jax
 import numpy as np
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, resolve_attention
 from jaxtrain.errors import UserError
 from jaxtrain.flops import flops_per_token, peak_flops
-from jaxtrain.gpu_targets import compile_only_devices, gpu_memory_bytes
+from jaxtrain.gpu_targets import GPU_MEMORY_MIB, compile_only_devices, gpu_memory_bytes
+from jaxtrain.hlo_report import HloReport, captured_stderr, report
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards, logical_ways
 from jaxtrain.state import bytes_per_device, gathered_elements
@@ -146,6 +149,7 @@ class Compiled:
     total: int  # peak_bytes
     flops_per_device: float | None
     compile_s: float
+    hlo: HloReport | None = None  # with --hlo-report: what the compiled program holds
 
 
 def _with_cfg(layout: Layout, cfg: Config) -> Layout:
@@ -156,21 +160,24 @@ def _with_attention(layout: Layout, attention: str) -> Layout:
     return _with_cfg(layout, dataclasses.replace(layout.cfg, model=dataclasses.replace(layout.cfg.model, attention=attention)))
 
 
-def compile_truth(layout: Layout) -> Compiled:
-    """Compile the real train step for the layout's devices and read XLA's memory and cost analyses. A cuDNN
-    attention config is compiled with XLA attention where the devices are not GPUs."""
+def compile_truth(layout: Layout, hlo_report: bool = False) -> Compiled:
+    """Compile the real train step for the layout's devices and read XLA's memory and cost analyses (and with
+    ``hlo_report`` the compiled program itself, and what XLA logged compiling it). A cuDNN attention config is
+    compiled with XLA attention where the devices are not GPUs."""
     if layout.cfg.model.attention == "cudnn" and platform(layout) != "gpu":  # the model is rebuilt: it holds the choice
         layout = make_layout(_with_attention(layout, "xla").cfg, list(layout.mesh.devices.flat))
     start = time.perf_counter()
     train_lowered, _ = lower_steps(layout)
-    compiled = train_lowered.compile()
+    with captured_stderr() if hlo_report else contextlib.nullcontext([""]) as log:
+        compiled = train_lowered.compile()
     seconds = time.perf_counter() - start
+    hlo = report(compiled.as_text(), dict(layout.mesh.shape), log[0]) if hlo_report else None
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return Compiled(platform(layout), layout.mesh.devices.flat[0].device_kind, layout.cfg.model.attention,
                     mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes, mem.temp_size_in_bytes,
-                    peak_bytes(mem), (cost or {}).get("flops"), seconds)
+                    peak_bytes(mem), (cost or {}).get("flops"), seconds, hlo)
 
 
 def estimate_as_compiled(layout: Layout, compiled: Compiled) -> dict[str, int]:
@@ -341,6 +348,8 @@ class Plan:
     gpu: str | None
     tokens_per_s: float | None
     suggestions: list
+    # with --hlo-report: the compiled program's collective traffic per device per step in step_cost's kinds
+    compiled_traffic: dict | None = None
 
     @property
     def usable(self) -> int | None:
@@ -370,7 +379,8 @@ class Plan:
     def to_json(self) -> dict:
         c = self.compiled
         return {
-            "experiment": {"rules": self.cfg.rules, "remat": self.cfg.model.remat, "microbatches": self.cfg.train.microbatches,
+            "experiment": {"rules": self.cfg.rules, "remat": self.cfg.model.remat, "attention": self.cfg.model.attention,
+                           "microbatches": self.cfg.train.microbatches,
                            "global_batch": self.cfg.train.global_batch, "seq_len": self.cfg.data.seq_len},
             "mesh": self.mesh, "devices": self.devices, "gpu": self.gpu,
             "device_memory_bytes": self.device_memory, "headroom": self.headroom, "usable_bytes": self.usable,
@@ -388,19 +398,21 @@ class Plan:
             "tokens_per_s": self.tokens_per_s, "mfu_needed": self.mfu_needed,
             "suggestions": [{"changes": s.changes, "total_bytes": s.total, "compiled_bytes": s.compiled,
                              "relative_step_time": s.relative_step_time} for s in self.suggestions],
-        }
+        } | ({} if c.hlo is None else {"hlo_report": c.hlo.to_json() | {
+            "traffic_bytes": {"predicted": self.step_time.traffic_bytes, "compiled": self.compiled_traffic}}})
 
 
-def _compile_and_predict(layout: Layout) -> tuple[tuple[Compiled, int], int]:
-    compiled = compile_truth(layout)
+def _compile_and_predict(layout: Layout, hlo_report: bool = False) -> tuple[tuple[Compiled, int], int]:
+    compiled = compile_truth(layout, hlo_report)
     predicted = accelerator_total(layout, compiled)
     return (compiled, predicted), predicted
 
 
 def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None = None, headroom: float = DEFAULT_HEADROOM,
-              tokens_per_s: float | None = None, devices=None) -> Plan:
+              tokens_per_s: float | None = None, devices=None, hlo_report: bool = False) -> Plan:
     """Plan ``cfg`` on ``devices`` (default: all, i.e. the simulated target mesh). ``train.microbatches=auto`` is
-    resolved against the usable memory, checked with the compiled step (1 when no memory size is given)."""
+    resolved against the usable memory, checked with the compiled step (1 when no memory size is given).
+    ``hlo_report``: also read the compiled program (``Plan.compiled.hlo``)."""
     if device_memory is None and gpu is not None:
         device_memory = gpu_memory_bytes(gpu)
     if device_memory is not None and device_memory <= 0:
@@ -408,17 +420,20 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     if not 0 <= headroom < 1:
         raise UserError(f"headroom={headroom} must be in [0, 1), e.g. 0.1 to keep 10% of device memory free")
     usable = None if device_memory is None else device_memory * (1 - headroom)
+    if gpu is not None:  # a plan for a GPU gets its attention even when compiled on CPUs; every GPU known is NVIDIA's
+        cfg = resolve_attention(cfg, gpu.lower() in GPU_MEMORY_MIB)
     if cfg.train.microbatches == "auto" and usable is not None:
-        layout, (compiled, predicted) = fit_microbatches(cfg, usable, devices, _compile_and_predict)
+        layout, (compiled, predicted) = fit_microbatches(cfg, usable, devices, functools.partial(_compile_and_predict, hlo_report=hlo_report))
     else:
         layout = make_layout(_replace(cfg, microbatches=1) if cfg.train.microbatches == "auto" else cfg, devices)
-        (compiled, predicted), _ = _compile_and_predict(layout)
+        (compiled, predicted), _ = _compile_and_predict(layout, hlo_report)
     cfg = layout.cfg
     suggestions = [] if usable is None or predicted <= usable else \
         compile_suggestions(suggest(cfg, usable, devices, gpu), usable, devices)
+    traffic = None if compiled.hlo is None else compiled.hlo.traffic_by_step_cost_kind(tuple(layout.rules.get("activation_batch") or ()))
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, estimate_as_compiled(layout, compiled),
                 estimate(layout, ACCELERATOR), compiled, predicted, step_time(layout, gpu), flops_per_token(cfg.model, cfg.data.seq_len),
-                cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions)
+                cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic)
 
 
 def render(plan: Plan) -> str:
@@ -427,7 +442,7 @@ def render(plan: Plan) -> str:
 
     c, cfg = plan.compiled, plan.cfg
     mesh = describe_axes(plan.mesh)
-    lines = [(f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat}, "
+    lines = [(f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat}, {cfg.model.attention} attention, "
               f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"),
              "", f"{'per device':<22}{'estimate':>12}   compiled by XLA for {c.device_kind}, {c.attention} attention"]
     compiled_rows = [("arguments (state, batch)", c.argument), ("outputs not aliased", c.output - c.alias), ("temporaries", c.temp)]
@@ -467,7 +482,38 @@ def render(plan: Plan) -> str:
     if plan.mfu_needed is not None:
         lines.append(f"{plan.tokens_per_s:,.0f} tokens/s on {plan.devices} x {plan.gpu} needs MFU {100 * plan.mfu_needed:.1f}%")
     lines.append(f"compiled in {c.compile_s:.1f}s")
+    if c.hlo is not None:
+        lines += ["", *render_hlo(plan)]
     return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.3g} MiB"
+
+
+def render_hlo(plan: Plan) -> list[str]:
+    """The --hlo-report section: the compiled program's collectives next to step_cost's prediction, fusions,
+    attention kernel, XLA's warnings."""
+    c, hlo = plan.compiled, plan.compiled.hlo
+    attention = f"cuDNN fused ({hlo.attention_calls} custom calls)" if hlo.attention == "cudnn" else "XLA (no fused attention kernel)"
+    lines = [f"compiled program ({c.device_kind}): {hlo.fusions} fusions; attention: {attention}",
+             f"{'collectives per step':<36}{'instr.':>7}{'runs':>7}{'tensors':>8} {'bytes':>12} {'traffic':>12}{'async':>7}{'overlapped':>11}"]
+    for g in hlo.groups():
+        axes = "?" if g["axes"] is None else ",".join(g["axes"]) or "-"
+        runs = f"{'' if g['executions_known'] else '>='}{g['executions']}"
+        lines.append(f"  {g['kind'] + ' over ' + axes:<34}{g['instructions']:>7}{runs:>7}{g['tensors']:>8}"
+                     f" {_size(g['bytes']):>12} {_size(g['traffic_bytes']):>12}{g['async']:>7}{g['overlapped']:>11}")
+    if not hlo.collectives:
+        lines.append("  none")
+    if not all(c.executions_known for c in hlo.collectives):
+        lines.append("  >=: inside a loop without a known trip count (XLA's loop pipelining peels loops): runs, bytes, "
+                     "traffic are lower bounds")
+    predicted, compiled = plan.step_time.traffic_bytes, plan.compiled_traffic
+    lines.append("traffic per device per step, step_cost's prediction / compiled: "
+                 + ", ".join(f"{kind} {_size(predicted[kind])} / {_size(compiled[kind])}" for kind in predicted))
+    lines.append("XLA warnings: " + ("none" if not hlo.warnings else f"{len(hlo.warnings)}"))
+    lines += [f"  {w}" for w in hlo.warnings]
+    return lines
 
 
 def plot(plan: Plan, path: str) -> None:

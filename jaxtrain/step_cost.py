@@ -5,8 +5,12 @@ Communication: the collectives the rule set implies, with ring algorithms (an al
 reduce-scatter of N bytes over n devices moves N (n-1)/n per device, an all-reduce twice that), each over
 NVLink when all its mesh axes sit inside a node and over the network otherwise:
 - FSDP: per micro-batch, each weight all-gathered over the batch axes it is split on, for the forward and
-  again for the backward (compute dtype), and its gradient reduce-scattered (float32);
-- data parallel: per step, each gradient all-reduced over the batch axes its weight is replicated on;
+  again for the backward (compute dtype), and its gradient reduce-scattered;
+- data parallel: per micro-batch, each gradient all-reduced over the batch axes its weight is replicated on
+  (the accumulation across micro-batches adds reduced gradients: ``jaxtrain plan --hlo-report`` shows XLA
+  reducing inside the micro-batch loop);
+gradients travel in the dtype the weight is used in: the compute dtype for matmul weights, float32 for the
+norm scales (RMSNorm applies them in float32), as the compiled program shows;
 - tensor parallel: per micro-batch and layer, the residual stream all-reduced after attention and the MLP
   in the forward and the backward, and again for each of those the remat policy recomputes.
 Tensor-parallel all-reduces sit on the critical path (each layer waits for them) and add to the compute;
@@ -22,6 +26,7 @@ import math
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxtrain.config import Config
 from jaxtrain.flops import flops_per_token, peak_flops
@@ -53,6 +58,7 @@ class StepTime:
     gpu: str
     compute_s: float
     communication_s: dict  # "fsdp", "data", "tensor" -> seconds
+    traffic_bytes: dict  # the same kinds -> bytes each device sends per step
 
     @property
     def total_s(self) -> float:
@@ -77,12 +83,15 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     batch_ways = math.prod(layout.mesh.shape[a] for a in batch_axes)
     fsdp = data = 0.0
     fsdp_axes, data_axes = set(), set()
-    for x in jax.tree.leaves(layout.abstract_state().params):
+    params = layout.abstract_state().params
+    logical = jax.tree.leaves(layout.spec.logical_axes, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    for x, axes in zip(jax.tree.leaves(params), logical):
         local, gathered = elements_per_device(x), gathered_elements(x, batch_axes)
         split = gathered // local
         replicated = batch_ways // split
-        fsdp += k * gathered * (2 * act + 4) * (split - 1) / split
-        data += 2 * local * 4 * (replicated - 1) / replicated
+        grad = 4 if "norm" in axes else act
+        fsdp += k * gathered * (2 * act + grad) * (split - 1) / split
+        data += k * 2 * local * grad * (replicated - 1) / replicated
         used = spec_axes(x.sharding.spec)
         fsdp_axes.update(a for a in batch_axes if a in used)
         data_axes.update(a for a in batch_axes if a not in used)
@@ -97,4 +106,5 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         return traffic / (network if across_nodes else nvlink)
 
     return StepTime(name, compute, {"fsdp": seconds(fsdp, fsdp_axes), "data": seconds(data, data_axes),
-                                    "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ())})
+                                    "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ())},
+                    {"fsdp": fsdp, "data": data, "tensor": tensor})

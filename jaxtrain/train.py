@@ -74,7 +74,7 @@ def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
     kind = (devices or jax.devices())[0].platform
     if cfg.model.attention == "cudnn" and kind != "gpu":
         raise UserError(f"model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are {kind}; "
-                        "use model.attention=xla")
+                        "use model.attention=auto or xla")
     layout = make_layout(cfg, devices) if limit is None else None  # every check before the data is read
     corpus = corpus or data_lib.load_corpus(cfg.data)
     data_lib.check_sizes(corpus, cfg.data, cfg.train.global_batch, cfg.model.vocab_size)

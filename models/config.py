@@ -7,7 +7,8 @@ import dataclasses
 # Names of the per-layer rematerialisation policies; models/llama.py maps each to a jax policy.
 REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_out")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+# auto: the trainer picks cudnn on NVIDIA GPUs and xla elsewhere; a model built directly lets jax choose
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 ROPE_SCALING_TYPES = ("none", "llama3")
 
 
@@ -53,7 +54,7 @@ class LlamaConfig:
     dtype: str = "bfloat16"  # compute dtype; softmax, logits and loss are always float32
     param_dtype: str = "float32"
     remat: str = "none"
-    attention: str = "xla"  # jax.nn.dot_product_attention implementation
+    attention: str = "auto"  # jax.nn.dot_product_attention implementation
 
     @property
     def resolved_head_dim(self) -> int:

@@ -112,7 +112,7 @@ class Attention(nnx.Module):
         d, h, k, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         pd = jnp.dtype(cfg.param_dtype)
         self.dtype = jnp.dtype(cfg.dtype)
-        self.implementation = cfg.attention
+        self.implementation = None if cfg.attention == "auto" else cfg.attention  # None: jax chooses
         self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), cfg.init_std, pd)
         self.wk = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)
         self.wv = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)

@@ -48,7 +48,7 @@ CASES = {
     "missing data path": (lambda t: ["data.path=/no/such/dir"], "data.path=/no/such/dir does not exist"),
     "bad flag": (lambda t: ["--devcies", "2"], "unrecognized arguments: --devcies"),
     "cuDNN attention without a GPU": (lambda t: ["model.attention=cudnn"],
-                                      "model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are cpu"),
+                                      "model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are cpu; use model.attention=auto or xla"),
     "negative learning rate": (lambda t: ["optim.lr=-1"], "optim.lr=-1.0 must be at least 0"),
     "negative warmup": (lambda t: ["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be at least 0"),
     "token file that is not a .npy file": (lambda t: [f"data.path={_random_bytes(t / 'tokens.npy')}"],

@@ -7,7 +7,7 @@ import pytest
 from conftest import REPO, run_cli, small_config, with_
 
 from jaxtrain import plan as plan_lib
-from jaxtrain.config import check, load_experiment
+from jaxtrain.config import check, load_experiment, resolve_attention
 from jaxtrain.layout import compile_train_step, make_layout, peak_bytes
 from jaxtrain.state import model_spec
 
@@ -79,6 +79,29 @@ def test_cudnn_attention_is_compiled_as_xla_on_cpu_and_its_scores_taken_out_for_
     assert flash["activations"] < as_compiled["activations"] / 2 and flash["layer backward"] < as_compiled["layer backward"]
     assert plan_lib.accelerator_total(layout, compiled) == compiled.total - (
         plan_lib.estimate_total(as_compiled) - plan_lib.estimate_total(flash))
+
+
+def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_xla_elsewhere():
+    from types import SimpleNamespace
+
+    from jaxtrain.gpu_targets import is_nvidia_gpu
+
+    cfg = small_config(dtype="bfloat16")
+    assert cfg.model.attention == "auto"  # the default
+    assert make_layout(cfg).cfg.model.attention == "xla"  # CPU devices
+    assert is_nvidia_gpu(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3"))
+    assert not is_nvidia_gpu(SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI300X"))
+    assert not is_nvidia_gpu(SimpleNamespace(platform="cpu", device_kind="cpu"))
+    plan = plan_lib.make_plan(cfg, gpu="h100")  # compiled on CPUs, planned for the GPU: cuDNN
+    assert (plan.cfg.model.attention, plan.compiled.attention) == ("cudnn", "xla")
+    assert plan_lib.render(plan).splitlines()[0].count("cudnn attention") == 1
+    assert plan.to_json()["experiment"]["attention"] == "cudnn"
+    assert plan_lib.make_plan(cfg).cfg.model.attention == "xla"  # no GPU named: the devices decide
+    # cuDNN takes half-precision inputs and head dimensions that are multiples of 8
+    assert resolve_attention(with_(cfg, model={"dtype": "float32"}), nvidia_gpu=True).model.attention == "xla"
+    assert resolve_attention(with_(cfg, model={"head_dim": 12}), nvidia_gpu=True).model.attention == "xla"
+    assert resolve_attention(cfg, nvidia_gpu=True).model.attention == "cudnn"
+    assert plan_lib.make_plan(with_(cfg, model={"attention": "xla"}), gpu="h100").cfg.model.attention == "xla"  # explicit stays
 
 
 def test_auto_microbatches_starts_from_the_estimate_and_steps_up_until_the_compiled_step_fits():

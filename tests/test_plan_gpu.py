@@ -6,7 +6,8 @@ test_plan.py with stand-in devices)."""
 import json
 
 import pytest
-from conftest import REPO, run_cli, with_
+from conftest import REPO, run_cli, small_config, with_
+from test_hlo_report import check_fsdp_collectives
 from test_plan import medium_config
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax's CUDA plugin is not installed (make test-gpu-plan)")
@@ -45,3 +46,21 @@ def test_cli_plan_compiles_for_the_named_gpu():
     assert (body["compiled_platform"], body["compiled_device_kind"]) == ("gpu", "NVIDIA H100 80GB HBM3")
     assert body["accelerator_total_bytes"] == body["compiled_bytes"]["total"]
     assert body["fits"] is True
+
+
+def test_hlo_report_of_the_gpu_compile_follows_the_fsdp_rules_with_overlapped_async_collectives():
+    cfg = small_config(rules="fsdp", mesh=(1, 8, 1))
+    devices = gpu_targets.compile_only_devices("h100", 8)
+    plan = plan_lib.make_plan(cfg, gpu="h100", devices=devices, hlo_report=True)
+    hlo = check_fsdp_collectives(plan, make_layout(cfg, devices))
+    kinds = {c.kind for c in hlo.collectives}
+    assert "reduce-scatter" in kinds  # the GPU compiler scatters gradients where XLA:CPU all-reduces them
+    gathers = [c for c in hlo.collectives if c.kind == "all-gather"]
+    assert all(c.is_async and c.overlapped for c in gathers)  # the latency-hiding scheduler hides the weight gathers
+
+
+def test_hlo_report_names_cudnn_fused_attention():
+    cfg = small_config(rules="fsdp", mesh=(1, 8, 1), dtype="bfloat16")  # attention auto: cuDNN on an NVIDIA GPU
+    plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
+    assert plan.cfg.model.attention == "cudnn"
+    assert plan.compiled.hlo.attention == "cudnn" and plan.compiled.hlo.attention_calls >= 2  # forward and backward

@@ -25,8 +25,10 @@ def test_fsdp_traffic_compute_and_data_traffic_are_counted_exactly(microbatches)
     split = layout.spec.num_params - norms
     nvlink, _ = LINK_BYTES_PER_S["h100"]
     # per micro-batch: bf16 weights gathered for forward and backward, float32 gradients reduce-scattered
-    assert timed.communication_s["fsdp"] == pytest.approx(microbatches * split * (2 * 2 + 4) * 7 / 8 / nvlink)
-    assert timed.communication_s["data"] == pytest.approx(2 * norms * 4 * 7 / 8 / nvlink)  # once per step
+    # bfloat16 gathers (forward, backward) and gradients, per micro-batch
+    assert timed.communication_s["fsdp"] == pytest.approx(microbatches * split * (2 * 2 + 2) * 7 / 8 / nvlink)
+    # float32 norm-scale gradients, all-reduced per micro-batch
+    assert timed.communication_s["data"] == pytest.approx(microbatches * 2 * norms * 4 * 7 / 8 / nvlink)
     assert timed.communication_s["tensor"] == 0  # no tensor axis in use
     tokens_per_device = 16 * 512 / 8
     assert timed.compute_s == pytest.approx(flops_per_token(cfg.model, 512) * step_cost.recompute_factor(cfg) * tokens_per_device

@@ -1,0 +1,147 @@
+"""The GPU benchmark rows, run one after another inside a total time budget; one JSON line per row.
+
+    python benchmarks/gpu_h200.py                      # every row, 540 s budget, on the local GPU
+    python benchmarks/gpu_h200.py --only mfu_1b,attention_xla_1b --budget-s 300
+    python benchmarks/gpu_h200.py --tiny               # the same rows with tiny shapes on CPU: checks the runner
+
+Started by ``benchmarks/gpu_h200.sh`` (the one command for a lent GPU: wheels, path, GPU check, then this).
+Each row is a separate process (``benchmarks/throughput.py``, ``bench_generate.py``, ``bench_hf.py``), so an out-of-memory row fails alone; rows
+run in ROWS order (most wanted first), a row starts only while at least its ``min_s`` of the budget is
+left and is killed when the budget runs out. Every row writes one line: the throughput record (MFU, step
+time, memory estimated / compiled / measured) with ``row`` added, or ``{"row", "status": "failed" |
+"timeout" | "skipped", ...}``. The first line describes the environment (versions, device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_BUDGET_S = 540  # the device tool's commands stop at 600 s; jax start-up and the install come first
+# one H200: the sequence length of the Llama 3 rows, bf16 compute; batch = the most that fits with save_dots
+GPU_SHAPE = ("data.seq_len=4096", "model.dtype=bfloat16", "train.microbatches=1")
+# --tiny: the same rows on CPU in seconds (attention xla: CPUs have no cuDNN)
+TINY_SHAPE = ("data.seq_len=512", "model.dtype=float32", "train.microbatches=1", "train.global_batch=2",
+              "model.vocab_size=512", "model.d_model=64", "model.num_layers=2", "model.num_heads=4",
+              "model.num_kv_heads=2", "model.mlp_dim=128", "model.attention=xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    experiment: str
+    overrides: tuple[str, ...]
+    min_s: int  # not started with less budget left: compile plus a few steps would not finish
+    script: str = "throughput.py"  # a benchmark script taking EXPERIMENT --mesh --rules [options] key=value...
+    options: tuple[str, ...] = ()  # the script's own flags
+    tiny_options: tuple[str, ...] = ()  # flags that replace them with --tiny (later flags win)
+
+    def argv(self, python: str, steps: int, tiny: bool) -> list[str]:
+        timed = ("--steps", str(steps)) if self.script == "throughput.py" else ()
+        # later overrides win: the tiny shape replaces the GPU one and the row's sizes
+        return [python, str(BENCH_DIR / self.script), self.experiment, "--mesh", "gpu1", "--rules", "fsdp", *timed,
+                *self.options, *(self.tiny_options if tiny else ()), *GPU_SHAPE, *self.overrides, *(TINY_SHAPE if tiny else ())]
+
+
+# Most wanted first: MFU of the 1B and 3B (goal >= 55%), cuDNN vs XLA attention (and the planner's memory
+# model, which is XLA attention's), the remat trade; then generation and Hugging Face import / export.
+GENERATE = dict(script="bench_generate.py", options=("--prompt-tokens", "512", "--new-tokens", "256"),
+                tiny_options=("--prompt-tokens", "16", "--new-tokens", "8"))
+ROWS = (
+    Row("mfu_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto"), 60),
+    Row("mfu_3b", "llama3_3b", ("train.global_batch=4", "model.remat=full", "model.attention=auto"), 75),
+    Row("attention_xla_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=xla"), 60),
+    Row("remat_full_1b", "llama3_1b", ("train.global_batch=8", "model.remat=full", "model.attention=auto"), 60),
+    Row("mfu_3b_save_dots", "llama3_3b", ("train.global_batch=4", "model.remat=save_dots", "model.attention=auto"), 75),
+    Row("loss_chunk_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto",
+                                       "train.loss_chunk=512"), 60),
+    # KV-cache prefill and decode tokens/s, bf16 weights (benchmarks/bench_generate.py)
+    Row("generate_1b_batch_1", "llama3_1b", ("model.param_dtype=bfloat16", "model.attention=auto"), 60,
+        **GENERATE | {"options": (*GENERATE["options"], "--batch", "1")}),
+    Row("generate_1b_batch_8", "llama3_1b", ("model.param_dtype=bfloat16", "model.attention=auto"), 60,
+        **GENERATE | {"options": (*GENERATE["options"], "--batch", "8")}),
+    # a random llama3_1b-shaped model (5 GB float32) imported onto the GPU and exported back: seconds and peak
+    # host RSS growth beside the safetensors library's whole read and save (benchmarks/bench_hf.py)
+    Row("hf_import_export_1b", "llama3_1b", (), 90, script="bench_hf.py"),
+)
+
+
+def environment(python: str) -> dict:
+    """Versions and devices as the rows' interpreter sees them (its own process: this one stays jax-free)."""
+    probe = ("import json, sys, importlib.metadata as m, jax\n"
+             "names = ['jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'grain', 'tensorboardX', 'numpy']\n"
+             "def version(n):\n"
+             "    try: return m.version(n)\n"
+             "    except m.PackageNotFoundError: return None\n"
+             "d = jax.devices()\n"
+             "print(json.dumps({'python': sys.version.split()[0], 'versions': {n: version(n) for n in names},"
+             " 'platform': d[0].platform, 'device_kind': d[0].device_kind, 'devices': len(d)}))")
+    result = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    if result.returncode:
+        return {"status": "failed", "stderr_tail": result.stderr[-2000:]}
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def run_row(row: Row, argv: list[str], timeout_s: float) -> dict:
+    start = time.perf_counter()
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-2000:]
+        return {"status": "timeout", "seconds": round(time.perf_counter() - start, 1),
+                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+    seconds = round(time.perf_counter() - start, 1)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode or not lines:
+        return {"status": "failed", "returncode": result.returncode, "seconds": seconds, "stderr_tail": result.stderr[-2000:]}
+    return {"status": "ok", "seconds": seconds} | json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated row names (default: every row): " + ", ".join(r.name for r in ROWS))
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="total seconds for every row together")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per row (after 2 warm-up steps)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: checks the runner, measures nothing")
+    parser.add_argument("--out", help="JSON lines file, appended (default: $OUT/gpu_h200.jsonl where OUT is set, "
+                        "else benchmarks/results/gpu_h200.jsonl)")
+    args = parser.parse_args(argv)
+    rows = ROWS
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - {r.name for r in ROWS})
+        if unknown:
+            parser.error(f"unknown row(s) {', '.join(unknown)}; rows: {', '.join(r.name for r in ROWS)}")
+        rows = tuple(r for r in ROWS if r.name in wanted)
+    out = Path(args.out or (Path(os.environ["OUT"]) / "gpu_h200.jsonl" if os.environ.get("OUT") else BENCH_DIR / "results" / "gpu_h200.jsonl"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+
+    def write(record: dict) -> None:
+        with out.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps(record), flush=True)
+
+    write({"row": "environment", "tiny": args.tiny, "budget_s": args.budget_s} | environment(sys.executable))
+    failed = False
+    for row in rows:
+        left = deadline - time.monotonic()
+        if left < (5 if args.tiny else row.min_s):
+            write({"row": row.name, "status": "skipped", "reason": f"{left:.0f} s of the budget left, the row needs {row.min_s} s"})
+            continue
+        print(f"== {row.name} ({left:.0f} s of the budget left)", file=sys.stderr, flush=True)
+        record = {"row": row.name} | run_row(row, row.argv(sys.executable, args.steps, args.tiny), left)
+        failed |= record["status"] != "ok"
+        write(record)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

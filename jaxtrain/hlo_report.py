@@ -1,0 +1,296 @@
+"""What XLA made of the train step, read from the compiled program (``jaxtrain plan --hlo-report``).
+
+The optimised, scheduled HLO text of the compiled step gives: every collective with its kind, the bytes
+it carries per device, the mesh axes its device groups span, how often a step runs it (loop trip
+counts: the layer scan, the micro-batch scan), whether it is asynchronous and has compute scheduled
+between its start and its done (overlap); the number of fusions; the attention kernel (cuDNN's fused
+attention is a custom call; XLA attention is plain fusions); and the warnings XLA wrote while compiling
+(e.g. ``[SPMD] Involuntary full rematerialization``). jax offers the HLO only as text, so it is parsed
+here; what cannot be parsed is reported as unknown, never guessed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import numpy as np
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# instructions that do work on the device: scheduled between an async start and its done, they overlap it
+COMPUTE_OPCODES = {"fusion", "custom-call", "dot", "convolution", "while", "call", "conditional"}
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+# XLA's C++ log lines of severity warning or error start W or E and the date (absl's format)
+WARNING_LINE = re.compile(r"^\s*[WE]\d{4} \d\d:\d\d|Involuntary full rematerialization|\bWARNING\b")
+
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    type: str
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str  # one of COLLECTIVES
+    axes: tuple[str, ...] | None  # mesh axes its device groups span; None: groups not understood
+    group_size: int
+    tensors: int  # arrays it carries (XLA combines several into one collective)
+    bytes: int  # per device per execution: the whole buffer (gathered, before scattering, or reduced)
+    executions: int  # per step: the trip counts of the loops it sits in
+    executions_known: bool  # False inside a loop XLA gives no trip count (one its loop pipelining peeled): a lower bound
+    is_async: bool
+    overlapped: bool  # compute scheduled between its start and its done
+
+    @property
+    def traffic(self) -> float:
+        """Bytes each device sends per step with ring algorithms, as step_cost counts them: an all-gather or
+        reduce-scatter of N bytes over n devices N (n-1)/n, an all-reduce twice that."""
+        n = self.group_size
+        share = (n - 1) / n if n > 1 else 0.0
+        return self.executions * self.bytes * share * (2 if self.kind == "all-reduce" else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class HloReport:
+    collectives: tuple[Collective, ...]
+    fusions: int
+    attention: str  # "cudnn" (fused cuDNN kernel) or "xla"
+    attention_calls: int  # cuDNN fused-attention custom calls (forward and backward)
+    warnings: tuple[str, ...]
+
+    def groups(self) -> list[dict]:
+        """The collectives by (kind, mesh axes): instructions, executions, bytes and traffic per step, async and
+        overlapped counts."""
+        out: dict[tuple, dict] = {}
+        for c in self.collectives:
+            row = out.setdefault((c.kind, c.axes), {"kind": c.kind, "axes": None if c.axes is None else list(c.axes),
+                                                    "instructions": 0, "tensors": 0, "executions": 0, "bytes": 0,
+                                                    "traffic_bytes": 0.0, "async": 0, "overlapped": 0,
+                                                    "executions_known": True})
+            row["instructions"] += 1
+            row["tensors"] += c.tensors * c.executions
+            row["executions"] += c.executions
+            row["bytes"] += c.bytes * c.executions
+            row["traffic_bytes"] += c.traffic
+            row["async"] += c.is_async
+            row["overlapped"] += c.overlapped
+            row["executions_known"] &= c.executions_known
+        return sorted(out.values(), key=lambda r: (COLLECTIVES.index(r["kind"]), r["axes"] or []))
+
+    def traffic_by_step_cost_kind(self, batch_axes: tuple[str, ...]) -> dict[str, float]:
+        """Traffic in step_cost's terms: all-gathers and reduce-scatters over batch axes are FSDP's, all-reduces
+        over batch axes data parallelism's, collectives over other axes tensor parallelism's."""
+        out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0}
+        for c in self.collectives:
+            on_batch = c.axes is not None and set(c.axes) <= set(batch_axes)
+            kind = ("fsdp" if c.kind in ("all-gather", "reduce-scatter") else "data") if on_batch else "tensor"
+            out[kind] += c.traffic
+        return out
+
+    def to_json(self) -> dict:
+        return {"collectives": self.groups(), "fusions": self.fusions, "attention": self.attention,
+                "attention_calls": self.attention_calls, "xla_warnings": list(self.warnings)}
+
+
+def _array_bytes(type_text: str) -> list[int]:
+    return [DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in _ARRAY.findall(type_text)]
+
+
+def _split_instruction(rest: str) -> tuple[str, str, str]:
+    """``TYPE opcode(operands), attributes`` -> (type, opcode, after the opening parenthesis); the type may be a
+    tuple with spaces and comments in it."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                break
+        type_text, rest = rest[:i + 1], rest[i + 1:].lstrip()
+    else:
+        type_text, _, rest = rest.partition(" ")
+    opcode, _, rest = rest.partition("(")
+    return type_text, opcode.strip(), rest
+
+
+def _operands_and_attributes(rest: str) -> tuple[tuple[str, ...], str]:
+    depth = 1
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(ch, 0)
+        if depth == 0:
+            break
+    return tuple(re.findall(r"%([\w.\-]+)", rest[:i])), rest[i + 1:]
+
+
+def parse_computations(text: str) -> dict[str, list[Instruction]]:
+    """The module's computations, each its instructions in schedule order (the text of a scheduled module lists
+    them so)."""
+    computations: dict[str, list[Instruction]] = {}
+    current = None
+    for line in text.splitlines():
+        if current is None:
+            match = _COMPUTATION.match(line)
+            if match and not line.startswith("HloModule"):
+                current = computations.setdefault(match.group(1), [])
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        match = _INSTRUCTION.match(line)
+        if match:
+            type_text, opcode, rest = _split_instruction(match.group(2))
+            operands, attributes = _operands_and_attributes(rest)
+            current.append(Instruction(match.group(1), type_text, opcode, operands, attributes))
+    return computations
+
+
+def device_groups(attributes: str, devices: int) -> list[list[int]] | None:
+    """The device groups of a collective's ``replica_groups`` (explicit lists, iota ``[G,S]<=[dims]T(perm)``, or
+    ``mesh['a'=2,'b'=4] {'b'}``) or ``source_target_pairs``; all devices when it names none; None when the
+    notation is not understood."""
+    match = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attributes)
+    if match:
+        return [[int(i) for i in group.split(",") if i] for group in re.findall(r"\{([\d,]*)\}", match.group(1))]
+    match = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
+    if match:
+        return _iota(match.group(2), match.group(3)).reshape([int(i) for i in match.group(1).split(",")]).tolist()
+    # mesh['a'=2,'b'=4], device_ids=([dims]T(perm)) {'b'}: the devices (iota, or the order given) laid out on the
+    # named axes, one group per position of the axes not in braces
+    match = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", attributes)
+    if match:
+        sizes = re.findall(r"'([^']+)'=(\d+)", match.group(1))
+        names = [name for name, _ in sizes]
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", match.group(4))]
+        order = _iota(match.group(2), match.group(3)) if match.group(2) else np.arange(math.prod(int(s) for _, s in sizes))
+        ids = order.reshape([int(s) for _, s in sizes])
+        rest = [i for i in range(len(names)) if i not in grouped]
+        ids = ids.transpose(rest + grouped)
+        return ids.reshape(-1, math.prod(ids.shape[len(rest):])).tolist()
+    match = re.search(r"source_target_pairs=\{(\{\d+,\d+\}(?:,\{\d+,\d+\})*)\}", attributes)
+    if match:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", match.group(1))]
+    if "replica_groups=" in attributes and "replica_groups={}" not in attributes:
+        return None
+    return [list(range(devices))]
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """XLA's iota device list ``[dims]T(perm)``, flattened."""
+    ids = np.arange(math.prod(int(i) for i in dims.split(","))).reshape([int(i) for i in dims.split(",")])
+    return (ids.transpose([int(i) for i in perm.split(",")]) if perm else ids).reshape(-1)
+
+
+def mesh_axes(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -> tuple[str, ...] | None:
+    """The mesh axes along which the devices of any group differ (device i of the compiled program is the mesh's
+    i-th device in row-major order)."""
+    if groups is None:
+        return None
+    varying = set()
+    for group in groups:
+        coords = np.unravel_index(np.asarray(group), tuple(mesh_shape.values()))
+        varying.update(i for i, row in enumerate(coords) if len(set(row.tolist())) > 1)
+    return tuple(name for i, name in enumerate(mesh_shape) if i in varying)
+
+
+def _multipliers(computations: dict[str, list[Instruction]], entry: str) -> dict[str, tuple[int, bool, str | None]]:
+    """For each computation reached from ``entry``: how many times one step runs it (the product of the trip counts
+    of the while loops around it), whether every one of those counts is known, and, for the body of an async
+    start, the name of that start."""
+    out = {entry: (1, True, None)}
+    pending = [entry]
+    while pending:
+        name = pending.pop()
+        times, known, _ = out[name]
+        for ins in computations.get(name, []):
+            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attributes)
+            for key, callee in re.findall(r"\b(body|calls|to_apply|condition|branch_computations)=\{?%([\w.\-]+)", ins.attributes):
+                if callee in out or callee not in computations or ins.opcode == "fusion":
+                    continue
+                looped = key in ("body", "condition")
+                factor = int(trip.group(1)) if looped and trip else 1
+                out[callee] = (times * factor, known and (trip is not None or not looped),
+                               ins.name if ins.opcode == "async-start" else None)
+                pending.append(callee)
+    return out
+
+
+def _done(computation: list[Instruction], start: str) -> tuple[Instruction | None, bool]:
+    """The done of the async start named ``start``, and whether compute is scheduled between the two."""
+    names = [ins.name for ins in computation]
+    begin = names.index(start)
+    for i in range(begin + 1, len(computation)):
+        if start in computation[i].operands and computation[i].opcode.endswith("-done"):
+            return computation[i], any(ins.opcode in COMPUTE_OPCODES for ins in computation[begin + 1:i])
+    return None, False
+
+
+def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloReport:
+    """Read the compiled step's HLO text (``Compiled.as_text()``) for a mesh of ``mesh_shape``; ``log``: what XLA
+    wrote while compiling it."""
+    computations = parse_computations(hlo_text)
+    entry_match = re.search(r"^ENTRY %?([\w.\-]+)", hlo_text, re.MULTILINE)
+    entry = entry_match.group(1) if entry_match else next(iter(computations))
+    reached = _multipliers(computations, entry)
+    types = {ins.name: ins.type for instructions in computations.values() for ins in instructions}
+    where = {ins.name: comp for comp, instructions in computations.items() for ins in instructions}
+    devices = math.prod(mesh_shape.values())
+    collectives = []
+    fusions = attention_calls = 0
+    for comp, (times, known, async_start) in reached.items():
+        for ins in computations[comp]:
+            fusions += ins.opcode == "fusion"
+            target = re.search(r'custom_call_target="([^"]+)"', ins.attributes) if ins.opcode == "custom-call" else None
+            attention_calls += bool(target and "fmha" in target.group(1))
+            kind = ins.opcode.removesuffix("-start")
+            if kind not in COLLECTIVES:
+                continue
+            operand_bytes = sum(sum(_array_bytes(types.get(o, ""))) for o in ins.operands)
+            if ins.opcode.endswith("-start"):  # its done holds the results
+                done, overlapped = _done(computations[comp], ins.name)
+                is_async, result = done is not None, _array_bytes(done.type if done else ins.type)
+            else:
+                done, overlapped = _done(computations[where[async_start]], async_start) if async_start else (None, False)
+                is_async, result = done is not None, _array_bytes(ins.type)
+            full = operand_bytes if kind == "reduce-scatter" else sum(result)
+            groups = device_groups(ins.attributes, devices)
+            collectives.append(Collective(kind, mesh_axes(groups, mesh_shape), len(groups[0]) if groups else 0, len(result),
+                                          full, times, known, is_async, overlapped))
+    warnings = tuple(dict.fromkeys(line.strip() for line in log.splitlines() if WARNING_LINE.search(line)))
+    return HloReport(tuple(collectives), fusions, "cudnn" if attention_calls else "xla", attention_calls, warnings)
+
+
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[list[str]]:
+    """Capture what is written to file descriptor 2 inside the block, XLA's C++ logging included; the list yielded
+    receives the text at the end, and the text is written on to the real stderr so nothing is hidden."""
+    out: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace")
+            out.append(text)
+            if text:
+                sys.stderr.write(text)
+                sys.stderr.flush()

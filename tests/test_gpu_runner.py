@@ -1,0 +1,50 @@
+"""The one command for a lent GPU machine (benchmarks/gpu_h200.sh), offline: it installs the carried wheels into
+a site folder, stops at once when jax sees no GPU, and the row runner keeps to its time budget. The whole path
+with real wheels and tiny rows on CPU is `make gpu-dry-run` (it downloads, so it is not a test)."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+from conftest import REPO
+
+SCRIPT = REPO / "benchmarks" / "gpu_h200.sh"
+
+
+def _wheel(folder, name="carried_probe", version="0.1"):
+    """A minimal pure-Python wheel, as `make gpu-wheels` would carry one."""
+    dist = f"{name}-{version}.dist-info"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as whl:
+        whl.writestr(f"{name}/__init__.py", "CARRIED = True\n")
+        whl.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        whl.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(f"{dist}/RECORD", "")
+    return path
+
+
+def test_installs_the_wheels_then_stops_without_a_gpu(tmp_path):
+    wheels, site, out = tmp_path / "whl", tmp_path / "site", tmp_path / "out"
+    wheels.mkdir()
+    _wheel(wheels)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {
+        "PY": sys.executable, "WHEELS": str(wheels), "SITE": str(site), "OUT": str(out), "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr
+    assert "jax sees no GPU" in result.stderr
+    assert (site / "carried_probe" / "__init__.py").is_file()  # installed with --target, no index
+    assert not out.exists()  # no row ran, nothing measured on the CPU
+
+
+def test_rows_past_the_budget_are_skipped_and_recorded(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_h200.py"), "--tiny", "--budget-s", "0",
+                             "--only", "mfu_1b,attention_xla_1b", "--out", str(out)],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records[0]["row"] == "environment" and records[0]["platform"] == "cpu"
+    assert [(r["row"], r["status"]) for r in records[1:]] == [("mfu_1b", "skipped"), ("attention_xla_1b", "skipped")]

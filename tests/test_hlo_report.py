@@ -1,0 +1,127 @@
+"""`jaxtrain plan --hlo-report`: the compiled program's collectives, fusions, attention kernel and XLA warnings,
+checked against the rule set on the CPU compile (the GPU compile: tests/test_plan_gpu.py)."""
+
+import json
+import os
+
+import jax
+import numpy as np
+from conftest import REPO, run_cli, small_config
+
+from jaxtrain import hlo_report
+from jaxtrain import plan as plan_lib
+from jaxtrain.train import make_layout
+
+
+def _bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def check_fsdp_collectives(plan, layout):
+    """The rule set's collectives in the compiled step of ``small_config(rules="fsdp", mesh=(1, 8, 1))``: every
+    weight gathered once per pass, every gradient reduced once, byte for byte, all over fsdp. Also used on the
+    GPU compile (test_plan_gpu.py)."""
+    cfg, hlo = layout.cfg, plan.compiled.hlo
+    params = layout.spec.shapes
+    layers = params["layers"]
+    per_layer_weights = _bytes({k: v for k, v in layers.items() if "norm" not in k}) // cfg.model.num_layers
+    tables = _bytes(params["embed"]) + _bytes(params["lm_head"])
+    gathers = [c for c in hlo.collectives if c.kind == "all-gather"]
+    # every weight split on fsdp (norm scales are replicated) gathered once in the forward and once in the
+    # backward layer loop; the two vocabulary tables once, their gathered copies kept for the backward
+    assert {c.axes for c in hlo.collectives} == {("fsdp",)}
+    assert sum(c.bytes * c.executions for c in gathers) == 2 * cfg.model.num_layers * per_layer_weights + tables
+    # wq wk wv wo, gate up down (XLA may combine several into one collective)
+    assert sum(c.tensors * c.executions for c in gathers) == 2 * cfg.model.num_layers * 7 + 2
+    # each gradient reduced once over fsdp (XLA:CPU reduces with all-reduces, a GPU with reduce-scatters); the
+    # rest are the step's scalar metrics
+    reductions = [c for c in hlo.collectives if c.kind in ("all-reduce", "reduce-scatter")]
+    extra = sum(c.bytes * c.executions for c in reductions) - _bytes(params)
+    assert 0 <= extra < 1024
+    assert hlo.attention == "xla" and hlo.attention_calls == 0 and hlo.fusions > 0
+    assert plan.compiled_traffic["fsdp"] == sum(c.traffic for c in hlo.collectives if c.kind in ("all-gather", "reduce-scatter"))
+    return hlo
+
+
+def test_fsdp_gathers_each_weight_once_per_pass_and_reduces_each_gradient_once():
+    cfg = small_config(rules="fsdp", mesh=(1, 8, 1))
+    plan = plan_lib.make_plan(cfg, hlo_report=True)
+    hlo = check_fsdp_collectives(plan, make_layout(cfg))
+    assert not any(c.is_async for c in hlo.collectives)  # XLA:CPU runs collectives synchronously
+    text = plan_lib.render(plan)
+    assert "all-gather over fsdp" in text and "step_cost's prediction / compiled" in text
+
+
+def test_replica_group_notations_map_to_mesh_axes():
+    mesh = {"data": 2, "fsdp": 2, "tensor": 2}
+    explicit = hlo_report.device_groups("replica_groups={{0,2},{1,3},{4,6},{5,7}}, dimensions={0}", 8)
+    iota = hlo_report.device_groups("replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={0}", 8)
+    named = hlo_report.device_groups("replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2] {'axis_1'}, dimensions={0}", 8)
+    # the devices in another order: [2,2,2]T(1,0,2) lists 0 1 4 5 2 3 6 7, laid out as 2 x 1 x 4
+    ordered = hlo_report.device_groups("replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], device_ids=([2,2,2]T(1,0,2)) "
+                                       "{'axis_0'}, use_global_device_ids=true", 8)
+    assert explicit == iota == named == sorted(ordered) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert hlo_report.mesh_axes(explicit, mesh) == ("fsdp",)
+    swaps = hlo_report.device_groups("source_target_pairs={{0,0},{1,2},{2,1},{3,3}}", 8)  # the first pair moves nothing
+    assert hlo_report.mesh_axes(swaps, mesh) == ("fsdp", "tensor")
+    assert hlo_report.mesh_axes(hlo_report.device_groups("replica_groups={}, to_apply=%add", 8), mesh) == ("data", "fsdp", "tensor")
+    assert hlo_report.device_groups("replica_groups=<something new>", 8) is None  # unknown, not guessed
+
+
+def test_async_collective_with_compute_between_start_and_done_is_overlapped():
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[8]) -> f32[64] {
+  %p = f32[8]{0} parameter(0)
+  %ag-start = (f32[8]{0}, f32[64]{0}) all-gather-start(%p), replica_groups=[1,8]<=[8], dimensions={0}
+  %f = f32[8]{0} fusion(%p), kind=kLoop, calls=%fused
+  %ag-done = f32[64]{0} all-gather-done(%ag-start)
+  %ar-start = f32[64]{0} all-reduce-start(%ag-done), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  ROOT %ar-done = f32[64]{0} all-reduce-done(%ar-start)
+}
+"""
+    report = hlo_report.report(text, {"data": 1, "fsdp": 8, "tensor": 1})
+    gather, reduce = report.collectives
+    assert (gather.kind, gather.bytes, gather.is_async, gather.overlapped) == ("all-gather", 256, True, True)
+    assert (reduce.kind, reduce.bytes, reduce.is_async, reduce.overlapped) == ("all-reduce", 256, True, False)
+    assert reduce.traffic == 2 * 256 * 7 / 8 and report.fusions == 1
+
+
+def test_xla_log_lines_are_captured_as_warnings_and_still_printed(capfd):
+    with hlo_report.captured_stderr() as log:
+        os.write(2, b"W0000 spmd_partitioner.cc:652] [SPMD] Involuntary full rematerialization. The compiler was not able\n")
+        os.write(2, b"I0000 something routine\n")
+        os.write(2, b"W1130 12:21:14.583601    3561 hlo_rematerialization.cc:3231] Can't reduce memory use below 61.09GiB\n")
+    assert "Involuntary full rematerialization" in capfd.readouterr().err  # written on
+    report = hlo_report.report("ENTRY %e () -> f32[] {\n}\n", {"data": 8}, log[0])
+    assert len(report.warnings) == 2 and "Involuntary" in report.warnings[0] and "Can't reduce" in report.warnings[1]
+
+
+def test_runs_multiply_by_known_trip_counts_and_are_lower_bounds_without_one():
+    def module(trip: str) -> str:
+        return f"""HloModule m, is_scheduled=true
+
+%body (p: f32[8]) -> f32[8] {{
+  %p = f32[8]{{0}} parameter(0)
+  ROOT %ar = f32[8]{{0}} all-reduce(%p), replica_groups={{}}, to_apply=%add
+}}
+
+ENTRY %main (x: f32[8]) -> f32[8] {{
+  %x = f32[8]{{0}} parameter(0)
+  ROOT %w = f32[8]{{0}} while(%x), condition=%cond, body=%body, backend_config={{{trip}"known_induction_variable":{{}}}}
+}}
+"""
+    known = hlo_report.report(module('"known_trip_count":{"n":"5"},'), {"data": 8}).collectives[0]
+    assert (known.executions, known.executions_known, known.bytes) == (5, True, 32)
+    peeled = hlo_report.report(module(""), {"data": 8}).collectives[0]
+    assert (peeled.executions, peeled.executions_known) == (1, False)
+
+
+def test_cli_plan_json_has_the_hlo_report():
+    result = run_cli("plan", "tiny", "--rules", "fsdp", "--json", "--hlo-report", "train.global_batch=8", cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stdout)["hlo_report"]
+    assert body["attention"] == "xla" and body["fusions"] > 0
+    assert {g["kind"] for g in body["collectives"]} >= {"all-gather"}
+    assert set(body["traffic_bytes"]["predicted"]) == set(body["traffic_bytes"]["compiled"]) == {"fsdp", "data", "tensor"}
+    assert np.isclose(sum(g["traffic_bytes"] for g in body["collectives"]), sum(body["traffic_bytes"]["compiled"].values()))
