@@ -12,6 +12,7 @@ the checks (so all stop together); only process 0 writes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import resource
@@ -54,6 +55,11 @@ class NonFiniteError(UserError):
     """A non-finite loss or gradient norm; the message is the one-line diagnosis."""
 
 
+@functools.cache  # the machine does not change within a process; a bfloat16 measurement takes seconds on CPU
+def _measured_cpu_peak(devices: tuple, dtype: str) -> float:
+    return measure_matmul_peak(list(devices), size=CPU_PEAK_MATMUL_SIZE, dtype=dtype) / len(devices)
+
+
 def resolve_peak(cfg: Config, devices: list) -> tuple[float | None, str]:
     """Per-device peak FLOP/s for MFU and where it comes from: the override, the datasheet table,
     or (CPU) a matmul benchmark of the local devices working together."""
@@ -64,9 +70,8 @@ def resolve_peak(cfg: Config, devices: list) -> tuple[float | None, str]:
     if table:
         return table, f"datasheet, {kind}, {cfg.model.dtype}"
     if devices[0].platform == "cpu":
-        local = [d for d in devices if d.process_index == jax.process_index()]
-        measured = measure_matmul_peak(local, size=CPU_PEAK_MATMUL_SIZE, dtype=cfg.model.dtype) / len(local)
-        return measured, f"measured {cfg.model.dtype} matmul on {len(local)} CPU devices"
+        local = tuple(d for d in devices if d.process_index == jax.process_index())
+        return _measured_cpu_peak(local, cfg.model.dtype), f"measured {cfg.model.dtype} matmul on {len(local)} CPU devices"
     return None, f"unknown for {kind}; set log.peak_tflops"
 
 

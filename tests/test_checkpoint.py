@@ -3,7 +3,6 @@ async save, a corrupted checkpoint, a full disk, resharding onto other meshes, -
 
 import dataclasses
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import REPO, run_cli, with_
+from conftest import REPO, run_cli, subprocess_env, with_
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.config import AxisSizes, MeshConfig, from_dict
 from jaxtrain.layout import make_layout
@@ -28,7 +27,7 @@ ARGS = [f"train.steps={STEPS}", "log.every=1", "train.eval_batches=1", "train.gl
 
 def _start(run_dir, *extra, limit_file_size=None):
     """`jaxtrain train tiny` as a child process; stderr goes to RUN_DIR.stderr."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     # a "full disk": writes past the size limit fail with EFBIG (Python ignores SIGXFSZ)
     limit = ["prlimit", f"--fsize={limit_file_size}", "--"] if limit_file_size else []
     stderr = open(f"{run_dir}.stderr", "a")

@@ -3,12 +3,11 @@ a site folder, stops at once when jax sees no GPU, and the row runner keeps to i
 with real wheels and tiny rows on CPU is `make gpu-dry-run` (it downloads, so it is not a test)."""
 
 import json
-import os
 import subprocess
 import sys
 import zipfile
 
-from conftest import REPO
+from conftest import REPO, subprocess_env
 
 SCRIPT = REPO / "benchmarks" / "gpu_h200.sh"
 
@@ -29,7 +28,7 @@ def test_installs_the_wheels_then_stops_without_a_gpu(tmp_path):
     wheels, site, out = tmp_path / "whl", tmp_path / "site", tmp_path / "out"
     wheels.mkdir()
     _wheel(wheels)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {
+    env = subprocess_env() | {
         "PY": sys.executable, "WHEELS": str(wheels), "SITE": str(site), "OUT": str(out), "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 3, result.stderr
@@ -40,7 +39,7 @@ def test_installs_the_wheels_then_stops_without_a_gpu(tmp_path):
 
 def test_rows_past_the_budget_are_skipped_and_recorded(tmp_path):
     out = tmp_path / "rows.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = subprocess_env() | {"JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_h200.py"), "--tiny", "--budget-s", "0",
                              "--only", "mfu_1b,attention_xla_1b", "--out", str(out)],
                             env=env, capture_output=True, text=True, timeout=120)

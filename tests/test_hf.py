@@ -5,7 +5,6 @@ import -> train -> export -> reload, two processes reading only their own slices
 import copy
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ from flax import nnx
 from flax.core import spmd
 from safetensors import safe_open
 
-from conftest import REPO, small_config, with_
+from conftest import REPO, small_config, subprocess_env, with_
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import cli
 from jaxtrain.interop import hf_config, hf_export, hf_import
@@ -116,7 +115,7 @@ def test_import_equals_transformers_and_export_loads_back(name, devices, hf_mode
 
 
 def _launch(*args, stderr):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     return subprocess.run([sys.executable, str(REPO / "scripts" / "launch_local.py"), "--num-processes", "2", "--devices", "4", "--",
                            sys.executable, "-m", "jaxtrain.cli", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
                           timeout=600)

@@ -2,13 +2,12 @@
 as 1 process x 8 devices, are preempted with SIGTERM, restart, and end with the same loss sequence."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, subprocess_env
 from jaxtrain.checkpoint import PREEMPTED_EXIT_STATUS
 
 STEPS = 8
@@ -23,7 +22,7 @@ def _losses(run_dir) -> list[tuple[int, float]]:
 
 
 def _launch(run_dir):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     return subprocess.Popen([sys.executable, str(REPO / "scripts" / "launch_local.py"), "--num-processes", "2", "--devices", "4",
                              "--", sys.executable, "-m", "jaxtrain.cli", "train", "tiny", "--mesh", "cpu2x4",
                              "--run-dir", str(run_dir), *ARGS],
