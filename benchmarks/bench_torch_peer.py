@@ -4,6 +4,11 @@ on every core (torch.set_num_threads(os.cpu_count()); XLA:CPU's thread pool take
 repetitions interleaved as in bench_perf.
 
 - ``torch_peer_ratio``: jaxtrain tokens/s ÷ transformers tokens/s (goal >= 1.0), and both absolute.
+- ``unrolled_layers_speedup``: jaxtrain with ``model.scan_layers=false`` ÷ the scanned default, tokens/s, in the
+  same interleaved run, beside both train steps' compile times (what unrolling costs).
+- ``torch_peer_phases``: where the time goes, phase by phase, each timed side by side like the whole step:
+  the forward pass alone (loss, no gradient), forward + backward (loss and gradients), and the whole step
+  (+ clipping and AdamW); the differences give backward and optimizer times.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import jax
 from bench_perf import ONE_DEVICE, config, fixed_batch, interleaved_medians, jaxtrain_contender, random_corpus
 
+from jaxtrain.step import token_nll
 from jaxtrain.train import build
 from models.config import LlamaConfig
 
@@ -43,16 +49,38 @@ def torch_contender(cfg, batch):
     inputs = torch.from_numpy(np.asarray(batch["inputs"]).astype(np.int64))
     targets = torch.from_numpy(np.asarray(batch["targets"]).astype(np.int64))
 
-    def step(_, __):
+    def loss():
         logits = model(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def forward(_, __):
+        with torch.no_grad():
+            return loss()
+
+    def forward_backward(_, __):
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        value = loss()
+        value.backward()
+        return value.detach()
+
+    def step(_, __):
+        value = forward_backward(None, None)
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm)
         optimizer.step()
-        return loss.detach()
+        return value
 
-    return step, step(None, None)
+    first = step(None, None)
+    return {"step": (step, first), "forward": (forward, first), "forward_backward": (forward_backward, first)}
+
+
+def jaxtrain_phases(trainer) -> dict:
+    """The forward pass and forward + backward of jaxtrain's own loss (token_nll), jitted with the trainer's
+    shardings, on a fresh state's parameters; the whole step is the trainer's."""
+    params = trainer.init_state().params
+    loss = lambda p, b: token_nll(trainer.layout.spec.graphdef, p, b).mean()  # noqa: E731
+    forward, forward_backward = jax.jit(loss), jax.jit(jax.value_and_grad(loss))
+    return {"step": jaxtrain_contender(trainer), "forward": (lambda _, b: forward(params, b), None),
+            "forward_backward": (lambda _, b: forward_backward(params, b)[0], None)}
 
 
 def run() -> dict:
@@ -61,18 +89,33 @@ def run() -> dict:
     torch.set_num_threads(os.cpu_count())
     cfg = config(PEER_MODEL, mesh=ONE_DEVICE, rules="dp", seq_len=SEQ_LEN, global_batch=BATCH)
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, layer_every=0))  # the peer computes no per-layer norms
-    trainer = build(cfg, random_corpus(PEER_MODEL.vocab_size), jax.devices()[:1])
+    corpus = random_corpus(PEER_MODEL.vocab_size)
+    trainer = build(cfg, corpus, jax.devices()[:1])
+    unrolled = build(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False)), corpus, jax.devices()[:1])
     batch = fixed_batch(trainer)
-    torch_step, torch_loss = torch_contender(cfg, batch)
+    torch_phases = torch_contender(cfg, batch)
+    torch_loss = torch_phases["step"][1]
     jax_loss = float(trainer.train_step(trainer.init_state(), batch)[1]["loss"])
     for name, loss in (("jaxtrain", jax_loss), ("transformers", float(torch_loss))):  # same task, fresh models
         if abs(loss - math.log(PEER_MODEL.vocab_size)) > 0.1:
             raise AssertionError(f"{name}'s first loss {loss:.3f} is not ln(vocab) = {math.log(PEER_MODEL.vocab_size):.3f}")
-    medians = interleaved_medians({"jaxtrain": jaxtrain_contender(trainer), "transformers": (torch_step, torch_loss)}, batch)
+    jax_phases = jaxtrain_phases(trainer)
+    medians = interleaved_medians({"jaxtrain": jax_phases["step"], "jaxtrain_unrolled": jaxtrain_contender(unrolled),
+                                   "transformers": torch_phases["step"]}
+                                  | {f"{who}_{phase}": contender for who, phases in (("jaxtrain", jax_phases), ("transformers", torch_phases))
+                                     for phase, contender in phases.items() if phase != "step"}, batch)
+    phases = {phase: {who: medians[f"{who}_{phase}"] for who in ("jaxtrain", "transformers")} for phase in ("forward", "forward_backward")}
+    phases["step"] = {who: medians[who] for who in ("jaxtrain", "transformers")}
     tokens = trainer.tokens_per_step
     return {
         "torch_peer_ratio": medians["transformers"] / medians["jaxtrain"],
+        "unrolled_layers_speedup": medians["jaxtrain"] / medians["jaxtrain_unrolled"],
+        # seconds per phase and the transformers ÷ jaxtrain time ratio (> 1: jaxtrain faster there)
+        "torch_peer_phases": {phase: t | {"ratio": t["transformers"] / t["jaxtrain"]} for phase, t in phases.items()},
         "torch_peer": {"jaxtrain_tokens_per_s": tokens / medians["jaxtrain"], "transformers_tokens_per_s": tokens / medians["transformers"],
+                       "jaxtrain_unrolled_tokens_per_s": tokens / medians["jaxtrain_unrolled"],
+                       "unrolled_over_transformers": medians["transformers"] / medians["jaxtrain_unrolled"],
+                       "compile_s": trainer.compile_s, "unrolled_compile_s": unrolled.compile_s,
                        "jaxtrain_step_s": medians["jaxtrain"], "transformers_step_s": medians["transformers"],
                        "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__},
     }

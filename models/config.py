@@ -55,6 +55,9 @@ class LlamaConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     attention: str = "auto"  # jax.nn.dot_product_attention implementation
+    # False: the loop over layers unrolled when compiling (faster steps on CPU, compile time grows with depth);
+    # the parameters stay stacked on the layers axis either way, so checkpoints do not change
+    scan_layers: bool = True
 
     @property
     def resolved_head_dim(self) -> int:

@@ -3,8 +3,9 @@
 Every parameter carries logical axis names (``out_sharding`` metadata) and activations are
 constrained with logical names; which mesh axes those map to is decided by the caller's rule set.
 Layers are stacked on a leading ``layers`` axis and applied with ``jax.lax.scan`` so the compiled
-program does not grow with depth. ``Llama.extend`` runs the same parameters and scan over new tokens with
-a key/value cache (prefill, then one token per decoding step).
+program does not grow with depth (``scan_layers=False`` unrolls that loop; the parameters stay stacked).
+``Llama.extend`` runs the same parameters and scan over new tokens with a key/value cache (prefill, then one
+token per decoding step).
 """
 
 from __future__ import annotations
@@ -234,7 +235,7 @@ class Llama(nnx.Module):
         policy = REMAT_POLICY_FNS[cfg.remat]
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, layer_params)
+        x, _ = jax.lax.scan(layer, x, layer_params, unroll=self._unroll)
 
         return self.final_norm(x)
 
@@ -251,8 +252,12 @@ class Llama(nnx.Module):
             x, updated = nnx.merge(layer_def, params).extend(x, sin, cos, LayerCache(keys, values, cache.length))
             return x, (updated.keys, updated.values)
 
-        x, (keys, values) = jax.lax.scan(layer, x, (layer_params, cache.keys, cache.values))
+        x, (keys, values) = jax.lax.scan(layer, x, (layer_params, cache.keys, cache.values), unroll=self._unroll)
         return self.final_norm(x), KVCache(keys, values, cache.length + tokens.shape[1])
+
+    @property
+    def _unroll(self) -> bool:
+        return not self.cfg.scan_layers
 
     def _embed_tokens(self, tokens: jax.Array) -> jax.Array:
         tokens = constrain(tokens, (BATCH, LENGTH))

@@ -50,6 +50,16 @@ def test_scan_equals_layers_applied_one_by_one():
     np.testing.assert_allclose(model(TOKENS), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_unrolled_layers_equal_the_scan_and_compile_without_a_loop():
+    unrolled = LlamaConfig(**{**CFG.__dict__, "scan_layers": False})
+    ref_loss, ref_grads = _loss_and_grads(CFG)
+    loss, grads = _loss_and_grads(unrolled)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+    forward = lambda cfg: jax.jit(Llama(cfg, rngs=nnx.Rngs(0))).lower(TOKENS).as_text()  # noqa: E731
+    assert "stablehlo.while" in forward(CFG) and "stablehlo.while" not in forward(unrolled)
+
+
 def test_causal_mask_hides_the_future():
     model = Llama(CFG, rngs=nnx.Rngs(0))
     changed = TOKENS.at[:, 10].set((TOKENS[:, 10] + 1) % 64)
