@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: train test bench test-gpu-plan gpu-wheels gpu-dry-run
+.PHONY: train test bench test-gpu-plan gpu-wheels gpu-dry-run test-jax-next
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,22 @@ train: $(INSTALLED)
 
 test: $(INSTALLED)
 	$(PY) -m pytest -n 2 tests
+
+# The code on the next jax (the GPU image's 0.11, which needs Python 3.12) beside our 0.10: the tests that need
+# no torch, on the CPU. Not part of `make test`: it needs a python3.12 and about 1 GB of downloads.
+JAX_NEXT ?= 0.11.2
+JAX_NEXT_PYTHON ?= python3.12
+JAX_NEXT_VENV := .venv-jax-next
+JAX_NEXT_TESTS ?= tests/test_model.py tests/test_parity.py tests/test_config.py tests/test_data.py tests/test_checkpoint.py \
+	tests/test_train_e2e.py tests/test_generate.py
+$(JAX_NEXT_VENV)/.installed: pyproject.toml
+	test -x $(JAX_NEXT_VENV)/bin/python || $(JAX_NEXT_PYTHON) -m venv $(JAX_NEXT_VENV)
+	$(JAX_NEXT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(JAX_NEXT_VENV)/bin/python -m pip install --quiet -e . "jax==$(JAX_NEXT)" "jaxlib==$(JAX_NEXT)" pytest pytest-xdist tensorboard
+	touch $@
+
+test-jax-next: $(JAX_NEXT_VENV)/.installed
+	$(JAX_NEXT_VENV)/bin/python -m pytest -n 2 $(JAX_NEXT_TESTS) -k "not transformers and not torch"
 
 # CPU benchmark suite -> benchmarks/results/latest.json; ONLY=perf,checkpoint runs a subset
 bench: $(INSTALLED)
