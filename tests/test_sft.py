@@ -22,7 +22,10 @@ from jaxtrain.config import DataConfig
 from jaxtrain.data import sft
 from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.errors import UserError
-from jaxtrain.step import token_nll
+from jaxtrain.layout import make_layout
+from jaxtrain.optim import learning_rate_schedule
+from jaxtrain.state import init_state
+from jaxtrain.step import make_train_step, token_nll
 from jaxtrain.train import build, train
 from models.llama import Llama
 
@@ -144,9 +147,29 @@ def test_packed_sequences_give_each_example_its_loss_alone(data):
     for i, (row, at) in enumerate(places):
         np.testing.assert_allclose(nll[row][at], expected[i, :at.sum()], rtol=2e-5, atol=2e-6)
     assert len(places) >= 8
+    # rotary embeddings see only position differences inside an example, so the packed-vs-alone equality above cannot
+    # tell whether the model reads the positions; positions that are not consecutive must change the result
+    assert np.abs(np.asarray(nll_of(params, batch | {"positions": batch["positions"] * 2})) - nll).max() > 1e-2
     # the loss counts the answers' tokens only, per counted token
     weights = batch["weights"]
     assert 0 < weights.sum() < (batch["segment_ids"] > 0).sum()
+
+
+def test_microbatches_give_the_loss_and_update_of_the_whole_batch(data):
+    """Micro-batches hold different numbers of answer tokens: each is weighted by the whole batch's count."""
+    tok_dir, path = data
+    cfg = with_(small_config(rules="dp", mesh=(1, 1, 1), vocab_size=VOCAB),
+                data={"path": str(path), "tokenizer": str(tok_dir), "format": "sft", "seq_len": SEQ, "val_fraction": 0.2})
+    batch = _packed_batch(sft.load_sft(cfg.data), cfg.data, batch=4)
+    layout = make_layout(cfg, jax.devices()[:1])
+    state = init_state(cfg.model, layout.tx, 0, layout.shardings)
+    results = [jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), micro))(state, batch)
+               for micro in (1, 2)]
+    counts = [batch["weights"][i::2].sum() for i in range(2)]
+    assert counts[0] != counts[1]  # the micro-batches hold unequal numbers of counted tokens
+    (_, whole), (_, split) = results
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose(split[name], whole[name], rtol=1e-5)
 
 
 def test_unpacked_is_one_example_per_sequence_and_packing_fills_more(data):
@@ -197,9 +220,10 @@ def test_train_resume_and_generate_chat(data, tmp_path, capsys):
     loss per counted token; `generate --chat` renders the prompt with the template."""
     tok_dir, path = data
     cfg = with_(small_config(vocab_size=VOCAB), data={"path": str(path), "tokenizer": str(tok_dir), "format": "sft", "seq_len": SEQ, "val_fraction": 0.2},
-                train={"steps": 6, "eval_batches": 2}, checkpoint={"every": 2, "async_save": False})
+                train={"steps": 6, "eval_batches": 2}, checkpoint={"every": 2, "async_save": False},
+                log={"tensorboard": False, "peak_tflops": 1.0})  # no event files, no peak measurement: time
     trainer = build(cfg)
-    train(cfg, tmp_path / "whole", trainer)
+    final = jax.device_get(train(cfg, tmp_path / "whole", trainer).params)
     compiled = trainer.train_step
 
     def stop_after_three(state, batch):
@@ -217,11 +241,21 @@ def test_train_resume_and_generate_chat(data, tmp_path, capsys):
     losses = [(r["step"], r["loss"]) for r in whole if "loss" in r]
     assert [(r["step"], r["loss"]) for r in stopped if "loss" in r] == losses and len(losses) == 6
     assert losses[-1][1] < losses[0][1]
+    # train and eval loss: nats per counted (answer) token
+    nll_of = jax.jit(lambda params, batch: token_nll(trainer.layout.spec.graphdef, params, batch))
+
+    def per_counted_token(params, batches):
+        batches = [jax.device_get(b) for b in batches]
+        return sum(float((nll_of(params, b) * b["weights"]).sum()) for b in batches) / sum(b["weights"].sum() for b in batches)
+
+    first_batch = next(sft.train_batches(trainer.corpus, trainer.cfg.data, 8, trainer.batch_sharding))
+    np.testing.assert_allclose(losses[0][1], per_counted_token(jax.device_get(trainer.init_state().params), [first_batch]), rtol=1e-5)
     evals = [r for r in whole if "eval_loss" in r]
     eval_data = sft.eval_batches(trainer.corpus, trainer.cfg.data, 8, trainer.batch_sharding, 2)
     assert evals[-1]["eval_tokens"] == int(sum(np.asarray(b["weights"]).sum() for b in eval_data))
+    np.testing.assert_allclose(evals[-1]["eval_loss"], per_counted_token(final, eval_data), rtol=1e-5)
     capsys.readouterr()
-    assert cli.main(["generate", str(tmp_path / "whole"), "--prompt", "alpha beta", "--chat", "--max-new-tokens", "4"]) == 0
+    assert cli.main(["generate", str(tmp_path / "whole"), "--prompt", "alpha beta", "--chat", "--max-new-tokens", "1"]) == 0
     prompt = sft.ChatTemplate(load_tokenizer(tok_dir)).prompt_tokens("alpha beta")  # equal to transformers' (test above)
     assert f"prefill {len(prompt)} tokens" in capsys.readouterr().err
 
