@@ -260,6 +260,36 @@ def test_train_resume_and_generate_chat(data, tmp_path, capsys):
     assert f"prefill {len(prompt)} tokens" in capsys.readouterr().err
 
 
+def test_generate_chat_from_a_hugging_face_model_equals_transformers(data, tmp_path, capsys):
+    """`generate HF_DIR --chat`: the prompt rendered as transformers renders it, the greedy answer (cut at the eos
+    token) equal to transformers' greedy generate on the same model."""
+    import shutil
+
+    import torch
+
+    tok_dir, _ = data
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256)).eval()
+    with torch.no_grad():  # decisive logits: greedy decoding far from ties
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, tmp_path / "hf" / name)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": "alpha beta"}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)
+    with torch.no_grad():
+        new = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    end = hf_tokenizer.eos_token_id
+    expected = hf_tokenizer.decode(new[:new.index(end)] if end in new else new, skip_special_tokens=True)
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path / "hf"), "--chat", "--prompt", "alpha beta", "--max-new-tokens", "8"]) == 0
+    assert len(expected) > 3 and capsys.readouterr().out == expected + "\n"
+
+
 @pytest.mark.parametrize("case, message", [
     ("no_template", r"tokenizer .*tok has no chat template \(neither chat_template.jinja nor 'chat_template' in tokenizer_config.json\)"),
     ("bad_line", r"bad.jsonl:2 has neither 'prompt' and 'completion' strings nor a 'messages' list \(keys text\)"),
