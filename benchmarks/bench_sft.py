@@ -6,8 +6,8 @@ examples are rendered and packed. One run, same examples:
   ``GLOBAL_BATCH`` bins vs one example per sequence, ``data.pack=false``); ``sft_pack_fill_ratio`` their ratio:
   how many more example tokens a step trains on when packed.
 - ``sft_answer_share``: share of the example tokens the loss counts (the answers).
-- ``sft_load_examples_per_s``: rendering with the chat template (transformers' renderer, three renders per
-  prompt/completion example: the whole, the text before the answer, through the answer) and tokenizing;
+- ``sft_load_examples_per_s``: rendering with the chat template (transformers' renderer, two renders per
+  prompt/completion example: the whole, and the text before the answer) and tokenizing;
   ``sft_pack_examples_per_s``: packing into batches (grain), both on this machine's one Python thread.
 
 Examples: prompt and answer lengths drawn from log-normal distributions (median about 60 and 120 words, as
@@ -62,7 +62,8 @@ def run() -> dict:
     with tempfile.TemporaryDirectory() as temp:
         directory = Path(temp)
         path = _examples(directory)
-        train_tokenizer([str(path)], VOCAB, directory / "tok")
+        (directory / "words.txt").write_text(" ".join(WORDS * 50))
+        train_tokenizer([str(directory / "words.txt")], VOCAB, directory / "tok")
         config = json.loads((directory / "tok" / "tokenizer_config.json").read_text())
         (directory / "tok" / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
         cfg = DataConfig(path=str(path), tokenizer=str(directory / "tok"), seq_len=SEQ_LEN, val_fraction=0.01, format="sft")

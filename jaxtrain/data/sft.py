@@ -125,7 +125,7 @@ def _rendered(template: ChatTemplate, messages: list[dict], where: str) -> tuple
         if message["role"] != ASSISTANT:
             continue
         before = template.render(messages[:i], add_generation_prompt=True)
-        through = template.render(messages[:i + 1])
+        through = text if i == len(messages) - 1 else template.render(messages[:i + 1])
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
             raise UserError(f"{where}: the chat template does not render the conversation up to message {i + 1} as the start of "
                             "the whole conversation, so its answer cannot be located; use a template that renders earlier "
