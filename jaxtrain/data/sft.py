@@ -237,7 +237,9 @@ class PackedBatches(GlobalBatches):
         block, blocks = process_rows(sharding, self.global_shape)
         per_process = global_batch // blocks
         ds = packed_batches(examples, cfg, global_batch, shuffle_seed=shuffle_seed, repeat=repeat)
-        self.iterator = ds.map(functools.partial(_rows, block * per_process, (block + 1) * per_process)).__iter__()
+        rows = ds.map(functools.partial(_rows, block * per_process, (block + 1) * per_process))
+        # packing runs in a background thread while the devices compute; its state is that of the batches taken
+        self.iterator = grain.experimental.ThreadPrefetchIterDataset(rows, prefetch_buffer_size=2).__iter__()
 
 
 def train_batches(corpus: SftCorpus, cfg: DataConfig, global_batch: int, sharding: NamedSharding) -> PackedBatches:
