@@ -4,6 +4,9 @@ this file sets no model shape; give the data with ``data.path=TOKENS.bin`` (toke
 tokenizer). The recipe: a low learning rate with a short warmup, cosine decay to lr/10, no weight decay.
 
     jaxtrain train finetune --init-from models/Llama-3.2-1B data.path=tokens.bin --run-dir runs/ft
+
+Instruction tuning on chat data (loss on the answers only, examples packed): add
+``data.format=sft data.path=chats.jsonl data.tokenizer=HF_DIR`` (README, "Instruction data (SFT)").
 """
 
 from experiments._llama import run

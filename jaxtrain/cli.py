@@ -145,11 +145,12 @@ def cmd_generate(args) -> int:
 
     from jaxtrain import generate as generate_lib  # starts jax
 
-    loaded = generate_lib.load(path, args.mesh, args.rules)
+    loaded = generate_lib.load(path, args.mesh, args.rules, chat=args.chat)
     prompt = loaded.encode(args.prompt)
     out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling)
     new = out.tokens[0]
-    print(args.prompt + loaded.decode(new) if loaded.decode else " ".join(map(str, new)), flush=True)
+    text = loaded.decode(new) if args.chat else args.prompt + loaded.decode(new) if loaded.decode else " ".join(map(str, new))
+    print(text, flush=True)
     decode = f"{out.decode_tokens_per_s:,.1f} tokens/s" if out.decode_tokens_per_s else "no decoding steps"
     print(f"jaxtrain: {len(new)} new tokens; prefill {out.prompt_tokens} tokens in {out.prefill_s:.3f} s "
           f"({out.prefill_tokens_per_s:,.0f} tokens/s); decode {decode}; compile {out.compile_s:.1f} s", file=sys.stderr)
@@ -231,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "Hugging Face model directory (config.json, safetensors; computed in float32)")
     generate.add_argument("--prompt", required=True, help="text (byte-level runs: its UTF-8 bytes; Hugging Face models: their "
                           "tokenizer.json); token ids, e.g. '12 7 99', for models without a tokenizer")
+    generate.add_argument("--chat", action="store_true", help="the prompt is one user message rendered with the tokenizer's chat "
+                          "template (instruction-tuned models, data.format=sft runs); prints the answer up to the end of its turn")
     generate.add_argument("--max-new-tokens", type=int, default=SamplingConfig.max_new_tokens, metavar="N",
                           help=f"tokens to generate (default {SamplingConfig.max_new_tokens})")
     generate.add_argument("--temperature", type=float, default=SamplingConfig.temperature, metavar="T",

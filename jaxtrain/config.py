@@ -22,6 +22,7 @@ from jaxtrain.errors import UserError
 from models.config import LlamaConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
+DATA_FORMATS = ("text", "sft")
 MESHES_DIR = Path(experiments.__file__).parent / "meshes"
 EXPERIMENTS_DIR = Path(experiments.__file__).parent
 
@@ -53,6 +54,11 @@ class DataConfig:
     seq_len: int = 256
     val_fraction: float = 0.02  # share of files (or of a token file) held out for evaluation
     seed: int = 0  # shuffle seed
+    # "text": language modelling of data.path (text, JSONL 'text', token files); "sft": instruction data, a JSONL file
+    # of prompt/completion or messages rendered with data.tokenizer's chat template, loss on the answers only
+    format: str = "text"
+    pack: bool = True  # sft: several examples per sequence (segment ids); false: one example per sequence, padded
+    truncate: bool = False  # sft: cut an example longer than data.seq_len + 1 tokens to that length; false: an error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,6 +421,8 @@ def check(cfg: Config) -> None:
     microbatches = 1 if isinstance(t.microbatches, str) else t.microbatches
     if t.loss_chunk < 0 or (t.loss_chunk > 0 and d.seq_len > 0 and d.seq_len % t.loss_chunk):
         problems.append(f"train.loss_chunk={t.loss_chunk} must be 0 (off) or a positive divisor of data.seq_len={d.seq_len}")
+    if d.format not in DATA_FORMATS:
+        problems.append(f"data.format={d.format!r} must be one of {', '.join(DATA_FORMATS)}")
     if microbatches > 0 and t.global_batch % microbatches:
         problems.append(f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}")
     if problems:

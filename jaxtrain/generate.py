@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
 from jaxtrain.config import Config, SamplingConfig
+from jaxtrain.data.sft import ChatTemplate
 from jaxtrain.data.token_file import TOKEN_FILE_SUFFIXES
 from jaxtrain.data.tokenizer import TOKENIZER_FILE, RawBytes, TextTokenizer, load_tokenizer
 from jaxtrain.errors import UserError
@@ -73,11 +74,13 @@ class Generation:
 # loading
 
 
-def load(path: Path, mesh: str | None = None, rules: str | None = None) -> Loaded:
+def load(path: Path, mesh: str | None = None, rules: str | None = None, chat: bool = False) -> Loaded:
     """The model of ``path``: a training run directory (config.yaml, checkpoints/) or a Hugging Face model
     directory (config.json, safetensors). ``mesh`` / ``rules`` replace the run's own (e.g. generating on one
-    GPU from a run trained on many); a Hugging Face model defaults to every device on fsdp, rules fsdp_tp."""
-    return load_hf(path, mesh, rules) if hf_config.is_hf_dir(path) else load_run(path, mesh, rules)
+    GPU from a run trained on many); a Hugging Face model defaults to every device on fsdp, rules fsdp_tp.
+    With ``chat`` a prompt is one user message rendered with the tokenizer's chat template."""
+    loaded = load_hf(path, mesh, rules) if hf_config.is_hf_dir(path) else load_run(path, mesh, rules)
+    return dataclasses.replace(loaded, **dict(zip(("encode", "decode"), chat_codec(path, loaded.model_cfg.vocab_size)))) if chat else loaded
 
 
 def _with_layout(cfg: Config, mesh: str | None, rules: str | None) -> Config:
@@ -120,6 +123,26 @@ def codec(cfg: Config, run_dir: Path) -> tuple[Encode, Decode | None]:
         return (lambda text: _in_vocab(list(text.encode("utf-8")), vocab, "a byte of the prompt's UTF-8")), _bytes_to_text
     kept = run_dir / hf_import.RUN_SUBDIR / TOKENIZER_FILE
     return _token_codec(vocab, load_tokenizer(kept) if kept.is_file() else None)
+
+
+def chat_codec(path: Path, vocab: int) -> tuple[Encode, Decode]:
+    """A prompt as one user turn of the chat template, ready for the answer; the answer decoded up to the end of its turn."""
+    if hf_config.is_hf_dir(path):
+        file = path / TOKENIZER_FILE
+    else:
+        cfg = config_lib.load_run_config(path)
+        file = Path(cfg.data.tokenizer) if cfg.data.tokenizer else path / hf_import.RUN_SUBDIR / TOKENIZER_FILE
+    if not (file / TOKENIZER_FILE if file.is_dir() else file).is_file():
+        raise UserError(f"--chat: {path} has no tokenizer, so no chat template; generate without --chat, or from a model "
+                        "with a tokenizer directory holding a chat template")
+    template = ChatTemplate(load_tokenizer(file))
+
+    def decode(ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        end = template.end_of_turn()
+        return template.tokenizer.tokenizer.decode(ids[:ids.index(end)] if end in ids else ids, skip_special_tokens=True)
+
+    return (lambda text: _in_vocab(template.prompt_tokens(text), vocab, "a prompt token id")), decode
 
 
 def _hf_codec(vocab: int, hf_dir: Path) -> tuple[Encode, Decode | None]:

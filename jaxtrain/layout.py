@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import config as config_lib
 from jaxtrain.config import Config
+from jaxtrain.data.pipeline import batch_fields
 from jaxtrain.errors import UserError
 from jaxtrain.gpu_targets import is_nvidia_gpu
 from jaxtrain.mesh import build_mesh
@@ -41,7 +42,7 @@ class Layout:
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (self.cfg.train.global_batch, self.cfg.data.seq_len)
-        return {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding) for k in ("inputs", "targets")}
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding) for k, dtype in batch_fields(self.cfg.data).items()}
 
     @property
     def tokens_per_step(self) -> int:

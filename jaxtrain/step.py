@@ -11,7 +11,9 @@ from flax import nnx
 
 from jaxtrain.state import TrainState
 
-Batch = dict[str, jax.Array]  # 'inputs', 'targets': (batch, length) int32
+# 'inputs', 'targets': (batch, length) int32; packed instruction data (data.format=sft) adds 'segment_ids' and
+# 'positions' (int32, for the model) and 'weights' (float32: 1 where the target token counts in the loss)
+Batch = dict[str, jax.Array]
 
 
 def token_nll(graphdef, params: dict, batch: Batch, loss_chunk: int = 0) -> jax.Array:
@@ -19,9 +21,10 @@ def token_nll(graphdef, params: dict, batch: Batch, loss_chunk: int = 0) -> jax.
     ``loss_chunk`` the logits are made that many positions at a time and remade in the backward pass,
     so only one chunk's float32 (batch, chunk, vocab) logits is ever live: for large vocabularies."""
     model = nnx.merge(graphdef, params)
+    packing = batch.get("segment_ids"), batch.get("positions")
     if not loss_chunk:
-        return optax.softmax_cross_entropy_with_integer_labels(model(batch["inputs"]), batch["targets"])
-    x = model.hidden(batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch["inputs"], *packing), batch["targets"])
+    x = model.hidden(batch["inputs"], *packing)
     b, t, d = x.shape
     chunks = (jnp.swapaxes(x.reshape(b, t // loss_chunk, loss_chunk, d), 0, 1),
               jnp.swapaxes(batch["targets"].reshape(b, t // loss_chunk, loss_chunk), 0, 1))
@@ -32,6 +35,11 @@ def token_nll(graphdef, params: dict, batch: Batch, loss_chunk: int = 0) -> jax.
         return optax.softmax_cross_entropy_with_integer_labels(model.logits(hidden), targets)
 
     return jnp.swapaxes(jax.lax.map(chunk_nll, chunks), 0, 1).reshape(b, t)
+
+
+def counted_tokens(batch: Batch) -> jax.Array | None:
+    """How many target tokens the loss counts (the sum of 'weights'); None when every token counts."""
+    return jnp.maximum(batch["weights"].sum(), 1.0) if "weights" in batch else None
 
 
 def _split_microbatches(batch: Batch, k: int) -> Batch:
@@ -58,25 +66,28 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on."""
-    def loss_fn(params, batch):
-        return token_nll(graphdef, params, batch, loss_chunk).mean()
+    def loss_fn(params, batch, counted):
+        """Mean nats per token; with weights, this micro-batch's weighted nats over the whole batch's ``counted``."""
+        nll = token_nll(graphdef, params, batch, loss_chunk)
+        return nll.mean() if counted is None else (nll * batch["weights"]).sum() / counted
 
     grad_fn = jax.value_and_grad(loss_fn)
 
     def train_step(state: TrainState, batch: Batch):
+        counted = counted_tokens(batch)
         if microbatches == 1:
-            loss, grads = grad_fn(state.params, batch)
+            loss, grads = grad_fn(state.params, batch, counted)
         else:
             def accumulate(carry, micro):
                 loss_sum, grad_sum = carry
-                loss, grads = grad_fn(state.params, micro)
+                loss, grads = grad_fn(state.params, micro, counted)
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
             (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
                                             _split_microbatches(batch, microbatches))
-            # every micro-batch has the same token count, so the mean of means is the batch mean
-            loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+            if counted is None:  # every micro-batch has the same token count, so the mean of means is the batch mean
+                loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -93,9 +104,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     return train_step
 
 
-def make_eval_step(graphdef, loss_chunk: int = 0) -> Callable[[dict, Batch], jax.Array]:
-    def eval_step(params: dict, batch: Batch) -> jax.Array:
-        """Summed nats over the batch; the caller divides by the token count."""
-        return token_nll(graphdef, params, batch, loss_chunk).sum()
+def make_eval_step(graphdef, loss_chunk: int = 0) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
+    def eval_step(params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        """Summed nats over the batch's counted tokens, and their count; the caller divides the sums."""
+        nll = token_nll(graphdef, params, batch, loss_chunk)
+        if "weights" not in batch:
+            return nll.sum(), jnp.asarray(nll.size, jnp.float32)
+        return (nll * batch["weights"]).sum(), batch["weights"].sum()
 
     return eval_step

@@ -34,7 +34,7 @@ class Trainer:
     layout: Layout
     corpus: data_lib.Corpus
     train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]  # compiled; donates the state
-    eval_step: Callable[[dict, dict], jax.Array]  # compiled
+    eval_step: Callable[[dict, dict], tuple[jax.Array, jax.Array]]  # compiled: (summed nats, counted tokens)
     compile_s: float
     initializer: Callable[[], TrainState]  # jitted: compiles on the first fresh state, not on every run
 
@@ -86,10 +86,11 @@ def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
     return Trainer.of(layout, corpus, train_step, eval_lowered.compile(), time.perf_counter() - start)
 
 
-def evaluate(trainer: Trainer, params: dict, batches: list[dict]) -> float:
-    """Mean nats per token over the given validation batches."""
-    total = sum(float(trainer.eval_step(params, b)) for b in batches)
-    return total / (len(batches) * trainer.tokens_per_step)
+def evaluate(trainer: Trainer, params: dict, batches: list[dict]) -> tuple[float, int]:
+    """Mean nats per counted token over the given validation batches, and the count."""
+    sums = [trainer.eval_step(params, b) for b in batches]
+    tokens = sum(float(count) for _, count in sums)
+    return sum(float(nll) for nll, _ in sums) / tokens, int(tokens)
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -142,8 +143,8 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
                     log.checkpoint_saved(step)
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
                 with log.timer("eval_s"):
-                    eval_loss = evaluate(trainer, state.params, eval_data)
-                log.write({"step": step, "eval_loss": eval_loss, "eval_tokens": len(eval_data) * trainer.tokens_per_step})
+                    eval_loss, eval_tokens = evaluate(trainer, state.params, eval_data)
+                log.write({"step": step, "eval_loss": eval_loss, "eval_tokens": eval_tokens})
     except BaseException as e:  # the error in flight is the one to report: one in closing is only a warning
         _close(log, checkpoints, error=e)
         raise

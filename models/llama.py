@@ -69,18 +69,22 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling = Rope
     return jnp.where(medium, smoothed, scaled)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(), start=0):
+def rotary_tables(seq_len: int, head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(), start=0, positions=None):
     """sin/cos of positions start .. start + seq_len - 1, shape (seq_len, head_dim // 2), float32;
-    ``start`` may be traced (the first position of a decoding step)."""
+    ``start`` may be traced (the first position of a decoding step). With ``positions`` (batch, seq_len), each
+    token's own position instead, shape (batch, seq_len, head_dim // 2): packed sequences restart per example."""
     inv_freq = inverse_frequencies(head_dim, theta, scaling)
-    angles = (start + jnp.arange(seq_len, dtype=jnp.float32))[:, None] * inv_freq[None, :]
+    if positions is None:
+        positions = start + jnp.arange(seq_len)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.sin(angles), jnp.cos(angles)
 
 
 def apply_rotary(x, sin, cos):
-    """Rotate (batch, length, heads, head_dim) by position, half-split layout as in Llama."""
+    """Rotate (batch, length, heads, head_dim) by position, half-split layout as in Llama; sin and cos are
+    (length, head_dim // 2) or per sequence (batch, length, head_dim // 2)."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    sin, cos = sin[None, :, None, :], cos[None, :, None, :]
+    sin, cos = sin[..., None, :], cos[..., None, :]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
@@ -133,9 +137,12 @@ class Attention(nnx.Module):
             out = out + getattr(self, f"b{name}")[...].astype(self.dtype)
         return constrain(out, axes)
 
-    def __call__(self, x, sin, cos):
+    def __call__(self, x, sin, cos, segment_ids=None):
+        """With ``segment_ids`` (batch, length), a token attends only to earlier tokens of its own segment: several
+        examples packed in one sequence never see each other."""
         q, k, v = self._qkv(x, sin, cos)
-        return self._output(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation))
+        mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+        return self._output(jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=self.implementation))
 
     def extend(self, x, sin, cos, cache: LayerCache):
         """x (batch, length, d_model) at positions cache.length ...: its keys and values are written into
@@ -190,8 +197,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, sin, cos):
-        return self._mlp_residual(constrain(x + self.attn(self.attn_norm(x), sin, cos), EMBED_ACT))
+    def __call__(self, x, sin, cos, segment_ids=None):
+        return self._mlp_residual(constrain(x + self.attn(self.attn_norm(x), sin, cos, segment_ids), EMBED_ACT))
 
     def extend(self, x, sin, cos, cache: LayerCache):
         attended, cache = self.attn.extend(self.attn_norm(x), sin, cos, cache)
@@ -217,20 +224,22 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
         """tokens (batch, length) int32 -> logits (batch, length, vocab) float32."""
-        return self.logits(self.hidden(tokens))
+        return self.logits(self.hidden(tokens, segment_ids, positions))
 
-    def hidden(self, tokens: jax.Array) -> jax.Array:
-        """tokens (batch, length) int32 -> final-normed hidden states (batch, length, d_model)."""
+    def hidden(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+        """tokens (batch, length) int32 -> final-normed hidden states (batch, length, d_model). Packed sequences
+        give ``segment_ids`` (attention stays inside a segment) and ``positions`` (restarting per segment), both
+        (batch, length) int32."""
         cfg = self.cfg
         x = self._embed_tokens(tokens)
-        sin, cos = rotary_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
+        sin, cos = rotary_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling, positions=positions)
 
         layer_def, layer_params = nnx.split(self.layers)
 
         def layer(x, params):
-            return nnx.merge(layer_def, params)(x, sin, cos), None
+            return nnx.merge(layer_def, params)(x, sin, cos, segment_ids), None
 
         policy = REMAT_POLICY_FNS[cfg.remat]
         if cfg.remat != "none":

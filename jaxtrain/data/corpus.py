@@ -28,6 +28,10 @@ class Corpus:
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:
+    if cfg.format == "sft":  # instruction data: examples, not one token stream
+        from jaxtrain.data import sft
+
+        return sft.load_sft(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     if cfg.path is None:
         root, files = stdlib_files()

@@ -29,7 +29,7 @@ class Windows:
         return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32)
 
 
-def _process_rows(sharding: NamedSharding, global_shape: tuple[int, int]) -> tuple[int, int]:
+def process_rows(sharding: NamedSharding, global_shape: tuple[int, int]) -> tuple[int, int]:
     """The contiguous block of batch rows this process's devices hold: (block index, block count)."""
     slices = [idx[0] for idx in sharding.addressable_devices_indices_map(global_shape).values()]
     start = min(s.start or 0 for s in slices)
@@ -49,7 +49,7 @@ class GlobalBatches:
                  *, shuffle_seed: int | None, repeat: bool):
         self.global_shape = (global_batch, seq_len)
         self.sharding = sharding
-        block, blocks = _process_rows(sharding, self.global_shape)
+        block, blocks = process_rows(sharding, self.global_shape)
         ds = grain.MapDataset.source(Windows(tokens, seq_len))
         if shuffle_seed is not None:
             ds = ds.shuffle(seed=shuffle_seed)
@@ -66,12 +66,29 @@ class GlobalBatches:
         return {k: jax.make_array_from_process_local_data(self.sharding, v, self.global_shape) for k, v in local.items()}
 
 
+def batch_fields(cfg: DataConfig) -> dict[str, type]:
+    """What a batch holds, name -> dtype, each (global_batch, seq_len)."""
+    if cfg.format == "sft":
+        from jaxtrain.data import sft
+
+        return sft.BATCH_FIELDS
+    return {"inputs": np.int32, "targets": np.int32}
+
+
 def train_batches(corpus: Corpus, cfg: DataConfig, global_batch: int, sharding: NamedSharding) -> GlobalBatches:
+    if cfg.format == "sft":
+        from jaxtrain.data import sft
+
+        return sft.train_batches(corpus, cfg, global_batch, sharding)
     return GlobalBatches(corpus.train, cfg.seq_len, global_batch, sharding, shuffle_seed=cfg.seed, repeat=True)
 
 
 def eval_batches(corpus: Corpus, cfg: DataConfig, global_batch: int, sharding: NamedSharding, count: int) -> list[dict[str, jax.Array]]:
     """The first ``count`` batches of the validation split, in file order: the same every evaluation."""
+    if cfg.format == "sft":
+        from jaxtrain.data import sft
+
+        return sft.eval_batches(corpus, cfg, global_batch, sharding, count)
     batches = GlobalBatches(corpus.validation, cfg.seq_len, global_batch, sharding, shuffle_seed=None, repeat=False)
     return [b for _, b in zip(range(count), batches)]
 
@@ -80,6 +97,8 @@ def check_sizes(corpus: Corpus, cfg: DataConfig, global_batch: int, vocab_size: 
     if corpus.vocab_size > vocab_size:
         raise UserError(f"the data ({corpus.description}) has token ids up to {corpus.vocab_size - 1} but model.vocab_size={vocab_size}; "
                         f"set model.vocab_size>={corpus.vocab_size}")
+    if cfg.format == "sft":  # examples, not windows of a stream: the last batch of a split is padded
+        return
     for split, tokens in (("train", corpus.train), ("validation", corpus.validation)):
         n = len(Windows(tokens, cfg.seq_len))
         if n < global_batch:

@@ -1,0 +1,312 @@
+"""Instruction data (data.format=sft): chat-template rendering and answer masks equal to transformers', packed
+sequences equal to the examples run one by one, an exact data position on resume, training and generation end to
+end, and bad input as one-line errors that write nothing."""
+
+import dataclasses
+import json
+import os
+import re
+import signal
+
+import jax
+import numpy as np
+import pytest
+import transformers
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from conftest import small_config, with_
+from jaxtrain import cli
+from jaxtrain.config import DataConfig
+from jaxtrain.data import sft
+from jaxtrain.data.tokenizer import load_tokenizer
+from jaxtrain.errors import UserError
+from jaxtrain.layout import make_layout
+from jaxtrain.optim import learning_rate_schedule
+from jaxtrain.state import init_state
+from jaxtrain.step import make_train_step, token_nll
+from jaxtrain.train import build, train
+from models.llama import Llama
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML; the {% generation %} block marks the answers for transformers' return_assistant_tokens_mask, the
+# reference our mask (found by rendering prefixes, which ignores the block) must equal
+CHATML = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+          "{{ m['content'] + '<|im_end|>\\n' }}{% endgeneration %}{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + "
+          "m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SEQ = 128  # sequence length: two to five examples of 22 to 78 tokens fit in one
+VOCAB = 288  # the 256 bytes, 3 special tokens, merges
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+
+
+def _tokenizer_dir(directory, template=CHATML):
+    """A byte-level BPE (vocabulary VOCAB) with ChatML's special tokens."""
+    directory.mkdir()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bpe.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"}
+    if template:
+        config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _records(count, seed=0):
+    """Prompt/completion lines and two-answer conversations, of varied lengths."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        words = lambda n: " ".join(rng.choice(WORDS, n))  # noqa: E731
+        if i % 3 == 2:
+            out.append({"messages": [{"role": "system", "content": words(2)}, {"role": "user", "content": words(3)},
+                                     {"role": "assistant", "content": words(2)}, {"role": "user", "content": words(1)},
+                                     {"role": "assistant", "content": words(4)}]})
+        else:
+            out.append({"prompt": words(int(rng.integers(1, 6))), "completion": words(int(rng.integers(1, 4)))})
+    return out
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    return _tokenizer_dir(root / "tok"), _jsonl(root / "train.jsonl", _records(120))
+
+
+def _messages(record):
+    return record.get("messages") or [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
+
+
+def test_rendering_and_answer_mask_equal_transformers(data):
+    tok_dir, path = data
+    hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    tokenizer = load_tokenizer(tok_dir)
+    template = sft.ChatTemplate(tokenizer)
+    records = [json.loads(line) for line in path.read_text().splitlines()][:9]
+    for record in records:
+        messages = _messages(record)
+        text, spans = sft._rendered(template, messages, "test")
+        example = sft._encode(tokenizer, [text], [spans])[0]
+        expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert example.tokens.tolist() == expected["input_ids"]
+        assert example.counted.astype(int).tolist() == expected["assistant_masks"]
+        answers = "".join(m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant")
+        assert tokenizer.tokenizer.decode(example.tokens[example.counted].tolist(), skip_special_tokens=False) == answers
+    prompt = template.prompt_tokens("alpha beta")
+    assert prompt == hf.apply_chat_template([{"role": "user", "content": "alpha beta"}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+
+
+def test_load_splits_counts_and_truncates(data, tmp_path):
+    tok_dir, path = data
+    cfg = DataConfig(path=str(path), tokenizer=str(tok_dir), seq_len=SEQ, val_fraction=0.2, format="sft")
+    corpus = sft.load_sft(cfg)
+    assert len(corpus.train) + len(corpus.validation) == 120 and 10 < len(corpus.validation) < 40
+    assert corpus.vocab_size == VOCAB and all(e.counted.any() and not e.counted[0] for e in corpus.train)
+    longest = max(len(e.tokens) for e in corpus.train + corpus.validation)
+    with pytest.raises(UserError, match=rf"train.jsonl:\d+: the example is \d+ tokens, longer than data.seq_len \+ 1 = 41; .*data.truncate=true"):
+        sft.load_sft(dataclasses.replace(cfg, seq_len=40))
+    cut = sft.load_sft(dataclasses.replace(cfg, seq_len=40, truncate=True))
+    assert max(len(e.tokens) for e in cut.train) == 41 < longest
+    assert all(np.array_equal(c.tokens, e.tokens[:41]) and np.array_equal(c.counted, e.counted[:41]) for c, e in zip(cut.train, corpus.train))
+
+
+def _packed_batch(corpus, cfg, batch=4):
+    return next(iter(sft.packed_batches(corpus.train, cfg, batch, shuffle_seed=0, repeat=True)))
+
+
+def test_packed_sequences_give_each_example_its_loss_alone(data):
+    tok_dir, path = data
+    cfg = DataConfig(path=str(path), tokenizer=str(tok_dir), seq_len=SEQ, val_fraction=0.2, format="sft")
+    corpus = sft.load_sft(cfg)
+    batch = _packed_batch(corpus, cfg)
+    assert batch["segment_ids"].max() >= 3  # several examples share a sequence
+    model_cfg = small_config(init_std=0.3, vocab_size=VOCAB).model
+    graphdef, params = nnx.split(Llama(model_cfg, rngs=nnx.Rngs(0)))
+    nll_of = jax.jit(lambda p, b: token_nll(graphdef, p, b))
+    nll = np.asarray(nll_of(params, batch))
+    # each example alone at the start of its own sequence, no segment ids (causal attention never sees the zeros after it)
+    places = [(row, batch["segment_ids"][row] == segment) for row in range(len(batch["inputs"]))
+              for segment in range(1, batch["segment_ids"][row].max() + 1)]
+    alone = {k: np.zeros((len(places), SEQ), np.int32) for k in ("inputs", "targets")}
+    for i, (row, at) in enumerate(places):
+        assert batch["positions"][row][at].tolist() == list(range(at.sum()))  # positions restart per example
+        for k in alone:
+            alone[k][i, :at.sum()] = batch[k][row][at]
+    expected = np.asarray(nll_of(params, alone))
+    for i, (row, at) in enumerate(places):
+        np.testing.assert_allclose(nll[row][at], expected[i, :at.sum()], rtol=2e-5, atol=2e-6)
+    assert len(places) >= 8
+    # rotary embeddings see only position differences inside an example, so the packed-vs-alone equality above cannot
+    # tell whether the model reads the positions; positions that are not consecutive must change the result
+    assert np.abs(np.asarray(nll_of(params, batch | {"positions": batch["positions"] * 2})) - nll).max() > 1e-2
+    # the loss counts the answers' tokens only, per counted token
+    weights = batch["weights"]
+    assert 0 < weights.sum() < (batch["segment_ids"] > 0).sum()
+
+
+def test_microbatches_give_the_loss_and_update_of_the_whole_batch(data):
+    """Micro-batches hold different numbers of answer tokens: each is weighted by the whole batch's count."""
+    tok_dir, path = data
+    cfg = with_(small_config(rules="dp", mesh=(1, 1, 1), vocab_size=VOCAB),
+                data={"path": str(path), "tokenizer": str(tok_dir), "format": "sft", "seq_len": SEQ, "val_fraction": 0.2})
+    batch = _packed_batch(sft.load_sft(cfg.data), cfg.data, batch=4)
+    layout = make_layout(cfg, jax.devices()[:1])
+    state = init_state(cfg.model, layout.tx, 0, layout.shardings)
+    results = [jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), micro))(state, batch)
+               for micro in (1, 2)]
+    counts = [batch["weights"][i::2].sum() for i in range(2)]
+    assert counts[0] != counts[1]  # the micro-batches hold unequal numbers of counted tokens
+    (_, whole), (_, split) = results
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose(split[name], whole[name], rtol=1e-5)
+
+
+def test_unpacked_is_one_example_per_sequence_and_packing_fills_more(data):
+    tok_dir, path = data
+    cfg = DataConfig(path=str(path), tokenizer=str(tok_dir), seq_len=SEQ, val_fraction=0.2, format="sft")
+    corpus = sft.load_sft(cfg)
+    fill = {}
+    for pack in (True, False):
+        batches = sft.packed_batches(corpus.train, dataclasses.replace(cfg, pack=pack), 4, shuffle_seed=None, repeat=False)
+        segments = np.concatenate([b["segment_ids"] for b in batches])
+        fill[pack] = (segments > 0).mean()
+        if not pack:  # every example in a sequence of its own, the last batch padded with empty ones
+            assert segments.max() == 1 and (segments.max(axis=1) == 1).sum() == len(corpus.train) and len(segments) % 4 == 0
+    assert fill[True] > 1.5 * fill[False]
+
+
+def test_data_position_resumes_exactly(data):
+    tok_dir, path = data
+    cfg = DataConfig(path=str(path), tokenizer=str(tok_dir), seq_len=SEQ, val_fraction=0.2, format="sft")
+    corpus = sft.load_sft(cfg)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, PartitionSpec("data", None))
+    first = sft.train_batches(corpus, cfg, 8, sharding)
+    for _ in range(5):  # past the first epoch (about 12 sequences of examples) and into the packer's next round
+        next(first)
+    state = first.iterator.get_state()
+    expected = [next(first) for _ in range(3)]
+    resumed = sft.train_batches(corpus, cfg, 8, sharding)
+    resumed.iterator.set_state(state)
+    for want, got in zip(expected, (next(resumed) for _ in range(3))):
+        assert want.keys() == got.keys() == sft.BATCH_FIELDS.keys()
+        for key in want:
+            np.testing.assert_array_equal(np.asarray(want[key]), np.asarray(got[key]))
+    one_device = NamedSharding(jax.make_mesh((1,), ("data",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,)),
+                               PartitionSpec("data", None))
+    again = sft.train_batches(corpus, cfg, 8, one_device)  # the global batch does not depend on the sharding
+    for _ in range(5):
+        next(again)
+    np.testing.assert_array_equal(np.asarray(next(again)["inputs"]), np.asarray(expected[0]["inputs"]))
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_resume_and_generate_chat(data, tmp_path, capsys):
+    """Trains on the answers (loss falls), stops on SIGTERM and resumes to the same losses bit for bit, reports eval
+    loss per counted token; `generate --chat` renders the prompt with the template."""
+    tok_dir, path = data
+    cfg = with_(small_config(vocab_size=VOCAB), data={"path": str(path), "tokenizer": str(tok_dir), "format": "sft", "seq_len": SEQ, "val_fraction": 0.2},
+                train={"steps": 6, "eval_batches": 2}, checkpoint={"every": 2, "async_save": False},
+                log={"tensorboard": False, "peak_tflops": 1.0})  # no event files, no peak measurement: time
+    trainer = build(cfg)
+    final = jax.device_get(train(cfg, tmp_path / "whole", trainer).params)
+    compiled = trainer.train_step
+
+    def stop_after_three(state, batch):
+        out = compiled(state, batch)
+        if int(out[0].step) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the run's own preemption handler: checkpoint, then stop
+        return out
+
+    from jaxtrain.checkpoint import Preempted
+
+    with pytest.raises(Preempted):
+        train(cfg, tmp_path / "stopped", dataclasses.replace(trainer, train_step=stop_after_three))
+    train(cfg, tmp_path / "stopped", trainer)
+    whole, stopped = _metrics(tmp_path / "whole"), _metrics(tmp_path / "stopped")
+    losses = [(r["step"], r["loss"]) for r in whole if "loss" in r]
+    assert [(r["step"], r["loss"]) for r in stopped if "loss" in r] == losses and len(losses) == 6
+    assert losses[-1][1] < losses[0][1]
+    # train and eval loss: nats per counted (answer) token
+    nll_of = jax.jit(lambda params, batch: token_nll(trainer.layout.spec.graphdef, params, batch))
+
+    def per_counted_token(params, batches):
+        batches = [jax.device_get(b) for b in batches]
+        return sum(float((nll_of(params, b) * b["weights"]).sum()) for b in batches) / sum(b["weights"].sum() for b in batches)
+
+    first_batch = next(sft.train_batches(trainer.corpus, trainer.cfg.data, 8, trainer.batch_sharding))
+    np.testing.assert_allclose(losses[0][1], per_counted_token(jax.device_get(trainer.init_state().params), [first_batch]), rtol=1e-5)
+    evals = [r for r in whole if "eval_loss" in r]
+    eval_data = sft.eval_batches(trainer.corpus, trainer.cfg.data, 8, trainer.batch_sharding, 2)
+    assert evals[-1]["eval_tokens"] == int(sum(np.asarray(b["weights"]).sum() for b in eval_data))
+    np.testing.assert_allclose(evals[-1]["eval_loss"], per_counted_token(final, eval_data), rtol=1e-5)
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path / "whole"), "--prompt", "alpha beta", "--chat", "--max-new-tokens", "1"]) == 0
+    prompt = sft.ChatTemplate(load_tokenizer(tok_dir)).prompt_tokens("alpha beta")  # equal to transformers' (test above)
+    assert f"prefill {len(prompt)} tokens" in capsys.readouterr().err
+
+
+def test_generate_chat_from_a_hugging_face_model_equals_transformers(data, tmp_path, capsys):
+    """`generate HF_DIR --chat`: the prompt rendered as transformers renders it, the greedy answer (cut at the eos
+    token) equal to transformers' greedy generate on the same model."""
+    import shutil
+
+    import torch
+
+    tok_dir, _ = data
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256)).eval()
+    with torch.no_grad():  # decisive logits: greedy decoding far from ties
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, tmp_path / "hf" / name)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": "alpha beta"}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)
+    with torch.no_grad():
+        new = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    end = hf_tokenizer.eos_token_id
+    expected = hf_tokenizer.decode(new[:new.index(end)] if end in new else new, skip_special_tokens=True)
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path / "hf"), "--chat", "--prompt", "alpha beta", "--max-new-tokens", "8"]) == 0
+    assert len(expected) > 3 and capsys.readouterr().out == expected + "\n"
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no_template", r"tokenizer .*tok has no chat template \(neither chat_template.jinja nor 'chat_template' in tokenizer_config.json\)"),
+    ("bad_line", r"bad.jsonl:2 has neither 'prompt' and 'completion' strings nor a 'messages' list \(keys text\)"),
+    ("too_long", r"long.jsonl:1: the example is \d+ tokens, longer than data.seq_len \+ 1 = 17"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path, capsys):
+    tok_dir, path = data
+    if case == "no_template":
+        tok_dir = _tokenizer_dir(tmp_path / "tok", template=None)
+    elif case == "bad_line":
+        path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": "b"}, {"text": "c"}])
+    else:
+        path = _jsonl(tmp_path / "long.jsonl", [{"prompt": " ".join(WORDS * 3), "completion": "alpha"}])
+    run_dir = tmp_path / "run"
+    status = cli.main(["train", "tiny", "--run-dir", str(run_dir), "data.format=sft", f"data.path={path}", f"data.tokenizer={tok_dir}",
+                       "data.seq_len=16", f"model.vocab_size={VOCAB}", "log.progress=false"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert re.search(message, err), err
+    assert not run_dir.exists()
