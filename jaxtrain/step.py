@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxtrain.adapters import join_frozen
 from jaxtrain.state import TrainState
 
 Batch = dict[str, jax.Array]  # 'inputs', 'targets': (batch, length) int32
@@ -58,18 +59,18 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on."""
-    def loss_fn(params, batch):
-        return token_nll(graphdef, params, batch, loss_chunk).mean()
+    def loss_fn(params, frozen, batch):  # gradients for the trained parameters only (LoRA: the adapters)
+        return token_nll(graphdef, join_frozen(frozen, params), batch, loss_chunk).mean()
 
     grad_fn = jax.value_and_grad(loss_fn)
 
     def train_step(state: TrainState, batch: Batch):
         if microbatches == 1:
-            loss, grads = grad_fn(state.params, batch)
+            loss, grads = grad_fn(state.params, state.frozen, batch)
         else:
             def accumulate(carry, micro):
                 loss_sum, grad_sum = carry
-                loss, grads = grad_fn(state.params, micro)
+                loss, grads = grad_fn(state.params, state.frozen, micro)
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -88,7 +89,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         if layer_norms:
             metrics |= {"grad_norm_per_layer": per_layer_norm(grads["layers"]),
                         "param_norm_per_layer": per_layer_norm(params["layers"])}
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen), metrics
 
     return train_step
 

