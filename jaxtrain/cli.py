@@ -95,7 +95,14 @@ def cmd_export_hf(args) -> int:
         cfg = dataclasses.replace(cfg, rules=args.rules)
     if out.exists():
         raise UserError(f"--out {out} already exists; give a new directory (export-hf never overwrites)")
+    if args.adapter_only and not cfg.model.lora.rank:
+        raise UserError(f"--adapter-only exports a LoRA run's adapters, and {run_dir} trained every parameter (model.lora.rank=0)")
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before jax sees devices
+    if cfg.model.lora.rank:
+        from jaxtrain import lora  # starts jax
+
+        lora.export(cfg, run_dir, out, step=args.step, dtype=args.dtype, adapter_only=args.adapter_only)
+        return 0
     from jaxtrain.interop import hf_export  # starts jax
 
     hf_export.export(cfg, run_dir, out, step=args.step, dtype=args.dtype)
@@ -264,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, metavar="DIR", help="the new model directory (must not exist)")
     export.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: the latest)")
     export.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight dtype in the files (default bfloat16)")
+    export.add_argument("--adapter-only", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter directory "
+                        "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
     export.add_argument("--mesh", help="mesh to restore onto (default: the run's)")
     export.add_argument("--rules", help="sharding rule set to restore with (default: the run's)")
     export.add_argument("--devices", type=_positive_int, help=f"simulated CPU devices when there is no accelerator (default {DEFAULT_CPU_DEVICES})")

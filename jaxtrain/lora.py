@@ -11,17 +11,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.adapters import join_frozen, split_frozen
+from jaxtrain.config import Config
 from jaxtrain.errors import UserError
-from jaxtrain.interop import hf_config, hf_import
-from jaxtrain.layout import Layout
+from jaxtrain.interop import hf_config, hf_export, hf_import, peft
+from jaxtrain.layout import Layout, make_layout
 from jaxtrain.partitioning import param_shardings
 from jaxtrain.state import TrainState, fresh_state, model_spec
 from models.config import LORA_TARGETS, LlamaConfig, LoraConfig
@@ -160,3 +163,47 @@ def write_record(run_dir: Path, base: Base, model_cfg: LlamaConfig) -> None:
     lora = model_cfg.lora
     body = {**base.record, "rank": lora.rank, "alpha": lora.alpha, "targets": lora.target_names(), "base_quant": model_cfg.base_quant}
     (run_dir / BASE_RECORD).write_text(json.dumps(body, indent=2) + "\n")
+
+
+def summary(run_dir: Path) -> dict:
+    """A LoRA run's base record with its adapter shape, and its progress: steps done, last eval loss."""
+    record = read_record(run_dir)
+    if record is None:
+        raise UserError(f"{run_dir} has no {BASE_RECORD}: it is not a LoRA run (model.lora.rank > 0); train one, or give its --run-dir")
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    steps = [r["step"] for r in records if "loss" in r]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    return record | {"steps": max(steps, default=0), "eval_loss": evals[-1] if evals else None}
+
+
+def run_model_params(layout: Layout, run_dir: Path, step: int | None = None, source: str = "jaxtrain export-hf") -> tuple[dict, Base]:
+    """Every parameter of a LoRA run: its adapters restored from the latest checkpoint (or ``step``'s), on its base
+    reloaded from the path its record names and checked against the recorded hash."""
+    record = summary(run_dir)
+    where = run_dir if step is None else run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)
+    adapters = checkpoint_lib.restore_from(where, layout.abstract_state(), None, params_only=True, source=source)
+    base = load_base(layout, None if record["path"] is None else Path(record["path"]), record, f"run {run_dir}")
+    return join_frozen(base.frozen, adapters), base
+
+
+def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: str, adapter_only: bool) -> None:
+    """``jaxtrain export-hf`` of a LoRA run: its adapters as a PEFT adapter directory, or the merged model."""
+    layout = make_layout(cfg)
+    if step is not None and not (run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)).is_dir():
+        raise UserError(f"--step {step}: {run_dir} has no checkpoint of that step; `jaxtrain checkpoints {run_dir}` lists them")
+    model_params, base = run_model_params(layout, run_dir, step)
+    if adapter_only:
+        adapters = multihost_utils.process_allgather(split_frozen(model_params)[0], tiled=True)
+        if jax.process_index() == 0:
+            peft.write_adapter(adapters["layers"], cfg.model, out, base.record["path"], summary(run_dir))
+        what = "PEFT adapter"
+    else:
+        plain_cfg = dataclasses.replace(cfg, model=plain_config(cfg.model))
+        shardings = jax.tree.map(lambda a: a.sharding, plain_abstract(layout))
+        plain = jax.jit(lambda p: merged(p, cfg.model), out_shardings=shardings)(model_params)
+        source_dir = run_dir / hf_import.RUN_SUBDIR
+        hf_export.write_model(plain, plain_cfg, out, dtype, source_dir if source_dir.is_dir() else None)
+        what = f"merged model ({dtype})"
+    if jax.process_index() == 0:
+        print(f"jaxtrain: wrote {out}: {what}", file=sys.stderr, flush=True)

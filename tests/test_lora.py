@@ -10,13 +10,19 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peft
 import pytest
+import torch
+import transformers
 from flax import nnx
 from flax.core import spmd
+from safetensors import safe_open
 
 from conftest import small_config, with_
+from jaxtrain import cli
 from jaxtrain import lora as lora_lib
 from jaxtrain.errors import UserError
+from jaxtrain.interop import hf_config
 from jaxtrain.layout import make_layout
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.train import build, train
@@ -94,3 +100,55 @@ def test_training_updates_only_the_adapters_and_resumes_exactly(corpus, tmp_path
     resumed = train(cfg, resumed_dir, trainer)
     assert int(resumed.step) == 4
     assert _tree_equal(resumed.params, straight.params) and _tree_equal(resumed.opt_state, straight.opt_state)
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    """A tiny random Llama in float32 (transformers): (directory, model)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn_like(p))
+    directory = tmp_path_factory.mktemp("hf_base")
+    model.save_pretrained(directory)
+    return directory, model
+
+
+def _torch_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.float().numpy()
+
+
+def test_peft_export_loads_in_peft_and_merged_export_in_transformers(hf_base, corpus, tmp_path, capsys):
+    hf_dir, hf_model = hf_base
+    cfg = lora_config()
+    cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
+    run_dir = tmp_path / "run"
+    state = train(cfg, run_dir, build(cfg, corpus), init_from=hf_dir)
+    layout = make_layout(cfg)
+    ours = _logits(layout, state.model_params)
+    assert np.max(np.abs(ours - _torch_logits(hf_model))) > 1e-3  # the adapters trained away from the base
+
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    assert cli.main(["export-hf", str(run_dir), "--out", str(adapter_dir), "--adapter-only"]) == 0
+    assert cli.main(["export-hf", str(run_dir), "--out", str(merged_dir), "--dtype", "float32"]) == 0
+    with safe_open(adapter_dir / "adapter_model.safetensors", "np") as f:
+        assert f.get_tensor("base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight").shape == (4, 32)  # (rank, in)
+        assert f.get_tensor("base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight").shape == (64, 4)  # (out, rank)
+    adapted = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(hf_dir), adapter_dir).eval()
+    tolerance = 1e-4 * np.max(np.abs(ours))
+    assert np.max(np.abs(_torch_logits(adapted) - ours)) <= tolerance
+    assert np.max(np.abs(_torch_logits(transformers.LlamaForCausalLM.from_pretrained(merged_dir)) - ours)) <= tolerance
+    assert json.loads((adapter_dir / "jaxtrain_adapter.json").read_text())["steps"] == 4
+
+    # the run's adapters on another base: one line, exit 2, nothing written
+    other = tmp_path / "other_base"
+    transformers.LlamaForCausalLM(hf_model.config).save_pretrained(other)
+    before = sorted((p, p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
+    with pytest.raises(UserError) as error:
+        train(cfg, run_dir, build(cfg, corpus), init_from=other)
+    assert "is not the base run" in str(error.value) and str(other) in str(error.value) and "\n" not in str(error.value)
+    assert sorted((p, p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
