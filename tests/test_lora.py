@@ -34,7 +34,7 @@ TOKENS = np.random.default_rng(0).integers(0, 64, (2, 16))
 def lora_config(rank=4, base_quant="none", mesh=(2, 2, 2), **model):
     cfg = small_config(mesh=mesh, **model)
     return with_(cfg, model={"lora": LoraConfig(rank=rank, alpha=8.0), "base_quant": base_quant},
-                 train={"steps": 4}, checkpoint={"every": 2, "async_save": False})
+                 train={"steps": 4}, optim={"lr": 0.1}, checkpoint={"every": 2, "async_save": False})
 
 
 @functools.cache
@@ -77,8 +77,8 @@ def _tree_equal(a, b) -> bool:
         np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def test_training_updates_only_the_adapters_and_resumes_exactly(corpus, tmp_path):
-    cfg = lora_config()
+def test_qlora_trains_only_the_adapters_and_resumes_exactly(corpus, tmp_path):
+    cfg = lora_config(base_quant="nf4", init_std=0.3)  # a base whose output the adapters can move (0.02 gives near-zero logits)
     trainer = build(cfg, corpus)
     base = lora_lib.load_base(trainer.layout, None)
     expected_frozen = jax.tree.map(np.asarray, base.frozen)
@@ -87,6 +87,8 @@ def test_training_updates_only_the_adapters_and_resumes_exactly(corpus, tmp_path
     assert set(jax.tree.leaves(jax.tree_util.tree_map_with_path(lambda p, _: jax.tree_util.keystr(p).split("'")[-2], straight.params)))  \
         == {"a", "b"}  # only adapters are trained and have optimizer state
     assert not _tree_equal(straight.params, base.start_state(trainer.layout).params)
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.1, losses  # QLoRA learns: adapters on a 4-bit base
     # the checkpoint holds the adapters, their optimizer state and the data position; no base weight
     saved = {p.name for p in (tmp_path / "straight" / "checkpoints" / "4" / "state").rglob("*")}
     assert not any("wq" in name or "embed" in name for name in saved), saved
@@ -152,3 +154,16 @@ def test_peft_export_loads_in_peft_and_merged_export_in_transformers(hf_base, co
         train(cfg, run_dir, build(cfg, corpus), init_from=other)
     assert "is not the base run" in str(error.value) and str(other) in str(error.value) and "\n" not in str(error.value)
     assert sorted((p, p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.lora.targets=q,qq", "model.lora.targets item 'qq' matches no weight"),
+    ("model.lora.rank=200", "model.lora.rank=200 is larger than the q weight's dimensions 128 x 128"),
+    ("model.base_quant=nf3", "model.base_quant='nf3' is unknown"),
+])
+def test_bad_lora_config_is_one_line(override, message, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", "tiny", "--run-dir", str(run_dir), "model.lora.rank=4", override]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxtrain: error: ") and message in lines[0], lines
+    assert not run_dir.exists()
