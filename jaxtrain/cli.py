@@ -1,5 +1,5 @@
 """Command line: ``jaxtrain train EXPERIMENT [--mesh FILE] [--rules NAME] [--run-dir DIR] [--devices N] [key=value ...]``,
-and ``plan``, ``checkpoints``, ``plot``, ``tokenize``, ``train-tokenizer``, ``export-hf``; ``jaxtrain generate RUN_DIR|HF_DIR --prompt TEXT``.
+and ``plan``, ``checkpoints``, ``adapters``, ``plot``, ``tokenize``, ``train-tokenizer``, ``export-hf``; ``jaxtrain generate RUN_DIR|HF_DIR --prompt TEXT``.
 
 jax is imported only after the arguments are read, because the simulated CPU device count must be
 in XLA_FLAGS before jax starts.
@@ -153,6 +153,10 @@ def cmd_generate(args) -> int:
     from jaxtrain import generate as generate_lib  # starts jax
 
     loaded = generate_lib.load(path, args.mesh, args.rules)
+    if args.adapter:
+        from jaxtrain import lora
+
+        loaded = lora.with_adapter(loaded, Path(args.adapter))
     prompt = loaded.encode(args.prompt)
     out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling)
     new = out.tokens[0]
@@ -167,6 +171,13 @@ def cmd_checkpoints(args) -> int:
     from jaxtrain import checkpoint as checkpoint_lib  # starts jax
 
     print(checkpoint_lib.format_table(checkpoint_lib.describe(Path(args.run_dir))))
+    return 0
+
+
+def cmd_adapters(args) -> int:
+    from jaxtrain import adapters
+
+    print(adapters.format_pool(adapters.pool(Path(args.dir))))
     return 0
 
 
@@ -245,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=SamplingConfig.top_p, metavar="P",
                           help="sample among the most likely tokens whose probability reaches P (default 1: all)")
     generate.add_argument("--seed", type=int, default=SamplingConfig.seed, help="sampling seed (default 0)")
+    generate.add_argument("--adapter", metavar="RUN_DIR|PEFT_DIR", help="LoRA adapters to apply to the model: a LoRA run trained "
+                          "on it, or a PEFT adapter directory (adapter_config.json); merged into the weights before generating")
     generate.add_argument("--mesh", help="mesh file to generate on (default: the run's mesh; HF_DIR: every device on fsdp)")
     generate.add_argument("--rules", help="sharding rule set (default: the run's; HF_DIR: fsdp_tp)")
     generate.add_argument("--devices", type=_positive_int, help=f"simulated CPU devices when there is no accelerator (default {DEFAULT_CPU_DEVICES})")
@@ -252,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, complete, mesh/rules")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR")
     checkpoints.set_defaults(func=cmd_checkpoints)
+    adapters = sub.add_parser("adapters", help="list the LoRA adapters in DIR (runs and PEFT directories) by base: base hash, "
+                              "rank, targets, steps, last eval loss")
+    adapters.add_argument("dir", metavar="DIR", help="a LoRA run or PEFT adapter directory, or a directory of them")
+    adapters.set_defaults(func=cmd_adapters)
     plot = sub.add_parser("plot", help="one PNG of loss, eval loss, tokens/s, MFU and memory over steps; runs overlaid")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", metavar="FILE.png", help="output image (default RUN_DIR/metrics.png of the first run)")

@@ -20,7 +20,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxtrain import checkpoint as checkpoint_lib
-from jaxtrain.adapters import join_frozen, split_frozen
+from jaxtrain import config as config_lib
+from jaxtrain.adapters import BASE_RECORD, join_frozen, read_record, split_frozen, summary
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_export, hf_import, peft
@@ -31,9 +32,6 @@ from models.config import LORA_TARGETS, LlamaConfig, LoraConfig
 from models.llama import Llama
 from models.lora import adapter_name
 from models.quant import dequantize, quantize
-
-BASE_RECORD = "lora_base.json"
-
 
 def plain_config(model_cfg: LlamaConfig) -> LlamaConfig:
     """The base model alone: no adapters, weights in their float dtype."""
@@ -129,11 +127,6 @@ class Base:
         return jax.jit(start, out_shardings=layout.shardings, donate_argnums=0)(self.frozen)
 
 
-def read_record(run_dir: Path) -> dict | None:
-    path = run_dir / BASE_RECORD
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def load_base(layout: Layout, source: Path | None, expected: dict | None = None, where: str = "") -> Base:
     """Load the base from ``source`` and hash it; with ``expected`` (a run's record), a base of other content
     is a UserError."""
@@ -165,18 +158,6 @@ def write_record(run_dir: Path, base: Base, model_cfg: LlamaConfig) -> None:
     (run_dir / BASE_RECORD).write_text(json.dumps(body, indent=2) + "\n")
 
 
-def summary(run_dir: Path) -> dict:
-    """A LoRA run's base record with its adapter shape, and its progress: steps done, last eval loss."""
-    record = read_record(run_dir)
-    if record is None:
-        raise UserError(f"{run_dir} has no {BASE_RECORD}: it is not a LoRA run (model.lora.rank > 0); train one, or give its --run-dir")
-    metrics = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
-    steps = [r["step"] for r in records if "loss" in r]
-    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    return record | {"steps": max(steps, default=0), "eval_loss": evals[-1] if evals else None}
-
-
 def run_model_params(layout: Layout, run_dir: Path, step: int | None = None, source: str = "jaxtrain export-hf") -> tuple[dict, Base]:
     """Every parameter of a LoRA run: its adapters restored from the latest checkpoint (or ``step``'s), on its base
     reloaded from the path its record names and checked against the recorded hash."""
@@ -200,10 +181,47 @@ def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: st
         what = "PEFT adapter"
     else:
         plain_cfg = dataclasses.replace(cfg, model=plain_config(cfg.model))
-        shardings = jax.tree.map(lambda a: a.sharding, plain_abstract(layout))
-        plain = jax.jit(lambda p: merged(p, cfg.model), out_shardings=shardings)(model_params)
+        plain = merge_on_devices(model_params, cfg.model, jax.tree.map(lambda a: a.sharding, plain_abstract(layout)))
         source_dir = run_dir / hf_import.RUN_SUBDIR
         hf_export.write_model(plain, plain_cfg, out, dtype, source_dir if source_dir.is_dir() else None)
         what = f"merged model ({dtype})"
     if jax.process_index() == 0:
         print(f"jaxtrain: wrote {out}: {what}", file=sys.stderr, flush=True)
+
+
+def merge_on_devices(model_params: dict, model_cfg: LlamaConfig, shardings: dict) -> dict:
+    """``merged`` jitted, its output placed with ``shardings`` (the base model's)."""
+    return jax.jit(lambda p: merged(p, model_cfg), out_shardings=shardings)(model_params)
+
+
+def merged_run_params(layout: Layout, run_dir: Path, source: str) -> dict:
+    """A LoRA run's adapters merged into its base, placed as the base model's parameters."""
+    model_params, _ = run_model_params(layout, run_dir, None, source)
+    return merge_on_devices(model_params, layout.cfg.model, jax.tree.map(lambda a: a.sharding, plain_abstract(layout)))
+
+
+def with_adapter(loaded, adapter: Path):
+    """``jaxtrain generate BASE --adapter PATH``: a loaded base model (generate.Loaded) with the adapters of a LoRA
+    run directory or a PEFT adapter directory merged into its weights; an adapter trained on another base is a UserError."""
+    if peft.is_adapter_dir(adapter):
+        config, tensors, record = peft.read_adapter(adapter)
+        lora = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=peft.targets_of(config, adapter))
+        model_cfg = dataclasses.replace(loaded.model_cfg, lora=lora)
+        adapters = {"layers": peft.from_peft(tensors, model_cfg, adapter)}
+    elif (adapter / "config.yaml").is_file():
+        record = summary(adapter)
+        cfg = config_lib.load_run_config(adapter)
+        model_cfg = dataclasses.replace(loaded.model_cfg, lora=cfg.model.lora)
+        layout = make_layout(cfg)
+        restored = checkpoint_lib.restore_from(adapter, layout.abstract_state(), None, params_only=True, source="--adapter")
+        adapters = multihost_utils.process_allgather(restored, tiled=True)
+    else:
+        raise UserError(f"--adapter {adapter} is neither a LoRA run directory (config.yaml) nor a PEFT adapter directory "
+                        f"({peft.CONFIG_FILE}); give one of them")
+    if record is not None:
+        found = content_hash(loaded.params)
+        if found != record["hash"]:
+            raise UserError(f"--adapter {adapter} was trained on base {record['path'] or 'initialised from a seed'} (content hash "
+                            f"{record['hash']}), not on this base (hash {found}); give the base it was trained on")
+    shardings = jax.tree.map(lambda a: a.sharding, loaded.params)
+    return dataclasses.replace(loaded, params=merge_on_devices(join_frozen(loaded.params, adapters), model_cfg, shardings))

@@ -167,3 +167,38 @@ def test_bad_lora_config_is_one_line(override, message, tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jaxtrain: error: ") and message in lines[0], lines
     assert not run_dir.exists()
+
+
+def _generated(capsys, *args) -> str:
+    capsys.readouterr()
+    assert cli.main(["generate", *args, "--prompt", "1 2 3 4", "--max-new-tokens", "6"]) == 0
+    return capsys.readouterr().out.strip()
+
+
+def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path, capsys):
+    hf_dir, hf_model = hf_base
+    cfg = lora_config(rank=2)
+    cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
+    pool_dir = tmp_path / "pool"
+    run_dir = pool_dir / "run"
+    train(cfg, run_dir, build(cfg, corpus), init_from=hf_dir)
+    for args in (["--adapter-only"], ["--dtype", "float32"]):
+        assert cli.main(["export-hf", str(run_dir), "--out", str(pool_dir / args[0].strip("-")), *args]) == 0
+    merged = _generated(capsys, str(pool_dir / "dtype"))
+    assert merged != _generated(capsys, str(hf_dir))  # the adapters change what is generated
+    assert _generated(capsys, str(hf_dir), "--adapter", str(pool_dir / "adapter-only")) == merged
+    assert _generated(capsys, str(hf_dir), "--adapter", str(run_dir)) == merged
+
+    record = json.loads((run_dir / lora_lib.BASE_RECORD).read_text())
+    assert cli.main(["adapters", str(pool_dir)]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[0] == f"base {record['hash']}  {hf_dir.absolute()}"
+    assert len(listing) == 3 and f"  {pool_dir / 'adapter-only'}  peft  rank 2  targets q,k,v,o,gate,up,down  steps 4  eval loss" in listing[1]
+    assert f"  {run_dir}  run  rank 2  targets q,k,v,o,gate,up,down  steps 4  eval loss" in listing[2]
+
+    other = tmp_path / "other_base"
+    transformers.LlamaForCausalLM(hf_model.config).save_pretrained(other)
+    capsys.readouterr()
+    assert cli.main(["generate", str(other), "--adapter", str(run_dir), "--prompt", "1 2"]) == 2
+    errors = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]  # after progress lines
+    assert len(errors) == 1 and f"jaxtrain: error: --adapter {run_dir} was trained on base {hf_dir.absolute()}" in errors[0], errors

@@ -76,6 +76,17 @@ def from_peft(tensors: dict[str, np.ndarray], model_cfg: LlamaConfig, where: Pat
     return out
 
 
+def targets_of(config: dict, where: Path) -> str:
+    """adapter_config.json's target_modules (e.g. q_proj, v_proj) -> our model.lora.targets (q,v)."""
+    ours = {module.rsplit(".", 1)[-1]: target for target, module in _modules(LlamaConfig()).items()}
+    modules = config.get("target_modules") or []
+    modules = [modules] if isinstance(modules, str) else modules
+    unknown = [m for m in modules if m not in ours]
+    if unknown or not modules:
+        raise UserError(f"{where / CONFIG_FILE}: target_modules {modules} are not all Llama projections ({', '.join(ours)})")
+    return ",".join(ours[m] for m in modules)
+
+
 def adapter_config(model_cfg: LlamaConfig, base_path: str | None) -> dict:
     lora = model_cfg.lora
     modules = sorted({_modules(model_cfg)[t].rsplit(".", 1)[-1] for t in lora.target_names()})
