@@ -110,6 +110,11 @@ def _state_restore(target, *, partial: bool = False) -> ocp.args.PyTreeRestore:
     return ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=partial)
 
 
+def saved_part(state):
+    """What a checkpoint holds of a train state: all but a LoRA run's frozen base (recorded by path and hash instead)."""
+    return state.replace(frozen=None)
+
+
 def _restore_args(abstract_state, data_iterator) -> ocp.args.Composite:
     items = {"state": _state_restore(abstract_state), "meta": ocp.args.JsonRestore()}
     if data_iterator is not None:
@@ -140,8 +145,8 @@ class RunCheckpoints:
         checkpoints are moved aside with a one-line warning."""
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                check_same_shapes(self.manager.item_metadata(step)["state"], abstract_state, f"checkpoint step {step} in {self.directory}")
-                restored, error = self.manager.restore(step, args=_restore_args(abstract_state, data_iterator)), None
+                check_same_shapes(self.manager.item_metadata(step)["state"], saved_part(abstract_state), f"checkpoint step {step} in {self.directory}")
+                restored, error = self.manager.restore(step, args=_restore_args(saved_part(abstract_state), data_iterator)), None
             except UserError:
                 raise
             except Exception as e:  # noqa: BLE001 - any unreadable file must lead to the previous checkpoint
@@ -181,7 +186,7 @@ class RunCheckpoints:
         """Start saving ``step`` if it is due (or ``force``); the write continues in the background
         when asynchronous. Returns whether a save started."""
         args = ocp.args.Composite(
-            state=ocp.args.PyTreeSave(state),
+            state=ocp.args.PyTreeSave(saved_part(state)),
             data=grain.checkpoint.CheckpointSave(data_iterator),
             meta=ocp.args.JsonSave(self.meta | {"step": step, "time": time.time()}))
         try:
@@ -264,8 +269,8 @@ def restore_from(path: Path, abstract_state, data_iterator, *, params_only: bool
         restored = manager.restore(step, args=ocp.args.Composite(state=_state_restore(target, partial=True)))
         result = restored.state["params"]
     else:
-        check_same_shapes(saved, abstract_state, where)
-        result = manager.restore(step, args=_restore_args(abstract_state, data_iterator)).state
+        check_same_shapes(saved, saved_part(abstract_state), where)
+        result = manager.restore(step, args=_restore_args(saved_part(abstract_state), data_iterator)).state
     manager.close()
     _say(f"jaxtrain: read {'the parameters' if params_only else 'the whole state'} of {directory / str(step)}")
     return result

@@ -1,5 +1,5 @@
 """Command line: ``jaxtrain train EXPERIMENT [--mesh FILE] [--rules NAME] [--run-dir DIR] [--devices N] [key=value ...]``,
-and ``plan``, ``checkpoints``, ``plot``, ``tokenize``, ``train-tokenizer``, ``export-hf``; ``jaxtrain generate RUN_DIR|HF_DIR --prompt TEXT``.
+and ``plan``, ``checkpoints``, ``adapters``, ``plot``, ``tokenize``, ``train-tokenizer``, ``export-hf``; ``jaxtrain generate RUN_DIR|HF_DIR --prompt TEXT``.
 
 jax is imported only after the arguments are read, because the simulated CPU device count must be
 in XLA_FLAGS before jax starts.
@@ -95,7 +95,14 @@ def cmd_export_hf(args) -> int:
         cfg = dataclasses.replace(cfg, rules=args.rules)
     if out.exists():
         raise UserError(f"--out {out} already exists; give a new directory (export-hf never overwrites)")
+    if args.adapter_only and not cfg.model.lora.rank:
+        raise UserError(f"--adapter-only exports a LoRA run's adapters, and {run_dir} trained every parameter (model.lora.rank=0)")
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before jax sees devices
+    if cfg.model.lora.rank:
+        from jaxtrain import lora  # starts jax
+
+        lora.export(cfg, run_dir, out, step=args.step, dtype=args.dtype, adapter_only=args.adapter_only)
+        return 0
     from jaxtrain.interop import hf_export  # starts jax
 
     hf_export.export(cfg, run_dir, out, step=args.step, dtype=args.dtype)
@@ -146,6 +153,10 @@ def cmd_generate(args) -> int:
     from jaxtrain import generate as generate_lib  # starts jax
 
     loaded = generate_lib.load(path, args.mesh, args.rules, chat=args.chat)
+    if args.adapter:
+        from jaxtrain import lora
+
+        loaded = lora.with_adapter(loaded, Path(args.adapter))
     prompt = loaded.encode(args.prompt)
     out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling)
     new = out.tokens[0]
@@ -161,6 +172,13 @@ def cmd_checkpoints(args) -> int:
     from jaxtrain import checkpoint as checkpoint_lib  # starts jax
 
     print(checkpoint_lib.format_table(checkpoint_lib.describe(Path(args.run_dir))))
+    return 0
+
+
+def cmd_adapters(args) -> int:
+    from jaxtrain import adapters
+
+    print(adapters.format_pool(adapters.pool(Path(args.dir))))
     return 0
 
 
@@ -241,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=SamplingConfig.top_p, metavar="P",
                           help="sample among the most likely tokens whose probability reaches P (default 1: all)")
     generate.add_argument("--seed", type=int, default=SamplingConfig.seed, help="sampling seed (default 0)")
+    generate.add_argument("--adapter", metavar="RUN_DIR|PEFT_DIR", help="LoRA adapters to apply to the model: a LoRA run trained "
+                          "on it, or a PEFT adapter directory (adapter_config.json); merged into the weights before generating")
     generate.add_argument("--mesh", help="mesh file to generate on (default: the run's mesh; HF_DIR: every device on fsdp)")
     generate.add_argument("--rules", help="sharding rule set (default: the run's; HF_DIR: fsdp_tp)")
     generate.add_argument("--devices", type=_positive_int, help=f"simulated CPU devices when there is no accelerator (default {DEFAULT_CPU_DEVICES})")
@@ -248,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, complete, mesh/rules")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR")
     checkpoints.set_defaults(func=cmd_checkpoints)
+    adapters = sub.add_parser("adapters", help="list the LoRA adapters in DIR (runs and PEFT directories) by base: base hash, "
+                              "rank, targets, steps, last eval loss")
+    adapters.add_argument("dir", metavar="DIR", help="a LoRA run or PEFT adapter directory, or a directory of them")
+    adapters.set_defaults(func=cmd_adapters)
     plot = sub.add_parser("plot", help="one PNG of loss, eval loss, tokens/s, MFU and memory over steps; runs overlaid")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", metavar="FILE.png", help="output image (default RUN_DIR/metrics.png of the first run)")
@@ -267,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, metavar="DIR", help="the new model directory (must not exist)")
     export.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: the latest)")
     export.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight dtype in the files (default bfloat16)")
+    export.add_argument("--adapter-only", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter directory "
+                        "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
     export.add_argument("--mesh", help="mesh to restore onto (default: the run's)")
     export.add_argument("--rules", help="sharding rule set to restore with (default: the run's)")
     export.add_argument("--devices", type=_positive_int, help=f"simulated CPU devices when there is no accelerator (default {DEFAULT_CPU_DEVICES})")

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
+from jaxtrain import lora as lora_lib
 from jaxtrain.config import Config, SamplingConfig
 from jaxtrain.data.sft import ChatTemplate
 from jaxtrain.data.token_file import TOKEN_FILE_SUFFIXES
@@ -94,8 +95,11 @@ def load_run(run_dir: Path, mesh: str | None = None, rules: str | None = None) -
 
     cfg = _with_layout(config_lib.load_run_config(run_dir), mesh, rules)
     layout = make_layout(cfg)
-    params = checkpoint_lib.restore_from(run_dir, layout.abstract_state(), None, params_only=True, source="jaxtrain generate")
     encode, decode = codec(cfg, run_dir)
+    if cfg.model.lora.rank:  # a LoRA run: its adapters merged into its base
+        params = lora_lib.merged_run_params(layout, run_dir, source="jaxtrain generate")
+        return Loaded(lora_lib.plain_config(cfg.model), params, layout.mesh, layout.rules, cfg.rules, encode, decode)
+    params = checkpoint_lib.restore_from(run_dir, layout.abstract_state(), None, params_only=True, source="jaxtrain generate")
     return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode, decode)
 
 

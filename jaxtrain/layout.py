@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -76,10 +75,11 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
     train_fn = jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), cfg.train.microbatches,
                                        layer_norms=cfg.log.layer_every > 0, loss_chunk=cfg.train.loss_chunk),
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
-    eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk), in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
+    eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk), in_shardings=(shardings.model_params, batch_sh),
+                      out_shardings=replicated)
     state, batch = layout.abstract_state(), layout.abstract_batch()
     with model_tracing(layout.mesh, layout.rules, cfg.rules):
-        return train_fn.lower(state, batch), eval_fn.lower(state.params, batch)
+        return train_fn.lower(state, batch), eval_fn.lower(state.model_params, batch)
 
 
 def peak_bytes(memory) -> int:

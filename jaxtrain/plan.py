@@ -63,7 +63,8 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     the tensors each remat policy keeps for the backward pass."""
     cfg, m = layout.cfg, layout.cfg.model
     state = layout.abstract_state()
-    params = bytes_per_device(state.params)
+    trained = bytes_per_device(state.params)  # a LoRA run: the adapters; its frozen base counts in its storage dtype
+    params = trained + bytes_per_device(state.frozen)
     optimizer = bytes_per_device(state.opt_state)
     k = cfg.train.microbatches
     b = cfg.train.global_batch // k / batch_shards(layout.rules, layout.mesh)  # sequences per device per pass
@@ -91,8 +92,13 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # one layer's weights gathered over the batch axes (FSDP) for its forward and backward: compute-dtype copy
     # and float32 gradient; the tensor axes keep their split
     batch_axes = layout.rules.get("activation_batch") or ()
-    layer_weights = sum(gathered_elements(x, batch_axes) / x.sharding.shard_shape(x.shape)[0]  # per stacked layer
-                        for x in jax.tree.leaves(state.params["layers"]))
+    def per_layer(tree) -> float:
+        return sum(gathered_elements(x, batch_axes) / x.sharding.shard_shape(x.shape)[0] for x in jax.tree.leaves(tree))  # per stacked layer
+
+    layer_weights = per_layer(state.params["layers"])
+    # a LoRA run's frozen layer: gathered in storage, dequantized to the compute dtype (counted as one compute copy
+    # of its weights: nf4 codes hold two per byte), no gradient
+    frozen_layer = act * per_layer(state.frozen["layers"]) * (2 if m.base_quant == "nf4" else 1) if state.frozen else 0
     vocab_table = m.d_model * m.vocab_size / _ways(layout, "vocab")  # elements, gathered over fsdp
     # backward of one layer: XLA attention's score arrays (probabilities, their gradient, the scores' gradient:
     # two in float32 and two in the compute dtype on a GPU; three in float32 and one in the compute dtype on the
@@ -100,7 +106,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # held from the loss to the lookup (with accumulators and copies on the CPU compile); the layer's gathered
     # weights and their gradient
     attention_backward = (12 + act if on_cpu else 8 + 2 * act) * scores
-    layer_backward = attention_backward + 16 * embed + (16 + act if on_cpu else 4) * vocab_table + (4 + act) * layer_weights
+    layer_backward = attention_backward + 16 * embed + (16 + act if on_cpu else 4) * vocab_table + (4 + act) * layer_weights + frozen_layer
     logit_tokens = b * (cfg.train.loss_chunk or seq)  # train.loss_chunk: one chunk's logits live at a time
     # float32 logits and their gradient; the output table's float32 gradient, gathered over fsdp (the CPU compile
     # also keeps the float32 value and compute copy of each gathered table)
@@ -111,7 +117,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
         "optimizer state": optimizer,
         # float32 gradients and the optimizer's update, each the size of the parameters; micro-batching adds
         # the accumulator
-        "gradients": params * (3 if k > 1 else 2),
+        "gradients": trained * (3 if k > 1 else 2),
         "activations": int(m.num_layers * saved_per_layer),
         "logits and loss": int(loss),
         "layer backward": int(layer_backward),
@@ -231,7 +237,7 @@ def _layouts_by_rules(cfg: Config, devices, rule_sets) -> dict[str, Layout]:
             layout = make_layout(_replace(cfg, rules=rules, microbatches=1), devices)
         except UserError:
             continue
-        splits = (tuple(sh.shard_shape(x.shape) for x, sh in zip(jax.tree.leaves(layout.spec.shapes), jax.tree.leaves(layout.shardings.params))),
+        splits = (tuple(sh.shard_shape(x.shape) for x, sh in zip(jax.tree.leaves(layout.spec.shapes), jax.tree.leaves(layout.shardings.model_params))),
                   tuple(sorted((logical, _ways(layout, logical)) for logical in layout.rules)))
         if splits not in seen:
             seen.add(splits)

@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtrain.adapters import join_frozen, split_frozen
 from jaxtrain.partitioning import Rules, param_shardings, spec_axes
 from models.config import LlamaConfig
 from models.llama import Llama
@@ -21,8 +22,14 @@ from models.llama import Llama
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer updates applied so far
-    params: dict  # nested dict of arrays, keyed like the NNX module tree
+    params: dict  # nested dict of arrays, keyed like the NNX module tree: the trained ones (a LoRA run: the adapters)
     opt_state: Any
+    frozen: dict | None = None  # a LoRA run's base weights (never updated, not checkpointed); None: every parameter trains
+
+    @property
+    def model_params(self) -> dict:
+        """Every parameter of the model: the trained ones and the frozen base."""
+        return join_frozen(self.frozen, self.params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,23 +72,33 @@ def bytes_per_device(tree) -> int:
 
 def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation, rules: Rules, mesh: Mesh) -> TrainState:
     """Shardings of every TrainState leaf; optimizer moments follow their parameter's sharding."""
-    params = param_shardings(spec.logical_axes, spec.shapes, rules, mesh)
+    params, frozen = split_frozen(param_shardings(spec.logical_axes, spec.shapes, rules, mesh))
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_state = optax.tree_map_params(
-        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, spec.shapes), params,
+        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, split_frozen(spec.shapes)[0]), params,
         transform_non_params=lambda _: replicated)
-    return TrainState(step=replicated, params=params, opt_state=opt_state)
+    return TrainState(step=replicated, params=params, opt_state=opt_state, frozen=frozen)
 
 
 def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
-    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=spec.shapes, opt_state=jax.eval_shape(tx.init, spec.shapes))
+    params, frozen = split_frozen(spec.shapes)
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=jax.eval_shape(tx.init, params), frozen=frozen)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
 def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
     """A fresh train state (step 0, new optimizer state) around given parameters, which it takes over."""
-    start = lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))  # noqa: E731
-    return jax.jit(start, out_shardings=shardings, donate_argnums=0)(params)
+    return jax.jit(fresh_state(tx), out_shardings=shardings, donate_argnums=0)(params)
+
+
+def fresh_state(tx: optax.GradientTransformation) -> Callable[[dict], TrainState]:
+    """Every parameter of the model -> a train state at step 0 (to be traced inside jit)."""
+
+    def start(params: dict) -> TrainState:
+        trained, frozen = split_frozen(params)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=trained, opt_state=tx.init(trained), frozen=frozen)
+
+    return start
 
 
 def state_initializer(model_cfg: LlamaConfig, tx: optax.GradientTransformation, seed: int,
@@ -90,8 +107,7 @@ def state_initializer(model_cfg: LlamaConfig, tx: optax.GradientTransformation, 
     make more fresh states: it compiles on its first call only."""
 
     def init():
-        params = nnx.to_pure_dict(nnx.state(Llama(model_cfg, rngs=nnx.Rngs(seed))))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        return fresh_state(tx)(nnx.to_pure_dict(nnx.state(Llama(model_cfg, rngs=nnx.Rngs(seed)))))
 
     return jax.jit(init, out_shardings=shardings)
 

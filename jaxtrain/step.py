@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxtrain.adapters import join_frozen
 from jaxtrain.state import TrainState
 
 # 'inputs', 'targets': (batch, length) int32; packed instruction data (data.format=sft) adds 'segment_ids' and
@@ -66,9 +67,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on."""
-    def loss_fn(params, batch, counted):
-        """Mean nats per token; with weights, this micro-batch's weighted nats over the whole batch's ``counted``."""
-        nll = token_nll(graphdef, params, batch, loss_chunk)
+    def loss_fn(params, frozen, batch, counted):
+        """Mean nats per token; with weights, this micro-batch's weighted nats over the whole batch's ``counted``.
+        Gradients for the trained parameters only (LoRA: the adapters)."""
+        nll = token_nll(graphdef, join_frozen(frozen, params), batch, loss_chunk)
         return nll.mean() if counted is None else (nll * batch["weights"]).sum() / counted
 
     grad_fn = jax.value_and_grad(loss_fn)
@@ -76,11 +78,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     def train_step(state: TrainState, batch: Batch):
         counted = counted_tokens(batch)
         if microbatches == 1:
-            loss, grads = grad_fn(state.params, batch, counted)
+            loss, grads = grad_fn(state.params, state.frozen, batch, counted)
         else:
             def accumulate(carry, micro):
                 loss_sum, grad_sum = carry
-                loss, grads = grad_fn(state.params, micro, counted)
+                loss, grads = grad_fn(state.params, state.frozen, micro, counted)
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -99,7 +101,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         if layer_norms:
             metrics |= {"grad_norm_per_layer": per_layer_norm(grads["layers"]),
                         "param_norm_per_layer": per_layer_norm(params["layers"])}
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen), metrics
 
     return train_step
 

@@ -18,6 +18,7 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain import exporters
+from jaxtrain import lora as lora_lib
 from jaxtrain import plan
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
@@ -111,17 +112,24 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
     t = cfg.train
     batches = data_lib.train_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding)
     # every check of --init-from (path, complete checkpoint, shapes) before the run directory is touched
-    initial = None if init_from is None or checkpoint_lib.has_checkpoints(run_dir) else \
-        _init_from(trainer, init_from, batches, params_only)
+    # a LoRA run: --init-from names the frozen base, loaded (and checked against the run's record) on every start
+    base = lora_lib.run_base(trainer.layout, run_dir, init_from) if cfg.model.lora.rank else None
+    fresh = not checkpoint_lib.has_checkpoints(run_dir)
+    initial = None if init_from is None or base is not None or not fresh else _init_from(trainer, init_from, batches, params_only)
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_lib.save_yaml(cfg, run_dir / "config.yaml", {"resolved": _resolved(trainer)})
-        if initial is not None and hf_config.is_hf_dir(init_from):  # its tokenizer and config, for generate and export
+        if base is not None:
+            lora_lib.write_record(run_dir, base, cfg.model)
+        if init_from is not None and fresh and hf_config.is_hf_dir(init_from):  # its tokenizer and config, for generate and export
             hf_import.keep_source_files(init_from, run_dir)
-    checkpoints = checkpoint_lib.RunCheckpoints(run_dir, cfg.checkpoint, t.steps, _checkpoint_meta(trainer))
+    meta = _checkpoint_meta(trainer) | ({"lora_base": base.record} if base is not None else {})
+    checkpoints = checkpoint_lib.RunCheckpoints(run_dir, cfg.checkpoint, t.steps, meta)
     log = None
     try:  # from here on every exit closes the checkpoints (and the SIGTERM handler) and the metrics log
         state = checkpoints.restore_latest(trainer.layout.abstract_state(), batches.iterator)
+        if base is not None:
+            state = base.start_state(trainer.layout) if state is None else state.replace(frozen=base.frozen)
         if state is None and initial is None and init_from is not None:  # the run's own checkpoints were all unreadable
             initial = _init_from(trainer, init_from, batches, params_only)
         if state is None:
@@ -143,7 +151,7 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
                     log.checkpoint_saved(step)
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
                 with log.timer("eval_s"):
-                    eval_loss, eval_tokens = evaluate(trainer, state.params, eval_data)
+                    eval_loss, eval_tokens = evaluate(trainer, state.model_params, eval_data)
                 log.write({"step": step, "eval_loss": eval_loss, "eval_tokens": eval_tokens})
     except BaseException as e:  # the error in flight is the one to report: one in closing is only a warning
         _close(log, checkpoints, error=e)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 # Names of the per-layer rematerialisation policies; models/llama.py maps each to a jax policy.
 REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_out")
@@ -10,6 +12,50 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # auto: the trainer picks cudnn on NVIDIA GPUs and xla elsewhere; a model built directly lets jax choose
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 ROPE_SCALING_TYPES = ("none", "llama3")
+# LoRA target name -> (module in the block, its weight, how many leading weight dimensions are inputs)
+LORA_TARGETS = {"q": ("attn", "wq", 1), "k": ("attn", "wk", 1), "v": ("attn", "wv", 1), "o": ("attn", "wo", 2),
+                "gate": ("mlp", "w_gate", 1), "up": ("mlp", "w_up", 1), "down": ("mlp", "w_down", 1)}
+BASE_QUANTS = ("none", "int8", "nf4")  # how the frozen base of a LoRA run is stored (nf4: QLoRA)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the projection weights; rank 0: off (every parameter trains)."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    targets: str = "q,k,v,o,gate,up,down"  # comma-separated target names or regular expressions over them / weight paths
+    dropout: float = 0.0
+
+    def target_names(self) -> list[str]:
+        """The target names the comma-separated items match (each a name, or a regex over names and paths)."""
+        items = [t.strip() for t in self.targets.split(",") if t.strip()]
+        return [name for name, (module, weight, _) in LORA_TARGETS.items()
+                if any(_matches(item, name) or _matches(item, f"{module}.{weight}") for item in items)]
+
+    def problems(self) -> list[str]:
+        if self.rank == 0:
+            return []
+        out = []
+        if self.rank < 0:
+            out.append(f"model.lora.rank={self.rank} must be 0 (off) or positive")
+        if not self.alpha > 0:
+            out.append(f"model.lora.alpha={self.alpha} must be positive")
+        if self.dropout != 0:
+            out.append(f"model.lora.dropout={self.dropout} is not supported yet; use 0")
+        choices = ", ".join(f"{n} ({m}.{w})" for n, (m, w, _) in LORA_TARGETS.items())
+        for item in (t.strip() for t in self.targets.split(",")):
+            names = LoraConfig(targets=item).target_names() if item else []
+            if not names:
+                out.append(f"model.lora.targets item {item!r} matches no weight; targets are {choices}, or regular expressions over them")
+        return out
+
+
+def _matches(pattern: str, text: str) -> bool:
+    try:
+        return re.fullmatch(pattern, text) is not None
+    except re.error:
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +104,40 @@ class LlamaConfig:
     # False: the loop over layers unrolled when compiling (faster steps on CPU, compile time grows with depth);
     # the parameters stay stacked on the layers axis either way, so checkpoints do not change
     scan_layers: bool = True
+    lora: LoraConfig = LoraConfig()
+    base_quant: str = "none"  # the frozen base of a LoRA run stored as int8 or nf4 (QLoRA)
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of one layer's weight of each LoRA target."""
+        d, h, k, hd, m = self.d_model, self.num_heads, self.num_kv_heads, self.resolved_head_dim, self.mlp_dim
+        return {"q": (d, h, hd), "k": (d, k, hd), "v": (d, k, hd), "o": (h, hd, d), "gate": (d, m), "up": (d, m), "down": (m, d)}
+
+    def adapter_problems(self) -> list[str]:
+        out = list(self.lora.problems())
+        if self.base_quant not in BASE_QUANTS:
+            out.append(f"model.base_quant={self.base_quant!r} is unknown; choose one of {', '.join(BASE_QUANTS)}")
+        elif self.base_quant != "none" and self.lora.rank <= 0:
+            out.append(f"model.base_quant={self.base_quant} stores a frozen base: it needs adapters to train, set model.lora.rank > 0")
+        shapes = self.weight_shapes()
+        if out or min(min(s) for s in shapes.values()) <= 0:
+            return out
+        for name in self.lora.target_names() if self.lora.rank > 0 else ():
+            inputs = LORA_TARGETS[name][2]
+            dims = (math.prod(shapes[name][:inputs]), math.prod(shapes[name][inputs:]))
+            if self.lora.rank > min(dims):
+                out.append(f"model.lora.rank={self.lora.rank} is larger than the {name} weight's dimensions {dims[0]} x {dims[1]}; "
+                           f"use a rank of at most {min(dims)} or drop {name} from model.lora.targets")
+                break
+        if self.base_quant == "nf4":
+            odd = sorted({shape[0] for shape in shapes.values() if shape[0] % 2})
+            if odd:
+                out.append(f"model.base_quant=nf4 packs two 4-bit codes per byte along each weight's first dimension, which is odd ({odd[0]}); "
+                           "use int8")
+        return out
 
     def problems(self) -> list[str]:
         """Every inconsistency in this config, each as one sentence that says how to fix it."""
@@ -88,4 +164,4 @@ class LlamaConfig:
             out.append(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; set model.head_dim")
         if self.num_heads > 0 and self.resolved_head_dim % 2:
             out.append(f"head dimension {self.resolved_head_dim} must be even for rotary embeddings")
-        return out
+        return out + (self.adapter_problems() if not out else self.lora.problems())

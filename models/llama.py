@@ -19,6 +19,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import LlamaConfig, RopeScaling
+from models.lora import adapt_block, adapter_delta
+from models.quant import weight
 from models.sharding import constrain
 
 BATCH, LENGTH = "activation_batch", "activation_length"
@@ -88,6 +90,11 @@ def apply_rotary(x, sin, cos):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def _plus(out: jax.Array, delta: jax.Array | None) -> jax.Array:
+    """A projection's output plus its adapter's update, if it has one."""
+    return out if delta is None else out + delta
+
+
 class LayerCache(NamedTuple):
     """One layer's keys and values, (batch, max_length, kv_heads, head_dim), and how many positions hold tokens."""
 
@@ -132,7 +139,7 @@ class Attention(nnx.Module):
 
     def _project(self, x, name: str, axes):
         """x @ w{name} (+ b{name}) for name in q, k, v."""
-        out = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"w{name}")[...].astype(self.dtype))
+        out = _plus(jnp.einsum("btd,dhk->bthk", x, weight(getattr(self, f"w{name}"), self.dtype)), adapter_delta(self, name, x))
         if self.qkv_bias:
             out = out + getattr(self, f"b{name}")[...].astype(self.dtype)
         return constrain(out, axes)
@@ -169,7 +176,7 @@ class Attention(nnx.Module):
 
     def _output(self, out):
         out = constrain(out, (BATCH, LENGTH, "activation_heads", "activation_head_dim"))
-        out = jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(self.dtype))
+        out = _plus(jnp.einsum("bthk,hkd->btd", out, weight(self.wo, self.dtype)), adapter_delta(self, "o", out))
         return checkpoint_name(constrain(out, EMBED_ACT), "attn_out")
 
 
@@ -185,9 +192,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         hidden = (BATCH, LENGTH, "activation_mlp")
-        gate = constrain(x @ self.w_gate[...].astype(self.dtype), hidden)
-        up = constrain(x @ self.w_up[...].astype(self.dtype), hidden)
-        return constrain((jax.nn.silu(gate) * up) @ self.w_down[...].astype(self.dtype), EMBED_ACT)
+        gate = constrain(_plus(x @ weight(self.w_gate, self.dtype), adapter_delta(self, "gate", x)), hidden)
+        up = constrain(_plus(x @ weight(self.w_up, self.dtype), adapter_delta(self, "up", x)), hidden)
+        h = jax.nn.silu(gate) * up
+        return constrain(_plus(h @ weight(self.w_down, self.dtype), adapter_delta(self, "down", h)), EMBED_ACT)
 
 
 class Block(nnx.Module):
@@ -196,6 +204,7 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg)
         self.mlp = MLP(cfg, rngs)
+        adapt_block(self, cfg, rngs)  # LoRA adapters and a quantized base, when configured
 
     def __call__(self, x, sin, cos, segment_ids=None):
         return self._mlp_residual(constrain(x + self.attn(self.attn_norm(x), sin, cos, segment_ids), EMBED_ACT))

@@ -1,0 +1,106 @@
+"""The adapters of LoRA runs: the trained / frozen split of the parameters (every ``lora_*`` subtree trains, the
+base stays), the record that names a run's base (RUN_DIR/lora_base.json), and the pool of adapters trained on
+each base (``jaxtrain adapters DIR``).
+
+The tree functions work on the nested parameter dicts (arrays, ShapeDtypeStructs or shardings alike) and are
+shared by the train state, the step, checkpoints and export. No jax import.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxtrain.errors import UserError
+from jaxtrain.interop import peft
+
+ADAPTER_PREFIX = "lora_"  # models/lora.py names each adapter lora_<target>
+BASE_RECORD = "lora_base.json"
+
+
+def is_adapter(key) -> bool:
+    return isinstance(key, str) and key.startswith(ADAPTER_PREFIX)
+
+
+def split_frozen(tree: dict) -> tuple[dict, dict | None]:
+    """(trained, frozen): the adapters and the rest when the tree has adapters; else (tree, None)."""
+
+    def walk(node: dict) -> tuple[dict, dict]:
+        trained, frozen = {}, {}
+        for key, value in node.items():
+            if is_adapter(key):
+                trained[key] = value
+            elif isinstance(value, dict):
+                inner_trained, inner_frozen = walk(value)
+                if inner_trained:
+                    trained[key] = inner_trained
+                if inner_frozen:
+                    frozen[key] = inner_frozen
+            else:
+                frozen[key] = value
+        return trained, frozen
+
+    trained, frozen = walk(tree)
+    return (trained, frozen) if trained else (tree, None)
+
+
+def join_frozen(frozen: dict | None, trained: dict) -> dict:
+    """The inverse of ``split_frozen``."""
+    if frozen is None:
+        return trained
+    out = dict(frozen)
+    for key, value in trained.items():
+        out[key] = join_frozen(out[key], value) if key in out else value
+    return out
+
+
+def read_record(run_dir: Path) -> dict | None:
+    path = run_dir / BASE_RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def summary(run_dir: Path) -> dict:
+    """A LoRA run's base record with its adapter shape, and its progress: steps done, last eval loss."""
+    record = read_record(run_dir)
+    if record is None:
+        raise UserError(f"{run_dir} has no {BASE_RECORD}: it is not a LoRA run (model.lora.rank > 0); train one, or give its --run-dir")
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    steps = [r["step"] for r in records if "loss" in r]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    return record | {"steps": max(steps, default=0), "eval_loss": evals[-1] if evals else None}
+
+
+def pool(directory: Path) -> list[dict]:
+    """One row per adapter in ``directory`` (itself, or its immediate subdirectories): LoRA run directories and
+    PEFT adapter directories, with their base's hash and path, rank, targets, steps and last eval loss."""
+    if not directory.is_dir():
+        raise UserError(f"{directory} is not a directory; give a directory of LoRA runs or PEFT adapters")
+    rows = []
+    for path in [directory, *sorted(p for p in directory.iterdir() if p.is_dir())]:
+        if (path / BASE_RECORD).is_file():
+            rows.append({"adapter": str(path), "kind": "run"} | summary(path))
+        elif peft.is_adapter_dir(path):
+            record = path / peft.JAXTRAIN_FILE
+            if record.is_file():
+                rows.append({"adapter": str(path), "kind": "peft"} | json.loads(record.read_text()))
+            else:  # exported elsewhere: PEFT's own fields only
+                config = json.loads((path / peft.CONFIG_FILE).read_text())
+                rows.append({"adapter": str(path), "kind": "peft", "hash": None, "path": config.get("base_model_name_or_path"),
+                             "rank": config.get("r"), "targets": config.get("target_modules"), "steps": None, "eval_loss": None})
+    return sorted(rows, key=lambda r: (r["hash"] or "", r["adapter"]))
+
+
+def format_pool(rows: list[dict]) -> str:
+    """The pool grouped by base."""
+    lines, base = [], object()
+    for r in rows:
+        if (r["hash"], r["path"]) != base:
+            base = (r["hash"], r["path"])
+            where = r["path"] or f"(initialised from train.seed={r.get('seed')})"
+            lines.append(f"base {r['hash'] or '(hash unknown)'}  {where}")
+        loss = "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
+        targets = ",".join(r["targets"]) if isinstance(r["targets"], list) else str(r["targets"])
+        lines.append(f"  {r['adapter']}  {r['kind']}  rank {r['rank']}  targets {targets}  steps {r['steps'] if r['steps'] is not None else '-'}  "
+                     f"eval loss {loss}")
+    return "\n".join(lines) if lines else "no adapters found"

@@ -1,0 +1,227 @@
+"""A LoRA run's frozen base: where it comes from (``--init-from`` a Hugging Face model directory or another
+run, else the run's seed), its content hash, its storage (quantized with ``model.base_quant``), and the
+merged model (adapters folded into the weights).
+
+The base is never checkpointed: RUN_DIR/lora_base.json records its path and content hash, a resumed run
+reloads it from there and refuses a base whose content differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import config as config_lib
+from jaxtrain.adapters import BASE_RECORD, join_frozen, read_record, split_frozen, summary
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+from jaxtrain.interop import hf_config, hf_export, hf_import, peft
+from jaxtrain.layout import Layout, make_layout
+from jaxtrain.partitioning import param_shardings
+from jaxtrain.state import TrainState, fresh_state, model_spec
+from models.config import LORA_TARGETS, LlamaConfig, LoraConfig
+from models.llama import Llama
+from models.lora import adapter_name
+from models.quant import dequantize, quantize
+
+def plain_config(model_cfg: LlamaConfig) -> LlamaConfig:
+    """The base model alone: no adapters, weights in their float dtype."""
+    return dataclasses.replace(model_cfg, lora=LoraConfig(), base_quant="none")
+
+
+def plain_abstract(layout: Layout) -> dict:
+    """The base model's parameters as ShapeDtypeStructs carrying the layout's shardings."""
+    spec = model_spec(plain_config(layout.cfg.model))
+    shardings = param_shardings(spec.logical_axes, spec.shapes, layout.rules, layout.mesh)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), spec.shapes, shardings)
+
+
+def load_plain(layout: Layout, source: Path | None) -> dict:
+    """The base's float parameters on the mesh: a Hugging Face model directory, another run's latest
+    checkpoint, or (``source`` None) initialised from train.seed."""
+    abstract = plain_abstract(layout)
+    cfg = plain_config(layout.cfg.model)
+    if source is None:
+        init = lambda: nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(layout.cfg.train.seed))))  # noqa: E731
+        return jax.jit(init, out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
+    if hf_config.is_hf_dir(source):
+        return hf_import.load_params(source, cfg, abstract)
+    target = TrainState(step=None, params=abstract, opt_state=None)
+    return checkpoint_lib.restore_from(source, target, None, params_only=True, source="the LoRA base")
+
+
+@jax.jit
+def _leaf_sums(params: dict) -> dict:
+    """Per parameter: the sum, wrapping modulo 2**32, of each element's bits times an odd weight of its position;
+    any order of summation gives the same value, so the hash does not depend on the sharding."""
+
+    def one(x):
+        bits = jax.lax.bitcast_convert_type(x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize]).astype(jnp.uint32)
+        position = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
+        return jnp.sum(bits * (position * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
+
+    return jax.tree.map(one, params)
+
+
+def content_hash(params: dict) -> str:
+    """A hash of every parameter's name, shape, dtype and values."""
+    sums = jax.tree_util.tree_flatten_with_path(_leaf_sums(params))[0]
+    shapes = jax.tree.leaves(jax.tree.map(lambda x: f"{x.shape}{x.dtype}", params))
+    text = json.dumps([(jax.tree_util.keystr(path), shape, int(total)) for (path, total), shape in zip(sums, shapes)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def to_storage(plain: dict, model_cfg: LlamaConfig) -> dict:
+    """The base's float parameters -> the frozen part of the LoRA model's tree (projection weights quantized
+    layer by layer with ``model.base_quant``, as models/quant.py stores them)."""
+    if model_cfg.base_quant == "none":
+        return plain
+    layers = {name: dict(module) for name, module in plain["layers"].items()}
+    for module, weight, _ in LORA_TARGETS.values():
+        codes, scale = jax.vmap(lambda w: quantize(w, model_cfg.base_quant))(layers[module][weight])
+        layers[module][weight] = {"codes": codes, "scale": scale}
+    return plain | {"layers": layers}
+
+
+def merged(model_params: dict, model_cfg: LlamaConfig) -> dict:
+    """Every parameter of a LoRA model -> the base model's float parameters with each adapter's update
+    ``(alpha / rank) * A @ B`` added to its weight (and a quantized weight dequantized first)."""
+    dtype = jnp.dtype(model_cfg.param_dtype)
+    layers = {name: dict(module) for name, module in model_params["layers"].items()}
+    for target, (module, weight, _) in LORA_TARGETS.items():
+        w = layers[module][weight]
+        if isinstance(w, dict):
+            w = jax.vmap(lambda c, s: dequantize(c, s, dtype))(w["codes"], w["scale"])
+        adapter = layers[module].pop(adapter_name(target), None)
+        if adapter is not None:
+            update = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1))(adapter["a"].astype(jnp.float32), adapter["b"].astype(jnp.float32))
+            w = (w.astype(jnp.float32) + model_cfg.lora.alpha / model_cfg.lora.rank * update).astype(dtype)
+        layers[module][weight] = w
+    return model_params | {"layers": layers}
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """A loaded base: its frozen parameters in storage form, on the mesh, and the record that names it."""
+
+    frozen: dict
+    record: dict  # path (None: initialised from seed), seed, hash
+
+    def start_state(self, layout: Layout) -> TrainState:
+        """A fresh train state: new adapters (from train.seed) on this base; takes the frozen arrays over."""
+        cfg = layout.cfg
+
+        def start(frozen):
+            adapters = split_frozen(nnx.to_pure_dict(nnx.state(Llama(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))))[0]
+            return fresh_state(layout.tx)(join_frozen(frozen, adapters))
+
+        return jax.jit(start, out_shardings=layout.shardings, donate_argnums=0)(self.frozen)
+
+
+def load_base(layout: Layout, source: Path | None, expected: dict | None = None, where: str = "") -> Base:
+    """Load the base from ``source`` and hash it; with ``expected`` (a run's record), a base of other content
+    is a UserError."""
+    plain = load_plain(layout, source)
+    record = {"path": None if source is None else str(source.absolute()),
+              "seed": layout.cfg.train.seed if source is None else None, "hash": content_hash(plain)}
+    if expected is not None and expected["hash"] != record["hash"]:
+        named = expected["path"] or f"the initialisation from train.seed={expected['seed']}"
+        raise UserError(f"the LoRA base {record['path'] or 'initialised from train.seed'} (content hash {record['hash']}) is not the base "
+                        f"{where} was trained on ({named}, hash {expected['hash']}); give that base, or a new --run-dir")
+    frozen = jax.jit(lambda p: to_storage(p, layout.cfg.model), out_shardings=layout.shardings.frozen, donate_argnums=0)(plain)
+    return Base(frozen, record)
+
+
+def run_base(layout: Layout, run_dir: Path, init_from: Path | None) -> Base:
+    """The base of a LoRA training run: ``--init-from`` if given, else the one its record names; checked
+    against the record when the run has one."""
+    record = read_record(run_dir)
+    if init_from is None and record is not None and record["path"] is not None:
+        init_from = Path(record["path"])
+    if init_from is not None and not init_from.exists():
+        raise UserError(f"the LoRA base {init_from} does not exist; give a Hugging Face model directory or a run directory")
+    return load_base(layout, init_from, record, f"run {run_dir}")
+
+
+def write_record(run_dir: Path, base: Base, model_cfg: LlamaConfig) -> None:
+    lora = model_cfg.lora
+    body = {**base.record, "rank": lora.rank, "alpha": lora.alpha, "targets": lora.target_names(), "base_quant": model_cfg.base_quant}
+    (run_dir / BASE_RECORD).write_text(json.dumps(body, indent=2) + "\n")
+
+
+def run_model_params(layout: Layout, run_dir: Path, step: int | None = None, source: str = "jaxtrain export-hf") -> tuple[dict, Base]:
+    """Every parameter of a LoRA run: its adapters restored from the latest checkpoint (or ``step``'s), on its base
+    reloaded from the path its record names and checked against the recorded hash."""
+    record = summary(run_dir)
+    where = run_dir if step is None else run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)
+    adapters = checkpoint_lib.restore_from(where, layout.abstract_state(), None, params_only=True, source=source)
+    base = load_base(layout, None if record["path"] is None else Path(record["path"]), record, f"run {run_dir}")
+    return join_frozen(base.frozen, adapters), base
+
+
+def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: str, adapter_only: bool) -> None:
+    """``jaxtrain export-hf`` of a LoRA run: its adapters as a PEFT adapter directory, or the merged model."""
+    layout = make_layout(cfg)
+    if step is not None and not (run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)).is_dir():
+        raise UserError(f"--step {step}: {run_dir} has no checkpoint of that step; `jaxtrain checkpoints {run_dir}` lists them")
+    model_params, base = run_model_params(layout, run_dir, step)
+    if adapter_only:
+        adapters = multihost_utils.process_allgather(split_frozen(model_params)[0], tiled=True)
+        if jax.process_index() == 0:
+            peft.write_adapter(adapters["layers"], cfg.model, out, base.record["path"], summary(run_dir))
+        what = "PEFT adapter"
+    else:
+        plain_cfg = dataclasses.replace(cfg, model=plain_config(cfg.model))
+        plain = merge_on_devices(model_params, cfg.model, jax.tree.map(lambda a: a.sharding, plain_abstract(layout)))
+        source_dir = run_dir / hf_import.RUN_SUBDIR
+        hf_export.write_model(plain, plain_cfg, out, dtype, source_dir if source_dir.is_dir() else None)
+        what = f"merged model ({dtype})"
+    if jax.process_index() == 0:
+        print(f"jaxtrain: wrote {out}: {what}", file=sys.stderr, flush=True)
+
+
+def merge_on_devices(model_params: dict, model_cfg: LlamaConfig, shardings: dict) -> dict:
+    """``merged`` jitted, its output placed with ``shardings`` (the base model's)."""
+    return jax.jit(lambda p: merged(p, model_cfg), out_shardings=shardings)(model_params)
+
+
+def merged_run_params(layout: Layout, run_dir: Path, source: str) -> dict:
+    """A LoRA run's adapters merged into its base, placed as the base model's parameters."""
+    model_params, _ = run_model_params(layout, run_dir, None, source)
+    return merge_on_devices(model_params, layout.cfg.model, jax.tree.map(lambda a: a.sharding, plain_abstract(layout)))
+
+
+def with_adapter(loaded, adapter: Path):
+    """``jaxtrain generate BASE --adapter PATH``: a loaded base model (generate.Loaded) with the adapters of a LoRA
+    run directory or a PEFT adapter directory merged into its weights; an adapter trained on another base is a UserError."""
+    if peft.is_adapter_dir(adapter):
+        config, tensors, record = peft.read_adapter(adapter)
+        lora = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=peft.targets_of(config, adapter))
+        model_cfg = dataclasses.replace(loaded.model_cfg, lora=lora)
+        adapters = {"layers": peft.from_peft(tensors, model_cfg, adapter)}
+    elif (adapter / "config.yaml").is_file():
+        record = summary(adapter)
+        cfg = config_lib.load_run_config(adapter)
+        model_cfg = dataclasses.replace(loaded.model_cfg, lora=cfg.model.lora)
+        layout = make_layout(cfg)
+        restored = checkpoint_lib.restore_from(adapter, layout.abstract_state(), None, params_only=True, source="--adapter")
+        adapters = multihost_utils.process_allgather(restored, tiled=True)
+    else:
+        raise UserError(f"--adapter {adapter} is neither a LoRA run directory (config.yaml) nor a PEFT adapter directory "
+                        f"({peft.CONFIG_FILE}); give one of them")
+    if record is not None:
+        found = content_hash(loaded.params)
+        if found != record["hash"]:
+            raise UserError(f"--adapter {adapter} was trained on base {record['path'] or 'initialised from a seed'} (content hash "
+                            f"{record['hash']}), not on this base (hash {found}); give the base it was trained on")
+    shardings = jax.tree.map(lambda a: a.sharding, loaded.params)
+    return dataclasses.replace(loaded, params=merge_on_devices(join_frozen(loaded.params, adapters), model_cfg, shardings))

@@ -1,0 +1,204 @@
+"""LoRA / QLoRA: adapters on the frozen base (zero adapters give the base's logits exactly, merged equals unmerged),
+training updates only the adapters and leaves the base bit-identical, checkpoints hold no base and resume exactly,
+QLoRA trains, PEFT adapter files load in peft with the same logits, and bad input is one line, exit 2."""
+
+import dataclasses
+import functools
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from flax import nnx
+from flax.core import spmd
+from safetensors import safe_open
+
+from conftest import small_config, with_
+from jaxtrain import cli
+from jaxtrain import lora as lora_lib
+from jaxtrain.errors import UserError
+from jaxtrain.interop import hf_config
+from jaxtrain.layout import make_layout
+from jaxtrain.partitioning import flax_rules
+from jaxtrain.train import build, train
+from models.config import LoraConfig
+
+TOKENS = np.random.default_rng(0).integers(0, 64, (2, 16))
+
+
+def lora_config(rank=4, base_quant="none", mesh=(2, 2, 2), **model):
+    cfg = small_config(mesh=mesh, **model)
+    return with_(cfg, model={"lora": LoraConfig(rank=rank, alpha=8.0), "base_quant": base_quant},
+                 train={"steps": 4}, optim={"lr": 0.1}, checkpoint={"every": 2, "async_save": False})
+
+
+@functools.cache
+def _forward(graphdef):
+    return jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+
+
+def _logits(layout, params) -> np.ndarray:
+    forward = _forward(layout.spec.graphdef)
+    with jax.set_mesh(layout.mesh), spmd.logical_axis_rules(flax_rules(layout.rules)):
+        return np.asarray(forward(params, TOKENS))
+
+
+def _randomise_adapters(params: dict) -> dict:
+    """Non-zero B matrices, so the adapters change the output."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    return jax.tree_util.tree_unflatten(tree, [0.05 * jax.random.normal(k, x.shape, x.dtype) if "lora_" in jax.tree_util.keystr(p) else x
+                                               for (p, x), k in zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("base_quant", ["none", "nf4"])
+def test_zero_adapters_give_the_base_logits_exactly_and_merged_equals_unmerged(base_quant):
+    cfg = lora_config(base_quant=base_quant, mesh=(1, 1, 1))
+    layout = make_layout(cfg, jax.devices()[:1])
+    base = lora_lib.load_base(layout, None)
+    state = base.start_state(layout)
+    plain_layout = make_layout(dataclasses.replace(cfg, model=lora_lib.plain_config(cfg.model)), jax.devices()[:1])
+    params = state.model_params
+    base_params = lora_lib.merged(params, cfg.model)  # B = 0: the base as the model computes with it (dequantized)
+    assert np.array_equal(_logits(layout, params), _logits(plain_layout, base_params))
+    adapted = _randomise_adapters(params)
+    unmerged = _logits(layout, adapted)
+    assert np.max(np.abs(unmerged - _logits(plain_layout, base_params))) > 1e-3  # the adapters do change the output
+    np.testing.assert_allclose(_logits(plain_layout, lora_lib.merged(adapted, cfg.model)), unmerged, atol=1e-5)
+
+
+def _tree_equal(a, b) -> bool:
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_qlora_trains_only_the_adapters_and_resumes_exactly(corpus, tmp_path):
+    cfg = lora_config(base_quant="nf4", init_std=0.3)  # a base whose output the adapters can move (0.02 gives near-zero logits)
+    trainer = build(cfg, corpus)
+    base = lora_lib.load_base(trainer.layout, None)
+    expected_frozen = jax.tree.map(np.asarray, base.frozen)
+    straight = train(cfg, tmp_path / "straight", trainer)
+    assert _tree_equal(jax.tree.map(np.asarray, straight.frozen), expected_frozen)  # the base, bit for bit
+    assert set(jax.tree.leaves(jax.tree_util.tree_map_with_path(lambda p, _: jax.tree_util.keystr(p).split("'")[-2], straight.params)))  \
+        == {"a", "b"}  # only adapters are trained and have optimizer state
+    assert not _tree_equal(straight.params, base.start_state(trainer.layout).params)
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.1, losses  # QLoRA learns: adapters on a 4-bit base
+    # the checkpoint holds the adapters, their optimizer state and the data position; no base weight
+    saved = {p.name for p in (tmp_path / "straight" / "checkpoints" / "4" / "state").rglob("*")}
+    assert not any("wq" in name or "embed" in name for name in saved), saved
+    record = json.loads((tmp_path / "straight" / lora_lib.BASE_RECORD).read_text())
+    assert record["hash"] == base.record["hash"] and record["path"] is None and record["rank"] == 4
+
+    # resume from the checkpoint of step 2 (its base reloaded and checked): the same adapters and optimizer state, bit for bit
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "straight", resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "4")
+    resumed = train(cfg, resumed_dir, trainer)
+    assert int(resumed.step) == 4
+    assert _tree_equal(resumed.params, straight.params) and _tree_equal(resumed.opt_state, straight.opt_state)
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    """A tiny random Llama in float32 (transformers): (directory, model)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn_like(p))
+    directory = tmp_path_factory.mktemp("hf_base")
+    model.save_pretrained(directory)
+    return directory, model
+
+
+def _torch_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.float().numpy()
+
+
+def test_peft_export_loads_in_peft_and_merged_export_in_transformers(hf_base, corpus, tmp_path, capsys):
+    hf_dir, hf_model = hf_base
+    cfg = lora_config()
+    cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
+    run_dir = tmp_path / "run"
+    state = train(cfg, run_dir, build(cfg, corpus), init_from=hf_dir)
+    layout = make_layout(cfg)
+    ours = _logits(layout, state.model_params)
+    assert np.max(np.abs(ours - _torch_logits(hf_model))) > 1e-3  # the adapters trained away from the base
+
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    assert cli.main(["export-hf", str(run_dir), "--out", str(adapter_dir), "--adapter-only"]) == 0
+    assert cli.main(["export-hf", str(run_dir), "--out", str(merged_dir), "--dtype", "float32"]) == 0
+    with safe_open(adapter_dir / "adapter_model.safetensors", "np") as f:
+        assert f.get_tensor("base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight").shape == (4, 32)  # (rank, in)
+        assert f.get_tensor("base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight").shape == (64, 4)  # (out, rank)
+    adapted = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(hf_dir), adapter_dir).eval()
+    tolerance = 1e-4 * np.max(np.abs(ours))
+    assert np.max(np.abs(_torch_logits(adapted) - ours)) <= tolerance
+    assert np.max(np.abs(_torch_logits(transformers.LlamaForCausalLM.from_pretrained(merged_dir)) - ours)) <= tolerance
+    assert json.loads((adapter_dir / "jaxtrain_adapter.json").read_text())["steps"] == 4
+
+    # the run's adapters on another base: one line, exit 2, nothing written
+    other = tmp_path / "other_base"
+    transformers.LlamaForCausalLM(hf_model.config).save_pretrained(other)
+    before = sorted((p, p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
+    with pytest.raises(UserError) as error:
+        train(cfg, run_dir, build(cfg, corpus), init_from=other)
+    assert "is not the base run" in str(error.value) and str(other) in str(error.value) and "\n" not in str(error.value)
+    assert sorted((p, p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.lora.targets=q,qq", "model.lora.targets item 'qq' matches no weight"),
+    ("model.lora.rank=200", "model.lora.rank=200 is larger than the q weight's dimensions 128 x 128"),
+    ("model.base_quant=nf3", "model.base_quant='nf3' is unknown"),
+])
+def test_bad_lora_config_is_one_line(override, message, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", "tiny", "--run-dir", str(run_dir), "model.lora.rank=4", override]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxtrain: error: ") and message in lines[0], lines
+    assert not run_dir.exists()
+
+
+def _generated(capsys, *args) -> str:
+    capsys.readouterr()
+    assert cli.main(["generate", *args, "--prompt", "1 2 3 4", "--max-new-tokens", "6"]) == 0
+    return capsys.readouterr().out.strip()
+
+
+def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path, capsys):
+    hf_dir, hf_model = hf_base
+    cfg = lora_config(rank=2)
+    cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
+    pool_dir = tmp_path / "pool"
+    run_dir = pool_dir / "run"
+    train(cfg, run_dir, build(cfg, corpus), init_from=hf_dir)
+    for args in (["--adapter-only"], ["--dtype", "float32"]):
+        assert cli.main(["export-hf", str(run_dir), "--out", str(pool_dir / args[0].strip("-")), *args]) == 0
+    merged = _generated(capsys, str(pool_dir / "dtype"))
+    assert merged != _generated(capsys, str(hf_dir))  # the adapters change what is generated
+    assert _generated(capsys, str(hf_dir), "--adapter", str(pool_dir / "adapter-only")) == merged
+    assert _generated(capsys, str(hf_dir), "--adapter", str(run_dir)) == merged
+
+    record = json.loads((run_dir / lora_lib.BASE_RECORD).read_text())
+    assert cli.main(["adapters", str(pool_dir)]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[0] == f"base {record['hash']}  {hf_dir.absolute()}"
+    assert len(listing) == 3 and f"  {pool_dir / 'adapter-only'}  peft  rank 2  targets q,k,v,o,gate,up,down  steps 4  eval loss" in listing[1]
+    assert f"  {run_dir}  run  rank 2  targets q,k,v,o,gate,up,down  steps 4  eval loss" in listing[2]
+
+    other = tmp_path / "other_base"
+    transformers.LlamaForCausalLM(hf_model.config).save_pretrained(other)
+    capsys.readouterr()
+    assert cli.main(["generate", str(other), "--adapter", str(run_dir), "--prompt", "1 2"]) == 2
+    errors = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]  # after progress lines
+    assert len(errors) == 1 and f"jaxtrain: error: --adapter {run_dir} was trained on base {hf_dir.absolute()}" in errors[0], errors
