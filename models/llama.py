@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models import pipeline
 from models.config import LlamaConfig, RopeScaling
 from models.sharding import constrain
 
@@ -226,7 +227,7 @@ class Llama(nnx.Module):
         x = self._embed_tokens(tokens)
         sin, cos = rotary_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)
 
-        layer_def, layer_params = nnx.split(self.layers)
+        layer_def, layer_state = nnx.split(self.layers)
 
         def layer(x, params):
             return nnx.merge(layer_def, params)(x, sin, cos), None
@@ -234,7 +235,7 @@ class Llama(nnx.Module):
         policy = REMAT_POLICY_FNS[cfg.remat]
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, layer_params)
+        x = pipeline.apply_layers(layer, layer_state, x, cfg.pipeline, EMBED_ACT)
 
         return self.final_norm(x)
 

@@ -1,0 +1,64 @@
+"""How a config's layer pipeline (models/pipeline.py) maps onto the mesh: its checks and its schedule's numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import Mesh
+
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+from jaxtrain.mesh import describe_axes
+from jaxtrain.partitioning import Rules, batch_shards, logical_ways
+from models.pipeline import STAGES
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A pipeline's shape: stages 1 means no pipeline."""
+
+    stages: int
+    microbatches: int  # per pass through the layers (per gradient-accumulation micro-batch)
+    repeats: int
+
+    @property
+    def iterations(self) -> int:
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """Share of a pass each stage idles: (stages - 1) / (repeats * microbatches + stages - 1)."""
+        return (self.stages - 1) / self.iterations
+
+
+def schedule(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
+    stages = logical_ways(rules, mesh, STAGES)
+    if stages == 1:
+        return Schedule(1, 1, 1)
+    p = cfg.model.pipeline
+    return Schedule(stages, p.microbatches or stages, p.repeats)
+
+
+def check_pipeline(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
+    """The schedule, after checking it fits the model, the batch and the mesh (UserError otherwise)."""
+    split_on = rules.get(STAGES) or ()
+    if split_on and logical_ways(rules, mesh, STAGES) == 1:
+        raise UserError(f"rule set {cfg.rules} splits the layers into pipeline stages over mesh axis {', '.join(split_on)}, but the mesh "
+                        f"({describe_axes(dict(mesh.shape))}) has size 1 there; set mesh.ici.stage or mesh.dcn.stage, or use a rule set without pp_")
+    s = schedule(cfg, rules, mesh)
+    if s.stages == 1:
+        return s
+    layers = cfg.model.num_layers
+    if layers % (s.stages * s.repeats):
+        raise UserError(f"model.num_layers={layers} does not split into {s.stages} stages x model.pipeline.repeats={s.repeats}; "
+                        f"use a number of layers divisible by {s.stages * s.repeats}, or change the stages or repeats")
+    if s.microbatches < s.stages:
+        raise UserError(f"model.pipeline.microbatches={s.microbatches} is fewer than the {s.stages} pipeline stages; "
+                        f"use at least {s.stages} (more shrink the bubble)")
+    per_pass = cfg.train.global_batch // cfg.train.microbatches
+    shards = batch_shards(rules, mesh)
+    if per_pass % (s.microbatches * shards):
+        raise UserError(f"train.global_batch={cfg.train.global_batch} / train.microbatches={cfg.train.microbatches} = {per_pass} sequences "
+                        f"do not split into model.pipeline.microbatches={s.microbatches} micro-batches over the {shards} batch shards; "
+                        f"use a multiple of {s.microbatches * shards} per pass")
+    return s
