@@ -46,9 +46,9 @@ def test_five_losses_match_one_device(rules, mesh, pipeline, train_cfg, remat, r
 
 
 def test_circular_schedule_with_more_microbatches_than_stages_matches_plain_layers():
-    """Outputs and parameter gradients of the stacked layers: 8 layers as 2 stages x 2 repeats x 2 layers, 6
+    """Outputs and parameter gradients of the stacked layers: 8 layers as 4 stages x 2 repeats x 1 layer, 6
     micro-batches, so the last stage's outputs wait in the buffer before their next repeat."""
-    cfg = _config("pp_fsdp", (1, 4, 1, 2), PipelineConfig(microbatches=6, repeats=2))
+    cfg = _config("pp_fsdp", (1, 2, 1, 4), PipelineConfig(microbatches=6, repeats=2))
     model = Llama(cfg.model, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     tokens = jax.random.randint(jax.random.key(1), (24, 16), 0, cfg.model.vocab_size)
