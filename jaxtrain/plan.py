@@ -31,6 +31,7 @@ from jaxtrain.gpu_targets import GPU_MEMORY_MIB, compile_only_devices, gpu_memor
 from jaxtrain.hlo_report import HloReport, captured_stderr, report
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards, logical_ways
+from jaxtrain.stages import schedule
 from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.step_cost import StepTime, step_time
 from jaxtrain.layout import Layout, lower_steps, make_layout, peak_bytes
@@ -243,7 +244,7 @@ def _candidates(base: Layout, limit_bytes: float) -> list[int]:
     """Micro-batch counts for ``base`` (a layout of the config), from the fewest whose estimated accelerator total
     fits ``limit_bytes`` (the most the batch allows when none does) upwards."""
     cfg = base.cfg
-    options = _valid_microbatches(cfg, batch_shards(base.rules, base.mesh))
+    options = _valid_microbatches(cfg, batch_shards(base.rules, base.mesh) * schedule(cfg, base.rules, base.mesh).microbatches)
     fits = [i for i, k in enumerate(options)
             if estimate_total(estimate(_with_cfg(base, _replace(cfg, microbatches=k)), ACCELERATOR)) <= limit_bytes]
     return options[fits[0] if fits else -1:]
@@ -300,7 +301,7 @@ def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = Non
     found = []
     for rules, layout in layouts.items():
         for remat in REMAT_POLICIES:
-            for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh)):
+            for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh) * schedule(cfg, layout.rules, layout.mesh).microbatches):
                 candidate = _replace(cfg, rules=rules, remat=remat, microbatches=k)
                 breakdown = estimate(_with_cfg(layout, candidate), ACCELERATOR)
                 total = estimate_total(breakdown)
@@ -510,7 +511,7 @@ def render_hlo(plan: Plan) -> list[str]:
                      "traffic are lower bounds")
     predicted, compiled = plan.step_time.traffic_bytes, plan.compiled_traffic
     lines.append("traffic per device per step, step_cost's prediction / compiled: "
-                 + ", ".join(f"{kind} {_size(predicted[kind])} / {_size(compiled[kind])}" for kind in predicted))
+                 + ", ".join(f"{kind} {_size(predicted[kind])} / {_size(compiled.get(kind, 0))}" for kind in predicted))
     lines.append("XLA warnings: " + ("none" if not hlo.warnings else f"{len(hlo.warnings)}"))
     lines += [f"  {w}" for w in hlo.warnings]
     return lines
