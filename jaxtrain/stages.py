@@ -9,7 +9,8 @@ from jax.sharding import Mesh
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
-from jaxtrain.partitioning import Rules, batch_shards, logical_ways
+from jaxtrain.partitioning import RULES_DIR, Rules, batch_shards, logical_ways
+from models.config import PipelineConfig
 from models.pipeline import STAGES
 
 
@@ -62,3 +63,20 @@ def check_pipeline(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
                         f"do not split into model.pipeline.microbatches={s.microbatches} micro-batches over the {shards} batch shards; "
                         f"use a multiple of {s.microbatches * shards} per pass")
     return s
+
+
+def pipelined_variants(cfg: Config) -> list[Config]:
+    """The config with `stage` taking 2, 4 or 8 ways of its fsdp axis across nodes (rules pp_<rules>, 4 micro-batches
+    per stage, then 2, then 1: the first the batch allows is kept by the caller), for the planner to weigh where
+    FSDP's gathers cross the network: each stage then gathers only its own layers, over fewer nodes."""
+    dcn = cfg.mesh.dcn
+    if not (RULES_DIR / f"pp_{cfg.rules}.yaml").is_file() or dcn.fsdp < 2:
+        return []
+    out = []
+    for stages in (2, 4, 8):
+        if dcn.fsdp % stages == 0 and cfg.model.num_layers % stages == 0:
+            mesh = dataclasses.replace(cfg.mesh, dcn=dataclasses.replace(dcn, fsdp=dcn.fsdp // stages, stage=dcn.stage * stages))
+            out += [dataclasses.replace(cfg, rules=f"pp_{cfg.rules}", mesh=mesh,
+                                        model=dataclasses.replace(cfg.model, pipeline=PipelineConfig(microbatches=per_stage * stages)))
+                    for per_stage in (4, 2, 1)]
+    return out
