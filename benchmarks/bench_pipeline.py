@@ -5,17 +5,13 @@ bubble (stages idle, here computing values never used) plus the shifts, next to 
 (stages - 1) / (repeats x micro-batches + stages - 1). The embedding and output layer run on every stage (the
 batch is split over `data` only), which adds to the measured share.
 
-    python benchmarks/bench_pipeline.py        # or: ONLY=pipeline make bench
+    python benchmarks/run.py --only pipeline        # or: ONLY=pipeline make bench (8 simulated CPU devices)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
-import sys
-
-import jax
 
 from bench_perf import compiled_train_step, config, random_corpus, seconds_per_step
 from jaxtrain.config import AxisSizes, MeshConfig
@@ -57,8 +53,3 @@ def run() -> dict:
                      "measured_bubble": 1 - medians["plain"] / medians[name], "formula_bubble": Schedule(s, m, r).bubble})
     return {"pipeline_bubble": rows}
 
-
-if __name__ == "__main__":
-    jax.config.update("jax_platforms", "cpu")
-    json.dump(run(), sys.stdout, indent=1)
-    print()
