@@ -11,7 +11,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import RULES_DIR, Rules, batch_shards, logical_ways
 from models.config import PipelineConfig
-from models.pipeline import STAGES
+from models.pipeline import STAGES, microbatches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +36,7 @@ def schedule(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
     stages = logical_ways(rules, mesh, STAGES)
     if stages == 1:
         return Schedule(1, 1, 1)
-    p = cfg.model.pipeline
-    return Schedule(stages, p.microbatches or stages, p.repeats)
+    return Schedule(stages, microbatches(cfg.model.pipeline, stages), cfg.model.pipeline.repeats)
 
 
 def check_pipeline(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:

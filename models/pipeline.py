@@ -34,6 +34,7 @@ def stages() -> int:
 
 
 def microbatches(schedule: PipelineConfig, num_stages: int) -> int:
+    """Micro-batches in flight per pass: as many as stages unless set."""
     return schedule.microbatches or num_stages
 
 
