@@ -21,7 +21,7 @@ import experiments
 from jaxtrain.errors import UserError
 from models.config import LlamaConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "stage")  # stage: pipeline stages (models/pipeline.py)
 DATA_FORMATS = ("text", "sft")
 MESHES_DIR = Path(experiments.__file__).parent / "meshes"
 EXPERIMENTS_DIR = Path(experiments.__file__).parent
@@ -34,6 +34,7 @@ class AxisSizes:
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    stage: int = 1
 
     def as_tuple(self) -> tuple[int, ...]:
         return tuple(getattr(self, a) for a in MESH_AXES)

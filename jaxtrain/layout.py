@@ -20,6 +20,7 @@ from jaxtrain.gpu_targets import is_nvidia_gpu
 from jaxtrain.mesh import build_mesh
 from jaxtrain.optim import learning_rate_schedule, make_optimizer
 from jaxtrain.partitioning import Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, model_tracing
+from jaxtrain.stages import check_pipeline
 from jaxtrain.state import ModelSpec, TrainState, abstract_state, model_spec, state_shardings
 from jaxtrain.step import make_eval_step, make_train_step
 
@@ -55,6 +56,7 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
     cfg = config_lib.resolve_attention(cfg, is_nvidia_gpu(mesh.devices.flat[0]))  # before the model is built
     rules = load_rules(cfg.rules)
     check_rules_against_mesh(rules, mesh, cfg.rules)
+    check_pipeline(cfg, rules, mesh)
     spec = model_spec(cfg.model)
     tx = make_optimizer(cfg)
     shardings = state_shardings(spec, tx, rules, mesh)

@@ -22,8 +22,9 @@ RULES_DIR = Path(sharding_rules.__file__).parent
 Rules = dict[str, tuple[str, ...] | None]
 
 
-def load_rules(name_or_path: str) -> Rules:
-    """A rule set maps each logical axis name to a mesh axis, a list of mesh axes, or null."""
+def load_rules(name_or_path: str, _extending: tuple[str, ...] = ()) -> Rules:
+    """A rule set maps each logical axis name to a mesh axis, a list of mesh axes, or null; ``extends: NAME``
+    starts from rule set NAME and overrides its entries (e.g. a pipeline on top of fsdp_tp)."""
     path = Path(name_or_path)
     if not path.is_file():
         path = RULES_DIR / f"{name_or_path}.yaml"
@@ -37,6 +38,11 @@ def load_rules(name_or_path: str) -> Rules:
     if not isinstance(body, dict):
         raise UserError(f"rule set {path} must map logical axis names to mesh axes, got {type(body).__name__}")
     rules: Rules = {}
+    base = body.pop("extends", None)
+    if base is not None:
+        if not isinstance(base, str) or base in _extending + (name_or_path,):
+            raise UserError(f"rule set {path}: 'extends' must name another rule set without a cycle, got {base!r}")
+        rules = load_rules(base, _extending + (name_or_path,))
     for logical, target in body.items():
         if target is None:
             rules[logical] = None

@@ -24,13 +24,14 @@ from typing import TypeVar
 import jax
 import numpy as np
 
-from jaxtrain.config import Config, resolve_attention
+from jaxtrain.config import Config, flatten, resolve_attention, to_dict
 from jaxtrain.errors import UserError
 from jaxtrain.flops import flops_per_token, peak_flops
 from jaxtrain.gpu_targets import GPU_MEMORY_MIB, compile_only_devices, gpu_memory_bytes
 from jaxtrain.hlo_report import HloReport, captured_stderr, report
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards, logical_ways
+from jaxtrain.stages import pipelined_variants, schedule
 from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.step_cost import StepTime, step_time
 from jaxtrain.layout import Layout, lower_steps, make_layout, peak_bytes
@@ -69,7 +70,11 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     k = cfg.train.microbatches
     b = cfg.train.global_batch // k / batch_shards(layout.rules, layout.mesh)  # sequences per device per pass
     seq = cfg.data.seq_len
-    tokens = b * seq
+    # a pipeline's stage works on one of its micro-batches at a time and keeps, for the backward, what each of
+    # the schedule's iterations saved: its layers of one repeat on one micro-batch (the bubble's too)
+    pipe = schedule(cfg, layout.rules, layout.mesh)
+    tokens = b / pipe.microbatches * seq
+    layers_saved = pipe.iterations * m.num_layers / (pipe.stages * pipe.repeats)
     act = np.dtype(m.dtype).itemsize
     # XLA's CPU pipeline converts every bfloat16 stack saved across the layer scan to a float32 copy before the
     # backward loop; the HLO jax emits keeps them in the compute dtype, as a GPU does
@@ -81,7 +86,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     mlp = tokens * m.mlp_dim / _ways(layout, "activation_mlp")
     # attention through XLA materialises a score for every (query, key) pair and head; flash attention (cudnn)
     # keeps only blocks of them
-    scores = 0 if m.attention == "cudnn" else b * m.num_heads / _ways(layout, "activation_heads") * seq**2
+    scores = 0 if m.attention == "cudnn" else b / pipe.microbatches * m.num_heads / _ways(layout, "activation_heads") * seq**2
     saved_per_layer = {
         # float32 norm inputs, the projections and MLP intermediates, float32 and compute-dtype probabilities
         "none": 16 * embed + stack * (2 * embed + qkv + 6 * mlp) + (4 + stack) * scores,
@@ -118,7 +123,8 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
         # float32 gradients and the optimizer's update, each the size of the parameters; micro-batching adds
         # the accumulator
         "gradients": trained * (3 if k > 1 else 2),
-        "activations": int(m.num_layers * saved_per_layer),
+        # with a pipeline, also the micro-batch buffer the stages read and write, and its gradient
+        "activations": int(layers_saved * saved_per_layer + (pipe.stages > 1) * 2 * b * seq * m.d_model * act),
         "logits and loss": int(loss),
         "layer backward": int(layer_backward),
     }
@@ -245,11 +251,22 @@ def _layouts_by_rules(cfg: Config, devices, rule_sets) -> dict[str, Layout]:
     return out
 
 
+def _pipelined_layouts(cfg: Config, devices) -> dict[str, tuple[Config, Layout]]:
+    """``stages.pipelined_variants`` and their layouts: for each stage count, the most micro-batches the batch allows."""
+    out = {}
+    for variant in pipelined_variants(cfg):
+        name = f"{variant.rules} stage {variant.mesh.dcn.stage}"
+        if name not in out:
+            with contextlib.suppress(UserError):
+                out[name] = (variant, make_layout(_replace(variant, microbatches=1), devices))
+    return out
+
+
 def _candidates(base: Layout, limit_bytes: float) -> list[int]:
     """Micro-batch counts for ``base`` (a layout of the config), from the fewest whose estimated accelerator total
     fits ``limit_bytes`` (the most the batch allows when none does) upwards."""
     cfg = base.cfg
-    options = _valid_microbatches(cfg, batch_shards(base.rules, base.mesh))
+    options = _valid_microbatches(cfg, batch_shards(base.rules, base.mesh) * schedule(cfg, base.rules, base.mesh).microbatches)
     fits = [i for i, k in enumerate(options)
             if estimate_total(estimate(_with_cfg(base, _replace(cfg, microbatches=k)), ACCELERATOR)) <= limit_bytes]
     return options[fits[0] if fits else -1:]
@@ -302,18 +319,21 @@ def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = Non
     ranked by estimated step time on ``gpu`` (recompute and communication). Micro-batches are how the
     per-device batch shrinks: the global batch, a training hyper-parameter, is left alone."""
     layouts = _layouts_by_rules(cfg, devices, dict.fromkeys((cfg.rules, *RULE_SETS)))
-    base_time = step_time(_with_cfg(layouts[cfg.rules], cfg), gpu).total_s
+    base = step_time(_with_cfg(layouts[cfg.rules], cfg), gpu)
+    base_time = base.total_s
+    options = {rules: (_replace(cfg, rules=rules), layout) for rules, layout in layouts.items()}
+    if base.communication_s["fsdp"] > base.compute_s:  # FSDP's gathers dominate: weigh pipeline stages across nodes
+        options |= _pipelined_layouts(cfg, devices)
     found = []
-    for rules, layout in layouts.items():
+    current = flatten(to_dict(cfg))
+    for variant, layout in options.values():
         for remat in REMAT_POLICIES:
-            for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh)):
-                candidate = _replace(cfg, rules=rules, remat=remat, microbatches=k)
+            for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh) * schedule(variant, layout.rules, layout.mesh).microbatches):
+                candidate = _replace(variant, remat=remat, microbatches=k)
                 breakdown = estimate(_with_cfg(layout, candidate), ACCELERATOR)
                 total = estimate_total(breakdown)
                 if candidate != cfg and total <= limit_bytes:
-                    changes = {key: new for key, old, new in (
-                        ("rules", cfg.rules, rules), ("model.remat", cfg.model.remat, remat),
-                        ("train.microbatches", cfg.train.microbatches, k)) if old != new}
+                    changes = {key: new for key, new in flatten(to_dict(candidate)).items() if current[key] != new}
                     relative = step_time(_with_cfg(layout, candidate), gpu).total_s / base_time
                     found.append(Suggestion(candidate, changes, total, breakdown, relative))
                     break  # more micro-batches only cost time
@@ -516,7 +536,7 @@ def render_hlo(plan: Plan) -> list[str]:
                      "traffic are lower bounds")
     predicted, compiled = plan.step_time.traffic_bytes, plan.compiled_traffic
     lines.append("traffic per device per step, step_cost's prediction / compiled: "
-                 + ", ".join(f"{kind} {_size(predicted[kind])} / {_size(compiled[kind])}" for kind in predicted))
+                 + ", ".join(f"{kind} {_size(predicted[kind])} / {_size(compiled.get(kind, 0))}" for kind in predicted))
     lines.append("XLA warnings: " + ("none" if not hlo.warnings else f"{len(hlo.warnings)}"))
     lines += [f"  {w}" for w in hlo.warnings]
     return lines

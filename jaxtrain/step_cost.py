@@ -13,6 +13,10 @@ gradients travel in the dtype the weight is used in: the compute dtype for matmu
 norm scales (RMSNorm applies them in float32), as the compiled program shows;
 - tensor parallel: per micro-batch and layer, the residual stream all-reduced after attention and the MLP
   in the forward and the backward, and again for each of those the remat policy recomputes.
+- pipeline (models/pipeline.py): per micro-batch pass, every iteration shifts each stage's micro-batch of
+  activations to the next stage in the forward and back in the backward (point to point, on the critical
+  path); each stage idles the bubble share (stages - 1) / (repeats * microbatches + stages - 1) of the pass,
+  and FSDP gathers a stage's weights in every iteration (iterations / repeats times its weights per pass).
 Tensor-parallel all-reduces sit on the critical path (each layer waits for them) and add to the compute;
 weight gathers and gradient reductions do not depend on the layer being computed, so XLA's latency-hiding
 scheduler overlaps them with it and only what exceeds the compute shows. A ranking heuristic, not a
@@ -33,7 +37,9 @@ from jaxtrain.flops import flops_per_token, peak_flops
 from jaxtrain.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.layout import Layout
 from jaxtrain.partitioning import batch_shards, logical_ways, spec_axes
+from jaxtrain.stages import schedule
 from jaxtrain.state import elements_per_device, gathered_elements
+from models.pipeline import STAGES
 
 ASSUMED_MFU = 0.45  # share of the datasheet peak a well-tuned step reaches (MaxText reports 45-55% on H100)
 DEFAULT_GPU = "h100"  # what a step is timed on when no GPU is named
@@ -57,14 +63,14 @@ def recompute_factor(cfg: Config) -> float:
 class StepTime:
     gpu: str
     compute_s: float
-    communication_s: dict  # "fsdp", "data", "tensor" -> seconds
+    communication_s: dict  # "fsdp", "data", "tensor", "pipeline" -> seconds
     traffic_bytes: dict  # the same kinds -> bytes each device sends per step
 
     @property
     def total_s(self) -> float:
         """Compute, plus the tensor-parallel all-reduces, plus the overlapped traffic the compute cannot hide."""
         c = self.communication_s
-        return self.compute_s + c["tensor"] + max(0.0, c["fsdp"] + c["data"] - self.compute_s)
+        return self.compute_s + c["tensor"] + c["pipeline"] + max(0.0, c["fsdp"] + c["data"] - self.compute_s)
 
     def describe(self) -> str:
         parts = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in self.communication_s.items() if seconds >= 0.005)
@@ -77,7 +83,9 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     name = (gpu or DEFAULT_GPU).lower()
     k, seq, act = cfg.train.microbatches, cfg.data.seq_len, np.dtype(m.dtype).itemsize
     tokens_per_device = cfg.train.global_batch * seq / layout.mesh.size
+    pipe = schedule(cfg, layout.rules, layout.mesh)
     compute = flops_per_token(m, seq) * recompute_factor(cfg) * tokens_per_device / (peak_flops(name, m.dtype) * ASSUMED_MFU)
+    compute /= 1 - pipe.bubble  # the stages idle that share of the pass
 
     batch_axes = layout.rules.get("activation_batch") or ()
     batch_ways = math.prod(layout.mesh.shape[a] for a in batch_axes)
@@ -95,10 +103,13 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         used = spec_axes(x.sharding.spec)
         fsdp_axes.update(a for a in batch_axes if a in used)
         data_axes.update(a for a in batch_axes if a not in used)
+    fsdp *= pipe.iterations / pipe.repeats
     tensor_ways = logical_ways(layout.rules, layout.mesh, "activation_mlp")
     sequences = cfg.train.global_batch / k / batch_shards(layout.rules, layout.mesh)
     all_reduces = k * m.num_layers * (4 + RECOMPUTED_ALL_REDUCES[m.remat])
     tensor = all_reduces * sequences * seq * m.d_model * act * 2 * (tensor_ways - 1) / tensor_ways
+    shifts = 0 if pipe.stages == 1 else 2 * k * pipe.iterations  # forward and backward, every iteration of each pass
+    pipeline = shifts * sequences / pipe.microbatches * seq * m.d_model * act
 
     def seconds(traffic: float, axes) -> float:
         nvlink, network = LINK_BYTES_PER_S[name]
@@ -106,5 +117,6 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         return traffic / (network if across_nodes else nvlink)
 
     return StepTime(name, compute, {"fsdp": seconds(fsdp, fsdp_axes), "data": seconds(data, data_axes),
-                                    "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ())},
-                    {"fsdp": fsdp, "data": data, "tensor": tensor})
+                                    "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ()),
+                                    "pipeline": seconds(pipeline, layout.rules.get(STAGES) or ())},
+                    {"fsdp": fsdp, "data": data, "tensor": tensor, "pipeline": pipeline})

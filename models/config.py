@@ -83,6 +83,23 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Schedule of the layer pipeline; it runs when the rule set splits ``layer_stages`` over mesh axes (the
+    stage count is their size, the layers per stage num_layers / (stages * repeats)), else these are unused."""
+
+    microbatches: int = 0  # micro-batches in flight per pass through the layers; 0: as many as stages
+    repeats: int = 1  # circular schedule: each stage holds this many non-adjacent groups of layers
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.microbatches < 0:
+            out.append(f"model.pipeline.microbatches={self.microbatches} must be 0 (as many as stages) or positive")
+        if self.repeats < 1:
+            out.append(f"model.pipeline.repeats={self.repeats} must be at least 1")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int = 256
     d_model: int = 256
@@ -106,6 +123,7 @@ class LlamaConfig:
     scan_layers: bool = True
     lora: LoraConfig = LoraConfig()
     base_quant: str = "none"  # the frozen base of a LoRA run stored as int8 or nf4 (QLoRA)
+    pipeline: PipelineConfig = PipelineConfig()
 
     @property
     def resolved_head_dim(self) -> int:
@@ -141,7 +159,7 @@ class LlamaConfig:
 
     def problems(self) -> list[str]:
         """Every inconsistency in this config, each as one sentence that says how to fix it."""
-        out = list(self.rope_scaling.problems())
+        out = list(self.rope_scaling.problems()) + self.pipeline.problems()
         if self.remat not in REMAT_POLICIES:
             out.append(f"model.remat={self.remat!r} is not a remat policy; choose one of {', '.join(REMAT_POLICIES)}")
         for key in ("dtype", "param_dtype"):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models import pipeline
 from models.config import LlamaConfig, RopeScaling
 from models.lora import adapt_block, adapter_delta
 from models.quant import weight
@@ -245,7 +246,7 @@ class Llama(nnx.Module):
         x = self._embed_tokens(tokens)
         sin, cos = rotary_tables(tokens.shape[1], cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling, positions=positions)
 
-        layer_def, layer_params = nnx.split(self.layers)
+        layer_def, layer_state = nnx.split(self.layers)
 
         def layer(x, params):
             return nnx.merge(layer_def, params)(x, sin, cos, segment_ids), None
@@ -253,7 +254,7 @@ class Llama(nnx.Module):
         policy = REMAT_POLICY_FNS[cfg.remat]
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, layer_params, unroll=self._unroll)
+        x = pipeline.apply_layers(layer, layer_state, x, cfg.pipeline, EMBED_ACT, unroll=self._unroll)
 
         return self.final_norm(x)
 

@@ -6,6 +6,8 @@ context and sets the mesh; the model only ever names logical axes.
 
 from __future__ import annotations
 
+import math
+
 import jax
 from flax.core import spmd
 from jax.sharding import PartitionSpec
@@ -23,8 +25,21 @@ def constrain(x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
     rules = spmd.get_logical_axis_rules()
     if not rules:  # no sharding context: plain single-device use
         return x
-    table = dict(rules)
+    table = dict(rules) | {None: None}  # None: a dimension left unsplit
     for axis in logical_axes:
         if axis not in table:
             raise MissingLogicalRule(axis)
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*(table[a] for a in logical_axes)))
+
+
+def mesh_axes_of(logical_axis: str) -> tuple[str, ...]:
+    """The mesh axes the active rule set maps ``logical_axis`` to (none without a rule or a context), so a
+    model can name them to jax (e.g. ``vmap``'s ``spmd_axis_name``) without knowing them."""
+    target = dict(spmd.get_logical_axis_rules()).get(logical_axis)
+    return () if target is None else (target,) if isinstance(target, str) else tuple(target)
+
+
+def logical_ways(logical_axis: str) -> int:
+    """How many ways the active rule set and mesh split a dimension with ``logical_axis`` (1 outside a context)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[a] for a in mesh_axes_of(logical_axis)) if mesh.axis_names else 1

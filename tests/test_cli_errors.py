@@ -9,6 +9,7 @@ import yaml
 from conftest import REPO, run_cli
 
 FAST = ["train.steps=1", "log.progress=false"]
+PIPELINE = ["--rules", "pp_fsdp_tp", "mesh.ici.data=1", "mesh.ici.stage=2"]  # stage 2 x fsdp 2 x tensor 2
 
 
 def _rules_file(tmp_path: Path, **changes) -> str:
@@ -42,7 +43,7 @@ CASES = {
     "unknown key": (lambda t: ["train.step=3"], "unknown config key 'train.step'; did you mean 'train.steps'?"),
     "wrong type": (lambda t: ["train.steps=many"], "train.steps expects int, got 'many'"),
     "unknown remat policy": (lambda t: ["model.remat=some"], "model.remat='some' is not a remat policy"),
-    "unknown rule set": (lambda t: ["--rules", "zero9"], "rule set 'zero9' not found; give a path or one of: dp, fsdp, fsdp_tp, tp"),
+    "unknown rule set": (lambda t: ["--rules", "zero9"], "rule set 'zero9' not found; give a path or one of: dp, fsdp, fsdp_tp, pp_dp, pp_fsdp, pp_fsdp_tp, tp"),
     "unknown mesh file": (lambda t: ["--mesh", "tpu9000"], "mesh file 'tpu9000' not found"),
     "batch does not split over the mesh": (lambda t: ["train.global_batch=6"], "do not split over the 4 batch shards"),
     "missing data path": (lambda t: ["data.path=/no/such/dir"], "data.path=/no/such/dir does not exist"),
@@ -53,6 +54,14 @@ CASES = {
     "negative warmup": (lambda t: ["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be at least 0"),
     "token file that is not a .npy file": (lambda t: [f"data.path={_random_bytes(t / 'tokens.npy')}"],
                                            "tokens.npy is not a .npy file of a 1-D integer array (numpy.save): no .npy header"),
+    "pipelined rule set on a mesh without stages": (lambda t: ["--rules", "pp_fsdp_tp"],
+                                                    "rule set pp_fsdp_tp splits the layers into pipeline stages over mesh axis stage, but the mesh (data 2 x fsdp 2 x tensor 2) has size 1 there"),
+    "layers not divisible into stages x repeats": (lambda t: [*PIPELINE, "model.pipeline.repeats=3"],
+                                                   "model.num_layers=4 does not split into 2 stages x model.pipeline.repeats=3"),
+    "fewer pipeline micro-batches than stages": (lambda t: [*PIPELINE, "model.pipeline.microbatches=1"],
+                                                 "model.pipeline.microbatches=1 is fewer than the 2 pipeline stages"),
+    "batch not divisible into pipeline micro-batches": (lambda t: [*PIPELINE, "model.pipeline.microbatches=3"],
+                                                        "= 32 sequences do not split into model.pipeline.microbatches=3 micro-batches over the 2 batch shards"),
     "--init-from a path with no checkpoints": (lambda t: ["--init-from", str(t / "nonexistent")],
                                                "nonexistent: no checkpoints there; give a run directory"),
 }

@@ -64,3 +64,18 @@ def test_float32_compute_is_timed_against_the_float32_peak():
     bf16 = step_cost.step_time(make_layout(cfg), "a100")
     fp32 = step_cost.step_time(make_layout(with_(cfg, model={"dtype": "float32"})), "a100")
     assert fp32.compute_s == pytest.approx(bf16.compute_s * 312 / 156)
+
+
+def test_pipeline_adds_its_bubble_and_activation_shifts():
+    from models.config import PipelineConfig
+
+    plain = step_cost.step_time(make_layout(medium_config("dp", "full", mesh=(2, 1, 1, 4))), "h100")
+    piped_cfg = medium_config("pp_dp", "full", mesh=(2, 1, 1, 4))
+    piped_cfg = with_(piped_cfg, model={"pipeline": PipelineConfig(microbatches=4, repeats=1)})
+    piped = step_cost.step_time(make_layout(piped_cfg), "h100")
+    iterations = 4 + 4 - 1
+    assert piped.compute_s == pytest.approx(plain.compute_s * iterations / 4)  # bubble 3 / 7
+    # 16 sequences over 2 data shards in 4 micro-batches: 2 per shift, forward and backward, bfloat16, NVLink
+    nvlink, _ = LINK_BYTES_PER_S["h100"]
+    assert piped.communication_s["pipeline"] == pytest.approx(2 * iterations * 2 * 512 * 256 * 2 / nvlink)
+    assert piped.total_s >= piped.compute_s + piped.communication_s["pipeline"] and plain.communication_s["pipeline"] == 0

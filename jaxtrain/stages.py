@@ -1,0 +1,84 @@
+"""How a config's layer pipeline (models/pipeline.py) maps onto the mesh: its checks and its schedule's numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import Mesh
+
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+from jaxtrain.mesh import describe_axes
+from jaxtrain.partitioning import RULES_DIR, Rules, batch_shards, logical_ways
+from models.config import PipelineConfig
+from models.pipeline import STAGES, microbatches
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A pipeline's shape: stages 1 means no pipeline."""
+
+    stages: int
+    microbatches: int  # per pass through the layers (per gradient-accumulation micro-batch)
+    repeats: int
+
+    @property
+    def iterations(self) -> int:
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """Share of a pass each stage idles: (stages - 1) / (repeats * microbatches + stages - 1)."""
+        return (self.stages - 1) / self.iterations
+
+
+def schedule(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
+    stages = logical_ways(rules, mesh, STAGES)
+    if stages == 1:
+        return Schedule(1, 1, 1)
+    return Schedule(stages, microbatches(cfg.model.pipeline, stages), cfg.model.pipeline.repeats)
+
+
+def check_pipeline(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
+    """The schedule, after checking it fits the model, the batch and the mesh (UserError otherwise)."""
+    split_on = rules.get(STAGES) or ()
+    if split_on and logical_ways(rules, mesh, STAGES) == 1:
+        raise UserError(f"rule set {cfg.rules} splits the layers into pipeline stages over mesh axis {', '.join(split_on)}, but the mesh "
+                        f"({describe_axes(dict(mesh.shape))}) has size 1 there; set mesh.ici.stage or mesh.dcn.stage, or use a rule set without pp_")
+    s = schedule(cfg, rules, mesh)
+    if s.stages == 1:
+        return s
+    if cfg.data.format == "sft":  # the layers see packed rows' segment ids and positions whole, not per micro-batch
+        raise UserError(f"data.format=sft (packed instruction data) does not run through pipeline stages yet (rule set {cfg.rules}); "
+                        "use a rule set without pp_ for fine-tuning")
+    layers = cfg.model.num_layers
+    if layers % (s.stages * s.repeats):
+        raise UserError(f"model.num_layers={layers} does not split into {s.stages} stages x model.pipeline.repeats={s.repeats}; "
+                        f"use a number of layers divisible by {s.stages * s.repeats}, or change the stages or repeats")
+    if s.microbatches < s.stages:
+        raise UserError(f"model.pipeline.microbatches={s.microbatches} is fewer than the {s.stages} pipeline stages; "
+                        f"use at least {s.stages} (more shrink the bubble)")
+    per_pass = cfg.train.global_batch // cfg.train.microbatches
+    shards = batch_shards(rules, mesh)
+    if per_pass % (s.microbatches * shards):
+        raise UserError(f"train.global_batch={cfg.train.global_batch} / train.microbatches={cfg.train.microbatches} = {per_pass} sequences "
+                        f"do not split into model.pipeline.microbatches={s.microbatches} micro-batches over the {shards} batch shards; "
+                        f"use a multiple of {s.microbatches * shards} per pass")
+    return s
+
+
+def pipelined_variants(cfg: Config) -> list[Config]:
+    """The config with `stage` taking 2, 4 or 8 ways of its fsdp axis across nodes (rules pp_<rules>, 4 micro-batches
+    per stage, then 2, then 1: the first the batch allows is kept by the caller), for the planner to weigh where
+    FSDP's gathers cross the network: each stage then gathers only its own layers, over fewer nodes."""
+    dcn = cfg.mesh.dcn
+    if not (RULES_DIR / f"pp_{cfg.rules}.yaml").is_file() or dcn.fsdp < 2:
+        return []
+    out = []
+    for stages in (2, 4, 8):
+        if dcn.fsdp % stages == 0 and cfg.model.num_layers % stages == 0:
+            mesh = dataclasses.replace(cfg.mesh, dcn=dataclasses.replace(dcn, fsdp=dcn.fsdp // stages, stage=dcn.stage * stages))
+            out += [dataclasses.replace(cfg, rules=f"pp_{cfg.rules}", mesh=mesh,
+                                        model=dataclasses.replace(cfg.model, pipeline=PipelineConfig(microbatches=per_stage * stages)))
+                    for per_stage in (4, 2, 1)]
+    return out

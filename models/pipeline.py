@@ -1,0 +1,90 @@
+"""Pipeline parallelism over the stacked layers, pure SPMD inside the one jitted step.
+
+When the rule set splits the logical axis ``layer_stages`` over mesh axes, the stacked layers (num_layers, ...)
+are viewed as (repeats, stages, layers_per_stage, ...) with the stage dimension split over those axes: stage s
+holds layers r * stages * layers_per_stage + s * layers_per_stage + j for every repeat r (repeats > 1 is the
+circular, interleaved schedule). The batch is cut into micro-batches; every iteration of a ``lax.scan`` runs
+each stage on the activations it holds (``vmap`` over the stage dimension, which SPMD partitions so each device
+computes its own stage only), then shifts the outputs one stage on (``jnp.roll`` along the split dimension:
+a collective permute). Stage 0 reads its next input from a buffer of micro-batches that the last stage writes
+its outputs back into, so after repeats * microbatches + stages - 1 iterations the buffer holds the output.
+
+The stored parameters keep their (num_layers, ...) shape: only the view inside the step depends on the stage
+split, so checkpoints move freely between pipelined and plain meshes. Same scheme as MaxText's
+``layers/pipeline.py`` (vmapped stages, rotated state, circular repeats), written for NNX pure dicts.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import PipelineConfig
+from models.sharding import constrain, logical_ways, mesh_axes_of
+
+STAGES = "layer_stages"  # logical axis of the stage dimension (of parameters and of activations in flight)
+
+
+def stages() -> int:
+    """Pipeline stages under the active rule set and mesh: 1 (no pipeline) outside a context."""
+    return logical_ways(STAGES)
+
+
+def microbatches(schedule: PipelineConfig, num_stages: int) -> int:
+    """Micro-batches in flight per pass: as many as stages unless set."""
+    return schedule.microbatches or num_stages
+
+
+def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: PipelineConfig,
+                 activation_axes: tuple[str, ...], unroll: bool = False) -> jax.Array:
+    """``layer(x, layer_params) -> (x, None)`` over every layer of ``params`` (stacked on a leading layers
+    axis): one ``lax.scan`` (``unroll``: unrolled when compiling) without stages, the pipeline with them.
+    ``activation_axes``: logical axes of x."""
+    num_stages = stages()
+    if num_stages == 1:
+        return jax.lax.scan(layer, x, params, unroll=unroll)[0]
+    repeats, num_micro = schedule.repeats, microbatches(schedule, num_stages)
+    num_layers = jax.tree.leaves(params)[0].shape[0]
+    per_stage = num_layers // (num_stages * repeats)
+
+    def stage_view(v: nnx.Variable):  # (layers, ...) -> (repeats, stages, per_stage, ...), stage dimension split
+        p = v[...].reshape(repeats, num_stages, per_stage, *v.shape[1:])
+        return v.replace(constrain(p, (None, STAGES, None) + tuple(v.get_metadata()["out_sharding"][1:])))
+
+    params = jax.tree.map(stage_view, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    def run_stage(stage_params, h, repeat):  # one stage: its layers of this repeat, in order
+        current = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, repeat, 0, keepdims=False), stage_params)
+        return jax.lax.scan(layer, h, current)[0]
+
+    # vmap over stages; its spmd axis keeps the per-stage constraints inside the layers split over stages
+    all_stages = jax.vmap(run_stage, in_axes=(1, 0, 0), spmd_axis_name=mesh_axes_of(STAGES))
+    in_flight = (STAGES,) + activation_axes  # (stages, micro-batch, length, embed)
+    batch = x.shape[0]
+    # micro-batch j takes rows j, j + num_micro, ...: each batch shard keeps its rows (no data moves)
+    buffer = constrain(jnp.swapaxes(x.reshape(batch // num_micro, num_micro, *x.shape[1:]), 0, 1), (None,) + activation_axes)
+    stage_ids = jnp.arange(num_stages)
+
+    def iteration(carry, t):
+        outputs, buffer = carry
+        # stage 0 takes micro-batch t mod M (fresh on the first repeat, the last stage's output after);
+        # stage s takes what stage s - 1 made one iteration before
+        fed = jax.lax.dynamic_index_in_dim(buffer, t % num_micro, 0, keepdims=False)
+        shifted = jnp.roll(outputs, 1, axis=0)
+        inputs = constrain(jnp.where((stage_ids == 0)[:, None, None, None], fed[None], shifted), in_flight)
+        # stage s works on repeat (t - s) // M; outside 0 .. repeats - 1 it idles (the bubble) on values never used
+        repeat = jnp.clip((t - stage_ids) // num_micro, 0, repeats - 1)
+        outputs = constrain(all_stages(params, inputs, repeat), in_flight)
+        done = t - (num_stages - 1)  # the micro-batch (counted over repeats) the last stage finished
+        slot = done % num_micro
+        kept = jax.lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
+        buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(done >= 0, outputs[-1], kept), slot, 0)
+        return (outputs, constrain(buffer, (None,) + activation_axes)), None
+
+    outputs = constrain(jnp.zeros((num_stages,) + buffer.shape[1:], x.dtype), in_flight)
+    iterations = repeats * num_micro + num_stages - 1
+    (_, buffer), _ = jax.lax.scan(iteration, (outputs, buffer), jnp.arange(iterations))
+    return constrain(jnp.swapaxes(buffer, 0, 1).reshape(x.shape), activation_axes)

@@ -1,0 +1,102 @@
+"""Pipeline parallelism on the `stage` mesh axis: the same losses as one device, checkpoints that move between
+pipelined and plain meshes, and the schedule's arithmetic."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import small_config, with_
+from jaxtrain import plan as plan_lib
+from jaxtrain.config import AxisSizes, MeshConfig
+from jaxtrain.layout import make_layout
+from jaxtrain.partitioning import model_tracing
+from jaxtrain.stages import Schedule
+from jaxtrain.train import build, train
+from models.config import PipelineConfig
+from models.llama import Llama
+from test_parity import _losses
+from test_plan import medium_config
+
+# mesh sizes (data, fsdp, tensor, stage) on 8 devices
+STEPS = 7
+
+
+def _config(rules="dp", mesh=(1, 1, 1, 1), pipeline=PipelineConfig(), remat="none"):
+    # a constant learning rate: the checkpoint test's legs raise train.steps, which sets the cosine's length
+    return with_(small_config(rules, mesh, num_layers=8, remat=remat, pipeline=pipeline), optim={"min_lr_ratio": 1.0})
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """Losses of 7 steps on one device."""
+    losses = _losses(with_(_config(), train={"steps": STEPS}), corpus, tmp_path_factory.mktemp("one-device"), jax.devices()[:1])
+    assert len(losses) == STEPS and losses[-1] < losses[0]  # it trains
+    return losses
+
+
+def test_stage4_data2_circular_matches_one_device(reference, corpus, tmp_path):
+    """stage 4 x data 2, circular: each stage holds 2 groups of 1 layer, 4 micro-batches; remat inside the stages."""
+    cfg = _config("pp_dp", (2, 1, 1, 4), PipelineConfig(microbatches=4, repeats=2), remat="full")
+    np.testing.assert_allclose(_losses(cfg, corpus, tmp_path), reference[:5], rtol=1e-5)
+
+
+def test_stage2_fsdp2_tensor2_matches_one_device_and_its_checkpoint_moves_to_a_plain_mesh_and_back(reference, corpus, tmp_path):
+    """5 steps on stage 2 x fsdp 2 x tensor 2 (2 micro-batches in flight, gradient accumulation over 2 passes around
+    the pipeline), step 6 restored onto a plain fsdp_tp mesh (data 2 x fsdp 2 x tensor 2), step 7 back on the
+    pipelined one: the one-device losses throughout."""
+    pipelined = with_(_config("pp_fsdp_tp", (1, 2, 2, 2), PipelineConfig(microbatches=2)), train={"microbatches": 2})
+    plain = with_(_config("fsdp_tp", (2, 2, 2, 1)), train={"microbatches": 2})
+    run_dir = tmp_path / "moved"
+    for cfg, steps in ((pipelined, 5), (plain, 6), (pipelined, 7)):
+        cfg = with_(cfg, train={"steps": steps}, checkpoint={"every": 1})
+        train(cfg, run_dir, build(cfg, corpus))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in records if "loss" in r], reference, rtol=1e-5)
+
+
+def test_circular_schedule_with_more_microbatches_than_stages_matches_plain_layers():
+    """Outputs and parameter gradients of the stacked layers: 8 layers as 4 stages x 2 repeats x 1 layer, 6
+    micro-batches, so the last stage's outputs wait in the buffer before their next repeat."""
+    cfg = _config("pp_fsdp", (1, 2, 1, 4), PipelineConfig(microbatches=6, repeats=2))
+    model = Llama(cfg.model, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(1), (24, 16), 0, cfg.model.vocab_size)
+
+    def loss(params):
+        hidden = nnx.merge(graphdef, params).hidden(tokens)
+        return jnp.mean(jnp.square(hidden)), hidden
+
+    plain, plain_grads = jax.grad(loss, has_aux=True)(params)[::-1]
+    layout = make_layout(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=24)))
+    with model_tracing(layout.mesh, layout.rules, cfg.rules):
+        piped, piped_grads = jax.jit(jax.grad(loss, has_aux=True))(params)[::-1]
+    np.testing.assert_allclose(piped, plain, rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), piped_grads, plain_grads)
+
+
+def test_planner_memory_estimate_of_a_pipeline_within_15_percent_of_compiled():
+    """Per device: the stage's layers on one micro-batch at a time, the saved stacks of every iteration."""
+    layout = make_layout(with_(medium_config("pp_fsdp_tp", "full", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2)}))
+    estimate = plan_lib.estimate_total(plan_lib.estimate(layout))
+    assert abs(estimate / plan_lib.compile_truth(layout).total - 1) < 0.15
+
+
+def test_planner_suggests_pipeline_stages_when_fsdp_gathers_cross_the_network():
+    across = dataclasses.replace(medium_config("fsdp", "full"), mesh=MeshConfig(ici=AxisSizes(1, 2, 1), dcn=AxisSizes(1, 4, 1)))
+    best = plan_lib.suggest(across, 1e12, gpu="h100")[0]
+    assert best.changes == {"rules": "pp_fsdp", "mesh.dcn.fsdp": 1, "mesh.dcn.stage": 4, "model.pipeline.microbatches": 8}
+    assert best.relative_step_time < 1
+    # fsdp inside one node: no network axis to turn into stages
+    assert not any("rules" in s.changes and s.changes["rules"].startswith("pp_")
+                   for s in plan_lib.suggest(medium_config("fsdp", "full", mesh=(1, 8, 1)), 1e12, gpu="h100"))
+
+
+@pytest.mark.parametrize("stages, microbatches, repeats, bubble", [(4, 4, 1, 3 / 7), (4, 8, 2, 3 / 19), (2, 2, 1, 1 / 3)])
+def test_bubble_formula(stages, microbatches, repeats, bubble):
+    assert Schedule(stages, microbatches, repeats).bubble == pytest.approx(bubble)
