@@ -19,7 +19,8 @@ from jaxtrain.errors import UserError
 from jaxtrain.gpu_targets import is_nvidia_gpu
 from jaxtrain.mesh import build_mesh
 from jaxtrain.optim import learning_rate_schedule, make_optimizer
-from jaxtrain.partitioning import Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, model_tracing
+from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, logical_ways,
+                                  model_tracing)
 from jaxtrain.state import ModelSpec, TrainState, abstract_state, model_spec, state_shardings
 from jaxtrain.step import make_eval_step, make_train_step
 
@@ -55,6 +56,10 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
     cfg = config_lib.resolve_attention(cfg, is_nvidia_gpu(mesh.devices.flat[0]))  # before the model is built
     rules = load_rules(cfg.rules)
     check_rules_against_mesh(rules, mesh, cfg.rules)
+    experts, expert_ways = cfg.model.moe.num_experts, logical_ways(rules, mesh, "expert")
+    if experts % expert_ways:
+        raise UserError(f"model.moe.num_experts={experts} is not divisible by the {expert_ways} ways rule set {cfg.rules} splits the "
+                        f"experts over (mesh axes {', '.join(rules['expert'])}); use a multiple of {expert_ways} experts or a smaller expert axis")
     spec = model_spec(cfg.model)
     tx = make_optimizer(cfg)
     shardings = state_shardings(spec, tx, rules, mesh)

@@ -25,8 +25,9 @@ def _fill(sizes: AxisSizes, total: int, what: str) -> tuple[int, ...]:
 
 
 def describe_axes(sizes: Mapping[str, int]) -> str:
-    """'data 2 x fsdp 2 x tensor 2': how every message and listing shows mesh axis sizes."""
-    return " x ".join(f"{axis} {size}" for axis, size in sizes.items())
+    """'data 2 x fsdp 2 x tensor 2': how every message and listing shows mesh axis sizes (the expert axis
+    only where it is used)."""
+    return " x ".join(f"{axis} {size}" for axis, size in sizes.items() if not (axis == "expert" and size == 1))
 
 
 def _describe(shape: tuple[int, ...]) -> str:
@@ -44,7 +45,7 @@ def resolve_shape(mesh_cfg: MeshConfig, num_devices: int, num_processes: int) ->
             raise UserError(
                 f"the mesh has {math.prod(combined)} devices ({_describe(combined)}) but {num_devices} "
                 f"device(s) are present; use a mesh file for {num_devices} devices, or on CPU pass --devices {math.prod(combined)}")
-        return combined, (1, 1, 1)
+        return combined, (1,) * len(MESH_AXES)
     local = num_devices // num_processes
     ici = _fill(mesh_cfg.ici, local, "ici")
     dcn = _fill(mesh_cfg.dcn, num_processes, "dcn")
@@ -56,7 +57,7 @@ def resolve_shape(mesh_cfg: MeshConfig, num_devices: int, num_processes: int) ->
 
 
 def build_mesh(mesh_cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """An Auto-typed (GSPMD) mesh with axes (data, fsdp, tensor) over ``devices`` (default: all);
+    """An Auto-typed (GSPMD) mesh with axes (data, fsdp, tensor, expert) over ``devices`` (default: all);
     hybrid ICI/DCN across processes."""
     devices = devices or jax.devices()
     ici, dcn = resolve_shape(mesh_cfg, len(devices), jax.process_count())

@@ -10,6 +10,7 @@ import optax
 from flax import nnx
 
 from jaxtrain.state import TrainState
+from models.moe import pop_router_stats
 
 Batch = dict[str, jax.Array]  # 'inputs', 'targets': (batch, length) int32
 
@@ -18,7 +19,26 @@ def token_nll(graphdef, params: dict, batch: Batch, loss_chunk: int = 0) -> jax.
     """Negative log-likelihood (nats) of every target token, float32, shape (batch, length). With
     ``loss_chunk`` the logits are made that many positions at a time and remade in the backward pass,
     so only one chunk's float32 (batch, chunk, vocab) logits is ever live: for large vocabularies."""
+    return token_nll_and_router_stats(graphdef, params, batch, loss_chunk)[0]
+
+
+def token_nll_and_router_stats(graphdef, params: dict, batch: Batch, loss_chunk: int = 0) -> tuple[jax.Array, dict]:
+    """``token_nll`` and the mixture-of-experts router statistics of the pass (models.moe.pop_router_stats)."""
     model = nnx.merge(graphdef, params)
+    return _token_nll(model, batch, loss_chunk), pop_router_stats(model)
+
+
+def router_metrics(stats: dict) -> dict:
+    """Router statistics of a MoE model as metrics: each averaged over layers, and per layer the expert load
+    (share of assignments per expert) and its max / mean (1: balanced)."""
+    if not stats:
+        return {}
+    load = stats["expert_load"]
+    return {f"moe_{k}": jnp.mean(v) for k, v in stats.items() if k != "expert_load"} | {
+        "moe_expert_load_per_layer": load, "moe_load_max_over_mean_per_layer": jnp.max(load, -1) / jnp.mean(load, -1)}
+
+
+def _token_nll(model, batch: Batch, loss_chunk: int) -> jax.Array:
     if not loss_chunk:
         return optax.softmax_cross_entropy_with_integer_labels(model(batch["inputs"]), batch["targets"])
     x = model.hidden(batch["inputs"])
@@ -59,24 +79,29 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on."""
     def loss_fn(params, batch):
-        return token_nll(graphdef, params, batch, loss_chunk).mean()
+        """The mean token loss plus a MoE model's router losses (mean over layers); (loss, router stats) as aux."""
+        nll, stats = token_nll_and_router_stats(graphdef, params, batch, loss_chunk)
+        loss = nll.mean()
+        return loss + (jnp.mean(stats["router_loss"]) if stats else 0.0), (loss, stats)
 
-    grad_fn = jax.value_and_grad(loss_fn)
+    def grad_fn(params, batch):
+        (_, (loss, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        return (loss, stats), grads
 
     def train_step(state: TrainState, batch: Batch):
         if microbatches == 1:
-            loss, grads = grad_fn(state.params, batch)
+            (loss, stats), grads = grad_fn(state.params, batch)
         else:
             def accumulate(carry, micro):
-                loss_sum, grad_sum = carry
-                loss, grads = grad_fn(state.params, micro)
-                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+                sums, grads = grad_fn(state.params, micro)
+                return jax.tree.map(jnp.add, carry, (sums, grads)), None
 
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                            _split_microbatches(batch, microbatches))
+            micro = _split_microbatches(batch, microbatches)
+            # zero sums shaped like (loss, router stats) of one micro-batch; gradients like the parameters
+            sums = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro))[0])
+            ((loss, stats), grads), _ = jax.lax.scan(accumulate, (sums, jax.tree.map(jnp.zeros_like, state.params)), micro)
             # every micro-batch has the same token count, so the mean of means is the batch mean
-            loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+            loss, stats, grads = jax.tree.map(lambda x: x / microbatches, (loss, stats, grads))
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -84,7 +109,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
-                   "learning_rate": schedule(schedule_count(state.opt_state))}
+                   "learning_rate": schedule(schedule_count(state.opt_state))} | router_metrics(stats)
         if layer_norms:
             metrics |= {"grad_norm_per_layer": per_layer_norm(grads["layers"]),
                         "param_norm_per_layer": per_layer_norm(params["layers"])}

@@ -10,6 +10,9 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # auto: the trainer picks cudnn on NVIDIA GPUs and xla elsewhere; a model built directly lets jax choose
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 ROPE_SCALING_TYPES = ("none", "llama3")
+# dropless: every token reaches its experts (grouped matmul, jax.lax.ragged_dot); capacity: each expert takes at most
+# capacity_factor x its fair share of a sequence's tokens, the rest skip the block (fixed shapes: expert parallel everywhere)
+MOE_DISPATCH = ("dropless", "capacity")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,43 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Sparse mixture-of-experts feed-forward blocks (models/moe.py) in every layer; num_experts=0 keeps the dense
+    SwiGLU MLP. Each expert is a SwiGLU MLP of model.mlp_dim; shared experts (one MLP of num_shared_experts x mlp_dim)
+    see every token."""
+
+    num_experts: int = 0
+    top_k: int = 2
+    normalize_top_k: bool = True  # the chosen k weights renormalised to sum to 1 (Mixtral); false: raw softmax shares
+    num_shared_experts: int = 0
+    shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(x . w) (Qwen2-MoE)
+    dispatch: str = "dropless"
+    capacity_factor: float = 1.25  # capacity dispatch: slots per expert = ceil(capacity_factor * seq_len * top_k / num_experts)
+    aux_loss_weight: float = 0.01  # load-balancing loss (Switch Transformer), mean over layers
+    router_z_loss_weight: float = 0.001  # mean squared log-sum-exp of the router logits (ST-MoE), mean over layers
+
+    def problems(self) -> list[str]:
+        if self.num_experts == 0:
+            return []
+        out = []
+        if self.num_experts < 0:
+            out.append(f"model.moe.num_experts={self.num_experts} must be 0 (dense MLP) or positive")
+        if self.top_k < 1 or self.top_k > self.num_experts > 0:
+            out.append(f"model.moe.top_k={self.top_k} must be between 1 and model.moe.num_experts={self.num_experts}")
+        if self.num_shared_experts < 0:
+            out.append(f"model.moe.num_shared_experts={self.num_shared_experts} must be 0 or positive")
+        if self.dispatch not in MOE_DISPATCH:
+            out.append(f"model.moe.dispatch={self.dispatch!r} is unknown; choose one of {', '.join(MOE_DISPATCH)}")
+        elif self.dispatch == "capacity" and not self.capacity_factor > 0:
+            out.append(f"model.moe.capacity_factor={self.capacity_factor} must be positive with model.moe.dispatch=capacity "
+                       "(1.25 is usual; num_experts / top_k drops nothing)")
+        for key in ("aux_loss_weight", "router_z_loss_weight"):
+            if not getattr(self, key) >= 0:
+                out.append(f"model.moe.{key}={getattr(self, key)} must be 0 (off) or positive")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int = 256
     d_model: int = 256
@@ -55,6 +95,7 @@ class LlamaConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     attention: str = "auto"  # jax.nn.dot_product_attention implementation
+    moe: MoEConfig = MoEConfig()
 
     @property
     def resolved_head_dim(self) -> int:
@@ -62,7 +103,7 @@ class LlamaConfig:
 
     def problems(self) -> list[str]:
         """Every inconsistency in this config, each as one sentence that says how to fix it."""
-        out = list(self.rope_scaling.problems())
+        out = list(self.rope_scaling.problems()) + self.moe.problems()
         if self.remat not in REMAT_POLICIES:
             out.append(f"model.remat={self.remat!r} is not a remat policy; choose one of {', '.join(REMAT_POLICIES)}")
         for key in ("dtype", "param_dtype"):
