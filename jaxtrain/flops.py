@@ -24,9 +24,12 @@ PEAK_TFLOPS = (
 
 
 def matmul_params(cfg: LlamaConfig) -> int:
-    """Parameters that take part in a matmul per token (the embedding lookup does not)."""
+    """Parameters that take part in a matmul per token (the embedding lookup does not): of a mixture of
+    experts only the router, the top_k chosen experts and the shared experts (active, not total, parameters)."""
     d, h, k, hd, m = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim
-    per_layer = d * h * hd + 2 * d * k * hd + h * hd * d + 3 * d * m
+    moe = cfg.moe
+    mlps = moe.top_k + moe.num_shared_experts if moe.num_experts else 1
+    per_layer = d * h * hd + 2 * d * k * hd + h * hd * d + 3 * d * m * mlps + d * moe.num_experts
     return cfg.num_layers * per_layer + d * cfg.vocab_size
 
 

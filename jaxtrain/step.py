@@ -73,19 +73,21 @@ def schedule_count(opt_state) -> jax.Array:
                 if isinstance(s, optax.ScaleByScheduleState))
 
 
+def training_objective(graphdef, params: dict, batch: Batch, loss_chunk: int = 0) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+    """What the optimizer minimises: the mean token loss plus a MoE model's weighted router losses (mean over
+    layers); the mean token loss and the router statistics as aux."""
+    nll, stats = token_nll_and_router_stats(graphdef, params, batch, loss_chunk)
+    loss = nll.mean()
+    return loss + (jnp.mean(stats["router_loss"]) if stats else 0.0), (loss, stats)
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
                     layer_norms: bool = False, loss_chunk: int = 0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on."""
-    def loss_fn(params, batch):
-        """The mean token loss plus a MoE model's router losses (mean over layers); (loss, router stats) as aux."""
-        nll, stats = token_nll_and_router_stats(graphdef, params, batch, loss_chunk)
-        loss = nll.mean()
-        return loss + (jnp.mean(stats["router_loss"]) if stats else 0.0), (loss, stats)
-
     def grad_fn(params, batch):
-        (_, (loss, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        (_, (loss, stats)), grads = jax.value_and_grad(training_objective, argnums=1, has_aux=True)(graphdef, params, batch, loss_chunk)
         return (loss, stats), grads
 
     def train_step(state: TrainState, batch: Batch):
