@@ -54,7 +54,7 @@ class MoE(nnx.Module):
         if moe.num_shared_experts:
             self.shared = MLP(dataclasses.replace(cfg, mlp_dim=moe.num_shared_experts * m), rngs)
             if moe.shared_expert_gate:
-                self.shared_gate = _param(rngs, (d,), ("embed",), cfg.init_std, pd)
+                self.shared_gate = _param(rngs, (d, 1), ("embed", None), cfg.init_std, pd)
 
     def __call__(self, x):
         """x (batch, length, d_model) -> (batch, length, d_model)."""
@@ -70,7 +70,7 @@ class MoE(nnx.Module):
         if self.moe.num_shared_experts:
             shared = self.shared(x)
             if self.moe.shared_expert_gate:
-                shared = shared * jax.nn.sigmoid(x @ self.shared_gate[...].astype(self.dtype))[..., None]
+                shared = shared * jax.nn.sigmoid(x @ self.shared_gate[...].astype(self.dtype))
             y = y + shared
         stats = router_stats(logits, probs, experts, kept)
         # what this layer adds to the training loss (the trainer takes the mean over layers)

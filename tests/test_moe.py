@@ -66,7 +66,7 @@ def _reference(block: MoE, x: np.ndarray, slots: int | None = None):
     if block.moe.num_shared_experts:
         shared = {k: np.asarray(v[...], np.float64) for k, v in nnx.state(block.shared).items()}
         gate = 1 / (1 + np.exp(-(x @ np.asarray(block.shared_gate[...], np.float64))))
-        out += gate[..., None] * ((_silu(x @ shared["w_gate"]) * (x @ shared["w_up"])) @ shared["w_down"])
+        out += gate * ((_silu(x @ shared["w_gate"]) * (x @ shared["w_up"])) @ shared["w_down"])
     return out, dropped / (x.shape[0] * x.shape[1] * K)
 
 
