@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxtrain.config import Config, resolve_attention
 from jaxtrain.errors import UserError
@@ -30,7 +31,7 @@ from jaxtrain.flops import flops_per_token, peak_flops
 from jaxtrain.gpu_targets import GPU_MEMORY_MIB, compile_only_devices, gpu_memory_bytes
 from jaxtrain.hlo_report import HloReport, captured_stderr, report
 from jaxtrain.mesh import describe_axes
-from jaxtrain.partitioning import batch_shards, logical_ways
+from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
 from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.step_cost import StepTime, step_time
 from jaxtrain.layout import Layout, lower_steps, make_layout, peak_bytes
@@ -77,7 +78,11 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     hd = m.resolved_head_dim
     embed = tokens * m.d_model  # elements of one residual-stream tensor (the embed axis is never sharded)
     qkv = tokens * hd * (m.num_heads / _ways(layout, "activation_heads") + 2 * m.num_kv_heads / _ways(layout, "activation_kv_heads"))
-    mlp = tokens * m.mlp_dim / _ways(layout, "activation_mlp")
+    # a mixture of experts: each token's hidden states in its top_k experts (capacity_factor x that many slots on
+    # the capacity path) and the shared experts
+    moe = m.moe
+    routed = moe.top_k * (moe.capacity_factor if moe.dispatch == "capacity" else 1) if moe.num_experts else 0
+    mlp = tokens * m.mlp_dim * (routed + moe.num_shared_experts if moe.num_experts else 1) / _ways(layout, "activation_mlp")
     # attention through XLA materialises a score for every (query, key) pair and head; flash attention (cudnn)
     # keeps only blocks of them
     scores = 0 if m.attention == "cudnn" else b * m.num_heads / _ways(layout, "activation_heads") * seq**2
@@ -90,9 +95,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     }[m.remat]
     # one layer's weights gathered over the batch axes (FSDP) for its forward and backward: compute-dtype copy
     # and float32 gradient; the tensor axes keep their split
-    batch_axes = layout.rules.get("activation_batch") or ()
-    layer_weights = sum(gathered_elements(x, batch_axes) / x.sharding.shard_shape(x.shape)[0]  # per stacked layer
-                        for x in jax.tree.leaves(state.params["layers"]))
+    layer_axes = jax.tree.leaves(layout.spec.logical_axes["layers"], is_leaf=lambda a: isinstance(a, PartitionSpec))
+    layer_weights = sum(gathered_elements(x, gather_axes(layout.rules, axes)) / x.sharding.shard_shape(x.shape)[0]  # per stacked layer
+                        for x, axes in zip(jax.tree.leaves(state.params["layers"]), layer_axes))
     vocab_table = m.d_model * m.vocab_size / _ways(layout, "vocab")  # elements, gathered over fsdp
     # backward of one layer: XLA attention's score arrays (probabilities, their gradient, the scores' gradient:
     # two in float32 and two in the compute dtype on a GPU; three in float32 and one in the compute dtype on the
@@ -106,7 +111,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # also keeps the float32 value and compute copy of each gathered table)
     loss = 2 * logit_tokens * m.vocab_size / _ways(layout, "activation_vocab") * 4 + \
         ((1 if m.tie_embeddings else 2) * 3 if on_cpu else 1) * vocab_table * 4
-    return {
+    items = {
         "parameters": params,
         "optimizer state": optimizer,
         # float32 gradients and the optimizer's update, each the size of the parameters; micro-batching adds
@@ -116,6 +121,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
         "logits and loss": int(loss),
         "layer backward": int(layer_backward),
     }
+    if moe.num_experts and m.remat != "full":  # the dispatch and combine buffers (routed residual streams) each layer keeps
+        items["dispatch buffers"] = int(m.num_layers * stack * 2 * embed * routed)
+    return items
 
 
 # the two working sets of the step: only the larger is live at the peak

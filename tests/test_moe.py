@@ -213,3 +213,23 @@ def test_mixtral_sizes_are_the_published_ones(name, total, active):
     model = load_experiment(name).model
     assert model_spec(model).num_params == total
     assert matmul_params(model) + model.vocab_size * model.d_model == active
+
+
+def test_planner_counts_expert_weights_by_the_expert_axis_and_all_to_all_traffic():
+    from jaxtrain.plan import estimate
+    from jaxtrain.state import bytes_per_device
+    from jaxtrain.step_cost import step_time
+
+    layout = make_layout(load_experiment("tiny_moe"))  # fsdp 2 x tensor 2 x expert 2, capacity 1.25, float32, no remat
+    m = layout.cfg.model
+    w_gate = layout.abstract_state().params["layers"]["mlp"]["w_gate"]
+    assert bytes_per_device(w_gate) == m.num_layers * 8 * m.d_model * m.mlp_dim * 4 // 8  # split 8 ways, experts 2 of them
+    timed = step_time(layout)
+    # 4 layers x (dispatch + combine) x (forward + backward), 8 sequences per device (the batch split over fsdp and
+    # expert) of 256 tokens, 2 x 1.25 slots each, half of it leaving the device
+    assert timed.traffic_bytes["expert"] == pytest.approx(4 * 4 * 8 * 256 * 2.5 * m.d_model * 4 / 2)
+    assert timed.total_s >= timed.compute_s + timed.communication_s["expert"] > timed.compute_s
+    assert estimate(layout)["dispatch buffers"] == 4 * 4 * 2 * (8 * 256 * m.d_model) * 2.5
+    # FLOPs per token count the 2 chosen experts, not all 8
+    dense_mlp = dataclasses.replace(m, moe=MoEConfig(), mlp_dim=2 * m.mlp_dim)
+    assert matmul_params(m) == matmul_params(dense_mlp) + m.num_layers * m.d_model * 8
