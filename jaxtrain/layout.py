@@ -56,10 +56,10 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
     cfg = config_lib.resolve_attention(cfg, is_nvidia_gpu(mesh.devices.flat[0]))  # before the model is built
     rules = load_rules(cfg.rules)
     check_rules_against_mesh(rules, mesh, cfg.rules)
-    experts, expert_ways = cfg.model.moe.num_experts, logical_ways(rules, mesh, "expert")
+    experts, expert_ways = cfg.model.moe.num_experts, logical_ways(rules, mesh, "experts")
     if experts % expert_ways:
         raise UserError(f"model.moe.num_experts={experts} is not divisible by the {expert_ways} ways rule set {cfg.rules} splits the "
-                        f"experts over (mesh axes {', '.join(rules['expert'])}); use a multiple of {expert_ways} experts or a smaller expert axis")
+                        f"experts over (mesh axes {', '.join(rules['experts'])}); use a multiple of {expert_ways} experts or a smaller expert axis")
     spec = model_spec(cfg.model)
     tx = make_optimizer(cfg)
     shardings = state_shardings(spec, tx, rules, mesh)

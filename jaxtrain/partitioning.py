@@ -126,7 +126,7 @@ def logical_ways(rules: Rules, mesh: Mesh, logical: str) -> int:
 def gather_axes(rules: Rules, logical_axes) -> tuple[str, ...]:
     """The batch mesh axes a weight with these logical axes is all-gathered over where it is used (FSDP): all of
     them, except the expert axes for an expert's weights, which stay on their experts' devices."""
-    own = rules.get("expert") or () if "expert" in tuple(logical_axes) else ()
+    own = (rules.get("experts") or ()) if "experts" in tuple(logical_axes) else ()
     return tuple(a for a in rules.get("activation_batch") or () if a not in own)
 
 

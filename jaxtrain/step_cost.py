@@ -89,11 +89,11 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     fsdp_axes, data_axes = set(), set()
     params = layout.abstract_state().params
     logical = jax.tree.leaves(layout.spec.logical_axes, is_leaf=lambda s: isinstance(s, PartitionSpec))
-    expert_axes = tuple(layout.rules.get("expert") or ())
+    expert_axes = tuple(layout.rules.get("experts") or ())
     expert_ways = math.prod(layout.mesh.shape[a] for a in expert_axes)
     for x, axes in zip(jax.tree.leaves(params), logical):
         # an expert's weights live on its own devices: no gather or gradient reduction over the expert axes
-        own = expert_axes if "expert" in axes else ()
+        own = expert_axes if "experts" in axes else ()
         local, gathered = elements_per_device(x), gathered_elements(x, gather_axes(layout.rules, axes))
         split = gathered // local
         replicated = batch_ways // (split * (expert_ways if own else 1))

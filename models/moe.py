@@ -48,9 +48,9 @@ class MoE(nnx.Module):
         self.moe = moe
         self.dtype = jnp.dtype(cfg.dtype)
         self.router = _param(rngs, (d, e), ("embed", None), cfg.init_std, pd)
-        self.w_gate = _param(rngs, (e, d, m), ("expert", "embed", "mlp"), cfg.init_std, pd)
-        self.w_up = _param(rngs, (e, d, m), ("expert", "embed", "mlp"), cfg.init_std, pd)
-        self.w_down = _param(rngs, (e, m, d), ("expert", "mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5, pd)
+        self.w_gate = _param(rngs, (e, d, m), ("experts", "embed", "mlp"), cfg.init_std, pd)
+        self.w_up = _param(rngs, (e, d, m), ("experts", "embed", "mlp"), cfg.init_std, pd)
+        self.w_down = _param(rngs, (e, m, d), ("experts", "mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5, pd)
         if moe.num_shared_experts:
             self.shared = MLP(dataclasses.replace(cfg, mlp_dim=moe.num_shared_experts * m), rngs)
             if moe.shared_expert_gate:
