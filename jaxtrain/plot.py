@@ -40,12 +40,16 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in points], [v for _, v in points]
 
 
+def panels_for(runs) -> list[tuple]:
+    """The PANELS to draw for these runs' records: the mixture-of-experts panel only when a run has MoE metrics."""
+    return [p for p in PANELS if p[0] != MOE_PANEL or any(series(records, "moe_aux_loss")[0] for records in runs)]
+
+
 def plot_runs(run_dirs: list[Path], out: Path) -> None:
     if out.suffix.lower() not in (".png", ".pdf", ".svg"):
         raise UserError(f"--out {out} must end in .png, .pdf or .svg")
     runs = {str(d): read_metrics(d) for d in run_dirs}
-    # the mixture-of-experts panel only for runs of MoE models
-    panels = [p for p in PANELS if p[0] != MOE_PANEL or any(series(r, "moe_aux_loss")[0] for r in runs.values())]
+    panels = panels_for(runs.values())
     rows = (len(panels) + 1) // 2
     fig, axes = plt.subplots(rows, 2, figsize=(12, 4 * rows), constrained_layout=True, squeeze=False)
     for ax in axes.flat[len(panels):]:

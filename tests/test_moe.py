@@ -163,6 +163,24 @@ def test_expert_parallel_losses_match_one_device(expert_parallel, corpus, tmp_pa
     assert trainer.layout.shardings.params["layers"]["mlp"]["w_gate"].spec[1] == "expert"
 
 
+def test_router_metrics_reach_tensorboard_and_the_plot(expert_parallel, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from jaxtrain.plot import MOE_PANEL, panels_for, plot_runs, read_metrics
+
+    _, _, run_dir, _, records = expert_parallel
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert [e.value for e in events.Scalars("moe/aux_loss")] == pytest.approx([r["moe_aux_loss"] for r in records])
+    assert [e.value for e in events.Scalars("moe_load_max_over_mean_per_layer/layer_001")] == \
+        pytest.approx([r["moe_load_max_over_mean_per_layer"][1] for r in records])
+    np.testing.assert_allclose([sum(load) for r in records for load in r["moe_expert_load_per_layer"]], 1.0, rtol=1e-6)
+    assert [p[0] for p in panels_for([read_metrics(run_dir)])][-1] == MOE_PANEL
+    assert MOE_PANEL not in [p[0] for p in panels_for([[{"step": 1, "loss": 1.0}]])]
+    plot_runs([run_dir], tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
 def test_expert_parallel_resume_is_exact(expert_parallel):
     cfg, trainer, run_dir, final, records = expert_parallel
     resumed_dir = run_dir.parent / "resumed"
