@@ -70,6 +70,12 @@ ROWS = (
     # a random llama3_1b-shaped model (5 GB float32) imported onto the GPU and exported back: seconds and peak
     # host RSS growth beside the safetensors library's whole read and save (benchmarks/bench_hf.py)
     Row("hf_import_export_1b", "llama3_1b", (), 90, script="bench_hf.py"),
+    # two Mixtral 8x7B layers (8 experts of MLP 14336, top-2, d 4096) on one H200: capacity dispatch (fixed-shape
+    # buffers) and dropless (ragged_dot grouped matmul); MFU counts the active parameters
+    Row("moe_mixtral_layers_capacity", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2", "model.remat=full",
+                                                        "model.attention=auto", "model.moe.dispatch=capacity"), 75),
+    Row("moe_mixtral_layers_dropless", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2", "model.remat=full",
+                                                        "model.attention=auto", "model.moe.dispatch=dropless"), 75),
 )
 
 

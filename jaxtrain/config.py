@@ -21,7 +21,7 @@ import experiments
 from jaxtrain.errors import UserError
 from models.config import LlamaConfig
 
-MESH_AXES = ("data", "fsdp", "tensor", "stage")  # stage: pipeline stages (models/pipeline.py)
+MESH_AXES = ("data", "fsdp", "tensor", "stage", "expert")  # stage: pipeline stages (models/pipeline.py)
 DATA_FORMATS = ("text", "sft")
 MESHES_DIR = Path(experiments.__file__).parent / "meshes"
 EXPERIMENTS_DIR = Path(experiments.__file__).parent
@@ -35,6 +35,7 @@ class AxisSizes:
     fsdp: int = 1
     tensor: int = 1
     stage: int = 1
+    expert: int = 1  # mixture-of-experts expert parallelism (rule sets *_ep); a data axis for everything else
 
     def as_tuple(self) -> tuple[int, ...]:
         return tuple(getattr(self, a) for a in MESH_AXES)

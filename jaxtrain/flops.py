@@ -24,10 +24,17 @@ PEAK_TFLOPS = (
 
 
 def matmul_params(cfg: LlamaConfig) -> int:
-    """Parameters that take part in a matmul per token (the embedding lookup does not)."""
+    """Parameters that take part in a matmul per token (the embedding lookup does not): of a mixture of
+    experts only the router, the top_k chosen experts and the shared experts (active, not total, parameters)."""
     d, h, k, hd, m = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim
-    per_layer = d * h * hd + 2 * d * k * hd + h * hd * d + 3 * d * m
+    per_layer = d * h * hd + 2 * d * k * hd + h * hd * d + 3 * d * m * active_mlps(cfg) + d * cfg.moe.num_experts
     return cfg.num_layers * per_layer + d * cfg.vocab_size
+
+
+def active_mlps(cfg: LlamaConfig) -> int:
+    """SwiGLU MLPs of model.mlp_dim a token passes through per layer: its top_k experts and the shared ones."""
+    moe = cfg.moe
+    return moe.top_k + moe.num_shared_experts if moe.num_experts else 1
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:

@@ -94,12 +94,15 @@ class HloReport:
 
     def traffic_by_step_cost_kind(self, batch_axes: tuple[str, ...]) -> dict[str, float]:
         """Traffic in step_cost's terms: all-gathers and reduce-scatters over batch axes are FSDP's, all-reduces
-        over batch axes data parallelism's, collectives over other axes tensor parallelism's."""
+        over batch axes data parallelism's, all-to-alls expert parallelism's, collectives over other axes tensor
+        parallelism's."""
         out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0}
         for c in self.collectives:
             on_batch = c.axes is not None and set(c.axes) <= set(batch_axes)
             kind = ("fsdp" if c.kind in ("all-gather", "reduce-scatter") else "data") if on_batch else "tensor"
-            out[kind] += c.traffic
+            if c.kind == "all-to-all":  # mixture-of-experts tokens moving to and from their experts
+                kind = "expert"
+            out[kind] = out.get(kind, 0.0) + c.traffic
         return out
 
     def to_json(self) -> dict:

@@ -19,7 +19,8 @@ from jaxtrain.errors import UserError
 from jaxtrain.gpu_targets import is_nvidia_gpu
 from jaxtrain.mesh import build_mesh
 from jaxtrain.optim import learning_rate_schedule, make_optimizer
-from jaxtrain.partitioning import Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, model_tracing
+from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, logical_ways,
+                                  model_tracing)
 from jaxtrain.stages import check_pipeline
 from jaxtrain.state import ModelSpec, TrainState, abstract_state, model_spec, state_shardings
 from jaxtrain.step import make_eval_step, make_train_step
@@ -57,6 +58,10 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
     rules = load_rules(cfg.rules)
     check_rules_against_mesh(rules, mesh, cfg.rules)
     check_pipeline(cfg, rules, mesh)
+    experts, expert_ways = cfg.model.moe.num_experts, logical_ways(rules, mesh, "experts")
+    if experts % expert_ways:
+        raise UserError(f"model.moe.num_experts={experts} is not divisible by the {expert_ways} ways rule set {cfg.rules} splits the "
+                        f"experts over (mesh axes {', '.join(rules['experts'])}); use a multiple of {expert_ways} experts or a smaller expert axis")
     spec = model_spec(cfg.model)
     tx = make_optimizer(cfg)
     shardings = state_shardings(spec, tx, rules, mesh)

@@ -25,9 +25,9 @@ def _fill(sizes: AxisSizes, total: int, what: str) -> tuple[int, ...]:
 
 
 def describe_axes(sizes: Mapping[str, int]) -> str:
-    """'data 2 x fsdp 2 x tensor 2': how every message and listing shows mesh axis sizes (a stage axis of 1,
-    no pipeline, left out)."""
-    return " x ".join(f"{axis} {size}" for axis, size in sizes.items() if not (axis == "stage" and size == 1))
+    """'data 2 x fsdp 2 x tensor 2': how every message and listing shows mesh axis sizes (the stage and expert
+    axes only where they are used)."""
+    return " x ".join(f"{axis} {size}" for axis, size in sizes.items() if not (axis in ("stage", "expert") and size == 1))
 
 
 def _describe(shape: tuple[int, ...]) -> str:
@@ -57,7 +57,7 @@ def resolve_shape(mesh_cfg: MeshConfig, num_devices: int, num_processes: int) ->
 
 
 def build_mesh(mesh_cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """An Auto-typed (GSPMD) mesh with axes (data, fsdp, tensor, stage) over ``devices`` (default: all);
+    """An Auto-typed (GSPMD) mesh with axes (data, fsdp, tensor, stage, expert) over ``devices`` (default: all);
     hybrid ICI/DCN across processes."""
     devices = devices or jax.devices()
     ici, dcn = resolve_shape(mesh_cfg, len(devices), jax.process_count())

@@ -48,7 +48,12 @@ TAGS = {
     "tokens_per_s": "perf/tokens_per_s", "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
     "step_time_s": "perf/step_time_s", "mfu": "perf/mfu", "data_wait_s": "perf/data_wait_s",
     "checkpoint_s": "perf/checkpoint_s", "memory_in_use_gib": "memory/in_use_gib", "memory_peak_gib": "memory/peak_gib",
+    # mixture of experts (jaxtrain.step.router_metrics), means over layers
+    "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_router_loss": "moe/router_loss",
+    "moe_dropped_fraction": "moe/dropped_fraction",
 }
+# per-layer lists written to TensorBoard one scalar per layer (moe_expert_load_per_layer stays in metrics.jsonl)
+PER_LAYER_TAGS = PER_LAYER + ("moe_load_max_over_mean_per_layer",)
 
 
 class NonFiniteError(UserError):
@@ -292,7 +297,7 @@ class MetricsLog:
             "mfu": None if self.peak is None else self.flops_per_token * tokens_per_s / (self.devices * self.peak),
             "data_wait_s": self.timers["data_wait_s"], "checkpoint_s": self.timers["checkpoint_s"],
             "memory_in_use_gib": in_use, "memory_peak_gib": peak_mem, "memory_source": memory_source,
-        }
+        } | {k: np.asarray(v).tolist() for k, v in metrics.items() if k.startswith("moe_")}
         self.write(record)
         for layer_step, layer_metrics in fetched:
             if PER_LAYER[0] in layer_metrics:
@@ -311,7 +316,7 @@ class MetricsLog:
         self.file.flush()
         step = record["step"]
         scalars = {TAGS[k]: v for k, v in record.items() if k in TAGS and v is not None}
-        for key in PER_LAYER:
+        for key in PER_LAYER_TAGS:
             scalars |= {f"{key}/layer_{i:03d}": v for i, v in enumerate(record.get(key, ()))}
         if self.tensorboard:
             for tag, value in scalars.items():

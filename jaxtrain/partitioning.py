@@ -129,6 +129,13 @@ def logical_ways(rules: Rules, mesh: Mesh, logical: str) -> int:
     return math.prod(mesh.shape[a] for a in rules.get(logical) or ())
 
 
+def gather_axes(rules: Rules, logical_axes) -> tuple[str, ...]:
+    """The batch mesh axes a weight with these logical axes is all-gathered over where it is used (FSDP): all of
+    them, except the expert axes for an expert's weights, which stay on their experts' devices."""
+    own = (rules.get("experts") or ()) if "experts" in tuple(logical_axes) else ()
+    return tuple(a for a in rules.get("activation_batch") or () if a not in own)
+
+
 def batch_shards(rules: Rules, mesh: Mesh) -> int:
     """How many ways the batch dimension is split."""
     return logical_ways(rules, mesh, "activation_batch")

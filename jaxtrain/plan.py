@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxtrain.config import Config, flatten, resolve_attention, to_dict
 from jaxtrain.errors import UserError
@@ -30,7 +31,8 @@ from jaxtrain.flops import flops_per_token, peak_flops
 from jaxtrain.gpu_targets import GPU_MEMORY_MIB, compile_only_devices, gpu_memory_bytes
 from jaxtrain.hlo_report import HloReport, captured_stderr, report
 from jaxtrain.mesh import describe_axes
-from jaxtrain.partitioning import batch_shards, logical_ways
+from jaxtrain.adapters import split_frozen
+from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
 from jaxtrain.stages import pipelined_variants, schedule
 from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.step_cost import StepTime, step_time
@@ -83,7 +85,11 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     hd = m.resolved_head_dim
     embed = tokens * m.d_model  # elements of one residual-stream tensor (the embed axis is never sharded)
     qkv = tokens * hd * (m.num_heads / _ways(layout, "activation_heads") + 2 * m.num_kv_heads / _ways(layout, "activation_kv_heads"))
-    mlp = tokens * m.mlp_dim / _ways(layout, "activation_mlp")
+    # a mixture of experts: each token's hidden states in its top_k experts (capacity_factor x that many slots on
+    # the capacity path) and the shared experts
+    moe = m.moe
+    routed = moe.top_k * (moe.capacity_factor if moe.dispatch == "capacity" else 1) if moe.num_experts else 0
+    mlp = tokens * m.mlp_dim * (routed + moe.num_shared_experts if moe.num_experts else 1) / _ways(layout, "activation_mlp")
     # attention through XLA materialises a score for every (query, key) pair and head; flash attention (cudnn)
     # keeps only blocks of them
     scores = 0 if m.attention == "cudnn" else b / pipe.microbatches * m.num_heads / _ways(layout, "activation_heads") * seq**2
@@ -96,14 +102,17 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     }[m.remat]
     # one layer's weights gathered over the batch axes (FSDP) for its forward and backward: compute-dtype copy
     # and float32 gradient; the tensor axes keep their split
-    batch_axes = layout.rules.get("activation_batch") or ()
-    def per_layer(tree) -> float:
-        return sum(gathered_elements(x, batch_axes) / x.sharding.shard_shape(x.shape)[0] for x in jax.tree.leaves(tree))  # per stacked layer
+    trained_axes, frozen_axes = split_frozen(layout.spec.logical_axes)
 
-    layer_weights = per_layer(state.params["layers"])
+    def per_layer(tree, logical_axes) -> float:  # elements of one stacked layer, gathered over its batch axes
+        axes = jax.tree.leaves(logical_axes["layers"], is_leaf=lambda a: isinstance(a, PartitionSpec))
+        return sum(gathered_elements(x, gather_axes(layout.rules, a)) / x.sharding.shard_shape(x.shape)[0]
+                   for x, a in zip(jax.tree.leaves(tree["layers"]), axes))
+
+    layer_weights = per_layer(state.params, trained_axes)
     # a LoRA run's frozen layer: gathered in storage, dequantized to the compute dtype (counted as one compute copy
     # of its weights: nf4 codes hold two per byte), no gradient
-    frozen_layer = act * per_layer(state.frozen["layers"]) * (2 if m.base_quant == "nf4" else 1) if state.frozen else 0
+    frozen_layer = act * per_layer(state.frozen, frozen_axes) * (2 if m.base_quant == "nf4" else 1) if state.frozen else 0
     vocab_table = m.d_model * m.vocab_size / _ways(layout, "vocab")  # elements, gathered over fsdp
     # backward of one layer: XLA attention's score arrays (probabilities, their gradient, the scores' gradient:
     # two in float32 and two in the compute dtype on a GPU; three in float32 and one in the compute dtype on the
@@ -117,7 +126,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # also keeps the float32 value and compute copy of each gathered table)
     loss = 2 * logit_tokens * m.vocab_size / _ways(layout, "activation_vocab") * 4 + \
         ((1 if m.tie_embeddings else 2) * 3 if on_cpu else 1) * vocab_table * 4
-    return {
+    items = {
         "parameters": params,
         "optimizer state": optimizer,
         # float32 gradients and the optimizer's update, each the size of the parameters; micro-batching adds
@@ -128,6 +137,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
         "logits and loss": int(loss),
         "layer backward": int(layer_backward),
     }
+    if moe.num_experts and m.remat != "full":  # the dispatch and combine buffers (routed residual streams) each layer keeps
+        items["dispatch buffers"] = int(m.num_layers * stack * 2 * embed * routed)
+    return items
 
 
 # the two working sets of the step: only the larger is live at the peak

@@ -13,12 +13,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from jaxtrain.errors import UserError  # noqa: E402
 
+MOE_PANEL = "mixture of experts"
 # (title, y label, [(record key, line style)]); a run draws every key it has records for
 PANELS = (
     ("loss", "nats per token", [("loss", "-"), ("eval_loss", "o--")]),
     ("throughput", "tokens/s", [("tokens_per_s", "-")]),
     ("MFU", "model FLOPs utilisation", [("mfu", "-")]),
     ("memory", "GiB", [("memory_in_use_gib", "-"), ("memory_peak_gib", ":")]),
+    (MOE_PANEL, "router loss terms, dropped share", [("moe_aux_loss", "-"), ("moe_z_loss", "--"),
+                                                                ("moe_dropped_fraction", ":")]),
 )
 
 
@@ -37,13 +40,22 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in points], [v for _, v in points]
 
 
+def panels_for(runs) -> list[tuple]:
+    """The PANELS to draw for these runs' records: the mixture-of-experts panel only when a run has MoE metrics."""
+    return [p for p in PANELS if p[0] != MOE_PANEL or any(series(records, "moe_aux_loss")[0] for records in runs)]
+
+
 def plot_runs(run_dirs: list[Path], out: Path) -> None:
     if out.suffix.lower() not in (".png", ".pdf", ".svg"):
         raise UserError(f"--out {out} must end in .png, .pdf or .svg")
     runs = {str(d): read_metrics(d) for d in run_dirs}
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    panels = panels_for(runs.values())
+    rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 4 * rows), constrained_layout=True, squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (title, ylabel, keys) in zip(axes.flat, PANELS):
+    for ax, (title, ylabel, keys) in zip(axes.flat, panels):
         for i, (name, records) in enumerate(runs.items()):
             for key, style in keys:
                 steps, values = series(records, key)

@@ -48,6 +48,9 @@ def check_pipeline(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
     s = schedule(cfg, rules, mesh)
     if s.stages == 1:
         return s
+    if cfg.model.moe.num_experts:  # the router statistics and losses are not collected through the stages
+        raise UserError(f"model.moe.num_experts={cfg.model.moe.num_experts}: mixture-of-experts layers do not run through pipeline "
+                        f"stages yet (rule set {cfg.rules}); use an expert-parallel rule set without pp_ (dp_ep, fsdp_ep, fsdp_tp_ep)")
     if cfg.data.format == "sft":  # the layers see packed rows' segment ids and positions whole, not per micro-batch
         raise UserError(f"data.format=sft (packed instruction data) does not run through pipeline stages yet (rule set {cfg.rules}); "
                         "use a rule set without pp_ for fine-tuning")

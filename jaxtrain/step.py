@@ -11,6 +11,7 @@ from flax import nnx
 
 from jaxtrain.adapters import join_frozen
 from jaxtrain.state import TrainState
+from models.moe import pop_router_stats
 
 # 'inputs', 'targets': (batch, length) int32; packed instruction data (data.format=sft) adds 'segment_ids' and
 # 'positions' (int32, for the model) and 'weights' (float32: 1 where the target token counts in the loss)
@@ -21,7 +22,26 @@ def token_nll(graphdef, params: dict, batch: Batch, loss_chunk: int = 0) -> jax.
     """Negative log-likelihood (nats) of every target token, float32, shape (batch, length). With
     ``loss_chunk`` the logits are made that many positions at a time and remade in the backward pass,
     so only one chunk's float32 (batch, chunk, vocab) logits is ever live: for large vocabularies."""
+    return token_nll_and_router_stats(graphdef, params, batch, loss_chunk)[0]
+
+
+def token_nll_and_router_stats(graphdef, params: dict, batch: Batch, loss_chunk: int = 0) -> tuple[jax.Array, dict]:
+    """``token_nll`` and the mixture-of-experts router statistics of the pass (models.moe.pop_router_stats)."""
     model = nnx.merge(graphdef, params)
+    return _token_nll(model, batch, loss_chunk), pop_router_stats(model)
+
+
+def router_metrics(stats: dict) -> dict:
+    """Router statistics of a MoE model as metrics: each averaged over layers, and per layer the expert load
+    (share of assignments per expert) and its max / mean (1: balanced)."""
+    if not stats:
+        return {}
+    load = stats["expert_load"]
+    return {f"moe_{k}": jnp.mean(v) for k, v in stats.items() if k != "expert_load"} | {
+        "moe_expert_load_per_layer": load, "moe_load_max_over_mean_per_layer": jnp.max(load, -1) / jnp.mean(load, -1)}
+
+
+def _token_nll(model, batch: Batch, loss_chunk: int) -> jax.Array:
     packing = batch.get("segment_ids"), batch.get("positions")
     if not loss_chunk:
         return optax.softmax_cross_entropy_with_integer_labels(model(batch["inputs"], *packing), batch["targets"])
@@ -62,34 +82,45 @@ def schedule_count(opt_state) -> jax.Array:
                 if isinstance(s, optax.ScaleByScheduleState))
 
 
+def training_objective(graphdef, params: dict, batch: Batch, loss_chunk: int = 0, counted: jax.Array | None = None,
+                       share: float = 1.0) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+    """What the optimizer minimises, as this pass's part of the whole batch's value (``share``: the pass's
+    fraction of the batch's sequences): the token loss (mean nats per token; with weights, the weighted nats over
+    the whole batch's ``counted`` tokens) plus a MoE model's weighted router losses (mean over layers). The aux:
+    the token loss and the router statistics, as parts of the batch's too. Summing the passes gives the batch."""
+    nll, stats = token_nll_and_router_stats(graphdef, params, batch, loss_chunk)
+    loss = nll.mean() * share if counted is None else (nll * batch["weights"]).sum() / counted
+    stats = jax.tree.map(lambda s: s * share, stats)
+    return loss + (jnp.mean(stats["router_loss"]) if stats else 0.0), (loss, stats)
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
                     layer_norms: bool = False, loss_chunk: int = 0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on."""
-    def loss_fn(params, frozen, batch, counted):
-        """Mean nats per token; with weights, this micro-batch's weighted nats over the whole batch's ``counted``.
-        Gradients for the trained parameters only (LoRA: the adapters)."""
-        nll = token_nll(graphdef, join_frozen(frozen, params), batch, loss_chunk)
-        return nll.mean() if counted is None else (nll * batch["weights"]).sum() / counted
+    def grad_fn(params, frozen, batch, counted, share):
+        """Gradients for the trained parameters only (LoRA: the adapters)."""
+        def objective(trained):
+            return training_objective(graphdef, join_frozen(frozen, trained), batch, loss_chunk, counted, share)
 
-    grad_fn = jax.value_and_grad(loss_fn)
+        (_, (loss, stats)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return (loss, stats), grads
 
     def train_step(state: TrainState, batch: Batch):
         counted = counted_tokens(batch)
         if microbatches == 1:
-            loss, grads = grad_fn(state.params, state.frozen, batch, counted)
+            (loss, stats), grads = grad_fn(state.params, state.frozen, batch, counted, 1.0)
         else:
             def accumulate(carry, micro):
-                loss_sum, grad_sum = carry
-                loss, grads = grad_fn(state.params, state.frozen, micro, counted)
-                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+                parts, grads = grad_fn(state.params, state.frozen, micro, counted, 1 / microbatches)
+                return jax.tree.map(jnp.add, carry, (parts, grads)), None
 
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                            _split_microbatches(batch, microbatches))
-            if counted is None:  # every micro-batch has the same token count, so the mean of means is the batch mean
-                loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+            micro = _split_microbatches(batch, microbatches)
+            # zeros shaped like (loss, router stats) of one micro-batch; gradients like the parameters
+            first = jax.tree.map(lambda x: x[0], micro)
+            parts = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, state.params, state.frozen, first, counted, 1.0)[0])
+            ((loss, stats), grads), _ = jax.lax.scan(accumulate, (parts, jax.tree.map(jnp.zeros_like, state.params)), micro)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -97,7 +128,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
-                   "learning_rate": schedule(schedule_count(state.opt_state))}
+                   "learning_rate": schedule(schedule_count(state.opt_state))} | router_metrics(stats)
         if layer_norms:
             metrics |= {"grad_norm_per_layer": per_layer_norm(grads["layers"]),
                         "param_norm_per_layer": per_layer_norm(params["layers"])}

@@ -12,12 +12,16 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
 gradients travel in the dtype the weight is used in: the compute dtype for matmul weights, float32 for the
 norm scales (RMSNorm applies them in float32), as the compiled program shows;
 - tensor parallel: per micro-batch and layer, the residual stream all-reduced after attention and the MLP
-  in the forward and the backward, and again for each of those the remat policy recomputes.
+  in the forward and the backward, and again for each of those the remat policy recomputes;
 - pipeline (models/pipeline.py): per micro-batch pass, every iteration shifts each stage's micro-batch of
   activations to the next stage in the forward and back in the backward (point to point, on the critical
   path); each stage idles the bubble share (stages - 1) / (repeats * microbatches + stages - 1) of the pass,
-  and FSDP gathers a stage's weights in every iteration (iterations / repeats times its weights per pass).
-Tensor-parallel all-reduces sit on the critical path (each layer waits for them) and add to the compute;
+  and FSDP gathers a stage's weights in every iteration (iterations / repeats times its weights per pass);
+- expert parallel (mixture of experts, capacity dispatch): per micro-batch and layer, the dispatch buffer
+  (top_k x capacity_factor tokens' residual streams) all-to-all to the experts and back, in the forward and
+  the backward, and again in a recomputed forward (remat full); an all-to-all of N bytes over n devices moves
+  N (n-1)/n per device. Expert weights are neither gathered nor gradient-reduced over the expert axis.
+Tensor-parallel all-reduces, pipeline shifts and expert all-to-alls sit on the critical path (each layer waits for them) and add to the compute;
 weight gathers and gradient reductions do not depend on the layer being computed, so XLA's latency-hiding
 scheduler overlaps them with it and only what exceeds the compute shows. A ranking heuristic, not a
 measurement.
@@ -33,10 +37,10 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxtrain.config import Config
-from jaxtrain.flops import flops_per_token, peak_flops
+from jaxtrain.flops import active_mlps, flops_per_token, peak_flops
 from jaxtrain.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.layout import Layout
-from jaxtrain.partitioning import batch_shards, logical_ways, spec_axes
+from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways, spec_axes
 from jaxtrain.stages import schedule
 from jaxtrain.state import elements_per_device, gathered_elements
 from models.pipeline import STAGES
@@ -52,8 +56,8 @@ def recompute_factor(cfg: Config) -> float:
     m, seq = cfg.model, cfg.data.seq_len
     total = flops_per_token(m, seq)
     attention_core = 2 * m.num_layers * seq * m.num_heads * m.resolved_head_dim  # causal fwd (the 6x formula / 3)
-    layer_matmuls = 2 * m.num_layers * (m.d_model * m.resolved_head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * m.d_model * m.mlp_dim)
-    mlp_matmuls = 2 * m.num_layers * 3 * m.d_model * m.mlp_dim
+    mlp_matmuls = 2 * m.num_layers * 3 * m.d_model * m.mlp_dim * active_mlps(m)
+    layer_matmuls = 2 * m.num_layers * m.d_model * m.resolved_head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + mlp_matmuls
     extra = {"none": 0, "save_dots": attention_core, "save_qkv_out": attention_core + mlp_matmuls,
              "full": attention_core + layer_matmuls}[m.remat]
     return 1 + extra / total
@@ -63,14 +67,14 @@ def recompute_factor(cfg: Config) -> float:
 class StepTime:
     gpu: str
     compute_s: float
-    communication_s: dict  # "fsdp", "data", "tensor", "pipeline" -> seconds
+    communication_s: dict  # "fsdp", "data", "tensor", "pipeline" (and "expert" for a mixture of experts) -> seconds
     traffic_bytes: dict  # the same kinds -> bytes each device sends per step
 
     @property
     def total_s(self) -> float:
         """Compute, plus the tensor-parallel all-reduces, plus the overlapped traffic the compute cannot hide."""
         c = self.communication_s
-        return self.compute_s + c["tensor"] + c["pipeline"] + max(0.0, c["fsdp"] + c["data"] - self.compute_s)
+        return self.compute_s + c["tensor"] + c["pipeline"] + c.get("expert", 0.0) + max(0.0, c["fsdp"] + c["data"] - self.compute_s)
 
     def describe(self) -> str:
         parts = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in self.communication_s.items() if seconds >= 0.005)
@@ -93,15 +97,19 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     fsdp_axes, data_axes = set(), set()
     params = layout.abstract_state().params
     logical = jax.tree.leaves(layout.spec.logical_axes, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    expert_axes = tuple(layout.rules.get("experts") or ())
+    expert_ways = math.prod(layout.mesh.shape[a] for a in expert_axes)
     for x, axes in zip(jax.tree.leaves(params), logical):
-        local, gathered = elements_per_device(x), gathered_elements(x, batch_axes)
+        # an expert's weights live on its own devices: no gather or gradient reduction over the expert axes
+        own = expert_axes if "experts" in axes else ()
+        local, gathered = elements_per_device(x), gathered_elements(x, gather_axes(layout.rules, axes))
         split = gathered // local
-        replicated = batch_ways // split
+        replicated = batch_ways // (split * (expert_ways if own else 1))
         grad = 4 if "norm" in axes else act
         fsdp += k * gathered * (2 * act + grad) * (split - 1) / split
         data += k * 2 * local * grad * (replicated - 1) / replicated
         used = spec_axes(x.sharding.spec)
-        fsdp_axes.update(a for a in batch_axes if a in used)
+        fsdp_axes.update(a for a in batch_axes if a in used and a not in own)
         data_axes.update(a for a in batch_axes if a not in used)
     fsdp *= pipe.iterations / pipe.repeats
     tensor_ways = logical_ways(layout.rules, layout.mesh, "activation_mlp")
@@ -116,7 +124,15 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         across_nodes = any(getattr(cfg.mesh.dcn, a) != 1 for a in axes)
         return traffic / (network if across_nodes else nvlink)
 
-    return StepTime(name, compute, {"fsdp": seconds(fsdp, fsdp_axes), "data": seconds(data, data_axes),
-                                    "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ()),
-                                    "pipeline": seconds(pipeline, layout.rules.get(STAGES) or ())},
-                    {"fsdp": fsdp, "data": data, "tensor": tensor, "pipeline": pipeline})
+    communication = {"fsdp": seconds(fsdp, fsdp_axes), "data": seconds(data, data_axes),
+                     "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ()),
+                     "pipeline": seconds(pipeline, layout.rules.get(STAGES) or ())}
+    traffic = {"fsdp": fsdp, "data": data, "tensor": tensor, "pipeline": pipeline}
+    if m.moe.num_experts:
+        moe = m.moe
+        routed = moe.top_k * (moe.capacity_factor if moe.dispatch == "capacity" else 1)
+        # dispatch and combine, forward and backward, plus a recomputed forward under remat full
+        all_to_alls = k * m.num_layers * (4 + 2 * (m.remat == "full"))
+        traffic["expert"] = all_to_alls * sequences * seq * routed * m.d_model * act * (expert_ways - 1) / expert_ways
+        communication["expert"] = seconds(traffic["expert"], expert_axes)
+    return StepTime(name, compute, communication, traffic)

@@ -56,6 +56,9 @@ def _matches(pattern: str, text: str) -> bool:
         return re.fullmatch(pattern, text) is not None
     except re.error:
         return False
+# dropless: every token reaches its experts (grouped matmul, jax.lax.ragged_dot); capacity: each expert takes at most
+# capacity_factor x its fair share of a sequence's tokens, the rest skip the block (fixed shapes: expert parallel everywhere)
+MOE_DISPATCH = ("dropless", "capacity")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +103,43 @@ class PipelineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Sparse mixture-of-experts feed-forward blocks (models/moe.py) in every layer; num_experts=0 keeps the dense
+    SwiGLU MLP. Each expert is a SwiGLU MLP of model.mlp_dim; shared experts (one MLP of num_shared_experts x mlp_dim)
+    see every token."""
+
+    num_experts: int = 0
+    top_k: int = 2
+    normalize_top_k: bool = True  # the chosen k weights renormalised to sum to 1 (Mixtral); false: raw softmax shares
+    num_shared_experts: int = 0
+    shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(x . w) (Qwen2-MoE)
+    dispatch: str = "dropless"
+    capacity_factor: float = 1.25  # capacity dispatch: slots per expert = ceil(capacity_factor * seq_len * top_k / num_experts)
+    aux_loss_weight: float = 0.01  # load-balancing loss (Switch Transformer), mean over layers
+    router_z_loss_weight: float = 0.001  # mean squared log-sum-exp of the router logits (ST-MoE), mean over layers
+
+    def problems(self) -> list[str]:
+        if self.num_experts == 0:
+            return []
+        out = []
+        if self.num_experts < 0:
+            out.append(f"model.moe.num_experts={self.num_experts} must be 0 (dense MLP) or positive")
+        if self.top_k < 1 or self.top_k > self.num_experts > 0:
+            out.append(f"model.moe.top_k={self.top_k} must be between 1 and model.moe.num_experts={self.num_experts}")
+        if self.num_shared_experts < 0:
+            out.append(f"model.moe.num_shared_experts={self.num_shared_experts} must be 0 or positive")
+        if self.dispatch not in MOE_DISPATCH:
+            out.append(f"model.moe.dispatch={self.dispatch!r} is unknown; choose one of {', '.join(MOE_DISPATCH)}")
+        elif self.dispatch == "capacity" and not self.capacity_factor > 0:
+            out.append(f"model.moe.capacity_factor={self.capacity_factor} must be positive with model.moe.dispatch=capacity "
+                       "(1.25 is usual; num_experts / top_k drops nothing)")
+        for key in ("aux_loss_weight", "router_z_loss_weight"):
+            if not getattr(self, key) >= 0:
+                out.append(f"model.moe.{key}={getattr(self, key)} must be 0 (off) or positive")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int = 256
     d_model: int = 256
@@ -124,6 +164,7 @@ class LlamaConfig:
     lora: LoraConfig = LoraConfig()
     base_quant: str = "none"  # the frozen base of a LoRA run stored as int8 or nf4 (QLoRA)
     pipeline: PipelineConfig = PipelineConfig()
+    moe: MoEConfig = MoEConfig()
 
     @property
     def resolved_head_dim(self) -> int:
@@ -159,7 +200,7 @@ class LlamaConfig:
 
     def problems(self) -> list[str]:
         """Every inconsistency in this config, each as one sentence that says how to fix it."""
-        out = list(self.rope_scaling.problems()) + self.pipeline.problems()
+        out = list(self.rope_scaling.problems()) + self.pipeline.problems() + self.moe.problems()
         if self.remat not in REMAT_POLICIES:
             out.append(f"model.remat={self.remat!r} is not a remat policy; choose one of {', '.join(REMAT_POLICIES)}")
         for key in ("dtype", "param_dtype"):

@@ -204,7 +204,12 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg)
-        self.mlp = MLP(cfg, rngs)
+        if cfg.moe.num_experts:
+            from models.moe import MoE  # moe builds on this module's MLP
+
+            self.mlp = MoE(cfg, rngs)
+        else:
+            self.mlp = MLP(cfg, rngs)
         adapt_block(self, cfg, rngs)  # LoRA adapters and a quantized base, when configured
 
     def __call__(self, x, sin, cos, segment_ids=None):
@@ -249,13 +254,15 @@ class Llama(nnx.Module):
         layer_def, layer_state = nnx.split(self.layers)
 
         def layer(x, params):
-            return nnx.merge(layer_def, params)(x, sin, cos, segment_ids), None
+            block = nnx.merge(layer_def, params)
+            return block(x, sin, cos, segment_ids), nnx.to_pure_dict(nnx.pop(block, nnx.Intermediate))  # e.g. MoE router statistics
 
         policy = REMAT_POLICY_FNS[cfg.remat]
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        x = pipeline.apply_layers(layer, layer_state, x, cfg.pipeline, EMBED_ACT, unroll=self._unroll)
-
+        x, sown = pipeline.apply_layers(layer, layer_state, x, cfg.pipeline, EMBED_ACT, unroll=self._unroll)
+        if sown:  # stacked over layers, for the trainer (models.moe.pop_router_stats)
+            self.layer_intermediates = nnx.Intermediate(sown)
         return self.final_norm(x)
 
     def extend(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:

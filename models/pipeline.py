@@ -16,7 +16,7 @@ split, so checkpoints move freely between pipelined and plain meshes. Same schem
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +39,14 @@ def microbatches(schedule: PipelineConfig, num_stages: int) -> int:
 
 
 def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: PipelineConfig,
-                 activation_axes: tuple[str, ...], unroll: bool = False) -> jax.Array:
-    """``layer(x, layer_params) -> (x, None)`` over every layer of ``params`` (stacked on a leading layers
-    axis): one ``lax.scan`` (``unroll``: unrolled when compiling) without stages, the pipeline with them.
-    ``activation_axes``: logical axes of x."""
+                 activation_axes: tuple[str, ...], unroll: bool = False) -> tuple[jax.Array, Any]:
+    """``layer(x, layer_params) -> (x, per-layer outputs)`` over every layer of ``params`` (stacked on a leading
+    layers axis): one ``lax.scan`` (``unroll``: unrolled when compiling) without stages, returning x and the
+    outputs stacked over layers; the pipeline with them, returning x and None (per-layer outputs, such as MoE
+    router statistics, are not collected through stages). ``activation_axes``: logical axes of x."""
     num_stages = stages()
     if num_stages == 1:
-        return jax.lax.scan(layer, x, params, unroll=unroll)[0]
+        return jax.lax.scan(layer, x, params, unroll=unroll)
     repeats, num_micro = schedule.repeats, microbatches(schedule, num_stages)
     num_layers = jax.tree.leaves(params)[0].shape[0]
     per_stage = num_layers // (num_stages * repeats)
@@ -87,4 +88,4 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
     outputs = constrain(jnp.zeros((num_stages,) + buffer.shape[1:], x.dtype), in_flight)
     iterations = repeats * num_micro + num_stages - 1
     (_, buffer), _ = jax.lax.scan(iteration, (outputs, buffer), jnp.arange(iterations))
-    return constrain(jnp.swapaxes(buffer, 0, 1).reshape(x.shape), activation_axes)
+    return constrain(jnp.swapaxes(buffer, 0, 1).reshape(x.shape), activation_axes), None

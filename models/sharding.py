@@ -21,7 +21,8 @@ class MissingLogicalRule(KeyError):
         self.axis = axis
 
 
-def constrain(x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
+def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+    """``x`` laid out by ``logical_axes``, one per dimension; None: a dimension never split."""
     rules = spmd.get_logical_axis_rules()
     if not rules:  # no sharding context: plain single-device use
         return x

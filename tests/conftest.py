@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def small_config(rules: str = "fsdp_tp", mesh=(2, 2, 2), **model) -> Config:
-    """A model small enough to compile in seconds whose dimensions divide every 8-device mesh."""
+    """A model small enough to compile in seconds whose dimensions divide every 8-device mesh; ``mesh``: ici sizes
+    (data, fsdp, tensor[, stage[, expert]])."""
     model_cfg = LlamaConfig(**{"vocab_size": 64, "d_model": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                                "mlp_dim": 64, "dtype": "float32"} | model)
     return Config(

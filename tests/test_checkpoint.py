@@ -170,8 +170,8 @@ def test_resharded_run_continues_training(reference, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert [s for s, _ in _losses(run_dir)][-3:] == [STEPS, STEPS + 1, STEPS + 2]
     rows = checkpoint_lib.describe(run_dir)
-    assert rows[-1]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1, "stage": 1} and rows[-1]["rules"] == "dp"
-    assert rows[0]["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1} and rows[0]["rules"] == "fsdp_tp"
+    assert rows[-1]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1, "stage": 1, "expert": 1} and rows[-1]["rules"] == "dp"
+    assert rows[0]["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1} and rows[0]["rules"] == "fsdp_tp"
 
 
 def test_init_from_full_state_continues_the_same_run(reference, trainer, tmp_path):

@@ -43,7 +43,7 @@ CASES = {
     "unknown key": (lambda t: ["train.step=3"], "unknown config key 'train.step'; did you mean 'train.steps'?"),
     "wrong type": (lambda t: ["train.steps=many"], "train.steps expects int, got 'many'"),
     "unknown remat policy": (lambda t: ["model.remat=some"], "model.remat='some' is not a remat policy"),
-    "unknown rule set": (lambda t: ["--rules", "zero9"], "rule set 'zero9' not found; give a path or one of: dp, fsdp, fsdp_tp, pp_dp, pp_fsdp, pp_fsdp_tp, tp"),
+    "unknown rule set": (lambda t: ["--rules", "zero9"], "rule set 'zero9' not found; give a path or one of: dp, dp_ep, fsdp, fsdp_ep, fsdp_tp, fsdp_tp_ep, pp_dp, pp_fsdp, pp_fsdp_tp, tp"),
     "unknown mesh file": (lambda t: ["--mesh", "tpu9000"], "mesh file 'tpu9000' not found"),
     "batch does not split over the mesh": (lambda t: ["train.global_batch=6"], "do not split over the 4 batch shards"),
     "missing data path": (lambda t: ["data.path=/no/such/dir"], "data.path=/no/such/dir does not exist"),

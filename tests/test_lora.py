@@ -8,7 +8,6 @@ import json
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import peft
 import pytest

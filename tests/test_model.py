@@ -94,7 +94,7 @@ def test_tied_embeddings_have_no_output_projection():
 def test_models_name_no_mesh_axes():
     for path in (Path(__file__).parent.parent / "models").glob("*.py"):
         text = path.read_text()
-        for axis in ("data", "fsdp", "tensor", "stage"):
+        for axis in ("data", "fsdp", "tensor", "stage", "expert"):
             assert not re.search(rf"['\"]{axis}['\"]", text), f"{path.name} names mesh axis {axis}"
 
 

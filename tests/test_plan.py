@@ -193,7 +193,7 @@ def test_cli_plan_json_with_auto_microbatches(tmp_path):
     assert result.returncode == 0, result.stderr
     body = json.loads(result.stdout)
     k = body["experiment"]["microbatches"]
-    assert body["devices"] == 8 and body["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
+    assert body["devices"] == 8 and body["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1}
     assert set(body["estimate_bytes"]) == {"parameters", "optimizer state", "gradients", "activations", "logits and loss",
                                            "layer backward", "total"}
     assert body["accelerator_estimate_bytes"]["total"] == total(with_(cfg, train={"microbatches": k}), plan_lib.ACCELERATOR)

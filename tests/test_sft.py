@@ -114,7 +114,7 @@ def test_load_splits_counts_and_truncates(data, tmp_path):
     assert len(corpus.train) + len(corpus.validation) == 120 and 10 < len(corpus.validation) < 40
     assert corpus.vocab_size == VOCAB and all(e.counted.any() and not e.counted[0] for e in corpus.train)
     longest = max(len(e.tokens) for e in corpus.train + corpus.validation)
-    with pytest.raises(UserError, match=rf"train.jsonl:\d+: the example is \d+ tokens, longer than data.seq_len \+ 1 = 41; .*data.truncate=true"):
+    with pytest.raises(UserError, match=r"train.jsonl:\d+: the example is \d+ tokens, longer than data.seq_len \+ 1 = 41; .*data.truncate=true"):
         sft.load_sft(dataclasses.replace(cfg, seq_len=40))
     cut = sft.load_sft(dataclasses.replace(cfg, seq_len=40, truncate=True))
     assert max(len(e.tokens) for e in cut.train) == 41 < longest

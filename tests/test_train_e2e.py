@@ -30,7 +30,7 @@ def test_train_command_writes_config_and_metrics(tmp_path):
     assert [r["step"] for r in evals] == [4] and 0 < evals[0]["eval_loss"] < 6
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     resolved = saved.pop("resolved")
-    assert resolved["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1} and resolved["devices"] == 8
+    assert resolved["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1} and resolved["devices"] == 8
     cfg = from_dict(saved)
     assert cfg.train.steps == 4 and cfg.optim.lr == 1e-3 and cfg.rules == "fsdp_tp"
 
@@ -43,5 +43,5 @@ def test_experiment_file_runs_directly_with_same_arguments(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert saved["resolved"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "stage": 1} and saved["rules"] == "fsdp"
+    assert saved["resolved"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "stage": 1, "expert": 1} and saved["rules"] == "fsdp"
     assert len([r for r in _records(run_dir) if "loss" in r]) == 2

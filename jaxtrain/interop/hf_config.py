@@ -17,7 +17,9 @@ from models.config import LlamaConfig
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 # architecture -> model_type
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
+WITH_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 # model.KEY -> config.json key, for every model field config.json decides
 SHAPE_KEYS = {
     "vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers": "num_hidden_layers",
@@ -28,6 +30,9 @@ SHAPE_KEYS = {
     "rope_scaling.low_freq_factor": "rope_scaling.low_freq_factor",
     "rope_scaling.high_freq_factor": "rope_scaling.high_freq_factor",
     "rope_scaling.original_max_len": "rope_scaling.original_max_position_embeddings",
+    "moe.num_experts": "num_local_experts (Mixtral) or num_experts (Qwen2-MoE)", "moe.top_k": "num_experts_per_tok",
+    "moe.normalize_top_k": "norm_topk_prob", "moe.num_shared_experts": "shared_expert_intermediate_size / moe_intermediate_size",
+    "moe.shared_expert_gate": "architectures (Qwen2-MoE: a gated shared expert)",
 }
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 ROPE_TYPES = {"default": "none", "llama3": "llama3"}  # config.json rope_type -> model.rope_scaling.type
@@ -93,12 +98,12 @@ def model_values(config: dict, where: str, seq_len: int) -> dict:
         raise UserError(f"{where}: {', '.join(missing)} missing; a {arch} config.json needs {', '.join(REQUIRED)}")
     if config.get("hidden_act", "silu") != "silu":
         raise _unsupported(where, "hidden_act", config["hidden_act"], "only silu (SwiGLU)")
-    if arch != "Qwen2ForCausalLM" and config.get("attention_bias"):
+    if arch not in WITH_QKV_BIAS and config.get("attention_bias"):
         raise _unsupported(where, "attention_bias", True, f"{arch} without projection biases only")
     if config.get("mlp_bias"):
         raise _unsupported(where, "mlp_bias", True, "MLP without biases only")
     window = config.get("sliding_window")
-    windowed = window is not None and (arch == "MistralForCausalLM" or config.get("use_sliding_window"))
+    windowed = window is not None and (arch in ("MistralForCausalLM", "MixtralForCausalLM") or config.get("use_sliding_window"))
     if windowed and window < seq_len:
         raise UserError(f"{where}: sliding_window={window} is shorter than data.seq_len={seq_len}, and this model attends to "
                         f"the whole sequence; set data.seq_len<={window}")
@@ -108,8 +113,26 @@ def model_values(config: dict, where: str, seq_len: int) -> dict:
         "num_heads": heads, "num_kv_heads": config.get("num_key_value_heads") or heads,
         "head_dim": config.get("head_dim") or config["hidden_size"] // heads, "mlp_dim": config["intermediate_size"],
         "norm_eps": float(config.get("rms_norm_eps", DEFAULT_NORM_EPS)),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)), "qkv_bias": arch == "Qwen2ForCausalLM",
-    } | _rope(config, where)
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)), "qkv_bias": arch in WITH_QKV_BIAS,
+    } | _rope(config, where) | _moe(config, arch, where)
+
+
+def _moe(config: dict, arch: str, where: str) -> dict:
+    """model.moe.* (and the experts' model.mlp_dim) from a Mixtral or Qwen2-MoE config.json; a dense model's 0 experts."""
+    if arch == "MixtralForCausalLM":
+        return {"moe.num_experts": config.get("num_local_experts", 8), "moe.top_k": config.get("num_experts_per_tok", 2),
+                "moe.normalize_top_k": True, "moe.num_shared_experts": 0, "moe.shared_expert_gate": False}
+    if arch != "Qwen2MoeForCausalLM":
+        return {"moe.num_experts": 0}
+    if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+        raise _unsupported(where, "decoder_sparse_step / mlp_only_layers", (config.get("decoder_sparse_step"), config.get("mlp_only_layers")),
+                           "every layer a mixture of experts: decoder_sparse_step 1, mlp_only_layers []")
+    expert_dim, shared_dim = config["moe_intermediate_size"], config.get("shared_expert_intermediate_size", 0)
+    if shared_dim % expert_dim:
+        raise _unsupported(where, "shared_expert_intermediate_size", shared_dim, f"a multiple of moe_intermediate_size={expert_dim}")
+    return {"mlp_dim": expert_dim, "moe.num_experts": config["num_experts"], "moe.top_k": config.get("num_experts_per_tok", 4),
+            "moe.normalize_top_k": bool(config.get("norm_topk_prob", False)), "moe.num_shared_experts": shared_dim // expert_dim,
+            "moe.shared_expert_gate": shared_dim > 0}
 
 
 def flat_model(model: LlamaConfig) -> dict:
@@ -143,9 +166,11 @@ def model_config(hf_dir: Path, model: LlamaConfig, given: set[str], seq_len: int
         if key in given and current[key] != value:
             raise UserError(f"model.{key}={current[key]} (experiment or command line) disagrees with {SHAPE_KEYS[key]}={value} "
                             f"in {where}; the model's shape comes from there: drop model.{key} or use another model directory")
-    rope = {k.removeprefix("rope_scaling."): v for k, v in values.items() if k.startswith("rope_scaling.")}
-    top = {k: v for k, v in values.items() if not k.startswith("rope_scaling.")}
-    return dataclasses.replace(model, **top, rope_scaling=dataclasses.replace(model.rope_scaling, **rope))
+    sections = {section: dataclasses.replace(getattr(model, section), **{k.removeprefix(f"{section}."): v for k, v in values.items()
+                                                                         if k.startswith(f"{section}.")})
+                for section in ("rope_scaling", "moe")}
+    top = {k: v for k, v in values.items() if "." not in k}
+    return dataclasses.replace(model, **top, **sections)
 
 
 def _architecture_for(model: LlamaConfig, base: dict) -> str:
@@ -154,9 +179,24 @@ def _architecture_for(model: LlamaConfig, base: dict) -> str:
         source = architecture(base, "") if base else None
     except UserError:
         source = None
-    if source and (source == "Qwen2ForCausalLM") == model.qkv_bias:
+    if model.moe.num_experts:
+        return moe_architecture(model)
+    if source and source not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM") and (source == "Qwen2ForCausalLM") == model.qkv_bias:
         return source
     return "Qwen2ForCausalLM" if model.qkv_bias else "LlamaForCausalLM"
+
+
+def moe_architecture(model: LlamaConfig) -> str:
+    """Mixtral (no shared experts, no biases, top-k weights renormalised) or Qwen2-MoE (a gated shared expert,
+    query/key/value biases); UserError for a mixture of experts that is neither."""
+    moe = model.moe
+    if not moe.num_shared_experts and not model.qkv_bias and moe.normalize_top_k:
+        return "MixtralForCausalLM"
+    if moe.num_shared_experts and moe.shared_expert_gate and model.qkv_bias:
+        return "Qwen2MoeForCausalLM"
+    raise UserError(f"model.moe (num_shared_experts={moe.num_shared_experts}, shared_expert_gate={moe.shared_expert_gate}, "
+                    f"normalize_top_k={moe.normalize_top_k}) with model.qkv_bias={model.qkv_bias} is neither a Mixtral nor a "
+                    "Qwen2-MoE model, so no Hugging Face architecture holds it")
 
 
 def export_config(model: LlamaConfig, dtype: str, seq_len: int, base: dict | None = None) -> dict:
@@ -180,6 +220,13 @@ def export_config(model: LlamaConfig, dtype: str, seq_len: int, base: dict | Non
     }
     if arch == "LlamaForCausalLM":
         body |= {"attention_bias": False, "mlp_bias": False}
+    moe = model.moe
+    if arch == "MixtralForCausalLM":
+        body |= {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_weight}
+    elif arch == "Qwen2MoeForCausalLM":
+        body |= {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k, "norm_topk_prob": moe.normalize_top_k,
+                 "moe_intermediate_size": model.mlp_dim, "shared_expert_intermediate_size": moe.num_shared_experts * model.mlp_dim,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": moe.aux_loss_weight}
     return base | body
 
 

@@ -15,6 +15,7 @@ length, a JSON header of dtype, shape and byte offsets per tensor, then the tens
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import shutil
 import struct
@@ -42,14 +43,14 @@ SAFETENSORS_DTYPE = {np.dtype(v).name: k for k, v in DTYPES.items()}  # 'bfloat1
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """One Hugging Face tensor: a TensorMap and, for a stacked parameter, its layer."""
+    """One Hugging Face tensor: a TensorMap and, for a stacked parameter, its layer (and expert)."""
 
     tm: TensorMap
-    layer: int | None
+    index: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
-        return self.tm.name.format(layer=self.layer)
+        return self.tm.tensor_name(self.index)
 
     def nbytes(self, dtype: np.dtype) -> int:
         return int(np.prod(self.tm.hf_shape)) * dtype.itemsize
@@ -58,9 +59,10 @@ class Tensor:
 def tensors_in_order(maps: list[TensorMap], num_layers: int) -> list[Tensor]:
     """transformers' order: the embedding, each layer's tensors, then the final norm and the output head."""
     stacked = [tm for tm in maps if tm.layers]
-    embed = [Tensor(tm, None) for tm in maps if tm.path == ("embed",)]
-    rest = [Tensor(tm, None) for tm in maps if not tm.layers and tm.path != ("embed",)]
-    return embed + [Tensor(tm, i) for i in range(num_layers) for tm in stacked] + rest
+    embed = [Tensor(tm) for tm in maps if tm.path == ("embed",)]
+    rest = [Tensor(tm) for tm in maps if not tm.layers and tm.path != ("embed",)]
+    return embed + [Tensor(tm, (i, *experts)) for i in range(num_layers) for tm in stacked
+                    for experts in itertools.product(*map(range, tm.stacked[1:]))] + rest
 
 
 def plan_shards(tensors: list[Tensor], dtype: np.dtype, max_bytes: int) -> list[list[Tensor]]:
@@ -121,10 +123,10 @@ class Gatherer:
         tm, dtype = t.tm, self.dtype
         if tm.layers or param.dtype != dtype:
             if tm.path not in self.compiled:
-                spec = param.sharding.spec
-                sharding = NamedSharding(param.sharding.mesh, PartitionSpec(*spec[1:])) if tm.layers else param.sharding
-                self.compiled[tm.path] = jax.jit(lambda p, i: (p[i] if tm.layers else p).astype(dtype), out_shardings=sharding)
-            param = self.compiled[tm.path](param, np.int32(t.layer or 0))
+                lead = len(tm.stacked)
+                sharding = NamedSharding(param.sharding.mesh, PartitionSpec(*param.sharding.spec[lead:])) if lead else param.sharding
+                self.compiled[tm.path] = jax.jit(lambda p, i: p[tuple(i)].astype(dtype), out_shardings=sharding)
+            param = self.compiled[tm.path](param, np.asarray(t.index, np.int32))
         if jax.process_count() > 1:
             return multihost_utils.process_allgather(param, tiled=True)
         return _to_host(param)

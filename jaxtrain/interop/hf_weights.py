@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
@@ -34,14 +35,24 @@ DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
     path: tuple[str, ...]  # the parameter in the params tree
-    name: str  # Hugging Face tensor name, with '{layer}' in stacked parameters
+    name: str  # Hugging Face tensor name, with '{layer}' in stacked parameters and '{expert}' in experts'
     hf_shape: tuple[int, ...]
     split: tuple[int, ...]  # hf_shape with merged dimensions (heads * head_dim) apart
-    perm: tuple[int, ...]  # one layer of ours = hf.reshape(split).transpose(perm)
+    perm: tuple[int, ...]  # one layer (one expert of a layer) of ours = hf.reshape(split).transpose(perm)
     layers: int = 0  # stacked layers; 0: not stacked
+    experts: int = 0  # mixture-of-experts weights: one Hugging Face tensor per expert, stacked after the layers
+
+    @property
+    def stacked(self) -> tuple[int, ...]:
+        """Sizes of our leading dimensions that stack Hugging Face tensors: (), (layers,) or (layers, experts)."""
+        return tuple(n for n in (self.layers, self.experts) if n)
 
     def names(self) -> list[str]:
-        return [self.name.format(layer=i) for i in range(self.layers)] if self.layers else [self.name]
+        return [self.tensor_name(index) for index in itertools.product(*map(range, self.stacked))]
+
+    def tensor_name(self, index: tuple[int, ...]) -> str:
+        """The Hugging Face tensor at ``index`` of the stacked dimensions."""
+        return self.name.format(**dict(zip(("layer", "expert"), index)))
 
     def groups(self) -> list[list[int]]:
         """The split dimensions each Hugging Face dimension is made of."""
@@ -67,8 +78,8 @@ class TensorMap:
         """The block ``index`` of our parameter (global ``shape``), reading only the Hugging Face rows and
         columns it covers: a block of whole heads is a contiguous run of rows."""
         bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
-        layers = range(*bounds[0]) if self.layers else [None]
-        bounds = bounds[1:] if self.layers else bounds
+        lead = len(self.stacked)
+        ranges, bounds = [range(*b) for b in bounds[:lead]], bounds[lead:]
         split_bounds = [None] * len(self.split)
         for ours, split_dim in enumerate(self.perm):
             split_bounds[split_dim] = bounds[ours]
@@ -80,13 +91,13 @@ class TensorMap:
             view += [stop - start, *(self.split[d] for d in inner)]
             take += [slice(None), *(slice(*split_bounds[d]) for d in inner)]
         out = None
-        for i, layer in enumerate(layers):
-            raw = checkpoint.read(self.name.format(layer=layer), tuple(read))
+        for i, stacked_index in enumerate(itertools.product(*ranges)):
+            raw = checkpoint.read(self.tensor_name(stacked_index), tuple(read))
             block = raw.reshape(view)[tuple(take)].transpose(self.perm)
             if out is None:
-                out = np.empty((len(layers), *block.shape), dtype)
+                out = np.empty((math.prod(map(len, ranges)), *block.shape), dtype)
             out[i] = block  # transposed and converted in one copy
-        return out if self.layers else out[0]
+        return out.reshape(*map(len, ranges), *out.shape[1:])
 
 
 def tensor_maps(cfg: LlamaConfig) -> list[TensorMap]:
@@ -103,9 +114,7 @@ def tensor_maps(cfg: LlamaConfig) -> list[TensorMap]:
                                   (heads, hd), (0, 1), n))
     maps += [
         TensorMap(("layers", "attn", "wo"), f"{layer}self_attn.o_proj.weight", (d, h * hd), (d, h, hd), (1, 2, 0), n),
-        TensorMap(("layers", "mlp", "w_gate"), f"{layer}mlp.gate_proj.weight", (m, d), (m, d), (1, 0), n),
-        TensorMap(("layers", "mlp", "w_up"), f"{layer}mlp.up_proj.weight", (m, d), (m, d), (1, 0), n),
-        TensorMap(("layers", "mlp", "w_down"), f"{layer}mlp.down_proj.weight", (d, m), (d, m), (1, 0), n),
+        *(moe_maps(cfg) if cfg.moe.num_experts else swiglu_maps(("layers", "mlp"), f"{layer}mlp.", d, m, n)),
         TensorMap(("layers", "attn_norm", "scale"), f"{layer}input_layernorm.weight", (d,), (d,), (0,), n),
         TensorMap(("layers", "mlp_norm", "scale"), f"{layer}post_attention_layernorm.weight", (d,), (d,), (0,), n),
         TensorMap(("final_norm", "scale"), "model.norm.weight", (d,), (d,), (0,)),
@@ -113,6 +122,29 @@ def tensor_maps(cfg: LlamaConfig) -> list[TensorMap]:
     if not cfg.tie_embeddings:  # tied models have no lm_head.weight in the file
         maps.append(TensorMap(("lm_head",), "lm_head.weight", (v, d), (v, d), (1, 0)))
     return maps
+
+
+def swiglu_maps(path: tuple[str, ...], prefix: str, d: int, m: int, layers: int, experts: int = 0,
+                names=("gate_proj", "up_proj", "down_proj")) -> list[TensorMap]:
+    """A SwiGLU MLP's three weights (an expert's: ``experts`` of them per layer), torch (out, in) -> our (in, out)."""
+    gate, up, down = names
+    return [TensorMap((*path, "w_gate"), f"{prefix}{gate}.weight", (m, d), (m, d), (1, 0), layers, experts),
+            TensorMap((*path, "w_up"), f"{prefix}{up}.weight", (m, d), (m, d), (1, 0), layers, experts),
+            TensorMap((*path, "w_down"), f"{prefix}{down}.weight", (d, m), (d, m), (1, 0), layers, experts)]
+
+
+def moe_maps(cfg: LlamaConfig) -> list[TensorMap]:
+    """A mixture-of-experts layer: Qwen2-MoE's names for a model with shared experts, else Mixtral's."""
+    d, m, n, e = cfg.d_model, cfg.mlp_dim, cfg.num_layers, cfg.moe.num_experts
+    path, layer = ("layers", "mlp"), "model.layers.{layer}."
+    if not cfg.moe.num_shared_experts:  # Mixtral: w1 gate, w3 up, w2 down
+        return [TensorMap((*path, "router"), f"{layer}block_sparse_moe.gate.weight", (e, d), (e, d), (1, 0), n),
+                *swiglu_maps(path, f"{layer}block_sparse_moe.experts.{{expert}}.", d, m, n, e, ("w1", "w3", "w2"))]
+    shared = cfg.moe.num_shared_experts * m
+    return [TensorMap((*path, "router"), f"{layer}mlp.gate.weight", (e, d), (e, d), (1, 0), n),
+            *swiglu_maps(path, f"{layer}mlp.experts.{{expert}}.", d, m, n, e),
+            *swiglu_maps((*path, "shared"), f"{layer}mlp.shared_expert.", d, shared, n),
+            TensorMap((*path, "shared_gate"), f"{layer}mlp.shared_expert_gate.weight", (1, d), (1, d), (1, 0), n)]
 
 
 class Checkpoint:

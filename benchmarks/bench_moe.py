@@ -1,0 +1,50 @@
+"""Mixture-of-experts train-step time against a dense model with the same active parameters per token (one CPU
+device, d_model 64, float32, interleaved repetitions in one run, so a noisy shared machine slows every contender alike):
+
+- ``moe_vs_dense_ratio``: step time of 8 and 64 experts (top-2, each expert half the dense MLP, so a token's two
+  experts hold as many weights as the dense MLP), dropless and capacity 1.25, over the dense model's;
+- ``moe_dropless_over_capacity``: the dropless path's step time over the capacity path's, per expert count.
+
+On CPUs ``jax.lax.ragged_dot`` runs as a dense product masked per group (every expert's weights against every
+row), so the dropless path's cost grows with the expert count here; GPUs have grouped-matmul kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from bench_perf import ONE_DEVICE, STEP_MODEL, _timed, config, fixed_batch, interleaved_medians, random_corpus
+from jaxtrain.train import build
+from models.config import MoEConfig
+
+# a quarter of bench_perf's model width: 64 experts through CPU ragged_dot (every expert against every row) stay
+# within seconds a step
+MODEL = dataclasses.replace(STEP_MODEL, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=256)
+TOP_K = 2
+EXPERT_MLP = MODEL.mlp_dim // TOP_K
+REPEATS = 3
+CONTENDERS = {"dense": None} | {
+    f"{experts}_{dispatch}": MoEConfig(num_experts=experts, top_k=TOP_K, dispatch=dispatch, capacity_factor=1.25)
+    for experts in (8, 64) for dispatch in ("dropless", "capacity")}
+
+
+def step_times() -> dict[str, float]:
+    corpus = random_corpus(MODEL.vocab_size)
+    contenders, batch = {}, None
+    for name, moe in CONTENDERS.items():
+        model = MODEL if moe is None else dataclasses.replace(MODEL, mlp_dim=EXPERT_MLP, moe=moe)
+        trainer = build(config(model, mesh=ONE_DEVICE, rules="dp"), corpus, jax.devices()[:1])
+        batch = batch or fixed_batch(trainer)
+        contenders[name] = (lambda state, b, step=trainer.train_step: step(state, b)[0], trainer.init_state())
+    return interleaved_medians(contenders, batch, REPEATS)
+
+
+def run() -> dict:
+    times = _timed("moe_step_times", step_times)
+    return {
+        "moe_step_s": times,
+        "moe_vs_dense_ratio": {name: t / times["dense"] for name, t in times.items() if name != "dense"},
+        "moe_dropless_over_capacity": {str(e): times[f"{e}_dropless"] / times[f"{e}_capacity"] for e in (8, 64)},
+    }

@@ -1,0 +1,139 @@
+"""Sparse mixture-of-experts feed-forward block (Mixtral, Qwen2-MoE), chosen by ``model.moe.num_experts``.
+
+A float32 router picks ``top_k`` SwiGLU experts per token; their outputs are mixed by the router's softmax
+weights (renormalised over the chosen k). Two ways to bring tokens to their experts:
+
+- ``dropless``: assignments sorted by expert and multiplied as one grouped matmul (``jax.lax.ragged_dot``);
+  no token is ever dropped.
+- ``capacity``: each sequence fills a fixed (experts, capacity, d_model) buffer per expert (first choices
+  before second choices, GShard); assignments past an expert's capacity are dropped and counted. The buffer
+  is laid out by sequence and then by expert: with an ``expert`` mesh axis the change of layout between the
+  two constraints is an all-to-all, which XLA emits on every backend (fixed shapes, unlike ragged all-to-all).
+
+Router statistics (load-balancing loss, z-loss, expert load, dropped share) are kept as an
+``nnx.Intermediate`` for the trainer to add to the loss and log (``pop_router_stats``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import LlamaConfig
+from models.llama import BATCH, EMBED_ACT, MLP, _param
+from models.sharding import constrain
+
+# a dispatched buffer (batch, experts, capacity, d_model) before and after the all-to-all: first split by
+# sequence like every activation, then by expert on the expert axis (the batch keeps the other batch axes)
+BY_SEQUENCE = (BATCH, None, None, "activation_embed")
+BY_EXPERT = ("activation_batch_no_expert", "activation_expert", None, "activation_embed")
+HIDDEN_BY_EXPERT = ("activation_batch_no_expert", "activation_expert", None, "activation_mlp")
+STATS_NAME = "router_stats"
+
+
+def capacity(seq_len: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Slots per expert and sequence: capacity_factor x the fair share, at most seq_len (an expert takes a
+    token at most once)."""
+    return min(seq_len, math.ceil(capacity_factor * seq_len * top_k / num_experts))
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        moe = cfg.moe
+        d, m, e, pd = cfg.d_model, cfg.mlp_dim, moe.num_experts, jnp.dtype(cfg.param_dtype)
+        self.moe = moe
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.router = _param(rngs, (d, e), ("embed", None), cfg.init_std, pd)
+        self.w_gate = _param(rngs, (e, d, m), ("experts", "embed", "mlp"), cfg.init_std, pd)
+        self.w_up = _param(rngs, (e, d, m), ("experts", "embed", "mlp"), cfg.init_std, pd)
+        self.w_down = _param(rngs, (e, m, d), ("experts", "mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5, pd)
+        if moe.num_shared_experts:
+            self.shared = MLP(dataclasses.replace(cfg, mlp_dim=moe.num_shared_experts * m), rngs)
+            if moe.shared_expert_gate:
+                self.shared_gate = _param(rngs, (d, 1), ("embed", None), cfg.init_std, pd)
+
+    def __call__(self, x):
+        """x (batch, length, d_model) -> (batch, length, d_model)."""
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.moe.top_k)
+        if self.moe.normalize_top_k:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        if self.moe.dispatch == "dropless":
+            y, kept = self._dropless(x, weights, experts), jnp.ones(experts.shape, bool)
+        else:
+            y, kept = self._capacity(x, weights, experts)
+        if self.moe.num_shared_experts:
+            shared = self.shared(x)
+            if self.moe.shared_expert_gate:
+                shared = shared * jax.nn.sigmoid(x @ self.shared_gate[...].astype(self.dtype))
+            y = y + shared
+        stats = router_stats(logits, probs, experts, kept)
+        # what this layer adds to the training loss (the trainer takes the mean over layers)
+        stats["router_loss"] = self.moe.aux_loss_weight * stats["aux_loss"] + self.moe.router_z_loss_weight * stats["z_loss"]
+        self.router_stats = nnx.Intermediate(stats)
+        return constrain(y, EMBED_ACT)
+
+    def _experts_swiglu(self, x, matmul, hidden_layout=lambda h: h):
+        """The experts' SwiGLU with ``matmul(x, w)`` multiplying by each expert's weights."""
+        gate, up = (hidden_layout(matmul(x, w[...].astype(self.dtype))) for w in (self.w_gate, self.w_up))
+        return matmul(jax.nn.silu(gate) * up, self.w_down[...].astype(self.dtype))
+
+    def _dropless(self, x, weights, experts):
+        b, t, d = x.shape
+        k = experts.shape[-1]
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+        sizes = jnp.bincount(flat, length=self.moe.num_experts).astype(jnp.int32)
+        rows = x.reshape(b * t, d)[order // k]
+        out = self._experts_swiglu(rows, lambda lhs, w: jax.lax.ragged_dot(lhs, w, sizes))
+        out = jnp.zeros_like(out).at[order].set(out).reshape(b, t, k, d)  # back to token order
+        return jnp.einsum("btkd,btk->btd", out, weights.astype(out.dtype))
+
+    def _capacity(self, x, weights, experts):
+        b, t, d = x.shape
+        e, k = self.moe.num_experts, self.moe.top_k
+        slots = capacity(t, e, k, self.moe.capacity_factor)
+        # each assignment's slot in its expert's buffer, counted in the order (choice, position)
+        chosen = jax.nn.one_hot(experts, e, dtype=jnp.int32).transpose(0, 2, 1, 3).reshape(b, k * t, e)
+        slot = jnp.sum((jnp.cumsum(chosen, axis=1) - 1) * chosen, axis=-1).reshape(b, k, t).transpose(0, 2, 1)
+        kept = slot < slots
+
+        def dispatch(tokens, expert, slot):  # one sequence: slots past the capacity are dropped
+            buffer = jnp.zeros((e, slots, d), tokens.dtype)
+            return buffer.at[expert, slot].set(jnp.broadcast_to(tokens[:, None], (t, k, d)), mode="drop")
+
+        buffer = constrain(constrain(jax.vmap(dispatch)(x, experts, slot), BY_SEQUENCE), BY_EXPERT)
+        # each expert's slots by its own weights: (batch, experts, capacity, in) x (experts, in, out)
+        out = self._experts_swiglu(buffer, lambda slots, w: jnp.einsum("beci,eio->beco", slots, w),
+                                   lambda h: constrain(h, HIDDEN_BY_EXPERT))
+        out = constrain(constrain(out, BY_EXPERT), BY_SEQUENCE)
+        gathered = jax.vmap(lambda o, expert, slot: o.at[expert, slot].get(mode="fill", fill_value=0))(out, experts, slot)
+        return jnp.einsum("btkd,btk->btd", gathered, (weights * kept).astype(gathered.dtype)), kept
+
+
+def router_stats(logits, probs, experts, kept) -> dict:
+    """Per-layer router statistics, float32: ``aux_loss`` (Switch Transformer: num_experts x the sum over experts
+    of the share of assignments times the mean router probability; 1 when balanced), ``z_loss`` (mean squared
+    log-sum-exp of the logits), ``expert_load`` (share of assignments per expert, sums to 1) and
+    ``dropped_fraction`` (share of assignments past an expert's capacity)."""
+    num_experts = logits.shape[-1]
+    load = jnp.mean(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=(0, 1, 2))
+    importance = jnp.mean(probs, axis=(0, 1))
+    return {
+        "aux_loss": num_experts * jnp.sum(load * importance),
+        "z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+        "expert_load": load,
+        "dropped_fraction": 1.0 - jnp.mean(kept.astype(jnp.float32)),
+    }
+
+
+def pop_router_stats(model: nnx.Module) -> dict:
+    """The router statistics the last forward pass of a Llama left (``Llama.layer_intermediates``), each
+    stacked over layers (a leading layers axis); empty for a dense model. Popped: the model is as before."""
+    sown = nnx.to_pure_dict(nnx.pop(model, nnx.Intermediate))
+    return sown.get("layer_intermediates", {}).get("mlp", {}).get(STATS_NAME, {})

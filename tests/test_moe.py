@@ -1,0 +1,253 @@
+"""Mixture of experts: both dispatch paths against a per-token reference, dropped tokens, router losses in the
+training loss, expert-parallel parity / resume / resharding, bad input, experiment sizes."""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import run_cli, small_config, with_
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain.config import AxisSizes, MeshConfig, load_experiment
+from jaxtrain.flops import matmul_params
+from jaxtrain.layout import make_layout
+from jaxtrain.state import model_spec
+from jaxtrain.step import router_metrics, token_nll_and_router_stats, training_objective
+from jaxtrain.train import build, train
+from models.config import LlamaConfig, MoEConfig
+from models.llama import Llama
+from models.moe import MoE, capacity
+
+E, K, T = 8, 2, 16
+
+
+def _block(**moe) -> tuple[MoE, LlamaConfig]:
+    cfg = LlamaConfig(d_model=32, mlp_dim=16, num_layers=2, dtype="float32",
+                      moe=MoEConfig(**{"num_experts": E, "top_k": K} | moe))
+    return MoE(cfg, nnx.Rngs(0)), cfg
+
+
+@nnx.jit
+def _apply(block: MoE, x):
+    return block(x)
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _reference(block: MoE, x: np.ndarray, slots: int | None = None):
+    """Token by token in numpy: router softmax, top-k renormalised, the chosen experts' SwiGLU mixed, shared experts
+    added; with ``slots`` an assignment is dropped when its expert already took that many of the sequence's
+    assignments, first choices of every position before second choices. (output, dropped share)."""
+    p = {k: np.asarray(v, np.float64) for k, v in nnx.to_pure_dict(nnx.state(block)).items() if not isinstance(v, dict)}
+    logits = x @ p["router"]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out, dropped = np.zeros_like(x), 0
+    for b in range(x.shape[0]):
+        taken = np.zeros(E, int)
+        chosen = np.argsort(-probs[b], axis=-1, kind="stable")[:, :K]  # (T, K)
+        for choice in range(K):
+            for t in range(x.shape[1]):
+                e = chosen[t, choice]
+                taken[e] += 1
+                if slots is not None and taken[e] > slots:
+                    dropped += 1
+                    continue
+                weight = probs[b, t, e] / probs[b, t, chosen[t]].sum()
+                hidden = _silu(x[b, t] @ p["w_gate"][e]) * (x[b, t] @ p["w_up"][e])
+                out[b, t] += weight * hidden @ p["w_down"][e]
+    if block.moe.num_shared_experts:
+        shared = {k: np.asarray(v[...], np.float64) for k, v in nnx.state(block.shared).items()}
+        gate = 1 / (1 + np.exp(-(x @ np.asarray(block.shared_gate[...], np.float64))))
+        out += gate * ((_silu(x @ shared["w_gate"]) * (x @ shared["w_up"])) @ shared["w_down"])
+    return out, dropped / (x.shape[0] * x.shape[1] * K)
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_dispatch_matches_per_token_reference(dispatch):
+    # capacity factor num_experts / top_k: every expert can take every position, nothing is dropped
+    block, _ = _block(dispatch=dispatch, capacity_factor=E / K, num_shared_experts=2, shared_expert_gate=True)
+    x = np.random.default_rng(0).normal(size=(3, T, 32)).astype(np.float32)
+    expected, _ = _reference(block, x.astype(np.float64))
+    np.testing.assert_allclose(_apply(block, jnp.asarray(x)), expected, rtol=1e-5, atol=1e-5)
+    assert float(block.router_stats.get_value()["dropped_fraction"]) == 0.0
+
+
+def test_capacity_drops_and_counts_assignments_past_an_experts_slots():
+    block, _ = _block(dispatch="capacity", capacity_factor=0.5)
+    slots = capacity(T, E, K, 0.5)
+    assert slots == 2
+    x = np.random.default_rng(1).normal(size=(3, T, 32)).astype(np.float32)
+    expected, dropped = _reference(block, x.astype(np.float64), slots)
+    np.testing.assert_allclose(_apply(block, jnp.asarray(x)), expected, rtol=1e-5, atol=1e-5)
+    assert dropped > 0.2
+    np.testing.assert_allclose(float(block.router_stats.get_value()["dropped_fraction"]), dropped, rtol=1e-6)
+
+
+def test_router_statistics_and_losses():
+    block, cfg = _block(aux_loss_weight=0.5, router_z_loss_weight=0.25)
+    x = np.random.default_rng(2).normal(size=(2, T, 32)).astype(np.float32)
+    _apply(block, jnp.asarray(x))
+    stats = block.router_stats.get_value()
+    logits = x.astype(np.float64) @ np.asarray(block.router[...], np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    chosen = np.argsort(-probs, axis=-1, kind="stable")[..., :K]
+    load = np.bincount(chosen.ravel(), minlength=E) / chosen.size
+    aux = E * np.sum(load * probs.mean((0, 1)))
+    z = np.mean(np.log(np.exp(logits).sum(-1)) ** 2)
+    np.testing.assert_allclose(stats["expert_load"], load, rtol=1e-6)
+    np.testing.assert_allclose(stats["aux_loss"], aux, rtol=1e-5)
+    np.testing.assert_allclose(stats["z_loss"], z, rtol=1e-5)
+    np.testing.assert_allclose(stats["router_loss"], 0.5 * aux + 0.25 * z, rtol=1e-5)
+
+
+def _moe_config(rules="dp", mesh=(1, 1, 1, 1, 1), **moe):
+    return small_config(rules, mesh, mlp_dim=16, moe=MoEConfig(**{"num_experts": 4, "top_k": 2} | moe))
+
+
+def test_router_losses_are_added_to_the_training_loss():
+    """The optimizer's objective is the mean token loss plus the mean over layers of each layer's weighted router
+    losses; the reported loss is the token loss alone."""
+    cfg = _moe_config(aux_loss_weight=0.5, router_z_loss_weight=0.25)
+    spec = model_spec(cfg.model)
+    params = nnx.to_pure_dict(nnx.state(Llama(cfg.model, rngs=nnx.Rngs(0))))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 16)), jnp.int32)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
+    both = jax.jit(lambda p, b: (training_objective(spec.graphdef, p, b), token_nll_and_router_stats(spec.graphdef, p, b)[0]))
+    (objective, (loss, stats)), nll = both(params, batch)
+    assert float(loss) == float(nll.mean()) and stats["aux_loss"].shape == (2,)
+    np.testing.assert_allclose(stats["router_loss"], 0.5 * stats["aux_loss"] + 0.25 * stats["z_loss"], rtol=1e-6)
+    np.testing.assert_allclose(objective, nll.mean() + np.mean(stats["router_loss"]), rtol=1e-6)
+    assert float(objective - loss) > 0.25  # z-loss of at least log(4)^2 / 4
+    metrics = router_metrics(stats)
+    assert metrics["moe_expert_load_per_layer"].shape == (2, 4) and metrics["moe_load_max_over_mean_per_layer"].shape == (2,)
+
+
+def _run(cfg, corpus, run_dir, devices=None, trainer=None):
+    final = train(cfg, run_dir, trainer or build(cfg, corpus, devices))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return final, [r for r in records if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def expert_parallel(corpus, tmp_path_factory):
+    """5 steps on cpu8 with expert 2 x fsdp 2 x tensor 2, capacity dispatch with room for every token, checkpoints
+    every 2 steps: (config, trainer, run dir, final state, records)."""
+    cfg = with_(_moe_config("fsdp_tp_ep", (1, 2, 2, 1, 2), dispatch="capacity", capacity_factor=2.0),
+                checkpoint={"every": 2, "async_save": False})
+    trainer = build(cfg, corpus)
+    run_dir = tmp_path_factory.mktemp("ep") / "run"
+    final, records = _run(cfg, corpus, run_dir, trainer=trainer)
+    return cfg, trainer, run_dir, final, records
+
+
+def test_expert_parallel_losses_match_one_device(expert_parallel, corpus, tmp_path):
+    cfg, trainer, _, _, records = expert_parallel
+    # the reference routes dropless: the capacity path with no drops on 8 devices must equal it
+    _, reference = _run(_moe_config(), corpus, tmp_path / "one", jax.devices()[:1])
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 5 and losses[4] < losses[0]
+    np.testing.assert_allclose(losses, [r["loss"] for r in reference], rtol=1e-5)
+    assert all(r["moe_dropped_fraction"] == 0 for r in records)
+    np.testing.assert_allclose([r["moe_aux_loss"] for r in records], [r["moe_aux_loss"] for r in reference], rtol=1e-5)
+    # tokens reach the experts' devices by all-to-all; the expert weights are split over the expert axis
+    assert "all-to-all" in trainer.train_step.as_text()
+    assert trainer.layout.shardings.params["layers"]["mlp"]["w_gate"].spec[1] == "expert"
+
+
+def test_router_metrics_reach_tensorboard_and_the_plot(expert_parallel, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from jaxtrain.plot import MOE_PANEL, panels_for, plot_runs, read_metrics
+
+    _, _, run_dir, _, records = expert_parallel
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert [e.value for e in events.Scalars("moe/aux_loss")] == pytest.approx([r["moe_aux_loss"] for r in records])
+    assert [e.value for e in events.Scalars("moe_load_max_over_mean_per_layer/layer_001")] == \
+        pytest.approx([r["moe_load_max_over_mean_per_layer"][1] for r in records])
+    np.testing.assert_allclose([sum(load) for r in records for load in r["moe_expert_load_per_layer"]], 1.0, rtol=1e-6)
+    assert [p[0] for p in panels_for([read_metrics(run_dir)])][-1] == MOE_PANEL
+    assert MOE_PANEL not in [p[0] for p in panels_for([[{"step": 1, "loss": 1.0}]])]
+    plot_runs([run_dir], tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+def test_expert_parallel_resume_is_exact(expert_parallel):
+    cfg, trainer, run_dir, final, records = expert_parallel
+    resumed_dir = run_dir.parent / "resumed"
+    shutil.copytree(run_dir, resumed_dir)
+    for step in (4, 5):
+        shutil.rmtree(resumed_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step))
+    again, resumed = _run(cfg, None, resumed_dir, trainer=trainer)  # from step 2
+    assert [(r["step"], r["loss"], r["moe_z_loss"]) for r in resumed] == [(r["step"], r["loss"], r["moe_z_loss"]) for r in records]
+    for a, b in zip(jax.tree.leaves(jax.device_get(again.params)), jax.tree.leaves(jax.device_get(final.params))):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("rules, ici, devices", [("dp_ep", (1, 1, 1, 1, 4), 4), ("dp", (1, 1, 1, 1, 1), 1)])
+def test_expert_parallel_checkpoint_restores_onto_other_expert_degrees(expert_parallel, rules, ici, devices):
+    cfg, _, run_dir, final, _ = expert_parallel
+    target = dataclasses.replace(cfg, rules=rules, mesh=MeshConfig(ici=AxisSizes(*ici)))
+    abstract = make_layout(target, jax.devices()[:devices]).abstract_state()
+    restored = checkpoint_lib.restore_from(run_dir, abstract, None, params_only=True)
+    assert restored["layers"]["mlp"]["w_up"].sharding.spec[1] == ("expert" if ici[3] > 1 else None)
+    for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(jax.device_get(final.params))):
+        assert np.array_equal(a, b)
+
+
+BAD_INPUT = {
+    "top_k above num_experts": (["model.moe.num_experts=4", "model.moe.top_k=5"],
+                                "model.moe.top_k=5 must be between 1 and model.moe.num_experts=4"),
+    "experts not divisible by the expert axis": (["model.moe.num_experts=5"],
+                                                 "model.moe.num_experts=5 is not divisible by the 2 ways rule set fsdp_tp_ep splits the experts over"),
+    "capacity factor not positive": (["model.moe.capacity_factor=0"],
+                                     "model.moe.capacity_factor=0.0 must be positive with model.moe.dispatch=capacity"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_moe_input_is_one_line_exit_2(case, tmp_path):
+    args, message = BAD_INPUT[case]
+    result = run_cli("train", "tiny_moe", "--run-dir", str(tmp_path / "run"), "train.steps=1", *args, cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("mixtral_8x7b", 46_702_792_704, 12_879_659_008), ("mixtral_8x22b", 140_630_071_296, 39_160_774_656)])
+def test_mixtral_sizes_are_the_published_ones(name, total, active):
+    """Total parameters as Hugging Face counts them; active per token as Mistral counts them: the matmul parameters
+    of attention, router and two experts, plus the embedding table."""
+    model = load_experiment(name).model
+    assert model_spec(model).num_params == total
+    assert matmul_params(model) + model.vocab_size * model.d_model == active
+
+
+def test_planner_counts_expert_weights_by_the_expert_axis_and_all_to_all_traffic():
+    from jaxtrain.plan import estimate
+    from jaxtrain.state import bytes_per_device
+    from jaxtrain.step_cost import step_time
+
+    layout = make_layout(load_experiment("tiny_moe"))  # fsdp 2 x tensor 2 x expert 2, capacity 1.25, float32, no remat
+    m = layout.cfg.model
+    w_gate = layout.abstract_state().params["layers"]["mlp"]["w_gate"]
+    assert bytes_per_device(w_gate) == m.num_layers * 8 * m.d_model * m.mlp_dim * 4 // 8  # split 8 ways, experts 2 of them
+    timed = step_time(layout)
+    # 4 layers x (dispatch + combine) x (forward + backward), 8 sequences per device (the batch split over fsdp and
+    # expert) of 256 tokens, 2 x 1.25 slots each, half of it leaving the device
+    assert timed.traffic_bytes["expert"] == pytest.approx(4 * 4 * 8 * 256 * 2.5 * m.d_model * 4 / 2)
+    assert timed.total_s >= timed.compute_s + timed.communication_s["expert"] > timed.compute_s
+    assert estimate(layout)["dispatch buffers"] == 4 * 4 * 2 * (8 * 256 * m.d_model) * 2.5
+    # FLOPs per token count the 2 chosen experts, not all 8
+    dense_mlp = dataclasses.replace(m, moe=MoEConfig(), mlp_dim=2 * m.mlp_dim)
+    assert matmul_params(m) == matmul_params(dense_mlp) + m.num_layers * m.d_model * 8
