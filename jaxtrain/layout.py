@@ -19,8 +19,10 @@ from jaxtrain.errors import UserError
 from jaxtrain.gpu_targets import is_nvidia_gpu
 from jaxtrain.mesh import build_mesh
 from jaxtrain.optim import learning_rate_schedule, make_optimizer
-from jaxtrain.partitioning import Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, model_tracing
-from jaxtrain.state import ModelSpec, TrainState, abstract_state, model_spec, state_shardings
+from jaxtrain import offload
+from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, load_state_rules,
+                                  model_tracing, param_shardings)
+from jaxtrain.state import ModelSpec, Placement, TrainState, abstract_state, in_device_memory, model_spec, state_shardings
 from jaxtrain.step import make_eval_step, make_train_step
 
 
@@ -35,6 +37,7 @@ class Layout:
     tx: optax.GradientTransformation
     shardings: TrainState
     batch_sharding: NamedSharding
+    grad_shardings: dict | None = None  # where the gradients differ from the parameters (ZeRO-2)
 
     def abstract_state(self) -> TrainState:
         return abstract_state(self.spec, self.tx, self.shardings)
@@ -57,14 +60,21 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
     check_rules_against_mesh(rules, mesh, cfg.rules)
     spec = model_spec(cfg.model)
     tx = make_optimizer(cfg)
-    shardings = state_shardings(spec, tx, rules, mesh)
+    state_rules = load_state_rules(cfg.rules)
+    for section, section_rules in state_rules.items():
+        check_rules_against_mesh(section_rules, mesh, f"{cfg.rules} ({section})")
+    if cfg.optim.offload:
+        offload.check_supported(mesh)
+    placement = Placement(state_rules["optimizer_state"], offload.HOST if cfg.optim.offload else None, loss_scale=cfg.model.dtype == "float16")
+    shardings = state_shardings(spec, tx, rules, mesh, placement)
+    grad_shardings = None if state_rules["gradients"] == rules else param_shardings(spec.logical_axes, spec.shapes, state_rules["gradients"], mesh)
     t = cfg.train
     shards = batch_shards(rules, mesh)
     if (t.global_batch // t.microbatches) % shards:
         raise UserError(
             f"train.global_batch={t.global_batch} / train.microbatches={t.microbatches} = {t.global_batch // t.microbatches} "
             f"sequences per micro-batch do not split over the {shards} batch shards of the mesh; use a multiple of {shards * t.microbatches}")
-    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh))
+    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh), grad_shardings)
 
 
 def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
@@ -72,8 +82,11 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
     rule surface here, as a UserError."""
     cfg, shardings, batch_sh = layout.cfg, layout.shardings, layout.batch_sharding
     replicated = NamedSharding(layout.mesh, PartitionSpec())
+    device_opt_state = in_device_memory(shardings.opt_state) if cfg.optim.offload else None
     train_fn = jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), cfg.train.microbatches,
-                                       layer_norms=cfg.log.layer_every > 0, loss_chunk=cfg.train.loss_chunk),
+                                       layer_norms=cfg.log.layer_every > 0, loss_chunk=cfg.train.loss_chunk,
+                                       grad_shardings=layout.grad_shardings, device_opt_state=device_opt_state,
+                                       loss_scale_period=cfg.optim.loss_scale_period),
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk), in_shardings=(shardings.params, batch_sh), out_shardings=replicated)
     state, batch = layout.abstract_state(), layout.abstract_batch()

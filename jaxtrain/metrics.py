@@ -48,6 +48,7 @@ TAGS = {
     "tokens_per_s": "perf/tokens_per_s", "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
     "step_time_s": "perf/step_time_s", "mfu": "perf/mfu", "data_wait_s": "perf/data_wait_s",
     "checkpoint_s": "perf/checkpoint_s", "memory_in_use_gib": "memory/in_use_gib", "memory_peak_gib": "memory/peak_gib",
+    "loss_scale": "train/loss_scale", "overflow_steps": "train/overflow_steps",
 }
 
 
@@ -185,6 +186,7 @@ class MetricsLog:
         self.last_step = initial_step
         self.last_finite: tuple[int, dict] | None = None
         self.skipped = 0
+        self.overflows = 0  # float16: steps the loss scaler skipped since the run (re)started
         self.file = self.tensorboard = self.wandb = self.mlflow = self.prometheus = self.progress = None
         self.peak, peak_source = resolve_peak(cfg, list(layout.mesh.devices.flat)) if enabled else (None, "")
         if enabled:
@@ -254,6 +256,9 @@ class MetricsLog:
         self.pending = []
         for step, metrics in fetched:
             bad = [name for name in GUARDED if not np.isfinite(metrics[name])]
+            if metrics.get("overflow"):  # float16 gradients overflowed: the loss scaler skipped it and halved the scale
+                self.overflows += 1
+                continue
             if not bad:
                 self.last_finite = (step, metrics)
                 continue
@@ -293,6 +298,8 @@ class MetricsLog:
             "data_wait_s": self.timers["data_wait_s"], "checkpoint_s": self.timers["checkpoint_s"],
             "memory_in_use_gib": in_use, "memory_peak_gib": peak_mem, "memory_source": memory_source,
         }
+        if "loss_scale" in metrics:
+            record |= {"loss_scale": float(metrics["loss_scale"]), "overflow_steps": self.overflows}
         self.write(record)
         for layer_step, layer_metrics in fetched:
             if PER_LAYER[0] in layer_metrics:

@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtrain import loss_scale as loss_scale_lib
 from jaxtrain.partitioning import Rules, param_shardings, spec_axes
 from models.config import LlamaConfig
 from models.llama import Llama
@@ -23,6 +24,7 @@ class TrainState:
     step: jax.Array  # int32 scalar: optimizer updates applied so far
     params: dict  # nested dict of arrays, keyed like the NNX module tree
     opt_state: Any
+    loss_scale: Any = None  # float16 compute: {"scale", "counter"} of the dynamic loss scale (jaxtrain/loss_scale.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,25 +65,52 @@ def bytes_per_device(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation, rules: Rules, mesh: Mesh) -> TrainState:
-    """Shardings of every TrainState leaf; optimizer moments follow their parameter's sharding."""
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the state lives beyond the parameters' rules: the optimizer state's own rules (ZeRO-1/2: a rule
+    set's ``optimizer_state:`` section), its memory kind (optim.offload: ``pinned_host``), and whether a
+    float16 loss scale is carried."""
+
+    optimizer_rules: Rules | None = None  # None: the parameters' rules
+    optimizer_memory: str | None = None  # None: the device's default memory
+    loss_scale: bool = False
+
+
+def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation, rules: Rules, mesh: Mesh,
+                    placement: Placement = Placement()) -> TrainState:
+    """Shardings of every TrainState leaf; optimizer moments follow their parameter's sharding, under the
+    optimizer state's own rules where the placement has them."""
     params = param_shardings(spec.logical_axes, spec.shapes, rules, mesh)
+    moments = params if placement.optimizer_rules is None else param_shardings(spec.logical_axes, spec.shapes, placement.optimizer_rules, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_state = optax.tree_map_params(
-        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, spec.shapes), params,
+        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, spec.shapes), moments,
         transform_non_params=lambda _: replicated)
-    return TrainState(step=replicated, params=params, opt_state=opt_state)
+    if placement.optimizer_memory is not None:
+        opt_state = jax.tree.map(lambda sharding: sharding.with_memory_kind(placement.optimizer_memory), opt_state)
+    return TrainState(step=replicated, params=params, opt_state=opt_state,
+                      loss_scale={"scale": replicated, "counter": replicated} if placement.loss_scale else None)
+
+
+def in_device_memory(shardings):
+    """The same shardings in the device's default memory (the step computes there on offloaded state)."""
+    return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
 
 
 def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
-    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=spec.shapes, opt_state=jax.eval_shape(tx.init, spec.shapes))
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=spec.shapes, opt_state=jax.eval_shape(tx.init, spec.shapes),
+                        loss_scale=None if shardings.loss_scale is None else jax.eval_shape(loss_scale_lib.initial_state))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def _fresh(params: dict, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      loss_scale=None if shardings.loss_scale is None else loss_scale_lib.initial_state())
 
 
 def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
     """A fresh train state (step 0, new optimizer state) around given parameters, which it takes over."""
-    start = lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))  # noqa: E731
-    return jax.jit(start, out_shardings=shardings, donate_argnums=0)(params)
+    return jax.jit(lambda p: _fresh(p, tx, shardings), out_shardings=shardings, donate_argnums=0)(params)
 
 
 def state_initializer(model_cfg: LlamaConfig, tx: optax.GradientTransformation, seed: int,
@@ -90,8 +119,7 @@ def state_initializer(model_cfg: LlamaConfig, tx: optax.GradientTransformation, 
     make more fresh states: it compiles on its first call only."""
 
     def init():
-        params = nnx.to_pure_dict(nnx.state(Llama(model_cfg, rngs=nnx.Rngs(seed))))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        return _fresh(nnx.to_pure_dict(nnx.state(Llama(model_cfg, rngs=nnx.Rngs(seed)))), tx, shardings)
 
     return jax.jit(init, out_shardings=shardings)
 

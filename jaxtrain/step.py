@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxtrain import loss_scale as loss_scale_lib
 from jaxtrain.state import TrainState
 
 Batch = dict[str, jax.Array]  # 'inputs', 'targets': (batch, length) int32
@@ -54,22 +55,36 @@ def schedule_count(opt_state) -> jax.Array:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
-                    layer_norms: bool = False, loss_chunk: int = 0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    layer_norms: bool = False, loss_chunk: int = 0, *, grad_shardings=None, device_opt_state=None,
+                    loss_scale_period: int = 0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
-    bad batch never poisons the state; the loop decides whether to stop or go on."""
-    def loss_fn(params, batch):
-        return token_nll(graphdef, params, batch, loss_chunk).mean()
+    bad batch never poisons the state; the loop decides whether to stop or go on. ``grad_shardings``
+    places the gradients (ZeRO-2: reduce-scattered); ``device_opt_state`` are the optimizer state's shardings
+    in device memory, where the step brings it from the host (optim.offload) for the update; with a loss scale in the
+    state (float16) the loss is scaled before differentiation and an overflowing update skipped."""
+    def loss_fn(params, batch, scale):
+        loss = token_nll(graphdef, params, batch, loss_chunk).mean()
+        return scale.scale(loss), loss
 
-    grad_fn = jax.value_and_grad(loss_fn)
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def grad_fn(params, batch, scale):
+        (_, loss), grads = value_and_grad(params, batch, scale)
+        if grad_shardings is not None:
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        return loss, grads
 
     def train_step(state: TrainState, batch: Batch):
+        if device_opt_state is not None:
+            state = state.replace(opt_state=jax.device_put(state.opt_state, device_opt_state))
+        scale = loss_scale_lib.scaler(state.loss_scale, loss_scale_period)
         if microbatches == 1:
-            loss, grads = grad_fn(state.params, batch)
+            loss, grads = grad_fn(state.params, batch, scale)
         else:
             def accumulate(carry, micro):
                 loss_sum, grad_sum = carry
-                loss, grads = grad_fn(state.params, micro)
+                loss, grads = grad_fn(state.params, micro, scale)
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -77,6 +92,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                                             _split_microbatches(batch, microbatches))
             # every micro-batch has the same token count, so the mean of means is the batch mean
             loss, grads = loss / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+        grads = scale.unscale(grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -85,10 +101,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                                          (params, opt_state), (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
                    "learning_rate": schedule(schedule_count(state.opt_state))}
+        if state.loss_scale is not None:  # an overflow of the scaled gradients: skipped, the scale halved
+            metrics |= {"loss_scale": scale.loss_scale, "overflow": jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)}
         if layer_norms:
             metrics |= {"grad_norm_per_layer": per_layer_norm(grads["layers"]),
                         "param_norm_per_layer": per_layer_norm(params["layers"])}
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                          loss_scale=loss_scale_lib.to_state(scale.adjust(jnp.isfinite(grad_norm)))), metrics
 
     return train_step
 

@@ -38,7 +38,7 @@ from jaxtrain.state import elements_per_device, gathered_elements
 ASSUMED_MFU = 0.45  # share of the datasheet peak a well-tuned step reaches (MaxText reports 45-55% on H100)
 DEFAULT_GPU = "h100"  # what a step is timed on when no GPU is named
 # forward all-reduces of the tensor-parallel residual stream that each policy recomputes in the backward
-RECOMPUTED_ALL_REDUCES = {"none": 0, "save_dots": 0, "save_qkv_out": 1, "full": 2}
+RECOMPUTED_ALL_REDUCES = {"none": 0, "save_dots": 0, "save_qkv_out": 1, "full": 2, "offload_dots": 0, "offload_qkv_out": 1}
 
 
 def recompute_factor(cfg: Config) -> float:
@@ -49,7 +49,7 @@ def recompute_factor(cfg: Config) -> float:
     layer_matmuls = 2 * m.num_layers * (m.d_model * m.resolved_head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * m.d_model * m.mlp_dim)
     mlp_matmuls = 2 * m.num_layers * 3 * m.d_model * m.mlp_dim
     extra = {"none": 0, "save_dots": attention_core, "save_qkv_out": attention_core + mlp_matmuls,
-             "full": attention_core + layer_matmuls}[m.remat]
+             "full": attention_core + layer_matmuls}[m.remat.replace("offload_", "save_")]  # offloading recomputes as saving
     return 1 + extra / total
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 # Names of the per-layer rematerialisation policies; models/llama.py maps each to a jax policy.
-REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_out")
+# offload_*: what save_* keeps is moved to host memory (pinned_host) and brought back for the backward pass.
+REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_out", "offload_dots", "offload_qkv_out")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # auto: the trainer picks cudnn on NVIDIA GPUs and xla elsewhere; a model built directly lets jax choose
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
