@@ -37,7 +37,14 @@ class Layout:
     tx: optax.GradientTransformation
     shardings: TrainState
     batch_sharding: NamedSharding
-    grad_shardings: dict | None = None  # where the gradients differ from the parameters (ZeRO-2)
+    grad_shardings: dict | None = None  # per parameter, where the gradients differ from the parameters (ZeRO-2)
+    moment_shardings: dict | None = None  # per parameter, where the optimizer moments differ from them (ZeRO-1/2)
+
+    def gradient_shardings(self) -> dict:
+        return self.grad_shardings or self.shardings.params
+
+    def optimizer_shardings(self) -> dict:
+        return self.moment_shardings or self.shardings.params
 
     def abstract_state(self) -> TrainState:
         return abstract_state(self.spec, self.tx, self.shardings)
@@ -67,14 +74,14 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
         offload.check_supported(mesh)
     placement = Placement(state_rules["optimizer_state"], offload.HOST if cfg.optim.offload else None, loss_scale=cfg.model.dtype == "float16")
     shardings = state_shardings(spec, tx, rules, mesh, placement)
-    grad_shardings = None if state_rules["gradients"] == rules else param_shardings(spec.logical_axes, spec.shapes, state_rules["gradients"], mesh)
+    differing = lambda section: None if state_rules[section] == rules else param_shardings(spec.logical_axes, spec.shapes, state_rules[section], mesh)  # noqa: E731
     t = cfg.train
     shards = batch_shards(rules, mesh)
     if (t.global_batch // t.microbatches) % shards:
         raise UserError(
             f"train.global_batch={t.global_batch} / train.microbatches={t.microbatches} = {t.global_batch // t.microbatches} "
             f"sequences per micro-batch do not split over the {shards} batch shards of the mesh; use a multiple of {shards * t.microbatches}")
-    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh), grad_shardings)
+    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh), differing("gradients"), differing("optimizer_state"))
 
 
 def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:

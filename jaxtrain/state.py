@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import loss_scale as loss_scale_lib
+from jaxtrain.quant import quantized
 from jaxtrain.partitioning import Rules, param_shardings, spec_axes
 from models.config import LlamaConfig
 from models.llama import Llama
@@ -42,7 +43,7 @@ class ModelSpec:
 
 def model_spec(model_cfg: LlamaConfig) -> ModelSpec:
     """Built from an abstract model: nothing is allocated."""
-    abstract = nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: quantized(Llama(model_cfg, rngs=nnx.Rngs(0)), model_cfg.quant))
     graphdef, state = nnx.split(abstract)
     return ModelSpec(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)))
 

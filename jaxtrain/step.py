@@ -69,11 +69,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
+    def placed(grads):
+        return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
+
     def grad_fn(params, batch, scale):
         (_, loss), grads = value_and_grad(params, batch, scale)
-        if grad_shardings is not None:
-            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        return loss, grads
+        return loss, placed(grads)
 
     def train_step(state: TrainState, batch: Batch):
         if device_opt_state is not None:
@@ -87,7 +88,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                 loss, grads = grad_fn(state.params, micro, scale)
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            zeros = placed(jax.tree.map(jnp.zeros_like, state.params))
             (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
                                             _split_microbatches(batch, microbatches))
             # every micro-batch has the same token count, so the mean of means is the batch mean

@@ -11,6 +11,11 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
   reducing inside the micro-batch loop);
 gradients travel in the dtype the weight is used in: the compute dtype for matmul weights, float32 for the
 norm scales (RMSNorm applies them in float32), as the compiled program shows;
+- ZeRO-2 (gradients split over batch axes their weight is replicated on): those reduced by a reduce-scatter,
+  half an all-reduce; ZeRO-1/2 (optimizer state split so): each updated float32 weight all-gathered once per
+  step over those axes;
+- optim.offload: the optimizer state copied from host memory to the device and back once per step over PCIe,
+  after the backward pass (not overlapped);
 - tensor parallel: per micro-batch and layer, the residual stream all-reduced after attention and the MLP
   in the forward and the backward, and again for each of those the remat policy recomputes.
 Tensor-parallel all-reduces sit on the critical path (each layer waits for them) and add to the compute;
@@ -33,11 +38,13 @@ from jaxtrain.flops import flops_per_token, peak_flops
 from jaxtrain.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.layout import Layout
 from jaxtrain.partitioning import batch_shards, logical_ways, spec_axes
-from jaxtrain.state import elements_per_device, gathered_elements
+from jaxtrain.state import bytes_per_device, elements_per_device, gathered_elements
 
 ASSUMED_MFU = 0.45  # share of the datasheet peak a well-tuned step reaches (MaxText reports 45-55% on H100)
 DEFAULT_GPU = "h100"  # what a step is timed on when no GPU is named
 # forward all-reduces of the tensor-parallel residual stream that each policy recomputes in the backward
+# host <-> device bandwidth per direction (PCIe Gen5 x16 on H100 / H200, Gen4 on A100 and L4)
+PCIE_BYTES_PER_S = {"h100": 64e9, "h200": 64e9, "a100": 32e9, "a100-40gb": 32e9, "l4": 32e9}
 RECOMPUTED_ALL_REDUCES = {"none": 0, "save_dots": 0, "save_qkv_out": 1, "full": 2, "offload_dots": 0, "offload_qkv_out": 1}
 
 
@@ -59,17 +66,20 @@ class StepTime:
     compute_s: float
     communication_s: dict  # "fsdp", "data", "tensor" -> seconds
     traffic_bytes: dict  # the same kinds -> bytes each device sends per step
+    host_s: float = 0.0  # optim.offload: the optimizer state's round trip over PCIe
 
     @property
     def total_s(self) -> float:
-        """Compute, plus the tensor-parallel all-reduces, plus the overlapped traffic the compute cannot hide."""
+        """Compute, plus the tensor-parallel all-reduces and host transfers, plus the overlapped traffic the compute
+        cannot hide."""
         c = self.communication_s
-        return self.compute_s + c["tensor"] + max(0.0, c["fsdp"] + c["data"] - self.compute_s)
+        return self.compute_s + c["tensor"] + self.host_s + max(0.0, c["fsdp"] + c["data"] - self.compute_s)
 
     def describe(self) -> str:
         parts = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in self.communication_s.items() if seconds >= 0.005)
+        host = f"; host transfer {1e3 * self.host_s:.0f} ms" if self.host_s else ""
         return (f"{self.total_s:.2f} s on {self.gpu} (compute {self.compute_s:.2f} s at {100 * ASSUMED_MFU:.0f}% MFU"
-                + (f"; communication {parts}, fsdp and data overlapped with compute" if parts else "") + ")")
+                + (f"; communication {parts}, fsdp and data overlapped with compute" if parts else "") + host + ")")
 
 
 def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
@@ -85,13 +95,23 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     fsdp_axes, data_axes = set(), set()
     params = layout.abstract_state().params
     logical = jax.tree.leaves(layout.spec.logical_axes, is_leaf=lambda s: isinstance(s, PartitionSpec))
-    for x, axes in zip(jax.tree.leaves(params), logical):
+
+    def ways(x, sharding) -> int:
+        """How many ways ``x`` laid out by ``sharding`` is split over the batch axes."""
+        placed = x.update(sharding=sharding)
+        return gathered_elements(placed, batch_axes) // elements_per_device(placed)
+
+    for x, axes, grad_sharding, moment_sharding in zip(jax.tree.leaves(params), logical, jax.tree.leaves(layout.gradient_shardings()),
+                                                        jax.tree.leaves(layout.optimizer_shardings())):
         local, gathered = elements_per_device(x), gathered_elements(x, batch_axes)
         split = gathered // local
         replicated = batch_ways // split
         grad = 4 if "norm" in axes else act
         fsdp += k * gathered * (2 * act + grad) * (split - 1) / split
-        data += k * 2 * local * grad * (replicated - 1) / replicated
+        reductions = 1 if ways(x, grad_sharding) > split else 2  # reduce-scatter (ZeRO-2) or all-reduce
+        data += k * reductions * local * grad * (replicated - 1) / replicated
+        optimizer_split = ways(x, moment_sharding) // split
+        data += local * x.dtype.itemsize * (optimizer_split - 1) / optimizer_split  # ZeRO-1/2: the updated weights gathered
         used = spec_axes(x.sharding.spec)
         fsdp_axes.update(a for a in batch_axes if a in used)
         data_axes.update(a for a in batch_axes if a not in used)
@@ -105,6 +125,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         across_nodes = any(getattr(cfg.mesh.dcn, a) != 1 for a in axes)
         return traffic / (network if across_nodes else nvlink)
 
+    host = 2 * bytes_per_device(layout.abstract_state().opt_state) / PCIE_BYTES_PER_S[name] if cfg.optim.offload else 0.0
     return StepTime(name, compute, {"fsdp": seconds(fsdp, fsdp_axes), "data": seconds(data, data_axes),
                                     "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ())},
-                    {"fsdp": fsdp, "data": data, "tensor": tensor})
+                    {"fsdp": fsdp, "data": data, "tensor": tensor}, host)

@@ -11,6 +11,8 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # auto: the trainer picks cudnn on NVIDIA GPUs and xla elsewhere; a model built directly lets jax choose
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 ROPE_SCALING_TYPES = ("none", "llama3")
+# quantized training of the layers' matmuls (jaxtrain/quant.py, qwix): int8, or fp8 (e4m3 forward, e5m2 gradients)
+QUANT_TYPES = ("none", "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,7 @@ class LlamaConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     attention: str = "auto"  # jax.nn.dot_product_attention implementation
+    quant: str = "none"  # quantized training of the layers' matmuls: none, int8, fp8
 
     @property
     def resolved_head_dim(self) -> int:
@@ -69,6 +72,8 @@ class LlamaConfig:
         for key in ("dtype", "param_dtype"):
             if getattr(self, key) not in COMPUTE_DTYPES:
                 out.append(f"model.{key}={getattr(self, key)!r} is not supported; choose one of {', '.join(COMPUTE_DTYPES)}")
+        if self.quant not in QUANT_TYPES:
+            out.append(f"model.quant={self.quant!r} is unknown; choose one of {', '.join(QUANT_TYPES)}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             out.append(f"model.attention={self.attention!r} is unknown; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
