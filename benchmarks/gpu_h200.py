@@ -70,6 +70,12 @@ ROWS = (
     # a random llama3_1b-shaped model (5 GB float32) imported onto the GPU and exported back: seconds and peak
     # host RSS growth beside the safetensors library's whole read and save (benchmarks/bench_hf.py)
     Row("hf_import_export_1b", "llama3_1b", (), 90, script="bench_hf.py"),
+    # memory techniques beside mfu_1b (bf16, same shape): quantized training's speed-up, offload's memory and
+    # step time, float16 with loss scaling (benchmarks/bench_memory.py measures them all on CPU)
+    Row("quant_fp8_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "model.quant=fp8"), 60),
+    Row("quant_int8_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "model.quant=int8"), 60),
+    Row("offload_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "optim.offload=true"), 60),
+    Row("float16_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "model.dtype=float16"), 60),
 )
 
 

@@ -27,5 +27,6 @@ def quantized(model: nnx.Module, quant: str) -> nnx.Module:
         return model
     forward, backward = QTYPES[quant]
     rule = qwix.QtRule(module_path=LAYER_MATMULS, weight_qtype=forward, act_qtype=forward, bwd_qtype=backward)
-    # qwix traces one call to find the matmuls; the tokens' values do not matter
-    return qwix.quantize_model(model, qwix.QtProvider([rule]), jnp.zeros((1, 2), jnp.int32))
+    # qwix intercepts one method and traces one call of it (the tokens' values do not matter): ``hidden`` runs the
+    # layers both for ``__call__`` and for the chunked loss (train.loss_chunk), which calls it directly
+    return qwix.quantize_model(model, qwix.QtProvider([rule]), jnp.zeros((1, 2), jnp.int32), methods=("hidden",))
