@@ -41,6 +41,9 @@ GIB = 2**30
 DEFAULT_HEADROOM = 0.10  # share of device memory kept free for the CUDA context, NCCL buffers, fragmentation
 RULE_SETS = ("dp", "fsdp", "tp", "fsdp_tp", "zero1", "zero2")
 ACCELERATOR = "gpu"  # the platform plans are for, whatever the step was compiled on
+# the offload_* policies are itemised (technique_effects), not searched: a compile on CPUs, which have one memory,
+# cannot check what they save
+SEARCHED_REMAT = tuple(p for p in REMAT_POLICIES if not p.startswith("offload_"))
 AUTO_COMPILES = 4  # train.microbatches=auto: compiles tried past the estimate's choice before giving up
 T = TypeVar("T")
 
@@ -65,8 +68,11 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     cfg, m = layout.cfg, layout.cfg.model
     state = layout.abstract_state()
     params = bytes_per_device(state.params)
-    # optim.offload: the optimizer state lives in host memory and visits the device after the backward pass
-    optimizer = 0 if cfg.optim.offload else bytes_per_device(state.opt_state)
+    on_cpu = (for_platform or platform(layout)) == "cpu"
+    # optim.offload and the offload_* remat policies keep their arrays in host memory; the CPU backend has one
+    # memory, where the compile counts them as it would unmoved arrays
+    optimizer = 0 if cfg.optim.offload and not on_cpu else bytes_per_device(state.opt_state)
+    remat = m.remat.replace("offload_", "save_") if on_cpu else m.remat
     as_placed = lambda shardings: bytes_per_device(jax.tree.map(lambda x, sh: x.update(sharding=sh), state.params, shardings))  # noqa: E731
     grads, updates = as_placed(layout.gradient_shardings()), as_placed(layout.optimizer_shardings())
     k = cfg.train.microbatches
@@ -76,7 +82,6 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     act = np.dtype(m.dtype).itemsize
     # XLA's CPU pipeline converts every bfloat16 stack saved across the layer scan to a float32 copy before the
     # backward loop; the HLO jax emits keeps them in the compute dtype, as a GPU does
-    on_cpu = (for_platform or platform(layout)) == "cpu"
     stack = 4 if on_cpu else act
     hd = m.resolved_head_dim
     embed = tokens * m.d_model  # elements of one residual-stream tensor (the embed axis is never sharded)
@@ -94,7 +99,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
         # offloaded to host memory; the device keeps each layer's input (the scan saves it) as with full remat
         "offload_dots": stack * embed,
         "offload_qkv_out": stack * embed,
-    }[m.remat]
+    }[remat]
     # one layer's weights gathered over the batch axes (FSDP) for its forward and backward: compute-dtype copy
     # and float32 gradient; the tensor axes keep their split
     batch_axes = layout.rules.get("activation_batch") or ()
@@ -316,7 +321,7 @@ def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = Non
     base_total = estimate_total(estimate(layouts[cfg.rules], ACCELERATOR))
     found = []
     for rules, layout in layouts.items():
-        for remat, offload in itertools.product(REMAT_POLICIES, dict.fromkeys((cfg.optim.offload, True))):
+        for remat, offload in itertools.product(SEARCHED_REMAT, dict.fromkeys((cfg.optim.offload, True))):
             for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh)):
                 candidate = _replace(cfg, rules=rules, remat=remat, microbatches=k, offload=offload)
                 breakdown = estimate(_with_cfg(layout, candidate), ACCELERATOR)
