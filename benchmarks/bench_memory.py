@@ -28,7 +28,7 @@ from models.config import LlamaConfig
 
 MODEL = LlamaConfig(vocab_size=2048, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4, mlp_dim=768, dtype="float32")
 DEVICES = 8
-STEPS = 5  # timed steps per variant, after one warm-up step
+STEPS = 3  # timed steps per variant, after one warm-up step
 MIB = 2**20
 # variant -> (rule set, mesh data x fsdp x tensor, model overrides, optimizer overrides, ZeRO stage for the formula)
 VARIANTS = {
