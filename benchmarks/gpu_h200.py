@@ -76,6 +76,12 @@ ROWS = (
                                                         "model.attention=auto", "model.moe.dispatch=capacity"), 75),
     Row("moe_mixtral_layers_dropless", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2", "model.remat=full",
                                                         "model.attention=auto", "model.moe.dispatch=dropless"), 75),
+    # memory techniques beside mfu_1b (bf16, same shape): quantized training's speed-up, offload's memory and
+    # step time, float16 with loss scaling (benchmarks/bench_memory.py measures them all on CPU)
+    Row("quant_fp8_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "model.quant=fp8"), 60),
+    Row("quant_int8_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "model.quant=int8"), 60),
+    Row("offload_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "optim.offload=true"), 60),
+    Row("float16_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "model.dtype=float16"), 60),
 )
 
 

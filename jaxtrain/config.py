@@ -85,6 +85,8 @@ class OptimConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0  # global gradient-norm clipping; 0 disables
+    offload: bool = False  # optimizer state (and float32 master weights under narrower compute) in host memory
+    loss_scale_period: int = 2000  # model.dtype=float16: finite steps in a row before the loss scale doubles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,6 +397,7 @@ def range_problems(cfg: Config) -> list[str]:
         r("optim.b1", o.b1, 0, 1, high_open=True), r("optim.b2", o.b2, 0, 1, high_open=True),
         r("optim.eps", o.eps, 0, low_open=True, high_open=True),
         r("optim.clip_norm", o.clip_norm, 0, high_open=True, meaning=" (0: no clipping)"),
+        r("optim.loss_scale_period", o.loss_scale_period, 1),
     ]
     if isinstance(t.microbatches, int):
         problems.append(r("train.microbatches", t.microbatches, 1, meaning=" or 'auto'"))
@@ -420,6 +423,9 @@ def check(cfg: Config) -> None:
         problems.append(f"train.microbatches={t.microbatches!r} must be a positive integer or 'auto'")
     problems.extend(range_problems(cfg))
     problems.extend(log_problems(cfg))
+    if cfg.model.dtype == "float16" and cfg.model.param_dtype == "float16":
+        problems.append("model.dtype=float16 with model.param_dtype=float16 keeps no float32 master weights, so small updates "
+                        "vanish and loss scaling cannot help; set model.param_dtype=float32")
     microbatches = 1 if isinstance(t.microbatches, str) else t.microbatches
     if t.loss_chunk < 0 or (t.loss_chunk > 0 and d.seq_len > 0 and d.seq_len % t.loss_chunk):
         problems.append(f"train.loss_chunk={t.loss_chunk} must be 0 (off) or a positive divisor of data.seq_len={d.seq_len}")

@@ -19,10 +19,12 @@ from jaxtrain.errors import UserError
 from jaxtrain.gpu_targets import is_nvidia_gpu
 from jaxtrain.mesh import build_mesh
 from jaxtrain.optim import learning_rate_schedule, make_optimizer
-from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, logical_ways,
-                                  model_tracing)
+from jaxtrain import offload
+from jaxtrain.adapters import split_frozen
+from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, load_state_rules,
+                                  logical_ways, model_tracing, param_shardings)
 from jaxtrain.stages import check_pipeline
-from jaxtrain.state import ModelSpec, TrainState, abstract_state, model_spec, state_shardings
+from jaxtrain.state import ModelSpec, Placement, TrainState, abstract_state, in_device_memory, model_spec, state_shardings
 from jaxtrain.step import make_eval_step, make_train_step
 
 
@@ -37,6 +39,14 @@ class Layout:
     tx: optax.GradientTransformation
     shardings: TrainState
     batch_sharding: NamedSharding
+    grad_shardings: dict | None = None  # per parameter, where the gradients differ from the parameters (ZeRO-2)
+    moment_shardings: dict | None = None  # per parameter, where the optimizer moments differ from them (ZeRO-1/2)
+
+    def gradient_shardings(self) -> dict:
+        return self.grad_shardings or self.shardings.params
+
+    def optimizer_shardings(self) -> dict:
+        return self.moment_shardings or self.shardings.params
 
     def abstract_state(self) -> TrainState:
         return abstract_state(self.spec, self.tx, self.shardings)
@@ -64,14 +74,22 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
                         f"experts over (mesh axes {', '.join(rules['experts'])}); use a multiple of {expert_ways} experts or a smaller expert axis")
     spec = model_spec(cfg.model)
     tx = make_optimizer(cfg)
-    shardings = state_shardings(spec, tx, rules, mesh)
+    state_rules = load_state_rules(cfg.rules)
+    for section, section_rules in state_rules.items():
+        check_rules_against_mesh(section_rules, mesh, f"{cfg.rules} ({section})")
+    if cfg.optim.offload:
+        offload.check_supported(mesh)
+    placement = Placement(state_rules["optimizer_state"], offload.HOST if cfg.optim.offload else None, loss_scale=cfg.model.dtype == "float16")
+    shardings = state_shardings(spec, tx, rules, mesh, placement)
+    differing = lambda section: None if state_rules[section] == rules else \
+        split_frozen(param_shardings(spec.logical_axes, spec.shapes, state_rules[section], mesh))[0]  # noqa: E731
     t = cfg.train
     shards = batch_shards(rules, mesh)
     if (t.global_batch // t.microbatches) % shards:
         raise UserError(
             f"train.global_batch={t.global_batch} / train.microbatches={t.microbatches} = {t.global_batch // t.microbatches} "
             f"sequences per micro-batch do not split over the {shards} batch shards of the mesh; use a multiple of {shards * t.microbatches}")
-    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh))
+    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh), differing("gradients"), differing("optimizer_state"))
 
 
 def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
@@ -79,8 +97,11 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
     rule surface here, as a UserError."""
     cfg, shardings, batch_sh = layout.cfg, layout.shardings, layout.batch_sharding
     replicated = NamedSharding(layout.mesh, PartitionSpec())
+    device_opt_state = in_device_memory(shardings.opt_state) if cfg.optim.offload else None
     train_fn = jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), cfg.train.microbatches,
-                                       layer_norms=cfg.log.layer_every > 0, loss_chunk=cfg.train.loss_chunk),
+                                       layer_norms=cfg.log.layer_every > 0, loss_chunk=cfg.train.loss_chunk,
+                                       grad_shardings=layout.grad_shardings, device_opt_state=device_opt_state,
+                                       loss_scale_period=cfg.optim.loss_scale_period),
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk), in_shardings=(shardings.model_params, batch_sh),
                       out_shardings=replicated)

@@ -51,6 +51,7 @@ TAGS = {
     # mixture of experts (jaxtrain.step.router_metrics), means over layers
     "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_router_loss": "moe/router_loss",
     "moe_dropped_fraction": "moe/dropped_fraction",
+    "loss_scale": "train/loss_scale", "overflow_steps": "train/overflow_steps",
 }
 # per-layer lists written to TensorBoard one scalar per layer (moe_expert_load_per_layer stays in metrics.jsonl)
 PER_LAYER_TAGS = PER_LAYER + ("moe_load_max_over_mean_per_layer",)
@@ -190,6 +191,7 @@ class MetricsLog:
         self.last_step = initial_step
         self.last_finite: tuple[int, dict] | None = None
         self.skipped = 0
+        self.overflows = 0  # float16: steps the loss scaler skipped since the run (re)started
         self.file = self.tensorboard = self.wandb = self.mlflow = self.prometheus = self.progress = None
         self.peak, peak_source = resolve_peak(cfg, list(layout.mesh.devices.flat)) if enabled else (None, "")
         if enabled:
@@ -259,6 +261,9 @@ class MetricsLog:
         self.pending = []
         for step, metrics in fetched:
             bad = [name for name in GUARDED if not np.isfinite(metrics[name])]
+            if metrics.get("overflow"):  # float16 gradients overflowed: the loss scaler skipped it and halved the scale
+                self.overflows += 1
+                continue
             if not bad:
                 self.last_finite = (step, metrics)
                 continue
@@ -298,6 +303,8 @@ class MetricsLog:
             "data_wait_s": self.timers["data_wait_s"], "checkpoint_s": self.timers["checkpoint_s"],
             "memory_in_use_gib": in_use, "memory_peak_gib": peak_mem, "memory_source": memory_source,
         } | {k: np.asarray(v).tolist() for k, v in metrics.items() if k.startswith("moe_")}
+        if "loss_scale" in metrics:
+            record |= {"loss_scale": float(metrics["loss_scale"]), "overflow_steps": self.overflows}
         self.write(record)
         for layer_step, layer_metrics in fetched:
             if PER_LAYER[0] in layer_metrics:

@@ -22,9 +22,12 @@ RULES_DIR = Path(sharding_rules.__file__).parent
 Rules = dict[str, tuple[str, ...] | None]
 
 
-def load_rules(name_or_path: str, _extending: tuple[str, ...] = ()) -> Rules:
-    """A rule set maps each logical axis name to a mesh axis, a list of mesh axes, or null; ``extends: NAME``
-    starts from rule set NAME and overrides its entries (e.g. a pipeline on top of fsdp_tp)."""
+# Optional sections of a rule file: logical-axis overrides for the optimizer state and the gradients, so
+# one file says how ZeRO-1/2 place them apart from the parameters (absent: they follow the parameters).
+STATE_SECTIONS = ("optimizer_state", "gradients")
+
+
+def _rule_file(name_or_path: str) -> tuple[Path, dict]:
     path = Path(name_or_path)
     if not path.is_file():
         path = RULES_DIR / f"{name_or_path}.yaml"
@@ -37,12 +40,11 @@ def load_rules(name_or_path: str, _extending: tuple[str, ...] = ()) -> Rules:
         raise UserError(f"rule set {path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(body, dict):
         raise UserError(f"rule set {path} must map logical axis names to mesh axes, got {type(body).__name__}")
+    return path, body
+
+
+def _parse_rules(body: dict, where: str) -> Rules:
     rules: Rules = {}
-    base = body.pop("extends", None)
-    if base is not None:
-        if not isinstance(base, str) or base in _extending + (name_or_path,):
-            raise UserError(f"rule set {path}: 'extends' must name another rule set without a cycle, got {base!r}")
-        rules = load_rules(base, _extending + (name_or_path,))
     for logical, target in body.items():
         if target is None:
             rules[logical] = None
@@ -51,8 +53,39 @@ def load_rules(name_or_path: str, _extending: tuple[str, ...] = ()) -> Rules:
         elif isinstance(target, list) and all(isinstance(t, str) for t in target):
             rules[logical] = tuple(target) or None
         else:
-            raise UserError(f"rule set {path}: '{logical}' must map to a mesh axis name, a list of them, or null; got {target!r}")
+            raise UserError(f"rule set {where}: '{logical}' must map to a mesh axis name, a list of them, or null; got {target!r}")
     return rules
+
+
+def load_rules(name_or_path: str, _extending: tuple[str, ...] = ()) -> Rules:
+    """A rule set maps each logical axis name to a mesh axis, a list of mesh axes, or null; ``extends: NAME``
+    starts from rule set NAME and overrides its entries (e.g. a pipeline on top of fsdp_tp)."""
+    path, body = _rule_file(name_or_path)
+    rules: Rules = {}
+    base = body.pop("extends", None)
+    if base is not None:
+        if not isinstance(base, str) or base in _extending + (name_or_path,):
+            raise UserError(f"rule set {path}: 'extends' must name another rule set without a cycle, got {base!r}")
+        rules = load_rules(base, _extending + (name_or_path,))
+    return rules | _parse_rules({k: v for k, v in body.items() if k not in STATE_SECTIONS}, str(path))
+
+
+def load_state_rules(name_or_path: str) -> dict[str, Rules]:
+    """The rules that place the optimizer state and the gradients: the rule set's own, with the overrides of its
+    ``optimizer_state:`` / ``gradients:`` sections (ZeRO-1 and ZeRO-2) on top."""
+    path, body = _rule_file(name_or_path)
+    base = load_rules(name_or_path)
+    out = {}
+    for section in STATE_SECTIONS:
+        overrides = body.get(section) or {}
+        if not isinstance(overrides, dict):
+            raise UserError(f"rule set {path}: '{section}' must map logical axis names to mesh axes, got {overrides!r}")
+        unknown = sorted(set(overrides) - set(base))
+        if unknown:
+            raise UserError(f"rule set {path}: '{section}' overrides {', '.join(unknown)}, which the rule set does not map; "
+                            f"override only its logical axes ({', '.join(base)})")
+        out[section] = base | _parse_rules(overrides, f"{path} ({section})")
+    return out
 
 
 def check_rules_against_mesh(rules: Rules, mesh: Mesh, source: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -25,13 +26,13 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxtrain.adapters import split_frozen
 from jaxtrain.config import Config, flatten, resolve_attention, to_dict
 from jaxtrain.errors import UserError
 from jaxtrain.flops import flops_per_token, peak_flops
 from jaxtrain.gpu_targets import GPU_MEMORY_MIB, compile_only_devices, gpu_memory_bytes
 from jaxtrain.hlo_report import HloReport, captured_stderr, report
 from jaxtrain.mesh import describe_axes
-from jaxtrain.adapters import split_frozen
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
 from jaxtrain.stages import pipelined_variants, schedule
 from jaxtrain.state import bytes_per_device, gathered_elements
@@ -41,8 +42,11 @@ from models.config import REMAT_POLICIES
 
 GIB = 2**30
 DEFAULT_HEADROOM = 0.10  # share of device memory kept free for the CUDA context, NCCL buffers, fragmentation
-RULE_SETS = ("dp", "fsdp", "tp", "fsdp_tp")
+RULE_SETS = ("dp", "fsdp", "tp", "fsdp_tp", "zero1", "zero2")
 ACCELERATOR = "gpu"  # the platform plans are for, whatever the step was compiled on
+# the offload_* policies are itemised (technique_effects), not searched: a compile on CPUs, which have one memory,
+# cannot check what they save
+SEARCHED_REMAT = tuple(p for p in REMAT_POLICIES if not p.startswith("offload_"))
 AUTO_COMPILES = 4  # train.microbatches=auto: compiles tried past the estimate's choice before giving up
 T = TypeVar("T")
 
@@ -68,7 +72,13 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     state = layout.abstract_state()
     trained = bytes_per_device(state.params)  # a LoRA run: the adapters; its frozen base counts in its storage dtype
     params = trained + bytes_per_device(state.frozen)
-    optimizer = bytes_per_device(state.opt_state)
+    on_cpu = (for_platform or platform(layout)) == "cpu"
+    # optim.offload and the offload_* remat policies keep their arrays in host memory; the CPU backend has one
+    # memory, where the compile counts them as it would unmoved arrays
+    optimizer = 0 if cfg.optim.offload and not on_cpu else bytes_per_device(state.opt_state)
+    remat = m.remat.replace("offload_", "save_") if on_cpu else m.remat
+    as_placed = lambda shardings: bytes_per_device(jax.tree.map(lambda x, sh: x.update(sharding=sh), state.params, shardings))  # noqa: E731
+    grads, updates = as_placed(layout.gradient_shardings()), as_placed(layout.optimizer_shardings())
     k = cfg.train.microbatches
     b = cfg.train.global_batch // k / batch_shards(layout.rules, layout.mesh)  # sequences per device per pass
     seq = cfg.data.seq_len
@@ -80,7 +90,6 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     act = np.dtype(m.dtype).itemsize
     # XLA's CPU pipeline converts every bfloat16 stack saved across the layer scan to a float32 copy before the
     # backward loop; the HLO jax emits keeps them in the compute dtype, as a GPU does
-    on_cpu = (for_platform or platform(layout)) == "cpu"
     stack = 4 if on_cpu else act
     hd = m.resolved_head_dim
     embed = tokens * m.d_model  # elements of one residual-stream tensor (the embed axis is never sharded)
@@ -99,7 +108,10 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
         "full": stack * embed,  # the layer input
         "save_dots": stack * (2 * embed + qkv + 2 * mlp),  # input, q k v, output projection, MLP gate and up
         "save_qkv_out": stack * (2 * embed + qkv),
-    }[m.remat]
+        # offloaded to host memory; the device keeps each layer's input (the scan saves it) as with full remat
+        "offload_dots": stack * embed,
+        "offload_qkv_out": stack * embed,
+    }[remat]
     # one layer's weights gathered over the batch axes (FSDP) for its forward and backward: compute-dtype copy
     # and float32 gradient; the tensor axes keep their split
     trained_axes, frozen_axes = split_frozen(layout.spec.logical_axes)
@@ -129,9 +141,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     items = {
         "parameters": params,
         "optimizer state": optimizer,
-        # float32 gradients and the optimizer's update, each the size of the parameters; micro-batching adds
-        # the accumulator
-        "gradients": trained * (3 if k > 1 else 2),
+        # float32 gradients and the optimizer's update, each the size of the parameters (split as the rule set's
+        # gradients: and optimizer_state: sections say, ZeRO-2 and ZeRO-1); micro-batching adds the accumulator
+        "gradients": grads * (2 if k > 1 else 1) + updates,
         # with a pipeline, also the micro-batch buffer the stages read and write, and its gradient
         "activations": int(layers_saved * saved_per_layer + (pipe.stages > 1) * 2 * b * seq * m.d_model * act),
         "logits and loss": int(loss),
@@ -237,6 +249,8 @@ def _replace(cfg: Config, **changes) -> Config:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=changes["remat"]))
     if "rules" in changes:
         cfg = dataclasses.replace(cfg, rules=changes["rules"])
+    if "offload" in changes:
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, offload=changes["offload"]))
     return cfg
 
 
@@ -255,7 +269,10 @@ def _layouts_by_rules(cfg: Config, devices, rule_sets) -> dict[str, Layout]:
             layout = make_layout(_replace(cfg, rules=rules, microbatches=1), devices)
         except UserError:
             continue
-        splits = (tuple(sh.shard_shape(x.shape) for x, sh in zip(jax.tree.leaves(layout.spec.shapes), jax.tree.leaves(layout.shardings.model_params))),
+        shapes, trained = jax.tree.leaves(layout.spec.shapes), jax.tree.leaves(split_frozen(layout.spec.shapes)[0])
+        splits = (tuple(sh.shard_shape(x.shape) for x, sh in zip(shapes, jax.tree.leaves(layout.shardings.model_params))),
+                  *(tuple(sh.shard_shape(x.shape) for x, sh in zip(trained, jax.tree.leaves(shardings)))
+                    for shardings in (layout.gradient_shardings(), layout.optimizer_shardings())),
                   tuple(sorted((logical, _ways(layout, logical)) for logical in layout.rules)))
         if splits not in seen:
             seen.add(splits)
@@ -318,38 +335,83 @@ class Suggestion:
     breakdown: dict
     relative_step_time: float  # vs. the planned config, by step_cost.step_time
     compiled: int | None = None  # the compiled step's bytes per device on the accelerator, when it was compiled
+    saved: int = 0  # estimated bytes per device below the planned config
+    host_s: float = 0.0  # optim.offload: the optimizer state's round trip over PCIe per step
 
     def describe(self, limit: int) -> str:
         change = " and ".join(f"{k}={v}" for k, v in self.changes.items())
         checked = "" if self.compiled is None else \
             f"; compiled {self.compiled / GIB:.1f} GiB: {'fits' if self.compiled <= limit else 'does NOT fit'}"
-        return f"{change}: {self.total / GIB:.1f} GiB of {limit / GIB:.1f} GiB usable, step time x{self.relative_step_time:.2f}{checked}"
+        host = f", costs {1e3 * self.host_s:.0f} ms/step of host transfer at PCIe bandwidth" if self.host_s else ""
+        return (f"{change}: saves {self.saved / GIB:.1f} GiB per device{host}; {self.total / GIB:.1f} GiB of {limit / GIB:.1f} GiB "
+                f"usable, step time x{self.relative_step_time:.2f}{checked}")
 
 
 def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = None, count: int = 5) -> list[Suggestion]:
-    """Configurations that fit, over rule set x remat x micro-batches (the fewest that fit for each pair),
+    """Configurations that fit, over rule set (ZeRO-1/2 among them) x remat x optim.offload x micro-batches (the fewest
+    that fit for each),
     ranked by estimated step time on ``gpu`` (recompute and communication). Micro-batches are how the
     per-device batch shrinks: the global batch, a training hyper-parameter, is left alone."""
     layouts = _layouts_by_rules(cfg, devices, dict.fromkeys((cfg.rules, *RULE_SETS)))
     base = step_time(_with_cfg(layouts[cfg.rules], cfg), gpu)
     base_time = base.total_s
+    base_total = estimate_total(estimate(layouts[cfg.rules], ACCELERATOR))
     options = {rules: (_replace(cfg, rules=rules), layout) for rules, layout in layouts.items()}
     if base.communication_s["fsdp"] > base.compute_s:  # FSDP's gathers dominate: weigh pipeline stages across nodes
         options |= _pipelined_layouts(cfg, devices)
     found = []
     current = flatten(to_dict(cfg))
     for variant, layout in options.values():
-        for remat in REMAT_POLICIES:
+        for remat, offload in itertools.product(SEARCHED_REMAT, dict.fromkeys((cfg.optim.offload, True))):
             for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh) * schedule(variant, layout.rules, layout.mesh).microbatches):
-                candidate = _replace(variant, remat=remat, microbatches=k)
+                candidate = _replace(variant, remat=remat, microbatches=k, offload=offload)
                 breakdown = estimate(_with_cfg(layout, candidate), ACCELERATOR)
                 total = estimate_total(breakdown)
                 if candidate != cfg and total <= limit_bytes:
                     changes = {key: new for key, new in flatten(to_dict(candidate)).items() if current[key] != new}
-                    relative = step_time(_with_cfg(layout, candidate), gpu).total_s / base_time
-                    found.append(Suggestion(candidate, changes, total, breakdown, relative))
+                    timed = step_time(_with_cfg(layout, candidate), gpu)
+                    found.append(Suggestion(candidate, changes, total, breakdown, timed.total_s / base_time,
+                                            saved=base_total - total, host_s=timed.host_s))
                     break  # more micro-batches only cost time
     return sorted(found, key=lambda s: (s.relative_step_time, len(s.changes), s.total))[:count]
+
+
+# each memory technique alone, as a config change the planner itemises (rule sets, offload, activation offload)
+TECHNIQUES = ({"rules": "zero1"}, {"rules": "zero2"}, {"rules": "fsdp"}, {"offload": True}, {"remat": "offload_dots"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Technique:
+    change: str  # the config key=value
+    saved: int  # estimated bytes per device on the accelerator below the planned config (negative: more)
+    relative_step_time: float
+    host_s: float
+
+    def describe(self) -> str:
+        host = f", {1e3 * self.host_s:.0f} ms/step of host transfer at PCIe bandwidth" if self.host_s else ""
+        return f"{self.change}: saves {self.saved / GIB:.2f} GiB per device, step time x{self.relative_step_time:.2f}{host}"
+
+
+def technique_effects(layout: Layout, gpu: str | None = None) -> list[Technique]:
+    """What each memory technique alone would change of the planned layout: estimated bytes per device on the
+    accelerator and step time (``step_cost``); those the config already uses, or the mesh cannot take, left out."""
+    cfg = layout.cfg
+    base_total, base_time = estimate_total(estimate(layout, ACCELERATOR)), step_time(layout, gpu).total_s
+    out = []
+    for change in TECHNIQUES:
+        candidate = _replace(cfg, **change)
+        if candidate == cfg:
+            continue
+        try:
+            changed = make_layout(candidate, list(layout.mesh.devices.flat)) if "rules" in change else _with_cfg(layout, candidate)
+        except UserError:
+            continue
+        timed = step_time(changed, gpu)
+        key, value = next(iter(change.items()))
+        name = {"rules": "rules", "offload": "optim.offload", "remat": "model.remat"}[key]
+        out.append(Technique(f"{name}={str(value).lower() if isinstance(value, bool) else value}",
+                             base_total - estimate_total(estimate(changed, ACCELERATOR)), timed.total_s / base_time, timed.host_s))
+    return out
 
 
 def compile_suggestions(suggestions: list[Suggestion], limit_bytes: float, devices=None) -> list[Suggestion]:
@@ -388,6 +450,7 @@ class Plan:
     suggestions: list
     # with --hlo-report: the compiled program's collective traffic per device per step in step_cost's kinds
     compiled_traffic: dict | None = None
+    techniques: tuple = ()  # technique_effects of the planned layout
 
     @property
     def usable(self) -> int | None:
@@ -435,7 +498,9 @@ class Plan:
             "xla_flops_per_token": self.xla_flops_per_token,
             "tokens_per_s": self.tokens_per_s, "mfu_needed": self.mfu_needed,
             "suggestions": [{"changes": s.changes, "total_bytes": s.total, "compiled_bytes": s.compiled,
-                             "relative_step_time": s.relative_step_time} for s in self.suggestions],
+                             "relative_step_time": s.relative_step_time, "saved_bytes": s.saved, "host_transfer_s": s.host_s}
+                            for s in self.suggestions],
+            "techniques": [dataclasses.asdict(t) for t in self.techniques],
         } | ({} if c.hlo is None else {"hlo_report": c.hlo.to_json() | {
             "traffic_bytes": {"predicted": self.step_time.traffic_bytes, "compiled": self.compiled_traffic}}})
 
@@ -471,7 +536,7 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     traffic = None if compiled.hlo is None else compiled.hlo.traffic_by_step_cost_kind(tuple(layout.rules.get("activation_batch") or ()))
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, estimate_as_compiled(layout, compiled),
                 estimate(layout, ACCELERATOR), compiled, predicted, step_time(layout, gpu), flops_per_token(cfg.model, cfg.data.seq_len),
-                cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic)
+                cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic, tuple(technique_effects(layout, gpu)))
 
 
 def render(plan: Plan) -> str:
@@ -513,6 +578,9 @@ def render(plan: Plan) -> str:
                      + ("; with jax's CUDA plugin the plan compiles for the GPU itself (docs/PLANNER.md)" if c.platform == "cpu" else ""))
     elif plan.usable is not None and not plan.fits and not plan.suggestions:
         lines.append("  no rule set, remat policy or micro-batch count fits by the estimate: use more devices or a mesh with more fsdp/tensor ways")
+    if plan.techniques:
+        lines.append("memory techniques, each alone (estimate per device on the accelerator):")
+        lines += [f"  {t.describe()}" for t in plan.techniques]
     lines.append(f"estimated step time: {plan.step_time.describe()}")
     xla = plan.xla_flops_per_token
     lines.append(f"FLOPs per token: {plan.flops_per_token:.4g} (PaLM formula, causal attention halved)"

@@ -13,7 +13,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtrain import loss_scale as loss_scale_lib
 from jaxtrain.adapters import join_frozen, split_frozen
+from jaxtrain.quant import quantized
 from jaxtrain.partitioning import Rules, param_shardings, spec_axes
 from models.config import LlamaConfig
 from models.llama import Llama
@@ -24,6 +26,7 @@ class TrainState:
     step: jax.Array  # int32 scalar: optimizer updates applied so far
     params: dict  # nested dict of arrays, keyed like the NNX module tree: the trained ones (a LoRA run: the adapters)
     opt_state: Any
+    loss_scale: Any = None  # float16 compute: {"scale", "counter"} of the dynamic loss scale (jaxtrain/loss_scale.py)
     frozen: dict | None = None  # a LoRA run's base weights (never updated, not checkpointed); None: every parameter trains
 
     @property
@@ -47,7 +50,7 @@ class ModelSpec:
 
 def model_spec(model_cfg: LlamaConfig) -> ModelSpec:
     """Built from an abstract model: nothing is allocated."""
-    abstract = nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: quantized(Llama(model_cfg, rngs=nnx.Rngs(0)), model_cfg.quant))
     graphdef, state = nnx.split(abstract)
     return ModelSpec(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)))
 
@@ -70,33 +73,59 @@ def bytes_per_device(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation, rules: Rules, mesh: Mesh) -> TrainState:
-    """Shardings of every TrainState leaf; optimizer moments follow their parameter's sharding."""
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the state lives beyond the parameters' rules: the optimizer state's own rules (ZeRO-1/2: a rule
+    set's ``optimizer_state:`` section), its memory kind (optim.offload: ``pinned_host``), and whether a
+    float16 loss scale is carried."""
+
+    optimizer_rules: Rules | None = None  # None: the parameters' rules
+    optimizer_memory: str | None = None  # None: the device's default memory
+    loss_scale: bool = False
+
+
+def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation, rules: Rules, mesh: Mesh,
+                    placement: Placement = Placement()) -> TrainState:
+    """Shardings of every TrainState leaf; optimizer moments follow their parameter's sharding, under the
+    optimizer state's own rules where the placement has them. A LoRA run's base is ``frozen``, with no moments."""
     params, frozen = split_frozen(param_shardings(spec.logical_axes, spec.shapes, rules, mesh))
+    moments = params if placement.optimizer_rules is None else \
+        split_frozen(param_shardings(spec.logical_axes, spec.shapes, placement.optimizer_rules, mesh))[0]
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_state = optax.tree_map_params(
-        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, split_frozen(spec.shapes)[0]), params,
+        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, split_frozen(spec.shapes)[0]), moments,
         transform_non_params=lambda _: replicated)
-    return TrainState(step=replicated, params=params, opt_state=opt_state, frozen=frozen)
+    if placement.optimizer_memory is not None:
+        opt_state = jax.tree.map(lambda sharding: sharding.with_memory_kind(placement.optimizer_memory), opt_state)
+    return TrainState(step=replicated, params=params, opt_state=opt_state, frozen=frozen,
+                      loss_scale={"scale": replicated, "counter": replicated} if placement.loss_scale else None)
+
+
+def in_device_memory(shardings):
+    """The same shardings in the device's default memory (the step computes there on offloaded state)."""
+    return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
 
 
 def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
     params, frozen = split_frozen(spec.shapes)
-    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=jax.eval_shape(tx.init, params), frozen=frozen)
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=jax.eval_shape(tx.init, params), frozen=frozen,
+                        loss_scale=None if shardings.loss_scale is None else jax.eval_shape(loss_scale_lib.initial_state))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
 def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
     """A fresh train state (step 0, new optimizer state) around given parameters, which it takes over."""
-    return jax.jit(fresh_state(tx), out_shardings=shardings, donate_argnums=0)(params)
+    return jax.jit(fresh_state(tx, shardings), out_shardings=shardings, donate_argnums=0)(params)
 
 
-def fresh_state(tx: optax.GradientTransformation) -> Callable[[dict], TrainState]:
-    """Every parameter of the model -> a train state at step 0 (to be traced inside jit)."""
+def fresh_state(tx: optax.GradientTransformation, shardings: TrainState) -> Callable[[dict], TrainState]:
+    """Every parameter of the model -> a train state at step 0 (to be traced inside jit), with a fresh loss scale
+    where ``shardings`` carry one (float16)."""
 
     def start(params: dict) -> TrainState:
         trained, frozen = split_frozen(params)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=trained, opt_state=tx.init(trained), frozen=frozen)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=trained, opt_state=tx.init(trained), frozen=frozen,
+                          loss_scale=None if shardings.loss_scale is None else loss_scale_lib.initial_state())
 
     return start
 
@@ -107,7 +136,7 @@ def state_initializer(model_cfg: LlamaConfig, tx: optax.GradientTransformation, 
     make more fresh states: it compiles on its first call only."""
 
     def init():
-        return fresh_state(tx)(nnx.to_pure_dict(nnx.state(Llama(model_cfg, rngs=nnx.Rngs(seed)))))
+        return fresh_state(tx, shardings)(nnx.to_pure_dict(nnx.state(Llama(model_cfg, rngs=nnx.Rngs(seed)))))
 
     return jax.jit(init, out_shardings=shardings)
 

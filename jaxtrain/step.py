@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxtrain import loss_scale as loss_scale_lib
 from jaxtrain.adapters import join_frozen
 from jaxtrain.state import TrainState
 from models.moe import pop_router_stats
@@ -95,32 +96,46 @@ def training_objective(graphdef, params: dict, batch: Batch, loss_chunk: int = 0
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
-                    layer_norms: bool = False, loss_chunk: int = 0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    layer_norms: bool = False, loss_chunk: int = 0, *, grad_shardings=None, device_opt_state=None,
+                    loss_scale_period: int = 0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
-    bad batch never poisons the state; the loop decides whether to stop or go on."""
-    def grad_fn(params, frozen, batch, counted, share):
-        """Gradients for the trained parameters only (LoRA: the adapters)."""
+    bad batch never poisons the state; the loop decides whether to stop or go on. ``grad_shardings``
+    places the gradients (ZeRO-2: reduce-scattered); ``device_opt_state`` are the optimizer state's shardings
+    in device memory, where the step brings it from the host (optim.offload) for the update; with a loss scale in the
+    state (float16) the objective is scaled before differentiation and an overflowing update skipped."""
+    def placed(grads):
+        return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+    def grad_fn(params, frozen, batch, counted, share, scale):
+        """Gradients for the trained parameters only (LoRA: the adapters), of the scaled objective."""
         def objective(trained):
-            return training_objective(graphdef, join_frozen(frozen, trained), batch, loss_chunk, counted, share)
+            value, aux = training_objective(graphdef, join_frozen(frozen, trained), batch, loss_chunk, counted, share)
+            return scale.scale(value), aux
 
         (_, (loss, stats)), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        return (loss, stats), grads
+        return (loss, stats), placed(grads)
 
     def train_step(state: TrainState, batch: Batch):
+        if device_opt_state is not None:
+            state = state.replace(opt_state=jax.device_put(state.opt_state, device_opt_state))
+        scale = loss_scale_lib.scaler(state.loss_scale, loss_scale_period)
         counted = counted_tokens(batch)
         if microbatches == 1:
-            (loss, stats), grads = grad_fn(state.params, state.frozen, batch, counted, 1.0)
+            (loss, stats), grads = grad_fn(state.params, state.frozen, batch, counted, 1.0, scale)
         else:
             def accumulate(carry, micro):
-                parts, grads = grad_fn(state.params, state.frozen, micro, counted, 1 / microbatches)
+                parts, grads = grad_fn(state.params, state.frozen, micro, counted, 1 / microbatches, scale)
                 return jax.tree.map(jnp.add, carry, (parts, grads)), None
 
             micro = _split_microbatches(batch, microbatches)
             # zeros shaped like (loss, router stats) of one micro-batch; gradients like the parameters
             first = jax.tree.map(lambda x: x[0], micro)
-            parts = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, state.params, state.frozen, first, counted, 1.0)[0])
-            ((loss, stats), grads), _ = jax.lax.scan(accumulate, (parts, jax.tree.map(jnp.zeros_like, state.params)), micro)
+            one_pass = jax.eval_shape(lambda p, f, b: grad_fn(p, f, b, counted, 1.0, scale), state.params, state.frozen, first)
+            parts = jax.tree.map(jnp.zeros_like, one_pass[0])
+            zeros = placed(jax.tree.map(jnp.zeros_like, state.params))
+            ((loss, stats), grads), _ = jax.lax.scan(accumulate, (parts, zeros), micro)
+        grads = scale.unscale(grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -129,10 +144,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                                          (params, opt_state), (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
                    "learning_rate": schedule(schedule_count(state.opt_state))} | router_metrics(stats)
+        if state.loss_scale is not None:  # an overflow of the scaled gradients: skipped, the scale halved
+            metrics |= {"loss_scale": scale.loss_scale, "overflow": jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)}
         if layer_norms:
             metrics |= {"grad_norm_per_layer": per_layer_norm(grads["layers"]),
                         "param_norm_per_layer": per_layer_norm(params["layers"])}
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen), metrics
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen,
+                          loss_scale=loss_scale_lib.to_state(scale.adjust(jnp.isfinite(grad_norm)))), metrics
 
     return train_step
 

@@ -11,6 +11,11 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
   reducing inside the micro-batch loop);
 gradients travel in the dtype the weight is used in: the compute dtype for matmul weights, float32 for the
 norm scales (RMSNorm applies them in float32), as the compiled program shows;
+- ZeRO-2 (gradients split over batch axes their weight is replicated on): those reduced by a reduce-scatter,
+  half an all-reduce; ZeRO-1/2 (optimizer state split so): each updated float32 weight all-gathered once per
+  step over those axes;
+- optim.offload: the optimizer state copied from host memory to the device and back once per step over PCIe,
+  after the backward pass (not overlapped);
 - tensor parallel: per micro-batch and layer, the residual stream all-reduced after attention and the MLP
   in the forward and the backward, and again for each of those the remat policy recomputes;
 - pipeline (models/pipeline.py): per micro-batch pass, every iteration shifts each stage's micro-batch of
@@ -36,19 +41,22 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxtrain.adapters import split_frozen
 from jaxtrain.config import Config
 from jaxtrain.flops import active_mlps, flops_per_token, peak_flops
 from jaxtrain.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.layout import Layout
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways, spec_axes
 from jaxtrain.stages import schedule
-from jaxtrain.state import elements_per_device, gathered_elements
+from jaxtrain.state import bytes_per_device, elements_per_device, gathered_elements
 from models.pipeline import STAGES
 
 ASSUMED_MFU = 0.45  # share of the datasheet peak a well-tuned step reaches (MaxText reports 45-55% on H100)
 DEFAULT_GPU = "h100"  # what a step is timed on when no GPU is named
 # forward all-reduces of the tensor-parallel residual stream that each policy recomputes in the backward
-RECOMPUTED_ALL_REDUCES = {"none": 0, "save_dots": 0, "save_qkv_out": 1, "full": 2}
+# host <-> device bandwidth per direction (PCIe Gen5 x16 on H100 / H200, Gen4 on A100 and L4)
+PCIE_BYTES_PER_S = {"h100": 64e9, "h200": 64e9, "a100": 32e9, "a100-40gb": 32e9, "l4": 32e9}
+RECOMPUTED_ALL_REDUCES = {"none": 0, "save_dots": 0, "save_qkv_out": 1, "full": 2, "offload_dots": 0, "offload_qkv_out": 1}
 
 
 def recompute_factor(cfg: Config) -> float:
@@ -59,7 +67,7 @@ def recompute_factor(cfg: Config) -> float:
     mlp_matmuls = 2 * m.num_layers * 3 * m.d_model * m.mlp_dim * active_mlps(m)
     layer_matmuls = 2 * m.num_layers * m.d_model * m.resolved_head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + mlp_matmuls
     extra = {"none": 0, "save_dots": attention_core, "save_qkv_out": attention_core + mlp_matmuls,
-             "full": attention_core + layer_matmuls}[m.remat]
+             "full": attention_core + layer_matmuls}[m.remat.replace("offload_", "save_")]  # offloading recomputes as saving
     return 1 + extra / total
 
 
@@ -69,17 +77,20 @@ class StepTime:
     compute_s: float
     communication_s: dict  # "fsdp", "data", "tensor", "pipeline" (and "expert" for a mixture of experts) -> seconds
     traffic_bytes: dict  # the same kinds -> bytes each device sends per step
+    host_s: float = 0.0  # optim.offload: the optimizer state's round trip over PCIe
 
     @property
     def total_s(self) -> float:
-        """Compute, plus the tensor-parallel all-reduces, plus the overlapped traffic the compute cannot hide."""
+        """Compute, plus the tensor-parallel all-reduces and host transfers, plus the overlapped traffic the compute
+        cannot hide."""
         c = self.communication_s
-        return self.compute_s + c["tensor"] + c["pipeline"] + c.get("expert", 0.0) + max(0.0, c["fsdp"] + c["data"] - self.compute_s)
+        return self.compute_s + c["tensor"] + c["pipeline"] + c.get("expert", 0.0) + self.host_s + max(0.0, c["fsdp"] + c["data"] - self.compute_s)
 
     def describe(self) -> str:
         parts = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in self.communication_s.items() if seconds >= 0.005)
+        host = f"; host transfer {1e3 * self.host_s:.0f} ms" if self.host_s else ""
         return (f"{self.total_s:.2f} s on {self.gpu} (compute {self.compute_s:.2f} s at {100 * ASSUMED_MFU:.0f}% MFU"
-                + (f"; communication {parts}, fsdp and data overlapped with compute" if parts else "") + ")")
+                + (f"; communication {parts}, fsdp and data overlapped with compute" if parts else "") + host + ")")
 
 
 def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
@@ -96,10 +107,18 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     fsdp = data = 0.0
     fsdp_axes, data_axes = set(), set()
     params = layout.abstract_state().params
-    logical = jax.tree.leaves(layout.spec.logical_axes, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    # the trained parameters' (a LoRA run: the adapters') logical axes, leaf for leaf with params
+    logical = jax.tree.leaves(split_frozen(layout.spec.logical_axes)[0], is_leaf=lambda s: isinstance(s, PartitionSpec))
     expert_axes = tuple(layout.rules.get("experts") or ())
     expert_ways = math.prod(layout.mesh.shape[a] for a in expert_axes)
-    for x, axes in zip(jax.tree.leaves(params), logical):
+
+    def ways(x, sharding) -> int:
+        """How many ways ``x`` laid out by ``sharding`` is split over the batch axes."""
+        placed = x.update(sharding=sharding)
+        return gathered_elements(placed, batch_axes) // elements_per_device(placed)
+
+    for x, axes, grad_sharding, moment_sharding in zip(jax.tree.leaves(params), logical, jax.tree.leaves(layout.gradient_shardings()),
+                                                        jax.tree.leaves(layout.optimizer_shardings())):
         # an expert's weights live on its own devices: no gather or gradient reduction over the expert axes
         own = expert_axes if "experts" in axes else ()
         local, gathered = elements_per_device(x), gathered_elements(x, gather_axes(layout.rules, axes))
@@ -107,7 +126,10 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         replicated = batch_ways // (split * (expert_ways if own else 1))
         grad = 4 if "norm" in axes else act
         fsdp += k * gathered * (2 * act + grad) * (split - 1) / split
-        data += k * 2 * local * grad * (replicated - 1) / replicated
+        reductions = 1 if ways(x, grad_sharding) > split else 2  # reduce-scatter (ZeRO-2) or all-reduce
+        data += k * reductions * local * grad * (replicated - 1) / replicated
+        optimizer_split = ways(x, moment_sharding) // split
+        data += local * x.dtype.itemsize * (optimizer_split - 1) / optimizer_split  # ZeRO-1/2: the updated weights gathered
         used = spec_axes(x.sharding.spec)
         fsdp_axes.update(a for a in batch_axes if a in used and a not in own)
         data_axes.update(a for a in batch_axes if a not in used)
@@ -124,6 +146,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         across_nodes = any(getattr(cfg.mesh.dcn, a) != 1 for a in axes)
         return traffic / (network if across_nodes else nvlink)
 
+    host = 2 * bytes_per_device(layout.abstract_state().opt_state) / PCIE_BYTES_PER_S[name] if cfg.optim.offload else 0.0
     communication = {"fsdp": seconds(fsdp, fsdp_axes), "data": seconds(data, data_axes),
                      "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ()),
                      "pipeline": seconds(pipeline, layout.rules.get(STAGES) or ())}
@@ -135,4 +158,4 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         all_to_alls = k * m.num_layers * (4 + 2 * (m.remat == "full"))
         traffic["expert"] = all_to_alls * sequences * seq * routed * m.d_model * act * (expert_ways - 1) / expert_ways
         communication["expert"] = seconds(traffic["expert"], expert_axes)
-    return StepTime(name, compute, communication, traffic)
+    return StepTime(name, compute, communication, traffic, host)

@@ -7,7 +7,8 @@ import math
 import re
 
 # Names of the per-layer rematerialisation policies; models/llama.py maps each to a jax policy.
-REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_out")
+# offload_*: what save_* keeps is moved to host memory (pinned_host) and brought back for the backward pass.
+REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_out", "offload_dots", "offload_qkv_out")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # auto: the trainer picks cudnn on NVIDIA GPUs and xla elsewhere; a model built directly lets jax choose
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
@@ -56,9 +57,13 @@ def _matches(pattern: str, text: str) -> bool:
         return re.fullmatch(pattern, text) is not None
     except re.error:
         return False
+
+
 # dropless: every token reaches its experts (grouped matmul, jax.lax.ragged_dot); capacity: each expert takes at most
 # capacity_factor x its fair share of a sequence's tokens, the rest skip the block (fixed shapes: expert parallel everywhere)
 MOE_DISPATCH = ("dropless", "capacity")
+# quantized training of the layers' matmuls (jaxtrain/quant.py, qwix): int8, or fp8 (e4m3 forward, e5m2 gradients)
+QUANT_TYPES = ("none", "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +170,7 @@ class LlamaConfig:
     base_quant: str = "none"  # the frozen base of a LoRA run stored as int8 or nf4 (QLoRA)
     pipeline: PipelineConfig = PipelineConfig()
     moe: MoEConfig = MoEConfig()
+    quant: str = "none"  # quantized training of the layers' matmuls: none, int8, fp8
 
     @property
     def resolved_head_dim(self) -> int:
@@ -206,6 +212,8 @@ class LlamaConfig:
         for key in ("dtype", "param_dtype"):
             if getattr(self, key) not in COMPUTE_DTYPES:
                 out.append(f"model.{key}={getattr(self, key)!r} is not supported; choose one of {', '.join(COMPUTE_DTYPES)}")
+        if self.quant not in QUANT_TYPES:
+            out.append(f"model.quant={self.quant!r} is unknown; choose one of {', '.join(QUANT_TYPES)}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             out.append(f"model.attention={self.attention!r} is unknown; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):

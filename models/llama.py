@@ -29,12 +29,17 @@ EMBED_ACT = (BATCH, LENGTH, "activation_embed")
 # one layer's cached keys or values: (batch, cache length, kv_heads, head_dim)
 LAYER_CACHE = (BATCH, "cache_length", "activation_kv_heads", "activation_head_dim")
 
+QKV_OUT = ("query_proj", "key_proj", "value_proj", "attn_out")
 REMAT_POLICY_FNS = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     # weight matmul outputs are kept; attention score matmuls (batched dots) are recomputed
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "save_qkv_out": jax.checkpoint_policies.save_only_these_names("query_proj", "key_proj", "value_proj", "attn_out"),
+    "save_qkv_out": jax.checkpoint_policies.save_only_these_names(*QKV_OUT),
+    # the same activations kept in host memory instead of the device's, copied back for the backward pass
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    "offload_qkv_out": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=QKV_OUT, offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -148,9 +153,10 @@ class Attention(nnx.Module):
     def __call__(self, x, sin, cos, segment_ids=None):
         """With ``segment_ids`` (batch, length), a token attends only to earlier tokens of its own segment: several
         examples packed in one sequence never see each other."""
-        q, k, v = self._qkv(x, sin, cos)
+        q, k, v = self._float16_widened(*self._qkv(x, sin, cos), cudnn=self.implementation == "cudnn")
         mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-        return self._output(jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=self.implementation))
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=self.implementation)
+        return self._output(out.astype(self.dtype))
 
     def extend(self, x, sin, cos, cache: LayerCache):
         """x (batch, length, d_model) at positions cache.length ...: its keys and values are written into
@@ -161,8 +167,13 @@ class Attention(nnx.Module):
         query_positions = cache.length + jnp.arange(x.shape[1])
         visible = jnp.arange(keys.shape[1])[None, :] <= query_positions[:, None]  # causal; also hides unwritten slots
         # XLA attention: cuDNN's fused kernel brings nothing to a one-token query
-        out = jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None], implementation="xla")
-        return self._output(out), LayerCache(keys, values, cache.length)
+        out = jax.nn.dot_product_attention(*self._float16_widened(q, keys, values, cudnn=False), mask=visible[None, None], implementation="xla")
+        return self._output(out.astype(self.dtype)), LayerCache(keys, values, cache.length)
+
+    def _float16_widened(self, *xs, cudnn: bool):
+        """XLA's attention asks for float16 products accumulated in float32, which XLA:CPU rejects: in float16
+        compute it gets float32 inputs (cuDNN's kernel takes float16)."""
+        return tuple(x.astype(jnp.float32) for x in xs) if self.dtype == jnp.float16 and not cudnn else xs
 
     def _qkv(self, x, sin, cos):
         heads = (BATCH, LENGTH, "activation_heads", "activation_head_dim")
@@ -297,6 +308,8 @@ class Llama(nnx.Module):
         """Hidden states (batch, length, d_model) -> logits (batch, length, vocab) float32; any length,
         so a loss can project a slice of positions at a time."""
         dtype = jnp.dtype(self.cfg.dtype)
+        if dtype == jnp.float16:  # float16 logits overflow, and XLA:CPU has no float16 product into float32
+            x, dtype = x.astype(jnp.float32), jnp.dtype(jnp.float32)
         if self.cfg.tie_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dtype), preferred_element_type=jnp.float32)
         else:

@@ -1,0 +1,32 @@
+"""Dynamic loss scaling for float16 compute, with jmp's ``DynamicLossScale``.
+
+float16 has five exponent bits: small gradients underflow to zero unless the loss is multiplied by a large
+scale before differentiation and the gradients divided by it afterwards. A step whose scaled gradients
+overflow is skipped (the train step keeps the state) and the scale is halved; after
+``optim.loss_scale_period`` finite steps in a row it doubles again. The scale and that count live in the
+train state (``TrainState.loss_scale``), so checkpoints carry them.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import jmp
+
+INITIAL_SCALE = 2.0**15  # as jmp's and PyTorch's GradScaler's examples; the first overflows settle it
+
+
+def initial_state() -> dict:
+    return {"scale": jnp.full((), INITIAL_SCALE, jnp.float32), "counter": jnp.zeros((), jnp.int32)}
+
+
+def scaler(state: dict | None, period: int):
+    """jmp's scaler for the train state's loss scale; a no-op without one (compute other than float16)."""
+    if state is None:
+        return jmp.NoOpLossScale()
+    return jmp.DynamicLossScale(state["scale"], state["counter"], period=period)
+
+
+def to_state(scale) -> dict | None:
+    if isinstance(scale, jmp.NoOpLossScale):
+        return None
+    return {"scale": scale.loss_scale, "counter": scale.counter}

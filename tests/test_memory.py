@@ -1,0 +1,215 @@
+"""Memory techniques: ZeRO-1/2 rule sets, float16 with dynamic loss scaling, host offload; their bad input."""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import small_config, with_
+from test_plan import medium_config
+from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import config as config_lib
+from jaxtrain import offload, step_cost
+from jaxtrain import plan as plan_lib
+from jaxtrain.data import train_batches
+from jaxtrain.errors import UserError
+from jaxtrain.layout import make_layout
+from jaxtrain.train import build, train
+
+STEPS = 20
+DP_MESH = (8, 1, 1)
+
+
+def _cfg(rules="dp", mesh=DP_MESH, **model):
+    return with_(small_config(rules, mesh, **model), train={"steps": STEPS},
+                 checkpoint={"every": 4, "keep": STEPS, "async_save": False})
+
+
+@pytest.fixture(scope="module")
+def trainers(corpus):
+    """Compiled once for the module: the float32 reference (dp) and each technique on the same 8 devices."""
+    return {"dp": build(_cfg(), corpus), "zero1": build(_cfg("zero1"), corpus), "zero2": build(_cfg("zero2"), corpus),
+            "float16": build(with_(_cfg(dtype="float16"), optim={"loss_scale_period": 2}), corpus),
+            "offload": build(with_(_cfg(remat="offload_dots"), optim={"offload": True}), corpus)}
+
+
+def _run(trainer, corpus, steps, state=None):
+    state = state or trainer.init_state()
+    batches = train_batches(corpus, trainer.cfg.data, trainer.cfg.train.global_batch, trainer.batch_sharding)
+    metrics = []
+    for _ in range(steps):
+        state, m = trainer.train_step(state, next(batches))
+        metrics.append(jax.device_get(m))
+    return state, metrics
+
+
+def _losses(run_dir) -> dict[int, float]:
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _kinds(tree) -> set:
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+@pytest.fixture(scope="module")
+def references(trainers, corpus):
+    """Five float32 steps of dp: (final state, metrics)."""
+    return _run(trainers["dp"], corpus, 5)
+
+
+@pytest.mark.parametrize("rules", ["zero1", "zero2"])
+def test_zero_matches_dp_with_less_optimizer_memory_per_device(rules, trainers, references, corpus):
+    state, metrics = _run(trainers[rules], corpus, 5)
+    ref_state, ref_metrics = references
+    np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in ref_metrics], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), jax.device_get(state.params),
+                 jax.device_get(ref_state.params))
+    # the moments are split over the 8 batch shards on the embed dimension; the parameters stay whole
+    wq_moment = state.opt_state[1][0].mu["layers"]["attn"]["wq"]
+    assert wq_moment.sharding.shard_shape(wq_moment.shape)[1] == wq_moment.shape[1] // 8
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state.params))
+    shard = lambda s: sum(np.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(s))  # noqa: E731
+    assert shard(state.opt_state) < shard(ref_state.opt_state) / 6
+
+
+def test_zero2_reduce_scatters_gradients(trainers):
+    """ZeRO-2's gradients are placed like its optimizer state: the compiled step reduces each device's share only."""
+    grads = trainers["zero2"].layout.grad_shardings
+    assert grads["layers"]["mlp"]["w_up"].spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"), None)
+    assert trainers["zero1"].layout.grad_shardings is None  # zero1: gradients placed as the parameters
+
+
+def test_zero1_resumes_exactly_and_moves_to_fsdp_and_back(trainers, corpus, tmp_path):
+    cfg = trainers["zero1"].cfg
+    reference = tmp_path / "zero1"
+    final = train(cfg, reference, trainers["zero1"])
+    # exact resume: drop the checkpoints after step 12 and run again
+    resumed = tmp_path / "resumed"
+    shutil.copytree(reference, resumed)
+    for step in range(16, STEPS + 1, 4):
+        shutil.rmtree(resumed / "checkpoints" / str(step))
+    again = train(cfg, resumed, trainers["zero1"])
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(again)), jax.tree.leaves(jax.device_get(final))))
+    # zero1's checkpoint onto fsdp (every array split over 8 devices), and fsdp's back onto zero1
+    fsdp = make_layout(with_(_cfg("fsdp", (1, 8, 1)), train={"steps": STEPS}))
+    on_fsdp = checkpoint_lib.restore_from(reference / "checkpoints" / "12", fsdp.abstract_state(), None, params_only=False)
+    saved = checkpoint_lib.restore_from(reference / "checkpoints" / "12", trainers["zero1"].layout.abstract_state(), None, params_only=False)
+    assert on_fsdp.params["layers"]["mlp"]["w_up"].sharding.spec[1] == "fsdp"
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(on_fsdp)), jax.tree.leaves(jax.device_get(saved))))
+    back = tmp_path / "back"
+    checkpoints = checkpoint_lib.RunCheckpoints(back, cfg.checkpoint, STEPS, {})
+    batches = train_batches(corpus, cfg.data, cfg.train.global_batch, fsdp.batch_sharding)
+    checkpoints.save(12, on_fsdp, batches.iterator, force=True)
+    checkpoints.close()
+    restored = checkpoint_lib.restore_from(back, trainers["zero1"].layout.abstract_state(), None, params_only=False)
+    assert restored.opt_state[1][0].mu["embed"].sharding.spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(jax.device_get(saved))))
+
+
+def test_float16_overflow_is_skipped_and_halves_the_scale(trainers, corpus):
+    trainer = trainers["float16"]
+    state = trainer.init_state()
+    # two finite steps (optim.loss_scale_period=2) double the scale
+    state, metrics = _run(trainer, corpus, 2, state)
+    assert [float(m["loss_scale"]) for m in metrics] == [2.0**15] * 2 and not any(m["overflow"] for m in metrics)
+    assert float(state.loss_scale["scale"]) == 2.0**16
+    # a scale float16 gradients cannot hold: the step overflows, the update is skipped, the scale halved
+    huge = jax.device_put(jnp.float32(2.0**40), state.loss_scale["scale"].sharding)
+    state = state.replace(loss_scale={"scale": huge, "counter": state.loss_scale["counter"]})
+    before = jax.device_get((state.params, state.opt_state))
+    state, metrics = _run(trainer, corpus, 1, state)
+    assert bool(metrics[0]["overflow"]) and np.isfinite(metrics[0]["loss"])
+    assert float(state.loss_scale["scale"]) == 2.0**39 and int(state.loss_scale["counter"]) == 0
+    after = jax.device_get((state.params, state.opt_state))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)))
+
+
+def test_float16_trains_like_float32_and_checkpoints_its_scale(trainers, references, corpus, tmp_path):
+    run_dir = tmp_path / "float16"
+    final = train(trainers["float16"].cfg, run_dir, trainers["float16"])
+    _, reference = _run(trainers["dp"], corpus, STEPS)
+    losses = _losses(run_dir)
+    np.testing.assert_allclose([losses[s] for s in range(1, STEPS + 1)], [m["loss"] for m in reference], rtol=2e-2)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    scales = [r["loss_scale"] for r in records if "loss_scale" in r] + [float(final.loss_scale["scale"])]
+    # optim.loss_scale_period=2 doubles the scale until float16 overflows: each overflow skipped, counted, the scale halved
+    halvings = sum(later == earlier / 2 for earlier, later in zip(scales, scales[1:]))
+    assert len(scales) == STEPS + 1 and scales[0] == 2.0**15 and halvings > 0 and records[-2]["overflow_steps"] == halvings
+    saved = checkpoint_lib.restore_from(run_dir, trainers["float16"].layout.abstract_state(), None, params_only=False)
+    assert float(saved.loss_scale["scale"]) == scales[-1] and int(saved.loss_scale["counter"]) == int(final.loss_scale["counter"])
+
+
+def test_offload_keeps_optimizer_state_in_host_memory_with_the_same_numerics(trainers, references, corpus):
+    state, metrics = _run(trainers["offload"], corpus, 5)
+    assert _kinds(state.opt_state) == {offload.HOST} and _kinds(state.params) == {"device"}
+    assert _kinds(trainers["dp"].init_state().opt_state) == {"device"}
+    np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in references[1]], rtol=1e-5)
+
+
+def test_int8_and_fp8_training_lands_near_bfloat16(corpus):
+    """qwix quantized training of the layers' matmuls: the loss after 100 steps within 3% of bfloat16's."""
+    losses = {}
+    for quant in ("none", "int8", "fp8"):
+        cfg = with_(small_config("dp", DP_MESH, dtype="bfloat16", quant=quant), train={"steps": 100})
+        _, metrics = _run(build(cfg, corpus), corpus, 100)
+        losses[quant] = float(np.mean([m["loss"] for m in metrics[-20:]]))  # the last 20 steps: less batch noise
+    assert losses["none"] < 1.5  # it learned the phrase (ln 64 = 4.16 at the start)
+    for quant in ("int8", "fp8"):
+        assert abs(losses[quant] / losses["none"] - 1) < 0.03, losses
+
+
+def _medium(rules="dp", mesh=DP_MESH, **optim):
+    return with_(medium_config(rules, "full", mesh=mesh), optim=optim)
+
+
+def test_step_cost_counts_zero_gathers_reduce_scatters_and_host_transfers():
+    dp, zero1, zero2, offloaded = (step_cost.step_time(make_layout(cfg), "h100") for cfg in (
+        _medium(), _medium("zero1"), _medium("zero2"), _medium(offload=True)))
+    params = make_layout(_medium()).spec.num_params
+    # ZeRO-1: every updated float32 weight all-gathered over the 8 batch shards; ZeRO-2: gradients reduce-scattered,
+    # half the all-reduce
+    assert zero1.traffic_bytes["data"] == pytest.approx(dp.traffic_bytes["data"] + params * 4 * 7 / 8)
+    assert zero2.traffic_bytes["data"] == pytest.approx(zero1.traffic_bytes["data"] - dp.traffic_bytes["data"] / 2)
+    # offload: the optimizer state (two float32 moments) to the host and back per step over PCIe
+    assert offloaded.host_s == pytest.approx(2 * params * 8 / step_cost.PCIE_BYTES_PER_S["h100"], rel=1e-3)
+    assert offloaded.total_s == pytest.approx(dp.total_s + offloaded.host_s)
+
+
+def test_planner_itemises_each_technique_and_suggests_them():
+    layout = make_layout(_medium())
+    params = layout.spec.num_params
+    effects = {t.change: t for t in plan_lib.technique_effects(layout, "h100")}
+    assert set(effects) == {"rules=zero1", "rules=zero2", "rules=fsdp", "optim.offload=true", "model.remat=offload_dots"}
+    # per device: ZeRO-1 splits the moments (8 bytes a parameter) and the update (4); ZeRO-2 also the gradients (4)
+    assert effects["rules=zero1"].saved == pytest.approx(params * 12 * 7 / 8, abs=64)
+    assert effects["rules=zero2"].saved == pytest.approx(params * 16 * 7 / 8, abs=64)
+    assert effects["optim.offload=true"].saved == pytest.approx(params * 8, abs=64) and effects["optim.offload=true"].host_s > 0
+    full = plan_lib.estimate_total(plan_lib.estimate(layout, plan_lib.ACCELERATOR))
+    suggestions = plan_lib.suggest(layout.cfg, full - params * 6, gpu="h100", count=50)  # the moments' share must go
+    changes = [s.changes for s in suggestions]
+    assert {"rules": "zero1"} in changes and {"optim.offload": True} in changes
+    offload_line = next(s for s in suggestions if s.changes == {"optim.offload": True}).describe(full)
+    assert f"saves {params * 8 / 2**30:.1f} GiB per device, costs " in offload_line and "ms/step of host transfer" in offload_line
+
+
+def _one_line_error(fn) -> str:
+    with pytest.raises(UserError) as e:
+        fn()
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_bad_input_is_one_line(tmp_path):
+    rules = tmp_path / "zero_expert.yaml"
+    body = (config_lib.Path(__file__).parent.parent / "sharding_rules" / "zero1.yaml").read_text()
+    rules.write_text(body.replace("  embed: [data, fsdp]", "  embed: [expert]"))
+    assert "'embed' maps to mesh axis 'expert'" in _one_line_error(lambda: make_layout(_cfg(str(rules))))
+    assert "model.quant='int4' is unknown" in _one_line_error(lambda: config_lib.check(_cfg(quant="int4")))
+    assert "model.param_dtype=float32" in _one_line_error(lambda: config_lib.check(_cfg(dtype="float16", param_dtype="float16")))
+    device_only = SimpleNamespace(devices=np.array([SimpleNamespace(platform="tpu", addressable_memories=lambda: [SimpleNamespace(kind="device")])]))
+    assert "drop optim.offload" in _one_line_error(lambda: offload.check_supported(device_only))
