@@ -62,6 +62,12 @@ ROWS = (
     Row("mfu_3b_save_dots", "llama3_3b", ("train.global_batch=4", "model.remat=save_dots", "model.attention=auto"), 75),
     Row("loss_chunk_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto",
                                        "train.loss_chunk=512"), 60),
+    # LoRA (rank 16 on every projection, bf16 frozen base) and QLoRA (nf4 base): tokens/s and peak memory
+    Row("lora_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto",
+                                 "model.param_dtype=bfloat16", "model.lora.rank=16", "model.lora.alpha=32"), 60),
+    Row("qlora_nf4_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto",
+                                      "model.param_dtype=bfloat16", "model.lora.rank=16", "model.lora.alpha=32",
+                                      "model.base_quant=nf4"), 60),
     # KV-cache prefill and decode tokens/s, bf16 weights (benchmarks/bench_generate.py)
     Row("generate_1b_batch_1", "llama3_1b", ("model.param_dtype=bfloat16", "model.attention=auto"), 60,
         **GENERATE | {"options": (*GENERATE["options"], "--batch", "1")}),

@@ -75,7 +75,7 @@ def recompute_factor(cfg: Config) -> float:
 class StepTime:
     gpu: str
     compute_s: float
-    communication_s: dict  # "fsdp", "data", "tensor", "pipeline" (and "expert" for a mixture of experts) -> seconds
+    communication_s: dict  # "fsdp", "data", "tensor" (and "pipeline" with stages, "expert" for a mixture of experts) -> seconds
     traffic_bytes: dict  # the same kinds -> bytes each device sends per step
     host_s: float = 0.0  # optim.offload: the optimizer state's round trip over PCIe
 
@@ -84,7 +84,7 @@ class StepTime:
         """Compute, plus the tensor-parallel all-reduces and host transfers, plus the overlapped traffic the compute
         cannot hide."""
         c = self.communication_s
-        return self.compute_s + c["tensor"] + c["pipeline"] + c.get("expert", 0.0) + self.host_s + max(0.0, c["fsdp"] + c["data"] - self.compute_s)
+        return self.compute_s + c["tensor"] + c.get("pipeline", 0.0) + c.get("expert", 0.0) + self.host_s + max(0.0, c["fsdp"] + c["data"] - self.compute_s)
 
     def describe(self) -> str:
         parts = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in self.communication_s.items() if seconds >= 0.005)
@@ -148,9 +148,11 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
 
     host = 2 * bytes_per_device(layout.abstract_state().opt_state) / PCIE_BYTES_PER_S[name] if cfg.optim.offload else 0.0
     communication = {"fsdp": seconds(fsdp, fsdp_axes), "data": seconds(data, data_axes),
-                     "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ()),
-                     "pipeline": seconds(pipeline, layout.rules.get(STAGES) or ())}
-    traffic = {"fsdp": fsdp, "data": data, "tensor": tensor, "pipeline": pipeline}
+                     "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ())}
+    traffic = {"fsdp": fsdp, "data": data, "tensor": tensor}
+    if pipe.stages > 1:
+        traffic["pipeline"] = pipeline
+        communication["pipeline"] = seconds(pipeline, layout.rules.get(STAGES) or ())
     if m.moe.num_experts:
         moe = m.moe
         routed = moe.top_k * (moe.capacity_factor if moe.dispatch == "capacity" else 1)

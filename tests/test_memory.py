@@ -205,10 +205,10 @@ def _one_line_error(fn) -> str:
 
 
 def test_bad_input_is_one_line(tmp_path):
-    rules = tmp_path / "zero_expert.yaml"
+    rules = tmp_path / "zero_sequence.yaml"
     body = (config_lib.Path(__file__).parent.parent / "sharding_rules" / "zero1.yaml").read_text()
-    rules.write_text(body.replace("  embed: [data, fsdp]", "  embed: [expert]"))
-    assert "'embed' maps to mesh axis 'expert'" in _one_line_error(lambda: make_layout(_cfg(str(rules))))
+    rules.write_text(body.replace("  embed: [data, fsdp]", "  embed: [sequence]"))
+    assert "'embed' maps to mesh axis 'sequence'" in _one_line_error(lambda: make_layout(_cfg(str(rules))))
     assert "model.quant='int4' is unknown" in _one_line_error(lambda: config_lib.check(_cfg(quant="int4")))
     assert "model.param_dtype=float32" in _one_line_error(lambda: config_lib.check(_cfg(dtype="float16", param_dtype="float16")))
     device_only = SimpleNamespace(devices=np.array([SimpleNamespace(platform="tpu", addressable_memories=lambda: [SimpleNamespace(kind="device")])]))

@@ -199,7 +199,7 @@ def test_expert_parallel_checkpoint_restores_onto_other_expert_degrees(expert_pa
     target = dataclasses.replace(cfg, rules=rules, mesh=MeshConfig(ici=AxisSizes(*ici)))
     abstract = make_layout(target, jax.devices()[:devices]).abstract_state()
     restored = checkpoint_lib.restore_from(run_dir, abstract, None, params_only=True)
-    assert restored["layers"]["mlp"]["w_up"].sharding.spec[1] == ("expert" if ici[3] > 1 else None)
+    assert restored["layers"]["mlp"]["w_up"].sharding.spec[1] == ("expert" if ici[4] > 1 else None)
     for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(jax.device_get(final.params))):
         assert np.array_equal(a, b)
 

@@ -78,4 +78,4 @@ def test_pipeline_adds_its_bubble_and_activation_shifts():
     # 16 sequences over 2 data shards in 4 micro-batches: 2 per shift, forward and backward, bfloat16, NVLink
     nvlink, _ = LINK_BYTES_PER_S["h100"]
     assert piped.communication_s["pipeline"] == pytest.approx(2 * iterations * 2 * 512 * 256 * 2 / nvlink)
-    assert piped.total_s >= piped.compute_s + piped.communication_s["pipeline"] and plain.communication_s["pipeline"] == 0
+    assert piped.total_s >= piped.compute_s + piped.communication_s["pipeline"] and "pipeline" not in plain.communication_s

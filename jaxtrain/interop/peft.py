@@ -43,7 +43,7 @@ def to_peft(adapters: dict, model_cfg: LlamaConfig) -> dict[str, np.ndarray]:
     """Our adapters (numpy, the params tree's ``layers`` subtree) -> PEFT tensors by name."""
     out = {}
     for target, module in _modules(model_cfg).items():
-        name, (module_name, _, inputs) = adapter_name(target), LORA_TARGETS[target]
+        name, (module_name, _, _) = adapter_name(target), LORA_TARGETS[target]
         if name not in adapters[module_name]:
             continue
         a, b = adapters[module_name][name]["a"], adapters[module_name][name]["b"]
