@@ -70,7 +70,9 @@ def test_k8s_manifest_parts_agree():
 def test_slurm_script_derives_the_three_flags_from_srun(tmp_path):
     # srun starts the command once per task with SLURM_PROCID and SLURM_NTASKS; this one plays task 5 of 8
     srun = 'while [[ "$1" == --* ]]; do shift; done\nSLURM_NTASKS=8 SLURM_PROCID=5 exec "$@"\n'
-    env = _fake_commands(tmp_path, jaxtrain=PRINT_ARGS, srun=srun, scontrol='printf "gpu-node-017\\ngpu-node-018\\n"\n')
+    # a long host list: a script that cuts it with `| head` under pipefail dies of SIGPIPE here
+    hosts = 'printf "gpu-node-017\\n"; for i in $(seq 18 20000); do echo "gpu-node-$i"; done\n'
+    env = _fake_commands(tmp_path, jaxtrain=PRINT_ARGS, srun=srun, scontrol=hosts)
     env |= {"SLURM_JOB_NODELIST": "gpu-node-[017-024]"}
     result = subprocess.run(["bash", REPO / "scripts" / "slurm" / "train.sbatch", *USER_ARGS], env=env,
                             capture_output=True, text=True, check=True)
