@@ -87,6 +87,7 @@ class OptimConfig:
     clip_norm: float = 1.0  # global gradient-norm clipping; 0 disables
     offload: bool = False  # optimizer state (and float32 master weights under narrower compute) in host memory
     loss_scale_period: int = 2000  # model.dtype=float16: finite steps in a row before the loss scale doubles
+    grad_dtype: str = "float32"  # bfloat16: gradients summed over the batch axes in bfloat16 (jaxtrain/grad_comm.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,6 +424,8 @@ def check(cfg: Config) -> None:
         problems.append(f"train.microbatches={t.microbatches!r} must be a positive integer or 'auto'")
     problems.extend(range_problems(cfg))
     problems.extend(log_problems(cfg))
+    if cfg.optim.grad_dtype not in ("float32", "bfloat16"):
+        problems.append(f"optim.grad_dtype={cfg.optim.grad_dtype!r} must be float32 or bfloat16 (gradients summed across devices in bfloat16)")
     if cfg.model.dtype == "float16" and cfg.model.param_dtype == "float16":
         problems.append("model.dtype=float16 with model.param_dtype=float16 keeps no float32 master weights, so small updates "
                         "vanish and loss scaling cannot help; set model.param_dtype=float32")

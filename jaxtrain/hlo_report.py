@@ -55,6 +55,7 @@ class Collective:
     executions_known: bool  # False inside a loop XLA gives no trip count (one its loop pipelining peeled): a lower bound
     is_async: bool
     overlapped: bool  # compute scheduled between its start and its done
+    dtypes: tuple[str, ...] = ()  # element type of each array it carries (XLA's names: f32, bf16, ...)
 
     @property
     def traffic(self) -> float:
@@ -270,10 +271,21 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
                 is_async, result = done is not None, _array_bytes(ins.type)
             full = operand_bytes if kind == "reduce-scatter" else sum(result)
             groups = device_groups(ins.attributes, devices)
+            dtypes = tuple(dtype for dtype, _ in _ARRAY.findall(done.type if is_async and ins.opcode.endswith("-start") else ins.type))
             collectives.append(Collective(kind, mesh_axes(groups, mesh_shape), len(groups[0]) if groups else 0, len(result),
-                                          full, times, known, is_async, overlapped))
+                                          full, times, known, is_async, overlapped, dtypes))
     warnings = tuple(dict.fromkeys(line.strip() for line in log.splitlines() if WARNING_LINE.search(line)))
     return HloReport(tuple(collectives), fusions, "cudnn" if attention_calls else "xla", attention_calls, warnings)
+
+
+def partitioned_hlo(lowered) -> str:
+    """The HLO text of a lowered step right after XLA's SPMD partitioner: its collectives in the element types the program
+    asks for, before a backend rewrites them (XLA:CPU promotes bfloat16 all-reduces to float32; a GPU keeps them)."""
+    with tempfile.TemporaryDirectory() as dump:
+        lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        (path,) = [name for name in os.listdir(dump) if "after_spmd-partitioning" in name]
+        with open(os.path.join(dump, path)) as f:
+            return f.read()
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.gpu_targets import is_nvidia_gpu
 from jaxtrain.mesh import build_mesh
 from jaxtrain.optim import learning_rate_schedule, make_optimizer
-from jaxtrain import offload
+from jaxtrain import grad_comm, offload
 from jaxtrain.adapters import split_frozen
 from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, load_state_rules,
                                   logical_ways, model_tracing, param_shardings)
@@ -41,6 +41,7 @@ class Layout:
     batch_sharding: NamedSharding
     grad_shardings: dict | None = None  # per parameter, where the gradients differ from the parameters (ZeRO-2)
     moment_shardings: dict | None = None  # per parameter, where the optimizer moments differ from them (ZeRO-1/2)
+    grad_reduction: grad_comm.GradReduction | None = None  # optim.grad_dtype=bfloat16: the gradients' own reduction
 
     def gradient_shardings(self) -> dict:
         return self.grad_shardings or self.shardings.params
@@ -89,7 +90,9 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
         raise UserError(
             f"train.global_batch={t.global_batch} / train.microbatches={t.microbatches} = {t.global_batch // t.microbatches} "
             f"sequences per micro-batch do not split over the {shards} batch shards of the mesh; use a multiple of {shards * t.microbatches}")
-    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh), differing("gradients"), differing("optimizer_state"))
+    reduction = grad_comm.grad_reduction(cfg.optim.grad_dtype, cfg.rules, rules, mesh, shardings.params)
+    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh), differing("gradients"), differing("optimizer_state"),
+                  reduction)
 
 
 def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
@@ -101,7 +104,7 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
     train_fn = jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), cfg.train.microbatches,
                                        layer_norms=cfg.log.layer_every > 0, loss_chunk=cfg.train.loss_chunk,
                                        grad_shardings=layout.grad_shardings, device_opt_state=device_opt_state,
-                                       loss_scale_period=cfg.optim.loss_scale_period),
+                                       loss_scale_period=cfg.optim.loss_scale_period, grad_reduction=layout.grad_reduction),
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk), in_shardings=(shardings.model_params, batch_sh),
                       out_shardings=replicated)

@@ -97,24 +97,31 @@ def training_objective(graphdef, params: dict, batch: Batch, loss_chunk: int = 0
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
                     layer_norms: bool = False, loss_chunk: int = 0, *, grad_shardings=None, device_opt_state=None,
-                    loss_scale_period: int = 0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    loss_scale_period: int = 0, grad_reduction=None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on. ``grad_shardings``
     places the gradients (ZeRO-2: reduce-scattered); ``device_opt_state`` are the optimizer state's shardings
     in device memory, where the step brings it from the host (optim.offload) for the update; with a loss scale in the
-    state (float16) the objective is scaled before differentiation and an overflowing update skipped."""
+    state (float16) the objective is scaled before differentiation and an overflowing update skipped. ``grad_reduction``
+    (optim.grad_dtype, jaxtrain/grad_comm.py) sums each pass's gradients over the batch axes in its own dtype."""
     def placed(grads):
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
-    def grad_fn(params, frozen, batch, counted, share, scale):
+    def pass_grads(params, frozen, batch, counted, share, scale):
         """Gradients for the trained parameters only (LoRA: the adapters), of the scaled objective."""
         def objective(trained):
             value, aux = training_objective(graphdef, join_frozen(frozen, trained), batch, loss_chunk, counted, share)
             return scale.scale(value), aux
 
         (_, (loss, stats)), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        return (loss, stats), placed(grads)
+        return (loss, stats), grads
+
+    reduced = pass_grads if grad_reduction is None else grad_reduction.wrap(pass_grads)
+
+    def grad_fn(*args):
+        parts, grads = reduced(*args)
+        return parts, placed(grads)
 
     def train_step(state: TrainState, batch: Batch):
         if device_opt_state is not None:

@@ -1,0 +1,77 @@
+"""Gradient communication in a narrower dtype (``optim.grad_dtype=bfloat16``, the seeds' "gradient compression").
+
+Under GSPMD the data-parallel sum of a weight's gradient is an all-reduce placed right after the backward matmul
+that makes it, in that matmul's output dtype: the dtype the weight enters the compute in. Casting the gradient
+afterwards (an identity with a custom VJP on the parameters) leaves the all-reduce in float32; so does a cast of the
+cotangent where the weight enters the compute. This module takes the reduction out of GSPMD's hands instead: the
+gradient pass runs under ``jax.shard_map`` with the batch axes manual, so each device computes the gradient of its
+own share of the batch, with no collective; those partial gradients are cast to ``grad_dtype`` and summed over the
+batch axes with one ``psum`` each, then brought back to float32 for the optimizer (ZeRO-2 keeps its slice of the
+sum). Loss and router statistics are summed in float32. Every mesh axis is manual there, so this needs pure data
+parallelism (dp, zero1, zero2 on a mesh whose other axes are 1): FSDP reduce-scatters inside the layer loop, and
+tensor parallelism would need its axis left automatic, which XLA:CPU's compiler aborts on (below).
+
+XLA:CPU has no bfloat16 reduction: after partitioning it promotes every bfloat16 all-reduce to float32
+(``AllReducePromotion``), so the compiled CPU program carries float32 bytes; the program right after partitioning
+(``hlo_report.partitioned_hlo``) shows what a GPU runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax.core import spmd
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxtrain.errors import UserError
+from jaxtrain.partitioning import Rules, spec_axes
+
+GRAD_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradReduction:
+    """Over which mesh axes and in what dtype the gradient pass's partial sums are reduced."""
+
+    mesh: Mesh
+    batch_axes: tuple[str, ...]  # the rule set's batch axes: every mesh axis of more than one device is one of them
+    dtype: jnp.dtype
+
+    def wrap(self, grad_fn: Callable) -> Callable:
+        """``grad_fn(params, frozen, batch, counted, share, scale) -> ((loss, stats), grads)`` on the whole batch,
+        computed per device on its share and reduced over the batch axes in ``dtype``."""
+        ways = math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+        def local(params, frozen, batch, counted, share, scale):
+            # every axis is manual here: the model's activation constraints have nothing left to split; each device's
+            # part is 1/ways of the batch's value, so summing the devices' parts gives the batch's
+            with spmd.logical_axis_rules(()):
+                (loss, stats), grads = grad_fn(params, frozen, batch, counted, share / ways, scale)
+            loss, stats = jax.lax.psum((loss, stats), self.batch_axes)
+            grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(self.dtype), self.batch_axes).astype(g.dtype), grads)
+            return (loss, stats), grads
+
+        whole = PartitionSpec()
+        # every mesh axis manual: XLA:CPU aborts on a bfloat16 all-reduce whose reducer carries the sharding annotations
+        # of axes left automatic (AllReducePromotion clones only a bare binary reducer)
+        return jax.shard_map(local, mesh=self.mesh, check_vma=False, out_specs=whole,
+                             in_specs=(whole, whole, PartitionSpec(self.batch_axes), whole, whole, whole))
+
+
+def grad_reduction(grad_dtype: str, rules_name: str, rules: Rules, mesh: Mesh, param_shardings: dict) -> GradReduction | None:
+    """The reduction ``optim.grad_dtype`` asks for; None for float32 (GSPMD's own, in the compute dtype)."""
+    if grad_dtype == "float32":
+        return None
+    batch_axes = tuple(rules.get("activation_batch") or ())
+    split = sorted({a for s in jax.tree.leaves(param_shardings) for a in spec_axes(s.spec) if mesh.shape[a] > 1})
+    other = sorted(a for a in mesh.axis_names if a not in batch_axes and mesh.shape[a] > 1)
+    if split or other:
+        raise UserError(f"optim.grad_dtype={grad_dtype} needs pure data parallelism (parameters whole on every device, every "
+                        f"mesh axis a batch axis), but rule set {rules_name} on mesh {dict(mesh.shape)} splits parameters "
+                        f"over {', '.join(split) or 'no axis'} and has other axes {', '.join(other) or 'none'}; use rules=dp, zero1 "
+                        f"or zero2 with a data-only mesh, or optim.grad_dtype=float32")
+    return GradReduction(mesh, batch_axes, jnp.dtype(grad_dtype))
