@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +40,23 @@ class GradReduction:
     mesh: Mesh
     batch_axes: tuple[str, ...]  # the rule set's batch axes: every mesh axis of more than one device is one of them
     dtype: jnp.dtype
+    grad_specs: Any = None  # PartitionSpec per trained parameter where its gradient is kept split (ZeRO-2); None: whole
+
+    def _sum(self, g: jax.Array, spec: PartitionSpec) -> jax.Array:
+        """The devices' partial ``g`` summed in ``dtype``: whole (all-reduce), or each device's slice of the dimension the
+        spec splits (reduce-scatter, half the bytes)."""
+        narrow = g.astype(self.dtype)
+        split = [(dim, entry) for dim, entry in enumerate(spec) if entry]
+        if not split:
+            return jax.lax.psum(narrow, self.batch_axes).astype(g.dtype)
+        (dim, entry), = split
+        return jax.lax.psum_scatter(narrow, entry, scatter_dimension=dim, tiled=True).astype(g.dtype)
 
     def wrap(self, grad_fn: Callable) -> Callable:
         """``grad_fn(params, frozen, batch, counted, share, scale) -> ((loss, stats), grads)`` on the whole batch,
         computed per device on its share and reduced over the batch axes in ``dtype``."""
         ways = math.prod(self.mesh.shape[a] for a in self.batch_axes)
+        whole = PartitionSpec()
 
         def local(params, frozen, batch, counted, share, scale):
             # every axis is manual here: the model's activation constraints have nothing left to split; each device's
@@ -52,18 +64,19 @@ class GradReduction:
             with spmd.logical_axis_rules(()):
                 (loss, stats), grads = grad_fn(params, frozen, batch, counted, share / ways, scale)
             loss, stats = jax.lax.psum((loss, stats), self.batch_axes)
-            grads = jax.tree.map(lambda g: jax.lax.psum(g.astype(self.dtype), self.batch_axes).astype(g.dtype), grads)
-            return (loss, stats), grads
+            specs = self.grad_specs if self.grad_specs is not None else jax.tree.map(lambda _: whole, grads)
+            return (loss, stats), jax.tree.map(self._sum, grads, specs)
 
-        whole = PartitionSpec()
         # every mesh axis manual: XLA:CPU aborts on a bfloat16 all-reduce whose reducer carries the sharding annotations
         # of axes left automatic (AllReducePromotion clones only a bare binary reducer)
-        return jax.shard_map(local, mesh=self.mesh, check_vma=False, out_specs=whole,
+        return jax.shard_map(local, mesh=self.mesh, check_vma=False, out_specs=(whole, whole if self.grad_specs is None else self.grad_specs),
                              in_specs=(whole, whole, PartitionSpec(self.batch_axes), whole, whole, whole))
 
 
-def grad_reduction(grad_dtype: str, rules_name: str, rules: Rules, mesh: Mesh, param_shardings: dict) -> GradReduction | None:
-    """The reduction ``optim.grad_dtype`` asks for; None for float32 (GSPMD's own, in the compute dtype)."""
+def grad_reduction(grad_dtype: str, rules_name: str, rules: Rules, mesh: Mesh, param_shardings: dict,
+                   grad_shardings: dict | None) -> GradReduction | None:
+    """The reduction ``optim.grad_dtype`` asks for; None for float32 (GSPMD's own, in the compute dtype).
+    ``grad_shardings``: where ZeRO-2 keeps the gradients split (None: whole, as the parameters)."""
     if grad_dtype == "float32":
         return None
     batch_axes = tuple(rules.get("activation_batch") or ())
@@ -74,4 +87,5 @@ def grad_reduction(grad_dtype: str, rules_name: str, rules: Rules, mesh: Mesh, p
                         f"mesh axis a batch axis), but rule set {rules_name} on mesh {dict(mesh.shape)} splits parameters "
                         f"over {', '.join(split) or 'no axis'} and has other axes {', '.join(other) or 'none'}; use rules=dp, zero1 "
                         f"or zero2 with a data-only mesh, or optim.grad_dtype=float32")
-    return GradReduction(mesh, batch_axes, jnp.dtype(grad_dtype))
+    specs = None if grad_shardings is None else jax.tree.map(lambda sharding: sharding.spec, grad_shardings)
+    return GradReduction(mesh, batch_axes, jnp.dtype(grad_dtype), specs)

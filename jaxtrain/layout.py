@@ -90,9 +90,9 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
         raise UserError(
             f"train.global_batch={t.global_batch} / train.microbatches={t.microbatches} = {t.global_batch // t.microbatches} "
             f"sequences per micro-batch do not split over the {shards} batch shards of the mesh; use a multiple of {shards * t.microbatches}")
-    reduction = grad_comm.grad_reduction(cfg.optim.grad_dtype, cfg.rules, rules, mesh, shardings.params)
-    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh), differing("gradients"), differing("optimizer_state"),
-                  reduction)
+    grads = differing("gradients")
+    reduction = grad_comm.grad_reduction(cfg.optim.grad_dtype, cfg.rules, rules, mesh, shardings.params, grads)
+    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh), grads, differing("optimizer_state"), reduction)
 
 
 def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:

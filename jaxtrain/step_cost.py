@@ -10,7 +10,8 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
   (the accumulation across micro-batches adds reduced gradients: ``jaxtrain plan --hlo-report`` shows XLA
   reducing inside the micro-batch loop);
 gradients travel in the dtype the weight is used in: the compute dtype for matmul weights, float32 for the
-norm scales (RMSNorm applies them in float32), as the compiled program shows;
+norm scales (RMSNorm applies them in float32), as the compiled program shows; with optim.grad_dtype=bfloat16 every
+gradient travels in bfloat16 (jaxtrain/grad_comm.py sums them so);
 - ZeRO-2 (gradients split over batch axes their weight is replicated on): those reduced by a reduce-scatter,
   half an all-reduce; ZeRO-1/2 (optimizer state split so): each updated float32 weight all-gathered once per
   step over those axes;
@@ -78,6 +79,7 @@ class StepTime:
     communication_s: dict  # "fsdp", "data", "tensor" (and "pipeline" with stages, "expert" for a mixture of experts) -> seconds
     traffic_bytes: dict  # the same kinds -> bytes each device sends per step
     host_s: float = 0.0  # optim.offload: the optimizer state's round trip over PCIe
+    gradients: str = ""  # the dtype gradients are summed across devices in (optim.grad_dtype), as describe() says it
 
     @property
     def total_s(self) -> float:
@@ -90,7 +92,8 @@ class StepTime:
         parts = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in self.communication_s.items() if seconds >= 0.005)
         host = f"; host transfer {1e3 * self.host_s:.0f} ms" if self.host_s else ""
         return (f"{self.total_s:.2f} s on {self.gpu} (compute {self.compute_s:.2f} s at {100 * ASSUMED_MFU:.0f}% MFU"
-                + (f"; communication {parts}, fsdp and data overlapped with compute" if parts else "") + host + ")")
+                + (f"; communication {parts}, fsdp and data overlapped with compute" if parts else "") + host
+                + (f"; gradients summed in {self.gradients}" if self.gradients else "") + ")")
 
 
 def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
@@ -117,6 +120,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         placed = x.update(sharding=sharding)
         return gathered_elements(placed, batch_axes) // elements_per_device(placed)
 
+    grad_bytes = layout.grad_reduction.dtype.itemsize if layout.grad_reduction is not None else 0
     for x, axes, grad_sharding, moment_sharding in zip(jax.tree.leaves(params), logical, jax.tree.leaves(layout.gradient_shardings()),
                                                         jax.tree.leaves(layout.optimizer_shardings())):
         # an expert's weights live on its own devices: no gather or gradient reduction over the expert axes
@@ -124,7 +128,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         local, gathered = elements_per_device(x), gathered_elements(x, gather_axes(layout.rules, axes))
         split = gathered // local
         replicated = batch_ways // (split * (expert_ways if own else 1))
-        grad = 4 if "norm" in axes else act
+        grad = grad_bytes or (4 if "norm" in axes else act)
         fsdp += k * gathered * (2 * act + grad) * (split - 1) / split
         reductions = 1 if ways(x, grad_sharding) > split else 2  # reduce-scatter (ZeRO-2) or all-reduce
         data += k * reductions * local * grad * (replicated - 1) / replicated
@@ -160,4 +164,6 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         all_to_alls = k * m.num_layers * (4 + 2 * (m.remat == "full"))
         traffic["expert"] = all_to_alls * sequences * seq * routed * m.d_model * act * (expert_ways - 1) / expert_ways
         communication["expert"] = seconds(traffic["expert"], expert_axes)
-    return StepTime(name, compute, communication, traffic, host)
+    gradients = str(layout.grad_reduction.dtype) if layout.grad_reduction is not None else \
+        m.dtype + (" (norm scales float32)" if m.dtype != "float32" else "")
+    return StepTime(name, compute, communication, traffic, host, gradients)

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import small_config, with_
 from jaxtrain import config as config_lib
-from jaxtrain import hlo_report
+from jaxtrain import hlo_report, step_cost
 from jaxtrain.errors import UserError
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.train import build, train
@@ -22,24 +22,31 @@ def _cfg(grad_dtype, rules="dp", mesh=(8, 1, 1)):
                  checkpoint={"every": 2, "keep": STEPS, "async_save": False})
 
 
-def _gradient_reductions(cfg) -> dict[str, int]:
-    """Bytes per element type that the partitioned step's all-reduces and reduce-scatters carry, scalars left out."""
+def _gradient_reductions(cfg) -> dict[tuple[str, str], int]:
+    """Bytes per (kind, element type) that the partitioned step's all-reduces and reduce-scatters carry, scalars left out."""
     layout = make_layout(cfg)
     hlo = hlo_report.report(hlo_report.partitioned_hlo(lower_steps(layout)[0]), dict(layout.mesh.shape))
     out: dict[str, int] = {}
     for c in hlo.collectives:
         if c.kind in ("all-reduce", "reduce-scatter") and c.bytes > 4 * c.tensors:
             assert len(set(c.dtypes)) == 1, c
-            out[c.dtypes[0]] = out.get(c.dtypes[0], 0) + c.bytes * c.executions
+            out[c.kind, c.dtypes[0]] = out.get((c.kind, c.dtypes[0]), 0) + c.bytes * c.executions
     return out
 
 
-def test_gradients_are_reduced_in_bfloat16_only_when_asked(rules="dp"):
-    params = make_layout(_cfg("float32", rules)).spec.num_params
+def test_gradients_are_reduced_in_bfloat16_only_when_asked():
+    params = make_layout(_cfg("float32")).spec.num_params
     # GSPMD's own reductions sit in the layer loop (no trip count yet right after partitioning): float32 only
-    assert set(_gradient_reductions(_cfg("float32", rules))) == {"f32"}
-    # each whole gradient summed once, in bfloat16
-    assert _gradient_reductions(_cfg("bfloat16", rules)) == {"bf16": params * 2}
+    assert set(_gradient_reductions(_cfg("float32"))) == {("all-reduce", "f32")}
+    # each whole gradient summed once, in bfloat16; ZeRO-2 keeps a slice of each: reduce-scatters, in bfloat16
+    assert _gradient_reductions(_cfg("bfloat16")) == {("all-reduce", "bf16"): params * 2}
+    assert _gradient_reductions(_cfg("bfloat16", "zero2")) == {("reduce-scatter", "bf16"): params * 2}
+    # the planner's traffic model: every gradient in 2 bytes, not 4; zero2 a reduce-scatter, half an all-reduce
+    f32, bf16, zero2 = (step_cost.step_time(make_layout(_cfg(*args)), "h100") for args in (("float32",), ("bfloat16",), ("bfloat16", "zero2")))
+    assert bf16.traffic_bytes["data"] == pytest.approx(f32.traffic_bytes["data"] / 2)
+    assert "gradients summed in bfloat16" in bf16.describe() and "gradients summed in float32" in f32.describe()
+    zero1 = step_cost.step_time(make_layout(_cfg("bfloat16", "zero1")), "h100")
+    assert zero2.traffic_bytes["data"] == pytest.approx(zero1.traffic_bytes["data"] - bf16.traffic_bytes["data"] / 2)
 
 
 @pytest.fixture(scope="module")
