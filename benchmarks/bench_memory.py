@@ -1,5 +1,6 @@
 """Memory techniques side by side, one model on the 8-device mesh: per-device compiled memory and step time for
-dp, ZeRO-1, ZeRO-2, FSDP (ZeRO-3), optim.offload, float16 (with loss scaling), int8 and fp8 training.
+dp, ZeRO-1, ZeRO-2, FSDP (ZeRO-3), optim.offload, float16 (with loss scaling), int8 and fp8 training, and
+optim.grad_dtype=bfloat16 (gradients summed across the devices in bfloat16, with the bytes the sums carry).
 
 Beside each compiled figure, the ZeRO paper's per-device formula for the parameter, gradient and optimizer-state
 bytes: the paper's mixed-precision Adam counts 2 + 2 + 12 bytes per parameter (float16 weights and gradients;
@@ -21,7 +22,8 @@ import time
 import jax
 
 from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig
-from jaxtrain.layout import peak_bytes
+from jaxtrain import hlo_report
+from jaxtrain.layout import lower_steps, peak_bytes
 from jaxtrain.state import bytes_per_device
 from jaxtrain.train import build
 from models.config import LlamaConfig
@@ -41,13 +43,32 @@ VARIANTS = {
     "bfloat16": ("dp", (8, 1, 1), {"dtype": "bfloat16"}, {}, 0),
     "int8": ("dp", (8, 1, 1), {"dtype": "bfloat16", "quant": "int8"}, {}, 0),
     "fp8": ("dp", (8, 1, 1), {"dtype": "bfloat16", "quant": "fp8"}, {}, 0),
+    "grad_bf16": ("dp", (8, 1, 1), {}, {"grad_dtype": "bfloat16"}, 0),
 }
+# the gradient sums each of these carries per step, in bytes per device (the dp all-reduce halved in bfloat16)
+GRADIENT_BYTES = ("dp", "zero2", "grad_bf16")
 
 
 def zero_formula(params: int, stage: int, shards: int, weights: float, grads: float, optimizer: float) -> dict:
     """Per-device bytes of weights, gradients and optimizer state under ZeRO stage ``stage`` (0: plain dp)."""
     split = lambda b, from_stage: params * b / (shards if stage >= from_stage else 1)  # noqa: E731
     return {"weights": split(weights, 3), "gradients": split(grads, 2), "optimizer": split(optimizer, 1)}
+
+
+def gradient_reduction_bytes(trainer) -> dict[str, int]:
+    """Bytes per element type the step's gradient all-reduces and reduce-scatters carry per step (scalars left out).
+    Read from the compiled program (loop trip counts known), except where optim.grad_dtype takes the sums out of the
+    layer loop: there from the program right after partitioning, before XLA:CPU promotes bfloat16 all-reduces to
+    float32 (a GPU keeps them bfloat16)."""
+    mesh = dict(trainer.mesh.shape)
+    narrow = trainer.cfg.optim.grad_dtype != "float32"
+    text = hlo_report.partitioned_hlo(lower_steps(trainer.layout)[0]) if narrow else trainer.train_step.as_text()
+    out: dict[str, int] = {}
+    for c in hlo_report.report(text, mesh).collectives:
+        if c.kind in ("all-reduce", "reduce-scatter") and c.bytes > 4 * c.tensors:
+            for dtype in set(c.dtypes):
+                out[dtype] = out.get(dtype, 0) + c.bytes * c.executions
+    return out
 
 
 def _config(rules, mesh, model, optim) -> Config:
@@ -79,6 +100,8 @@ def run() -> dict:
                                 (ours["weights"] + ours["optimizer"]) - 1,
             "formula_gradients_mib": ours["gradients"] / MIB,
         }
+        if name in GRADIENT_BYTES:
+            rows[name] |= {f"gradient_sums_{dtype}_mib": n / MIB for dtype, n in gradient_reduction_bytes(trainer).items()}
         trainers[name], states[name], batches[name] = trainer, trainer.init_state(), fixed_batch(trainer)
         states[name], _ = trainer.train_step(states[name], batches[name])  # warm-up
     jax.block_until_ready(states)

@@ -88,6 +88,9 @@ ROWS = (
     Row("quant_int8_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "model.quant=int8"), 60),
     Row("offload_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "optim.offload=true"), 60),
     Row("float16_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "model.dtype=float16"), 60),
+    # optim.grad_dtype=bfloat16 on one GPU: no other device to sum with, so this prices the per-device gradient pass
+    # (jaxtrain/grad_comm.py) against mfu_1b; the bytes it saves need several GPUs (bench_memory counts them)
+    Row("grad_bf16_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "optim.grad_dtype=bfloat16"), 60),
 )
 
 
