@@ -80,7 +80,8 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
         check_rules_against_mesh(section_rules, mesh, f"{cfg.rules} ({section})")
     if cfg.optim.offload:
         offload.check_supported(mesh)
-    placement = Placement(state_rules["optimizer_state"], offload.HOST if cfg.optim.offload else None, loss_scale=cfg.model.dtype == "float16")
+    placement = Placement(state_rules["optimizer_state"], offload.HOST if cfg.optim.offload else None, loss_scale=cfg.model.dtype == "float16",
+                          params_memory=offload.HOST if cfg.optim.offload and offload.offloads_master_weights(cfg.model) else None)
     shardings = state_shardings(spec, tx, rules, mesh, placement)
     differing = lambda section: None if state_rules[section] == rules else \
         split_frozen(param_shardings(spec.logical_axes, spec.shapes, state_rules[section], mesh))[0]  # noqa: E731
@@ -101,13 +102,16 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
     cfg, shardings, batch_sh = layout.cfg, layout.shardings, layout.batch_sharding
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     device_opt_state = in_device_memory(shardings.opt_state) if cfg.optim.offload else None
+    device_params = in_device_memory(shardings.params) if cfg.optim.offload and offload.offloads_master_weights(cfg.model) else None
     train_fn = jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), cfg.train.microbatches,
                                        layer_norms=cfg.log.layer_every > 0, loss_chunk=cfg.train.loss_chunk,
                                        grad_shardings=layout.grad_shardings, device_opt_state=device_opt_state,
-                                       loss_scale_period=cfg.optim.loss_scale_period, grad_reduction=layout.grad_reduction),
+                                       loss_scale_period=cfg.optim.loss_scale_period, grad_reduction=layout.grad_reduction,
+                                       device_params=device_params),
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
-    eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk), in_shardings=(shardings.model_params, batch_sh),
-                      out_shardings=replicated)
+    device_model_params = None if device_params is None else in_device_memory(shardings.model_params)
+    eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk, device_model_params),
+                      in_shardings=(shardings.model_params, batch_sh), out_shardings=replicated)
     state, batch = layout.abstract_state(), layout.abstract_batch()
     with model_tracing(layout.mesh, layout.rules, cfg.rules):
         return train_fn.lower(state, batch), eval_fn.lower(state.model_params, batch)

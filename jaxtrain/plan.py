@@ -36,6 +36,7 @@ from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
 from jaxtrain.stages import pipelined_variants, schedule
 from jaxtrain.state import bytes_per_device, gathered_elements
+from jaxtrain.offload import offloads_master_weights
 from jaxtrain.step_cost import StepTime, step_time
 from jaxtrain.layout import Layout, lower_steps, make_layout, peak_bytes
 from models.config import REMAT_POLICIES
@@ -71,8 +72,10 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     cfg, m = layout.cfg, layout.cfg.model
     state = layout.abstract_state()
     trained = bytes_per_device(state.params)  # a LoRA run: the adapters; its frozen base counts in its storage dtype
-    params = trained + bytes_per_device(state.frozen)
     on_cpu = (for_platform or platform(layout)) == "cpu"
+    if cfg.optim.offload and offloads_master_weights(m) and not on_cpu:  # master weights on the host, a compute copy here
+        trained = trained * np.dtype(m.dtype).itemsize // np.dtype(m.param_dtype).itemsize
+    params = trained + bytes_per_device(state.frozen)
     # optim.offload and the offload_* remat policies keep their arrays in host memory; the CPU backend has one
     # memory, where the compile counts them as it would unmoved arrays
     optimizer = 0 if cfg.optim.offload and not on_cpu else bytes_per_device(state.opt_state)

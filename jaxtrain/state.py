@@ -81,6 +81,7 @@ class Placement:
 
     optimizer_rules: Rules | None = None  # None: the parameters' rules
     optimizer_memory: str | None = None  # None: the device's default memory
+    params_memory: str | None = None  # the trained parameters' memory kind (optim.offload of master weights); None: device
     loss_scale: bool = False
 
 
@@ -97,6 +98,8 @@ def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation, rules: Ru
         transform_non_params=lambda _: replicated)
     if placement.optimizer_memory is not None:
         opt_state = jax.tree.map(lambda sharding: sharding.with_memory_kind(placement.optimizer_memory), opt_state)
+    if placement.params_memory is not None:
+        params = jax.tree.map(lambda sharding: sharding.with_memory_kind(placement.params_memory), params)
     return TrainState(step=replicated, params=params, opt_state=opt_state, frozen=frozen,
                       loss_scale={"scale": replicated, "counter": replicated} if placement.loss_scale else None)
 

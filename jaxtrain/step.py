@@ -97,14 +97,16 @@ def training_objective(graphdef, params: dict, batch: Batch, loss_chunk: int = 0
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
                     layer_norms: bool = False, loss_chunk: int = 0, *, grad_shardings=None, device_opt_state=None,
-                    loss_scale_period: int = 0, grad_reduction=None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    loss_scale_period: int = 0, grad_reduction=None, device_params=None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on. ``grad_shardings``
     places the gradients (ZeRO-2: reduce-scattered); ``device_opt_state`` are the optimizer state's shardings
     in device memory, where the step brings it from the host (optim.offload) for the update; with a loss scale in the
     state (float16) the objective is scaled before differentiation and an overflowing update skipped. ``grad_reduction``
-    (optim.grad_dtype, jaxtrain/grad_comm.py) sums each pass's gradients over the batch axes in its own dtype."""
+    (optim.grad_dtype, jaxtrain/grad_comm.py) sums each pass's gradients over the batch axes in its own dtype;
+    ``device_params``: the trained parameters' shardings in device memory, where the step brings offloaded master
+    weights for the whole step (optim.offload under narrower compute)."""
     def placed(grads):
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
@@ -126,6 +128,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     def train_step(state: TrainState, batch: Batch):
         if device_opt_state is not None:
             state = state.replace(opt_state=jax.device_put(state.opt_state, device_opt_state))
+        if device_params is not None:
+            state = state.replace(params=jax.device_put(state.params, device_params))
         scale = loss_scale_lib.scaler(state.loss_scale, loss_scale_period)
         counted = counted_tokens(batch)
         if microbatches == 1:
@@ -162,9 +166,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     return train_step
 
 
-def make_eval_step(graphdef, loss_chunk: int = 0) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
+def make_eval_step(graphdef, loss_chunk: int = 0, device_params=None) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
+    """``device_params``: the model parameters' shardings in device memory, where the step brings them from the host."""
     def eval_step(params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
         """Summed nats over the batch's counted tokens, and their count; the caller divides the sums."""
+        if device_params is not None:
+            params = jax.device_put(params, device_params)
         nll = token_nll(graphdef, params, batch, loss_chunk)
         if "weights" not in batch:
             return nll.sum(), jnp.asarray(nll.size, jnp.float32)

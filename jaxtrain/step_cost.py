@@ -15,8 +15,8 @@ gradient travels in bfloat16 (jaxtrain/grad_comm.py sums them so);
 - ZeRO-2 (gradients split over batch axes their weight is replicated on): those reduced by a reduce-scatter,
   half an all-reduce; ZeRO-1/2 (optimizer state split so): each updated float32 weight all-gathered once per
   step over those axes;
-- optim.offload: the optimizer state copied from host memory to the device and back once per step over PCIe,
-  after the backward pass (not overlapped);
+- optim.offload: the optimizer state (and the float32 master weights under narrower compute) copied from host
+  memory to the device and back once per step over PCIe (not overlapped);
 - tensor parallel: per micro-batch and layer, the residual stream all-reduced after attention and the MLP
   in the forward and the backward, and again for each of those the remat policy recomputes;
 - pipeline (models/pipeline.py): per micro-batch pass, every iteration shifts each stage's micro-batch of
@@ -47,6 +47,7 @@ from jaxtrain.config import Config
 from jaxtrain.flops import active_mlps, flops_per_token, peak_flops
 from jaxtrain.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.layout import Layout
+from jaxtrain.offload import offloads_master_weights
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways, spec_axes
 from jaxtrain.stages import schedule
 from jaxtrain.state import bytes_per_device, elements_per_device, gathered_elements
@@ -78,7 +79,7 @@ class StepTime:
     compute_s: float
     communication_s: dict  # "fsdp", "data", "tensor" (and "pipeline" with stages, "expert" for a mixture of experts) -> seconds
     traffic_bytes: dict  # the same kinds -> bytes each device sends per step
-    host_s: float = 0.0  # optim.offload: the optimizer state's round trip over PCIe
+    host_s: float = 0.0  # optim.offload: the optimizer state's (and master weights') round trip over PCIe
     gradients: str = ""  # the dtype gradients are summed across devices in (optim.grad_dtype), as describe() says it
 
     @property
@@ -150,7 +151,8 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         across_nodes = any(getattr(cfg.mesh.dcn, a) != 1 for a in axes)
         return traffic / (network if across_nodes else nvlink)
 
-    host = 2 * bytes_per_device(layout.abstract_state().opt_state) / PCIE_BYTES_PER_S[name] if cfg.optim.offload else 0.0
+    offloaded = (layout.abstract_state().opt_state, params if offloads_master_weights(m) else {})  # optim.offload: each way per step
+    host = 2 * bytes_per_device(offloaded) / PCIE_BYTES_PER_S[name] if cfg.optim.offload else 0.0
     communication = {"fsdp": seconds(fsdp, fsdp_axes), "data": seconds(data, data_axes),
                      "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ())}
     traffic = {"fsdp": fsdp, "data": data, "tensor": tensor}

@@ -34,7 +34,10 @@ def trainers(corpus):
     """Compiled once for the module: the float32 reference (dp) and each technique on the same 8 devices."""
     return {"dp": build(_cfg(), corpus), "zero1": build(_cfg("zero1"), corpus), "zero2": build(_cfg("zero2"), corpus),
             "float16": build(with_(_cfg(dtype="float16"), optim={"loss_scale_period": 2}), corpus),
-            "offload": build(with_(_cfg(remat="offload_dots"), optim={"offload": True}), corpus)}
+            "offload": build(with_(_cfg(remat="offload_dots"), optim={"offload": True}), corpus),
+            # bfloat16 compute: optim.offload also keeps the float32 master weights in host memory
+            "bfloat16": build(_cfg(dtype="bfloat16"), corpus),
+            "offload_bfloat16": build(with_(_cfg(dtype="bfloat16"), optim={"offload": True}), corpus)}
 
 
 def _run(trainer, corpus, steps, state=None):
@@ -151,6 +154,24 @@ def test_offload_keeps_optimizer_state_in_host_memory_with_the_same_numerics(tra
     np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in references[1]], rtol=1e-5)
 
 
+def test_offload_under_bfloat16_keeps_master_weights_in_host_memory_exactly_and_resumes(trainers, corpus, tmp_path):
+    trainer = trainers["offload_bfloat16"]
+    state, metrics = _run(trainer, corpus, 5)
+    assert _kinds(state.opt_state) == _kinds(state.params) == {offload.HOST}
+    reference, reference_metrics = _run(trainers["bfloat16"], corpus, 5)
+    assert _kinds(reference.params) == {"device"}
+    # the same program with two more copies: equal to the last bit
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in reference_metrics]
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(reference.params))))
+    # exact resume from host-memory state: drop the checkpoints after step 12 and run again (train evaluates at the end)
+    cfg = with_(trainer.cfg, train={"steps": 16})
+    final = train(cfg, tmp_path / "run", trainer)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "16")
+    again = train(cfg, tmp_path / "run", trainer)
+    assert _kinds(again.params) == {offload.HOST}
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(again)), jax.tree.leaves(jax.device_get(final))))
+
+
 def test_int8_and_fp8_training_lands_near_bfloat16(corpus):
     """qwix quantized training of the layers' matmuls: the loss after 100 steps within 3% of bfloat16's."""
     losses = {}
@@ -175,8 +196,9 @@ def test_step_cost_counts_zero_gathers_reduce_scatters_and_host_transfers():
     # half the all-reduce
     assert zero1.traffic_bytes["data"] == pytest.approx(dp.traffic_bytes["data"] + params * 4 * 7 / 8)
     assert zero2.traffic_bytes["data"] == pytest.approx(zero1.traffic_bytes["data"] - dp.traffic_bytes["data"] / 2)
-    # offload: the optimizer state (two float32 moments) to the host and back per step over PCIe
-    assert offloaded.host_s == pytest.approx(2 * params * 8 / step_cost.PCIE_BYTES_PER_S["h100"], rel=1e-3)
+    # offload under bfloat16 compute: the optimizer state (two float32 moments) and the float32 master weights to the
+    # host and back per step over PCIe
+    assert offloaded.host_s == pytest.approx(2 * params * (8 + 4) / step_cost.PCIE_BYTES_PER_S["h100"], rel=1e-3)
     assert offloaded.total_s == pytest.approx(dp.total_s + offloaded.host_s)
 
 
@@ -188,13 +210,14 @@ def test_planner_itemises_each_technique_and_suggests_them():
     # per device: ZeRO-1 splits the moments (8 bytes a parameter) and the update (4); ZeRO-2 also the gradients (4)
     assert effects["rules=zero1"].saved == pytest.approx(params * 12 * 7 / 8, abs=64)
     assert effects["rules=zero2"].saved == pytest.approx(params * 16 * 7 / 8, abs=64)
-    assert effects["optim.offload=true"].saved == pytest.approx(params * 8, abs=64) and effects["optim.offload=true"].host_s > 0
+    # offload: the moments (8 bytes a parameter) and the float32 master weights, for a bfloat16 copy (4 - 2)
+    assert effects["optim.offload=true"].saved == pytest.approx(params * (8 + 2), abs=64) and effects["optim.offload=true"].host_s > 0
     full = plan_lib.estimate_total(plan_lib.estimate(layout, plan_lib.ACCELERATOR))
     suggestions = plan_lib.suggest(layout.cfg, full - params * 6, gpu="h100", count=50)  # the moments' share must go
     changes = [s.changes for s in suggestions]
     assert {"rules": "zero1"} in changes and {"optim.offload": True} in changes
     offload_line = next(s for s in suggestions if s.changes == {"optim.offload": True}).describe(full)
-    assert f"saves {params * 8 / 2**30:.1f} GiB per device, costs " in offload_line and "ms/step of host transfer" in offload_line
+    assert f"saves {params * 10 / 2**30:.1f} GiB per device, costs " in offload_line and "ms/step of host transfer" in offload_line
 
 
 def _one_line_error(fn) -> str:
