@@ -53,16 +53,17 @@ class GradReduction:
         return jax.lax.psum_scatter(narrow, entry, scatter_dimension=dim, tiled=True).astype(g.dtype)
 
     def wrap(self, grad_fn: Callable) -> Callable:
-        """``grad_fn(params, frozen, batch, counted, share, scale) -> ((loss, stats), grads)`` on the whole batch,
-        computed per device on its share and reduced over the batch axes in ``dtype``."""
+        """``grad_fn(params, frozen, batch, counted, scale, share) -> ((loss, stats), grads)``, the gradient passes of a
+        whole batch (``share``: the part of the batch's value they make), computed per device on its share of the batch
+        (every micro-batch of it) and summed over the batch axes in ``dtype`` once."""
         ways = math.prod(self.mesh.shape[a] for a in self.batch_axes)
         whole = PartitionSpec()
 
-        def local(params, frozen, batch, counted, share, scale):
+        def local(params, frozen, batch, counted, scale):
             # every axis is manual here: the model's activation constraints have nothing left to split; each device's
             # part is 1/ways of the batch's value, so summing the devices' parts gives the batch's
             with spmd.logical_axis_rules(()):
-                (loss, stats), grads = grad_fn(params, frozen, batch, counted, share / ways, scale)
+                (loss, stats), grads = grad_fn(params, frozen, batch, counted, scale, 1 / ways)
             loss, stats = jax.lax.psum((loss, stats), self.batch_axes)
             specs = self.grad_specs if self.grad_specs is not None else jax.tree.map(lambda _: whole, grads)
             return (loss, stats), jax.tree.map(self._sum, grads, specs)
@@ -70,7 +71,7 @@ class GradReduction:
         # every mesh axis manual: XLA:CPU aborts on a bfloat16 all-reduce whose reducer carries the sharding annotations
         # of axes left automatic (AllReducePromotion clones only a bare binary reducer)
         return jax.shard_map(local, mesh=self.mesh, check_vma=False, out_specs=(whole, whole if self.grad_specs is None else self.grad_specs),
-                             in_specs=(whole, whole, PartitionSpec(self.batch_axes), whole, whole, whole))
+                             in_specs=(whole, whole, PartitionSpec(self.batch_axes), whole, whole))
 
 
 def grad_reduction(grad_dtype: str, rules_name: str, rules: Rules, mesh: Mesh, param_shardings: dict,

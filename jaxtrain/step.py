@@ -119,11 +119,23 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         (_, (loss, stats)), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return (loss, stats), grads
 
-    reduced = pass_grads if grad_reduction is None else grad_reduction.wrap(pass_grads)
+    def batch_grads(params, frozen, batch, counted, scale, share=1.0, place=lambda grads: grads):
+        """The gradient passes over the batch (gradient accumulation: one per micro-batch), summed; ``place``
+        lays out each pass's gradients."""
+        if microbatches == 1:
+            parts, grads = pass_grads(params, frozen, batch, counted, share, scale)
+            return parts, place(grads)
 
-    def grad_fn(*args):
-        parts, grads = reduced(*args)
-        return parts, placed(grads)
+        def accumulate(carry, micro):
+            parts, grads = pass_grads(params, frozen, micro, counted, share / microbatches, scale)
+            return jax.tree.map(jnp.add, carry, (parts, place(grads))), None
+
+        micro = _split_microbatches(batch, microbatches)
+        # zeros shaped like (loss, router stats) of one micro-batch; gradients like the parameters
+        first = jax.tree.map(lambda x: x[0], micro)
+        one_pass = jax.eval_shape(lambda p, f, b: pass_grads(p, f, b, counted, 1.0, scale), params, frozen, first)
+        zeros = (jax.tree.map(jnp.zeros_like, one_pass[0]), place(jax.tree.map(jnp.zeros_like, params)))
+        return jax.lax.scan(accumulate, zeros, micro)[0]
 
     def train_step(state: TrainState, batch: Batch):
         if device_opt_state is not None:
@@ -132,20 +144,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             state = state.replace(params=jax.device_put(state.params, device_params))
         scale = loss_scale_lib.scaler(state.loss_scale, loss_scale_period)
         counted = counted_tokens(batch)
-        if microbatches == 1:
-            (loss, stats), grads = grad_fn(state.params, state.frozen, batch, counted, 1.0, scale)
-        else:
-            def accumulate(carry, micro):
-                parts, grads = grad_fn(state.params, state.frozen, micro, counted, 1 / microbatches, scale)
-                return jax.tree.map(jnp.add, carry, (parts, grads)), None
-
-            micro = _split_microbatches(batch, microbatches)
-            # zeros shaped like (loss, router stats) of one micro-batch; gradients like the parameters
-            first = jax.tree.map(lambda x: x[0], micro)
-            one_pass = jax.eval_shape(lambda p, f, b: grad_fn(p, f, b, counted, 1.0, scale), state.params, state.frozen, first)
-            parts = jax.tree.map(jnp.zeros_like, one_pass[0])
-            zeros = placed(jax.tree.map(jnp.zeros_like, state.params))
-            ((loss, stats), grads), _ = jax.lax.scan(accumulate, (parts, zeros), micro)
+        if grad_reduction is None:  # GSPMD sums each pass's gradients where the backward pass makes them
+            (loss, stats), grads = batch_grads(state.params, state.frozen, batch, counted, scale, place=placed)
+        else:  # each device accumulates its own passes; one sum over the devices after the last
+            (loss, stats), grads = grad_reduction.wrap(batch_grads)(state.params, state.frozen, batch, counted, scale)
+            grads = placed(grads)
         grads = scale.unscale(grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)

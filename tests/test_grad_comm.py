@@ -17,8 +17,9 @@ from test_memory import _run
 STEPS = 6
 
 
-def _cfg(grad_dtype, rules="dp", mesh=(8, 1, 1)):
-    return with_(small_config(rules, mesh), optim={"grad_dtype": grad_dtype}, log={"layer_every": 0}, train={"steps": STEPS},
+def _cfg(grad_dtype, rules="dp", mesh=(8, 1, 1), microbatches=1):
+    return with_(small_config(rules, mesh), optim={"grad_dtype": grad_dtype}, log={"layer_every": 0},
+                 train={"steps": STEPS, "global_batch": 16, "microbatches": microbatches},
                  checkpoint={"every": 2, "keep": STEPS, "async_save": False})
 
 
@@ -30,6 +31,7 @@ def _gradient_reductions(cfg) -> dict[tuple[str, str], int]:
     for c in hlo.collectives:
         if c.kind in ("all-reduce", "reduce-scatter") and c.bytes > 4 * c.tensors:
             assert len(set(c.dtypes)) == 1, c
+            assert c.executions_known or c.dtypes[0] == "f32", c  # the bfloat16 sums run outside every loop: once a step
             out[c.kind, c.dtypes[0]] = out.get((c.kind, c.dtypes[0]), 0) + c.bytes * c.executions
     return out
 
@@ -38,8 +40,9 @@ def test_gradients_are_reduced_in_bfloat16_only_when_asked():
     params = make_layout(_cfg("float32")).spec.num_params
     # GSPMD's own reductions sit in the layer loop (no trip count yet right after partitioning): float32 only
     assert set(_gradient_reductions(_cfg("float32"))) == {("all-reduce", "f32")}
-    # each whole gradient summed once, in bfloat16; ZeRO-2 keeps a slice of each: reduce-scatters, in bfloat16
-    assert _gradient_reductions(_cfg("bfloat16")) == {("all-reduce", "bf16"): params * 2}
+    # each whole gradient summed once a step, in bfloat16, after both micro-batches' passes; ZeRO-2 keeps a slice of
+    # each: reduce-scatters, in bfloat16
+    assert _gradient_reductions(_cfg("bfloat16", microbatches=2)) == {("all-reduce", "bf16"): params * 2}
     assert _gradient_reductions(_cfg("bfloat16", "zero2")) == {("reduce-scatter", "bf16"): params * 2}
     # the planner's traffic model: every gradient in 2 bytes, not 4; zero2 a reduce-scatter, half an all-reduce
     f32, bf16, zero2 = (step_cost.step_time(make_layout(_cfg(*args)), "h100") for args in (("float32",), ("bfloat16",), ("bfloat16", "zero2")))
@@ -51,7 +54,8 @@ def test_gradients_are_reduced_in_bfloat16_only_when_asked():
 
 @pytest.fixture(scope="module")
 def trainers(corpus):
-    return {dtype: build(_cfg(dtype), corpus) for dtype in ("float32", "bfloat16")}
+    """float32 in one pass; bfloat16 sums over two micro-batches (each device accumulates both, then one sum)."""
+    return {"float32": build(_cfg("float32"), corpus), "bfloat16": build(_cfg("bfloat16", microbatches=2), corpus)}
 
 
 def test_bfloat16_reduction_trains_like_float32_and_resumes_exactly(trainers, corpus, tmp_path):
