@@ -62,6 +62,13 @@ CASES = {
                                                  "model.pipeline.microbatches=1 is fewer than the 2 pipeline stages"),
     "batch not divisible into pipeline micro-batches": (lambda t: [*PIPELINE, "model.pipeline.microbatches=3"],
                                                         "= 32 sequences do not split into model.pipeline.microbatches=3 micro-batches over the 2 batch shards"),
+    # memory techniques (issue 12): optim.offload on devices without host memory is tests/test_memory.py's (CPUs have it)
+    "unknown model.quant": (lambda t: ["model.quant=int4"], "model.quant='int4' is unknown"),
+    "float16 without master weights": (lambda t: ["model.dtype=float16", "model.param_dtype=float16"],
+                                       "model.dtype=float16 with model.param_dtype=float16 keeps no float32 master weights"),
+    "unknown gradient dtype": (lambda t: ["optim.grad_dtype=float16"], "optim.grad_dtype='float16' must be float32 or bfloat16"),
+    "bfloat16 gradient sums with split weights": (lambda t: ["optim.grad_dtype=bfloat16"],
+                                                  "optim.grad_dtype=bfloat16 needs pure data parallelism"),
     "--init-from a path with no checkpoints": (lambda t: ["--init-from", str(t / "nonexistent")],
                                                "nonexistent: no checkpoints there; give a run directory"),
 }
