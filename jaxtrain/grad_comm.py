@@ -2,14 +2,15 @@
 
 Under GSPMD the data-parallel sum of a weight's gradient is an all-reduce placed right after the backward matmul
 that makes it, in that matmul's output dtype: the dtype the weight enters the compute in. Casting the gradient
-afterwards (an identity with a custom VJP on the parameters) leaves the all-reduce in float32; so does a cast of the
-cotangent where the weight enters the compute. This module takes the reduction out of GSPMD's hands instead: the
-gradient pass runs under ``jax.shard_map`` with the batch axes manual, so each device computes the gradient of its
-own share of the batch, with no collective; those partial gradients are cast to ``grad_dtype`` and summed over the
-batch axes with one ``psum`` each, then brought back to float32 for the optimizer (ZeRO-2 keeps its slice of the
-sum). Loss and router statistics are summed in float32. Every mesh axis is manual there, so this needs pure data
-parallelism (dp, zero1, zero2 on a mesh whose other axes are 1): FSDP reduce-scatters inside the layer loop, and
-tensor parallelism would need its axis left automatic, which XLA:CPU's compiler aborts on (below).
+afterwards (an identity with a custom VJP on the parameters: checked in the partitioned HLO) leaves the all-reduce
+in float32, and a cast of the cotangent where the weight enters the compute would also follow that matmul. This
+module takes the reduction out of GSPMD's hands instead: the gradient passes run under ``jax.shard_map`` with every
+mesh axis manual, so each device computes the gradient of its own share of the batch (all its micro-batches), with
+no collective; those partial gradients are cast to ``grad_dtype`` and summed over the batch axes with one ``psum``
+each (ZeRO-2: ``psum_scatter``, each device keeping its slice), then brought back to float32 for the optimizer.
+Loss and router statistics are summed in float32. Every axis manual means pure data parallelism (dp, zero1, zero2 on
+a mesh whose other axes are 1): FSDP splits the weights, and a tensor axis left automatic makes XLA:CPU's compiler
+abort on the bfloat16 all-reduce (its ``AllReducePromotion`` clones only a bare binary reducer).
 
 XLA:CPU has no bfloat16 reduction: after partitioning it promotes every bfloat16 all-reduce to float32
 (``AllReducePromotion``), so the compiled CPU program carries float32 bytes; the program right after partitioning
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +31,6 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxtrain.errors import UserError
 from jaxtrain.partitioning import Rules, spec_axes
-
-GRAD_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +68,9 @@ class GradReduction:
             specs = self.grad_specs if self.grad_specs is not None else jax.tree.map(lambda _: whole, grads)
             return (loss, stats), jax.tree.map(self._sum, grads, specs)
 
-        # every mesh axis manual: XLA:CPU aborts on a bfloat16 all-reduce whose reducer carries the sharding annotations
-        # of axes left automatic (AllReducePromotion clones only a bare binary reducer)
-        return jax.shard_map(local, mesh=self.mesh, check_vma=False, out_specs=(whole, whole if self.grad_specs is None else self.grad_specs),
+        # every mesh axis manual: with axes left automatic the reducer carries their sharding annotations (see above)
+        grad_specs = whole if self.grad_specs is None else self.grad_specs
+        return jax.shard_map(local, mesh=self.mesh, check_vma=False, out_specs=(whole, grad_specs),
                              in_specs=(whole, whole, PartitionSpec(self.batch_axes), whole, whole))
 
 
