@@ -2,8 +2,8 @@
 stage 2 x fsdp 32 across nodes), rules pp_fsdp_tp; circular schedule: 126 layers = 2 stages x 21 repeats x 3,
 2 micro-batches in flight per pass of 32 (one sequence per device per micro-batch), bubble
 (2 - 1) / (21 x 2 + 2 - 1) = 2.3%. Many repeats keep what a stage saves for the backward near the plain layout's
-(iterations x layers per stage = 43 x 3 = 129 layer inputs per sequence, against 126): with 3 repeats (7 x 21 = 147)
-it does not fit an H100 (jaxtrain plan: 79.4 GiB of 71.7 usable; with 21, 68.9)."""
+(iterations x layers per stage = 43 x 3 = 129 layer inputs per sequence, against 126); `jaxtrain plan llama3_405b_pp
+--gpu h100`: 68.9 GiB of 71.7 usable (README, "Pipeline parallelism", for the other schedules tried)."""
 
 import dataclasses
 

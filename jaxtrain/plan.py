@@ -85,6 +85,8 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # a pipeline's stage works on one of its micro-batches at a time and keeps, for the backward, what each of
     # the schedule's iterations saved: its layers of one repeat on one micro-batch (the bubble's too)
     pipe = schedule(cfg, layout.rules, layout.mesh)
+    if pipe.stages > 1 and remat.endswith("_dots"):  # vmapped over stages every dot has a batch dimension: none is saved
+        remat = "full"
     tokens = b / pipe.microbatches * seq
     per_stage = m.num_layers / (pipe.stages * pipe.repeats)  # layers a stage runs in one iteration
     layers_saved = pipe.iterations * per_stage

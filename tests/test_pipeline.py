@@ -100,11 +100,12 @@ def _weight_heavy(pipeline: PipelineConfig):
 
 
 @pytest.mark.parametrize("cfg", [
-    with_(medium_config("pp_fsdp_tp", "full", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2)}),
+    # save_dots saves nothing more than full remat through stages: vmapped over them, every dot has a batch dimension
+    with_(medium_config("pp_fsdp_tp", "save_dots", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2, repeats=2)}),
     # the stage's weights of one repeat, were they kept for the backward of every iteration (as they were before
     # the layers took them inside their remat), would double the compiled figure; the circular view is one copy
     _weight_heavy(PipelineConfig(microbatches=4, repeats=3)),
-], ids=["activations", "weights-circular"])
+], ids=["activations-save-dots-circular", "weights-circular"])
 def test_planner_memory_estimate_of_a_pipeline_within_15_percent_of_compiled(cfg):
     """Per device: the stage's layers on one micro-batch at a time, the saved stacks of every iteration."""
     layout = make_layout(cfg)
