@@ -42,12 +42,14 @@ class Row:
     script: str = "throughput.py"  # a benchmark script taking EXPERIMENT --mesh --rules [options] key=value...
     options: tuple[str, ...] = ()  # the script's own flags
     tiny_options: tuple[str, ...] = ()  # flags that replace them with --tiny (later flags win)
+    min_devices: int = 1  # skipped, saying so, with fewer devices visible; --tiny gives it 8 simulated CPU devices
+    tiny_overrides: tuple[str, ...] = ()  # key=value after the tiny shape (for sizes the row needs, e.g. divisible layers)
 
     def argv(self, python: str, steps: int, tiny: bool) -> list[str]:
         timed = ("--steps", str(steps)) if self.script == "throughput.py" else ()
         # later overrides win: the tiny shape replaces the GPU one and the row's sizes
         return [python, str(BENCH_DIR / self.script), self.experiment, "--mesh", "gpu1", "--rules", "fsdp", *timed,
-                *self.options, *(self.tiny_options if tiny else ()), *GPU_SHAPE, *self.overrides, *(TINY_SHAPE if tiny else ())]
+                *self.options, *(self.tiny_options if tiny else ()), *GPU_SHAPE, *self.overrides, *((*TINY_SHAPE, *self.tiny_overrides) if tiny else ())]
 
 
 # Most wanted first: MFU of the 1B and 3B (goal >= 55%), cuDNN vs XLA attention (and the planner's memory
@@ -91,6 +93,11 @@ ROWS = (
     # optim.grad_dtype=bfloat16 on one GPU: no other device to sum with, so this prices the per-device gradient pass
     # (jaxtrain/grad_comm.py) against mfu_1b; the bytes it saves need several GPUs (bench_memory counts them)
     Row("grad_bf16_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "optim.grad_dtype=bfloat16"), 60),
+    # pipeline parallelism (rules pp_fsdp): 2 stages x fsdp over the rest of the GPUs, circular (16 layers = 2 stages x
+    # 2 repeats x 4), 2 micro-batches in flight: bubble (2 - 1) / (2 x 2 + 2 - 1) = 20%; compare its MFU with mfu_1b's
+    Row("pipeline_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "mesh.ici.stage=2",
+                                     "mesh.ici.fsdp=-1", "model.pipeline.microbatches=2", "model.pipeline.repeats=2"), 60,
+        options=("--rules", "pp_fsdp"), min_devices=2, tiny_overrides=("model.num_layers=8", "train.global_batch=8")),
 )
 
 
@@ -110,10 +117,10 @@ def environment(python: str) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def run_row(row: Row, argv: list[str], timeout_s: float) -> dict:
+def run_row(row: Row, argv: list[str], timeout_s: float, env: dict | None = None) -> dict:
     start = time.perf_counter()
     try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr or b"")[-2000:]
         return {"status": "timeout", "seconds": round(time.perf_counter() - start, 1),
@@ -150,15 +157,22 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
 
-    write({"row": "environment", "tiny": args.tiny, "budget_s": args.budget_s} | environment(sys.executable))
+    env = environment(sys.executable)
+    write({"row": "environment", "tiny": args.tiny, "budget_s": args.budget_s} | env)
     failed = False
     for row in rows:
         left = deadline - time.monotonic()
         if left < (5 if args.tiny else row.min_s):
             write({"row": row.name, "status": "skipped", "reason": f"{left:.0f} s of the budget left, the row needs {row.min_s} s"})
             continue
+        if not args.tiny and env.get("devices", 0) < row.min_devices:
+            write({"row": row.name, "status": "skipped",
+                   "reason": f"needs {row.min_devices} or more devices, {env.get('devices', 0)} visible"})
+            continue
+        simulated = args.tiny and row.min_devices > 1
+        row_env = os.environ | {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"} if simulated else None
         print(f"== {row.name} ({left:.0f} s of the budget left)", file=sys.stderr, flush=True)
-        record = {"row": row.name} | run_row(row, row.argv(sys.executable, args.steps, args.tiny), left)
+        record = {"row": row.name} | run_row(row, row.argv(sys.executable, args.steps, args.tiny), left, row_env)
         failed |= record["status"] != "ok"
         write(record)
     return 1 if failed else 0

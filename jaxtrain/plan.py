@@ -34,7 +34,7 @@ from jaxtrain.gpu_targets import GPU_MEMORY_MIB, compile_only_devices, gpu_memor
 from jaxtrain.hlo_report import HloReport, captured_stderr, report
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
-from jaxtrain.stages import pipelined_variants, schedule
+from jaxtrain.stages import pipelined_variants, schedule, stage_memory
 from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.offload import offloads_master_weights
 from jaxtrain.step_cost import StepTime, step_time
@@ -88,8 +88,11 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # a pipeline's stage works on one of its micro-batches at a time and keeps, for the backward, what each of
     # the schedule's iterations saved: its layers of one repeat on one micro-batch (the bubble's too)
     pipe = schedule(cfg, layout.rules, layout.mesh)
+    if pipe.stages > 1 and remat.endswith("_dots"):  # vmapped over stages every dot has a batch dimension: none is saved
+        remat = "full"
     tokens = b / pipe.microbatches * seq
-    layers_saved = pipe.iterations * m.num_layers / (pipe.stages * pipe.repeats)
+    per_stage = m.num_layers / (pipe.stages * pipe.repeats)  # layers a stage runs in one iteration
+    layers_saved = pipe.iterations * per_stage
     act = np.dtype(m.dtype).itemsize
     # XLA's CPU pipeline converts every bfloat16 stack saved across the layer scan to a float32 copy before the
     # backward loop; the HLO jax emits keeps them in the compute dtype, as a GPU does
@@ -147,11 +150,14 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
         # float32 gradients and the optimizer's update, each the size of the parameters (split as the rule set's
         # gradients: and optimizer_state: sections say, ZeRO-2 and ZeRO-1); micro-batching adds the accumulator
         "gradients": grads * (2 if k > 1 else 1) + updates,
-        # with a pipeline, also the micro-batch buffer the stages read and write, and its gradient
-        "activations": int(layers_saved * saved_per_layer + (pipe.stages > 1) * 2 * b * seq * m.d_model * act),
+        # with a pipeline, also the micro-batch buffer the stages read and write, and its gradient; and, in the
+        # backward of each iteration, two copies of what that iteration saved (its stage's layers of one repeat)
+        "activations": int(layers_saved * saved_per_layer + (pipe.stages > 1) * (2 * b * seq * m.d_model * act + 2 * per_stage * saved_per_layer)),
         "logits and loss": int(loss),
         "layer backward": int(layer_backward),
     }
+    if pipe.repeats > 1:  # the circular schedule's view of the layers (stored split contiguously over stages) is a copy
+        items["circular re-layout"] = bytes_per_device(state.params["layers"])
     if moe.num_experts and m.remat != "full":  # the dispatch and combine buffers (routed residual streams) each layer keeps
         items["dispatch buffers"] = int(m.num_layers * stack * 2 * embed * routed)
     return items
@@ -454,6 +460,7 @@ class Plan:
     # with --hlo-report: the compiled program's collective traffic per device per step in step_cost's kinds
     compiled_traffic: dict | None = None
     techniques: tuple = ()  # technique_effects of the planned layout
+    per_stage: dict | None = None  # with pipeline stages: stages.stage_memory of the accelerator estimate
 
     @property
     def usable(self) -> int | None:
@@ -504,7 +511,7 @@ class Plan:
                              "relative_step_time": s.relative_step_time, "saved_bytes": s.saved, "host_transfer_s": s.host_s}
                             for s in self.suggestions],
             "techniques": [dataclasses.asdict(t) for t in self.techniques],
-        } | ({} if c.hlo is None else {"hlo_report": c.hlo.to_json() | {
+        } | ({} if self.per_stage is None else {"per_stage_bytes": self.per_stage}) | ({} if c.hlo is None else {"hlo_report": c.hlo.to_json() | {
             "traffic_bytes": {"predicted": self.step_time.traffic_bytes, "compiled": self.compiled_traffic}}})
 
 
@@ -537,9 +544,11 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     suggestions = [] if usable is None or predicted <= usable else \
         compile_suggestions(suggest(cfg, usable, devices, gpu), usable, devices)
     traffic = None if compiled.hlo is None else compiled.hlo.traffic_by_step_cost_kind(tuple(layout.rules.get("activation_batch") or ()))
+    accelerator_estimate = estimate(layout, ACCELERATOR)
+    per_stage = stage_memory(layout, accelerator_estimate) if schedule(cfg, layout.rules, layout.mesh).stages > 1 else None
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, estimate_as_compiled(layout, compiled),
-                estimate(layout, ACCELERATOR), compiled, predicted, step_time(layout, gpu), flops_per_token(cfg.model, cfg.data.seq_len),
-                cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic, tuple(technique_effects(layout, gpu)))
+                accelerator_estimate, compiled, predicted, step_time(layout, gpu), flops_per_token(cfg.model, cfg.data.seq_len),
+                cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic, tuple(technique_effects(layout, gpu)), per_stage)
 
 
 def render(plan: Plan) -> str:
@@ -566,6 +575,9 @@ def render(plan: Plan) -> str:
             ", XLA attention's scores" if c.attention != cfg.model.attention else "")
         lines.append(f"on the accelerator: {plan.accelerator_total / GIB:.2f} GiB, the compiled total less an estimated "
                      f"{(c.total - plan.accelerator_total) / GIB:.2f} GiB that only the CPU compile holds ({only_cpu})")
+    if plan.per_stage is not None:
+        lines.append("per pipeline stage, estimate on the accelerator (every stage alike: each also holds the embedding and output layer): "
+                     + ", ".join(f"{key} {value / GIB:.2f} GiB" for key, value in plan.per_stage.items()))
     lines.append("")
     if plan.usable is None:
         lines.append("verdict: no device memory given (--gpu NAME or --device-memory GiB)")

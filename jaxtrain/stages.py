@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from jax.sharding import Mesh
 
@@ -10,8 +11,12 @@ from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import RULES_DIR, Rules, batch_shards, logical_ways
+from jaxtrain.state import bytes_per_device
 from models.config import PipelineConfig
 from models.pipeline import STAGES, microbatches
+
+if TYPE_CHECKING:  # jaxtrain.layout imports this module
+    from jaxtrain.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +73,23 @@ def check_pipeline(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
                         f"do not split into model.pipeline.microbatches={s.microbatches} micro-batches over the {shards} batch shards; "
                         f"use a multiple of {s.microbatches * shards} per pass")
     return s
+
+
+def stage_memory(layout: Layout, items: dict[str, int]) -> dict[str, int]:
+    """The planner's per-device estimate ``items`` (plan.estimate) regrouped by what one pipeline stage holds. Every
+    stage's devices hold the same: in this SPMD design each runs (and holds its share of) the embedding and the output
+    layer, so the stage holding them is every stage. The parameters, optimizer state and gradients split between the
+    stacked layers and the rest in the ratio of their parameter bytes on a device."""
+    params = layout.abstract_state().params
+    layers_share = bytes_per_device(params["layers"]) / bytes_per_device(params)
+    state = sum(items[key] for key in ("parameters", "optimizer state", "gradients"))
+    return {
+        "transformer layers": int(layers_share * state) + items.get("circular re-layout", 0),
+        "embedding and output layer": int((1 - layers_share) * state),
+        "micro-batch activations in flight": items["activations"],
+        "logits working set": items["logits and loss"],
+        "layer backward working set": items["layer backward"],
+    }
 
 
 def pipelined_variants(cfg: Config) -> list[Config]:

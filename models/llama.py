@@ -268,10 +268,7 @@ class Llama(nnx.Module):
             block = nnx.merge(layer_def, params)
             return block(x, sin, cos, segment_ids), nnx.to_pure_dict(nnx.pop(block, nnx.Intermediate))  # e.g. MoE router statistics
 
-        policy = REMAT_POLICY_FNS[cfg.remat]
-        if cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        x, sown = pipeline.apply_layers(layer, layer_state, x, cfg.pipeline, EMBED_ACT, unroll=self._unroll)
+        x, sown = pipeline.apply_layers(layer, layer_state, x, cfg.pipeline, EMBED_ACT, REMAT_POLICY_FNS[cfg.remat], unroll=self._unroll)
         if sown:  # stacked over layers, for the trainer (models.moe.pop_router_stats)
             self.layer_intermediates = nnx.Intermediate(sown)
         return self.final_norm(x)

@@ -39,14 +39,17 @@ def microbatches(schedule: PipelineConfig, num_stages: int) -> int:
 
 
 def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: PipelineConfig,
-                 activation_axes: tuple[str, ...], unroll: bool = False) -> tuple[jax.Array, Any]:
+                 activation_axes: tuple[str, ...], remat_policy: Callable | None = None,
+                 unroll: bool = False) -> tuple[jax.Array, Any]:
     """``layer(x, layer_params) -> (x, per-layer outputs)`` over every layer of ``params`` (stacked on a leading
-    layers axis): one ``lax.scan`` (``unroll``: unrolled when compiling) without stages, returning x and the
+    layers axis), each layer rematerialised in the backward under ``remat_policy`` (a ``jax.checkpoint`` policy;
+    None: no remat): one ``lax.scan`` (``unroll``: unrolled when compiling) without stages, returning x and the
     outputs stacked over layers; the pipeline with them, returning x and None (per-layer outputs, such as MoE
     router statistics, are not collected through stages). ``activation_axes``: logical axes of x."""
+    remat = (lambda f: jax.checkpoint(f, policy=remat_policy, prevent_cse=False)) if remat_policy else (lambda f: f)
     num_stages = stages()
     if num_stages == 1:
-        return jax.lax.scan(layer, x, params, unroll=unroll)
+        return jax.lax.scan(remat(layer), x, params, unroll=unroll)
     repeats, num_micro = schedule.repeats, microbatches(schedule, num_stages)
     num_layers = jax.tree.leaves(params)[0].shape[0]
     per_stage = num_layers // (num_stages * repeats)
@@ -58,8 +61,13 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
     params = jax.tree.map(stage_view, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
     def run_stage(stage_params, h, repeat):  # one stage: its layers of this repeat, in order
-        current = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, repeat, 0, keepdims=False), stage_params)
-        return jax.lax.scan(layer, h, current)[0]
+        # each layer takes its weights from the stage's (repeats, layers per stage) stack inside the remat: taken
+        # outside, the slice of this iteration's repeat would be saved for the backward of every iteration
+        # (iterations x the stage's weights of one repeat); inside, only the indices are, and the backward re-slices
+        def layer_at(h, j):
+            return layer(h, jax.tree.map(lambda p: p[repeat, j], stage_params))
+
+        return jax.lax.scan(remat(layer_at), h, jnp.arange(per_stage))[0]
 
     # vmap over stages; its spmd axis keeps the per-stage constraints inside the layers split over stages
     all_stages = jax.vmap(run_stage, in_axes=(1, 0, 0), spmd_axis_name=mesh_axes_of(STAGES))

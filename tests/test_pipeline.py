@@ -3,6 +3,9 @@ pipelined and plain meshes, and the schedule's arithmetic."""
 
 import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import small_config, with_
+from conftest import small_config, subprocess_env, with_
 from jaxtrain import plan as plan_lib
-from jaxtrain.config import AxisSizes, MeshConfig
+from jaxtrain import stages as stages_lib
+from jaxtrain.config import AxisSizes, MeshConfig, SamplingConfig
+from jaxtrain.generate import generate, load
 from jaxtrain.layout import make_layout
 from jaxtrain.partitioning import model_tracing
 from jaxtrain.stages import Schedule
@@ -48,7 +53,8 @@ def test_stage4_data2_circular_matches_one_device(reference, corpus, tmp_path):
 def test_stage2_fsdp2_tensor2_matches_one_device_and_its_checkpoint_moves_to_a_plain_mesh_and_back(reference, corpus, tmp_path):
     """5 steps on stage 2 x fsdp 2 x tensor 2 (2 micro-batches in flight, gradient accumulation over 2 passes around
     the pipeline), step 6 restored onto a plain fsdp_tp mesh (data 2 x fsdp 2 x tensor 2), step 7 back on the
-    pipelined one: the one-device losses throughout."""
+    pipelined one: the one-device losses throughout. Then `jaxtrain generate` of the run (on its own pipelined mesh
+    and rules): the greedy tokens of the same checkpoint on the plain cpu8 mesh."""
     pipelined = with_(_config("pp_fsdp_tp", (1, 2, 2, 2), PipelineConfig(microbatches=2)), train={"microbatches": 2})
     plain = with_(_config("fsdp_tp", (2, 2, 2, 1)), train={"microbatches": 2})
     run_dir = tmp_path / "moved"
@@ -58,6 +64,11 @@ def test_stage2_fsdp2_tensor2_matches_one_device_and_its_checkpoint_moves_to_a_p
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([r["loss"] for r in records if "loss" in r], reference, rtol=1e-5)
+    prompts = np.array([corpus.train[:5], corpus.train[100:105]])
+    sampling = SamplingConfig(max_new_tokens=12)
+    on_pipeline = generate(load(run_dir), prompts, sampling).tokens
+    assert len(np.unique(on_pipeline)) > 4  # a varied continuation
+    np.testing.assert_array_equal(on_pipeline, generate(load(run_dir, mesh="cpu8", rules="fsdp_tp"), prompts, sampling).tokens)
 
 
 def test_circular_schedule_with_more_microbatches_than_stages_matches_plain_layers():
@@ -80,11 +91,44 @@ def test_circular_schedule_with_more_microbatches_than_stages_matches_plain_laye
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), piped_grads, plain_grads)
 
 
-def test_planner_memory_estimate_of_a_pipeline_within_15_percent_of_compiled():
+def _weight_heavy(pipeline: PipelineConfig):
+    """Layer weights dominate the step's memory, as they do at 405B: 12 layers of d_model 512, MLP 2048, 64-token
+    sequences; stage 2 x fsdp 2 x tensor 2."""
+    cfg = small_config("pp_fsdp_tp", (1, 2, 2, 2), vocab_size=1024, d_model=512, num_layers=12, num_heads=8, num_kv_heads=4,
+                       mlp_dim=2048, dtype="bfloat16", remat="full", pipeline=pipeline)
+    return with_(cfg, data={"seq_len": 64}, train={"global_batch": 16})
+
+
+@pytest.mark.parametrize("cfg", [
+    # save_dots saves nothing more than full remat through stages: vmapped over them, every dot has a batch dimension
+    with_(medium_config("pp_fsdp_tp", "save_dots", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2, repeats=2)}),
+    # the stage's weights of one repeat, were they kept for the backward of every iteration (as they were before
+    # the layers took them inside their remat), would double the compiled figure; the circular view is one copy
+    _weight_heavy(PipelineConfig(microbatches=4, repeats=3)),
+], ids=["activations-save-dots-circular", "weights-circular"])
+def test_planner_memory_estimate_of_a_pipeline_within_15_percent_of_compiled(cfg):
     """Per device: the stage's layers on one micro-batch at a time, the saved stacks of every iteration."""
-    layout = make_layout(with_(medium_config("pp_fsdp_tp", "full", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2)}))
+    layout = make_layout(cfg)
     estimate = plan_lib.estimate_total(plan_lib.estimate(layout))
     assert abs(estimate / plan_lib.compile_truth(layout).total - 1) < 0.15
+
+
+def test_per_stage_memory_counts_a_stage_of_layers_and_the_whole_embedding_and_output_layer():
+    """stage 2 x fsdp 2 x tensor 2: a device holds 1/8 of the layers' weights but 1/4 of the embedding and output
+    tables (split over fsdp and tensor, not over stages; the final norm is replicated); each with AdamW's two moments, the gradient and the
+    update: 5 float32 copies."""
+    cfg = _weight_heavy(PipelineConfig(microbatches=4))
+    layout = make_layout(cfg)
+    items = plan_lib.estimate(layout)
+    per_stage = stages_lib.stage_memory(layout, items)
+    m = cfg.model
+    hd = m.d_model // m.num_heads
+    per_layer = m.d_model * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * m.d_model * m.mlp_dim
+    norms = 2 * m.d_model  # split over stages only
+    assert per_stage["transformer layers"] == pytest.approx(5 * 4 * m.num_layers * (per_layer / 8 + norms / 2), rel=1e-6)
+    assert per_stage["embedding and output layer"] == pytest.approx(5 * 4 * (2 * m.vocab_size * m.d_model / 4 + m.d_model), rel=1e-6)
+    assert per_stage["micro-batch activations in flight"] == items["activations"]
+    assert per_stage["logits working set"] == items["logits and loss"]
 
 
 def test_planner_suggests_pipeline_stages_when_fsdp_gathers_cross_the_network():
@@ -100,3 +144,15 @@ def test_planner_suggests_pipeline_stages_when_fsdp_gathers_cross_the_network():
 @pytest.mark.parametrize("stages, microbatches, repeats, bubble", [(4, 4, 1, 3 / 7), (4, 8, 2, 3 / 19), (2, 2, 1, 1 / 3)])
 def test_bubble_formula(stages, microbatches, repeats, bubble):
     assert Schedule(stages, microbatches, repeats).bubble == pytest.approx(bubble)
+
+
+def test_gpu_script_skips_the_pipelined_row_with_one_device_saying_why(tmp_path):
+    """A lent machine has one GPU; with --tiny the row runs on 8 simulated CPU devices (make gpu-dry-run)."""
+    out = tmp_path / "rows.jsonl"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_h200.py"
+    result = subprocess.run([sys.executable, str(script), "--only", "pipeline_1b", "--out", str(out)],
+                            env=subprocess_env() | {"JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records[0]["devices"] == 1
+    assert records[1] == {"row": "pipeline_1b", "status": "skipped", "reason": "needs 2 or more devices, 1 visible"}
