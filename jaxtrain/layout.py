@@ -101,7 +101,8 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
     train_fn = jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), cfg.train.microbatches,
                                        layer_norms=cfg.log.layer_every > 0, loss_chunk=cfg.train.loss_chunk,
                                        grad_shardings=layout.grad_shardings, device_opt_state=device_opt_state,
-                                       loss_scale_period=cfg.optim.loss_scale_period),
+                                       loss_scale_period=cfg.optim.loss_scale_period,
+                                       dropout_seed=cfg.train.seed if cfg.model.lora.rank and cfg.model.lora.dropout else None),
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk), in_shardings=(shardings.model_params, batch_sh),
                       out_shardings=replicated)

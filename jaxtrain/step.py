@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import jax
@@ -12,6 +13,7 @@ from flax import nnx
 from jaxtrain import loss_scale as loss_scale_lib
 from jaxtrain.adapters import join_frozen
 from jaxtrain.state import TrainState
+from models.lora import dropout_key
 from models.moe import pop_router_stats
 
 # 'inputs', 'targets': (batch, length) int32; packed instruction data (data.format=sft) adds 'segment_ids' and
@@ -97,20 +99,23 @@ def training_objective(graphdef, params: dict, batch: Batch, loss_chunk: int = 0
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
                     layer_norms: bool = False, loss_chunk: int = 0, *, grad_shardings=None, device_opt_state=None,
-                    loss_scale_period: int = 0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    loss_scale_period: int = 0, dropout_seed: int | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on. ``grad_shardings``
     places the gradients (ZeRO-2: reduce-scattered); ``device_opt_state`` are the optimizer state's shardings
     in device memory, where the step brings it from the host (optim.offload) for the update; with a loss scale in the
-    state (float16) the objective is scaled before differentiation and an overflowing update skipped."""
+    state (float16) the objective is scaled before differentiation and an overflowing update skipped. ``dropout_seed``
+    (LoRA dropout): the forward passes run inside ``models.lora.dropout_key`` with a key from the seed and the step
+    (and the micro-batch), so a resumed run draws the masks of an uninterrupted one."""
     def placed(grads):
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
-    def grad_fn(params, frozen, batch, counted, share, scale):
+    def grad_fn(params, frozen, batch, counted, share, scale, key=None):
         """Gradients for the trained parameters only (LoRA: the adapters), of the scaled objective."""
         def objective(trained):
-            value, aux = training_objective(graphdef, join_frozen(frozen, trained), batch, loss_chunk, counted, share)
+            with contextlib.nullcontext() if key is None else dropout_key(key):
+                value, aux = training_objective(graphdef, join_frozen(frozen, trained), batch, loss_chunk, counted, share)
             return scale.scale(value), aux
 
         (_, (loss, stats)), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -121,11 +126,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             state = state.replace(opt_state=jax.device_put(state.opt_state, device_opt_state))
         scale = loss_scale_lib.scaler(state.loss_scale, loss_scale_period)
         counted = counted_tokens(batch)
+        key = None if dropout_seed is None else jax.random.fold_in(jax.random.key(dropout_seed), state.step)
         if microbatches == 1:
-            (loss, stats), grads = grad_fn(state.params, state.frozen, batch, counted, 1.0, scale)
+            (loss, stats), grads = grad_fn(state.params, state.frozen, batch, counted, 1.0, scale, key)
         else:
-            def accumulate(carry, micro):
-                parts, grads = grad_fn(state.params, state.frozen, micro, counted, 1 / microbatches, scale)
+            def accumulate(carry, micro_and_key):
+                micro, key = micro_and_key
+                parts, grads = grad_fn(state.params, state.frozen, micro, counted, 1 / microbatches, scale, key)
                 return jax.tree.map(jnp.add, carry, (parts, grads)), None
 
             micro = _split_microbatches(batch, microbatches)
@@ -134,7 +141,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             one_pass = jax.eval_shape(lambda p, f, b: grad_fn(p, f, b, counted, 1.0, scale), state.params, state.frozen, first)
             parts = jax.tree.map(jnp.zeros_like, one_pass[0])
             zeros = placed(jax.tree.map(jnp.zeros_like, state.params))
-            ((loss, stats), grads), _ = jax.lax.scan(accumulate, (parts, zeros), micro)
+            keys = None if key is None else jax.random.split(key, microbatches)
+            ((loss, stats), grads), _ = jax.lax.scan(accumulate, (parts, zeros), (micro, keys))
         grads = scale.unscale(grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
