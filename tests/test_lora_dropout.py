@@ -76,7 +76,7 @@ def test_dropout_changes_the_training_gradients(corpus):
 
 
 def test_resume_with_dropout_is_exact_and_the_export_carries_it(corpus, tmp_path):
-    cfg = with_dropout(lora_config(init_std=0.3))
+    cfg = with_(with_dropout(lora_config(init_std=0.3)), train={"microbatches": 2})  # a key per micro-batch too
     trainer = build(cfg, corpus)
     straight = train(cfg, tmp_path / "straight", trainer)
     resumed_dir = tmp_path / "resumed"
