@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: train test bench test-gpu-plan gpu-wheels gpu-dry-run test-jax-next
+.PHONY: train test bench finetune-demo test-gpu-plan gpu-wheels gpu-dry-run test-jax-next
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ test-jax-next: $(JAX_NEXT_VENV)/.installed
 # CPU benchmark suite -> benchmarks/results/latest.json; ONLY=perf,checkpoint runs a subset
 bench: $(INSTALLED)
 	$(PY) benchmarks/run.py $(if $(ONLY),--only $(ONLY))
+
+# Does LoRA learn? A tiny random Hugging Face Llama LoRA-fine-tuned to reverse words through `jaxtrain train`, two
+# seeds, held-out exact match of greedy answers before and after (benchmarks/finetune_demo.py; README, "LoRA / QLoRA
+# fine-tuning"); its keys, finetune_demo_*, merged into benchmarks/results/latest.json
+finetune-demo: $(INSTALLED)
+	$(PY) benchmarks/run.py --only finetune_demo
 
 # The planner compiling for GPUs this machine lacks needs jax's CUDA plugin (about 1 GB of NVIDIA
 # libraries, no GPU needed); it lives in its own environment so the main one stays CPU-only.

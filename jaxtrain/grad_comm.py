@@ -53,17 +53,19 @@ class GradReduction:
         return jax.lax.psum_scatter(narrow, entry, scatter_dimension=dim, tiled=True).astype(g.dtype)
 
     def wrap(self, grad_fn: Callable) -> Callable:
-        """``grad_fn(params, frozen, batch, counted, scale, share) -> ((loss, stats), grads)``, the gradient passes of a
-        whole batch (``share``: the part of the batch's value they make), computed per device on its share of the batch
-        (every micro-batch of it) and summed over the batch axes in ``dtype`` once."""
+        """``grad_fn(params, frozen, batch, counted, scale, key, share=) -> ((loss, stats), grads)``, the gradient passes
+        of a whole batch (``share``: the part of the batch's value they make; ``key``: LoRA dropout's, or None), computed
+        per device on its share of the batch (every micro-batch of it) and summed over the batch axes in ``dtype`` once."""
         ways = math.prod(self.mesh.shape[a] for a in self.batch_axes)
         whole = PartitionSpec()
 
-        def local(params, frozen, batch, counted, scale):
+        def local(params, frozen, batch, counted, scale, key):
             # every axis is manual here: the model's activation constraints have nothing left to split; each device's
             # part is 1/ways of the batch's value, so summing the devices' parts gives the batch's
+            if key is not None:  # each device's rows draw their own dropout masks
+                key = jax.random.fold_in(key, jax.lax.axis_index(self.batch_axes))
             with spmd.logical_axis_rules(()):
-                (loss, stats), grads = grad_fn(params, frozen, batch, counted, scale, 1 / ways)
+                (loss, stats), grads = grad_fn(params, frozen, batch, counted, scale, key, share=1 / ways)
             loss, stats = jax.lax.psum((loss, stats), self.batch_axes)
             specs = self.grad_specs if self.grad_specs is not None else jax.tree.map(lambda _: whole, grads)
             return (loss, stats), jax.tree.map(self._sum, grads, specs)
@@ -71,7 +73,7 @@ class GradReduction:
         # every mesh axis manual: with axes left automatic the reducer carries their sharding annotations (see above)
         grad_specs = whole if self.grad_specs is None else self.grad_specs
         return jax.shard_map(local, mesh=self.mesh, check_vma=False, out_specs=(whole, grad_specs),
-                             in_specs=(whole, whole, PartitionSpec(self.batch_axes), whole, whole))
+                             in_specs=(whole, whole, PartitionSpec(self.batch_axes), whole, whole, whole))
 
 
 def grad_reduction(grad_dtype: str, rules_name: str, rules: Rules, mesh: Mesh, param_shardings: dict,

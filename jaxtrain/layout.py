@@ -107,7 +107,8 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
                                        layer_norms=cfg.log.layer_every > 0, loss_chunk=cfg.train.loss_chunk,
                                        grad_shardings=layout.grad_shardings, device_opt_state=device_opt_state,
                                        loss_scale_period=cfg.optim.loss_scale_period, grad_reduction=layout.grad_reduction,
-                                       device_params=device_params),
+                                       device_params=device_params,
+                                       dropout_seed=cfg.train.seed if cfg.model.lora.rank and cfg.model.lora.dropout else None),
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
     device_model_params = None if device_params is None else in_device_memory(shardings.model_params)
     eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk, device_model_params),

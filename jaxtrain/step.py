@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import jax
@@ -12,6 +13,7 @@ from flax import nnx
 from jaxtrain import loss_scale as loss_scale_lib
 from jaxtrain.adapters import join_frozen
 from jaxtrain.state import TrainState
+from models.lora import dropout_key
 from models.moe import pop_router_stats
 
 # 'inputs', 'targets': (batch, length) int32; packed instruction data (data.format=sft) adds 'segment_ids' and
@@ -97,7 +99,8 @@ def training_objective(graphdef, params: dict, batch: Batch, loss_chunk: int = 0
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
                     layer_norms: bool = False, loss_chunk: int = 0, *, grad_shardings=None, device_opt_state=None,
-                    loss_scale_period: int = 0, grad_reduction=None, device_params=None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    loss_scale_period: int = 0, grad_reduction=None, device_params=None,
+                    dropout_seed: int | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on. ``grad_shardings``
@@ -106,28 +109,32 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     state (float16) the objective is scaled before differentiation and an overflowing update skipped. ``grad_reduction``
     (optim.grad_dtype, jaxtrain/grad_comm.py) sums each pass's gradients over the batch axes in its own dtype;
     ``device_params``: the trained parameters' shardings in device memory, where the step brings offloaded master
-    weights for the whole step (optim.offload under narrower compute)."""
+    weights for the whole step (optim.offload under narrower compute). ``dropout_seed`` (LoRA dropout): the forward
+    passes run inside ``models.lora.dropout_key`` with a key from the seed and the step (and the micro-batch), so a
+    resumed run draws the masks of an uninterrupted one."""
     def placed(grads):
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
-    def pass_grads(params, frozen, batch, counted, share, scale):
+    def pass_grads(params, frozen, batch, counted, share, scale, key=None):
         """Gradients for the trained parameters only (LoRA: the adapters), of the scaled objective."""
         def objective(trained):
-            value, aux = training_objective(graphdef, join_frozen(frozen, trained), batch, loss_chunk, counted, share)
+            with contextlib.nullcontext() if key is None else dropout_key(key):
+                value, aux = training_objective(graphdef, join_frozen(frozen, trained), batch, loss_chunk, counted, share)
             return scale.scale(value), aux
 
         (_, (loss, stats)), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return (loss, stats), grads
 
-    def batch_grads(params, frozen, batch, counted, scale, share=1.0, place=lambda grads: grads):
+    def batch_grads(params, frozen, batch, counted, scale, key=None, share=1.0, place=lambda grads: grads):
         """The gradient passes over the batch (gradient accumulation: one per micro-batch), summed; ``place``
-        lays out each pass's gradients."""
+        lays out each pass's gradients; ``key``: the step's dropout key, split over the micro-batches."""
         if microbatches == 1:
-            parts, grads = pass_grads(params, frozen, batch, counted, share, scale)
+            parts, grads = pass_grads(params, frozen, batch, counted, share, scale, key)
             return parts, place(grads)
 
-        def accumulate(carry, micro):
-            parts, grads = pass_grads(params, frozen, micro, counted, share / microbatches, scale)
+        def accumulate(carry, micro_and_key):
+            micro, key = micro_and_key
+            parts, grads = pass_grads(params, frozen, micro, counted, share / microbatches, scale, key)
             return jax.tree.map(jnp.add, carry, (parts, place(grads))), None
 
         micro = _split_microbatches(batch, microbatches)
@@ -135,7 +142,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         first = jax.tree.map(lambda x: x[0], micro)
         one_pass = jax.eval_shape(lambda p, f, b: pass_grads(p, f, b, counted, 1.0, scale), params, frozen, first)
         zeros = (jax.tree.map(jnp.zeros_like, one_pass[0]), place(jax.tree.map(jnp.zeros_like, params)))
-        return jax.lax.scan(accumulate, zeros, micro)[0]
+        keys = None if key is None else jax.random.split(key, microbatches)
+        return jax.lax.scan(accumulate, zeros, (micro, keys))[0]
 
     def train_step(state: TrainState, batch: Batch):
         if device_opt_state is not None:
@@ -144,10 +152,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             state = state.replace(params=jax.device_put(state.params, device_params))
         scale = loss_scale_lib.scaler(state.loss_scale, loss_scale_period)
         counted = counted_tokens(batch)
+        key = None if dropout_seed is None else jax.random.fold_in(jax.random.key(dropout_seed), state.step)
         if grad_reduction is None:  # GSPMD sums each pass's gradients where the backward pass makes them
-            (loss, stats), grads = batch_grads(state.params, state.frozen, batch, counted, scale, place=placed)
+            (loss, stats), grads = batch_grads(state.params, state.frozen, batch, counted, scale, key, place=placed)
         else:  # each device accumulates its own passes; one sum over the devices after the last
-            (loss, stats), grads = grad_reduction.wrap(batch_grads)(state.params, state.frozen, batch, counted, scale)
+            (loss, stats), grads = grad_reduction.wrap(batch_grads)(state.params, state.frozen, batch, counted, scale, key)
             grads = placed(grads)
         grads = scale.unscale(grads)
         grad_norm = optax.tree.norm(grads)

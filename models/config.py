@@ -26,7 +26,7 @@ class LoraConfig:
     rank: int = 0
     alpha: float = 16.0  # the update is scaled by alpha / rank
     targets: str = "q,k,v,o,gate,up,down"  # comma-separated target names or regular expressions over them / weight paths
-    dropout: float = 0.0
+    dropout: float = 0.0  # training only: the share of each adapter's input entries dropped (PEFT's lora_dropout)
 
     def target_names(self) -> list[str]:
         """The target names the comma-separated items match (each a name, or a regex over names and paths)."""
@@ -42,8 +42,8 @@ class LoraConfig:
             out.append(f"model.lora.rank={self.rank} must be 0 (off) or positive")
         if not self.alpha > 0:
             out.append(f"model.lora.alpha={self.alpha} must be positive")
-        if self.dropout != 0:
-            out.append(f"model.lora.dropout={self.dropout} is not supported yet; use 0")
+        if not 0 <= self.dropout < 1:
+            out.append(f"model.lora.dropout={self.dropout} must be at least 0 and below 1 (the share of adapter inputs dropped); e.g. 0.05")
         choices = ", ".join(f"{n} ({m}.{w})" for n, (m, w, _) in LORA_TARGETS.items())
         for item in (t.strip() for t in self.targets.split(",")):
             names = LoraConfig(targets=item).target_names() if item else []

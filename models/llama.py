@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models import pipeline
 from models.config import LlamaConfig, RopeScaling
-from models.lora import adapt_block, adapter_delta
+from models.lora import adapt_block, adapter_delta, layer_inputs, layer_scope
 from models.quant import weight
 from models.sharding import constrain
 
@@ -264,11 +264,13 @@ class Llama(nnx.Module):
 
         layer_def, layer_state = nnx.split(self.layers)
 
-        def layer(x, params):
-            block = nnx.merge(layer_def, params)
-            return block(x, sin, cos, segment_ids), nnx.to_pure_dict(nnx.pop(block, nnx.Intermediate))  # e.g. MoE router statistics
+        def layer(x, scanned):
+            with layer_scope(scanned) as params:  # a LoRA dropout key per layer when training with one
+                block = nnx.merge(layer_def, params)
+                return block(x, sin, cos, segment_ids), nnx.to_pure_dict(nnx.pop(block, nnx.Intermediate))  # e.g. MoE router statistics
 
-        x, sown = pipeline.apply_layers(layer, layer_state, x, cfg.pipeline, EMBED_ACT, REMAT_POLICY_FNS[cfg.remat], unroll=self._unroll)
+        x, sown = pipeline.apply_layers(layer, layer_inputs(layer_state, cfg.num_layers), x, cfg.pipeline, EMBED_ACT,
+                                        REMAT_POLICY_FNS[cfg.remat], unroll=self._unroll)
         if sown:  # stacked over layers, for the trainer (models.moe.pop_router_stats)
             self.layer_intermediates = nnx.Intermediate(sown)
         return self.final_norm(x)

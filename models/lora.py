@@ -3,12 +3,20 @@ with A (the weight's input dimensions..., rank) and B (rank, its output dimensio
 carrying the weight's logical axes (the rank dimension is never split). B starts at zero, so a fresh adapter
 leaves the model's output exactly unchanged.
 
+Dropout (``model.lora.dropout``, as PEFT's): ``B(A(dropout(x))) * alpha / rank``, on the adapter's input only, and
+only inside ``dropout_key(key)``, which the train step sets around its forward pass; evaluation, generation and
+merging never do, so they see no dropout. The model gives each layer its own key (``layer_inputs``), each adapter
+folds in its target's number: every adapter of every layer draws its own mask.
+
 ``adapt_block`` runs at the end of a block's construction: adapters are drawn after every base weight of the
 layer, so a base initialised from a seed is the same with or without adapters; with ``base_quant`` the
 projection weights are then replaced by their quantized storage.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +26,47 @@ from models.config import LORA_TARGETS, LlamaConfig
 from models.quant import QuantizedWeight
 
 
+# the whole model's dropout key (set by the train step), then, inside one layer, that layer's key
+_MODEL_KEY = contextvars.ContextVar("lora_dropout_model_key", default=None)
+_LAYER_KEY = contextvars.ContextVar("lora_dropout_layer_key", default=None)
+
+
+@contextlib.contextmanager
+def dropout_key(key: jax.Array):
+    """Training: adapters with ``model.lora.dropout`` > 0 drop their inputs, with masks drawn from ``key``."""
+    token = _MODEL_KEY.set(key)
+    try:
+        yield
+    finally:
+        _MODEL_KEY.reset(token)
+
+
+def layer_inputs(layer_state, num_layers: int):
+    """What the scan over layers takes: the layers' parameters, and inside ``dropout_key`` also a key per layer
+    (raw key data, stacked on the layers axis like the parameters)."""
+    key = _MODEL_KEY.get()
+    if key is None:
+        return layer_state
+    keys = jax.random.key_data(jax.random.split(key, num_layers))
+    return layer_state, nnx.Variable(keys, out_sharding=("layers", None), eager_sharding=False)
+
+
+@contextlib.contextmanager
+def layer_scope(scanned):
+    """Inside one layer: yields its parameters from its slice of ``layer_inputs``, with its dropout key in force."""
+    if not isinstance(scanned, tuple):
+        yield scanned
+        return
+    params, keys = scanned
+    token = _LAYER_KEY.set(jax.random.wrap_key_data(keys[...]))
+    try:
+        yield params
+    finally:
+        _LAYER_KEY.reset(token)
+
+
 class LoRA(nnx.Module):
-    def __init__(self, base: nnx.Param, inputs: int, rank: int, alpha: float, rngs: nnx.Rngs):
+    def __init__(self, base: nnx.Param, inputs: int, rank: int, alpha: float, rngs: nnx.Rngs, dropout: float = 0.0, salt: int = 0):
         shape, axes = base.shape, base.get_metadata()["out_sharding"]
         fan_in = 1
         for size in shape[:inputs]:
@@ -31,9 +78,15 @@ class LoRA(nnx.Module):
                                eager_sharding=False)
         self.inputs = inputs
         self.scale = alpha / rank
+        self.dropout = dropout
+        self.salt = salt  # its target's number: adapters sharing an input (q, k, v) draw different masks
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """The update to add to ``x @ W``: x's last ``inputs`` dimensions are contracted."""
+        key = _LAYER_KEY.get()
+        if self.dropout and key is not None:
+            keep = jax.random.bernoulli(jax.random.fold_in(key, self.salt), 1.0 - self.dropout, x.shape)
+            x = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
         low = jnp.tensordot(x, self.a[...].astype(x.dtype), axes=self.inputs)
         return jnp.tensordot(low, self.b[...].astype(x.dtype), axes=1) * jnp.asarray(self.scale, x.dtype)
 
@@ -49,7 +102,8 @@ def adapt_block(block: nnx.Module, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
         for target in lora.target_names():
             module_name, weight_name, inputs = LORA_TARGETS[target]
             module = getattr(block, module_name)
-            setattr(module, adapter_name(target), LoRA(getattr(module, weight_name), inputs, lora.rank, lora.alpha, rngs))
+            salt = list(LORA_TARGETS).index(target)
+            setattr(module, adapter_name(target), LoRA(getattr(module, weight_name), inputs, lora.rank, lora.alpha, rngs, lora.dropout, salt))
     if cfg.base_quant != "none":
         for module_name, weight_name, _ in LORA_TARGETS.values():
             module = getattr(block, module_name)

@@ -159,6 +159,8 @@ def test_peft_export_loads_in_peft_and_merged_export_in_transformers(hf_base, co
     ("model.lora.targets=q,qq", "model.lora.targets item 'qq' matches no weight"),
     ("model.lora.rank=200", "model.lora.rank=200 is larger than the q weight's dimensions 128 x 128"),
     ("model.base_quant=nf3", "model.base_quant='nf3' is unknown"),
+    ("model.lora.dropout=1", "model.lora.dropout=1.0 must be at least 0 and below 1"),
+    ("model.lora.dropout=-0.1", "model.lora.dropout=-0.1 must be at least 0 and below 1"),
 ])
 def test_bad_lora_config_is_one_line(override, message, tmp_path, capsys):
     run_dir = tmp_path / "run"
