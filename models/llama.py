@@ -200,6 +200,11 @@ class Attention(nnx.Module):
         return checkpoint_name(constrain(out, EMBED_ACT), "attn_out")
 
 
+# recomputed in the backward pass from gate and up, which are kept anyway: the (batch, length, mlp) SiLU and product
+# are then not saved per layer (in the layer scan, fewer stacked buffers to fill, copy and slice: 1.08x on CPU)
+_swiglu = jax.checkpoint(lambda gate, up: jax.nn.silu(gate) * up)
+
+
 class MLP(nnx.Module):
     """SwiGLU feed-forward block."""
 
@@ -214,7 +219,7 @@ class MLP(nnx.Module):
         hidden = (BATCH, LENGTH, "activation_mlp")
         gate = constrain(_plus(_matmul(x, weight(self.w_gate, self.dtype)), adapter_delta(self, "gate", x)), hidden)
         up = constrain(_plus(_matmul(x, weight(self.w_up, self.dtype)), adapter_delta(self, "up", x)), hidden)
-        h = jax.nn.silu(gate) * up
+        h = _swiglu(gate, up)
         return constrain(_plus(_matmul(h, weight(self.w_down, self.dtype)), adapter_delta(self, "down", h)), EMBED_ACT)
 
 
