@@ -9,6 +9,9 @@ repetitions interleaved as in bench_perf.
 - ``torch_peer_phases``: where the time goes, phase by phase, each timed side by side like the whole step:
   the forward pass alone (loss, no gradient), forward + backward (loss and gradients), and the whole step
   (+ clipping and AdamW); the differences give backward and optimizer times.
+- ``torch_peer.load_average``: the machine's 1-minute load average before and after. torch's OpenMP threads wait
+  for each other at every parallel region, so on a machine busier than its cores torch slows several times more
+  than XLA:CPU's pool does, and the ratio flatters jaxtrain: read it only where the load stayed under the cores.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def run() -> dict:
     import torch
 
     torch.set_num_threads(os.cpu_count())
+    load_before = os.getloadavg()[0]
     cfg = config(PEER_MODEL, mesh=ONE_DEVICE, rules="dp", seq_len=SEQ_LEN, global_batch=BATCH)
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, layer_every=0))  # the peer computes no per-layer norms
     corpus = random_corpus(PEER_MODEL.vocab_size)
@@ -117,5 +121,6 @@ def run() -> dict:
                        "unrolled_over_transformers": medians["transformers"] / medians["jaxtrain_unrolled"],
                        "compile_s": trainer.compile_s, "unrolled_compile_s": unrolled.compile_s,
                        "jaxtrain_step_s": medians["jaxtrain"], "transformers_step_s": medians["transformers"],
-                       "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__},
+                       "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
+                       "load_average": {"before": load_before, "after": os.getloadavg()[0], "cores": os.cpu_count()}},
     }
