@@ -109,8 +109,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # keeps only blocks of them
     scores = 0 if m.attention == "cudnn" else b / pipe.microbatches * m.num_heads / _ways(layout, "activation_heads") * seq**2
     saved_per_layer = {
-        # float32 norm inputs, the projections and MLP intermediates, float32 and compute-dtype probabilities
-        "none": 16 * embed + stack * (2 * embed + qkv + 6 * mlp) + (4 + stack) * scores,
+        # float32 norm inputs, the projections and 4 MLP intermediates (gate, up and their SwiGLU product among them:
+        # models/llama.py recomputes the SwiGLU's own), float32 and compute-dtype probabilities
+        "none": 16 * embed + stack * (2 * embed + qkv + 4 * mlp) + (4 + stack) * scores,
         "full": stack * embed,  # the layer input
         "save_dots": stack * (2 * embed + qkv + 2 * mlp),  # input, q k v, output projection, MLP gate and up
         "save_qkv_out": stack * (2 * embed + qkv),

@@ -28,6 +28,7 @@ def total(cfg, for_platform=None) -> int:
 @pytest.mark.parametrize("rules,mesh,remat,seq_len", [
     ("fsdp_tp", (1, 4, 2), "full", 512),
     ("fsdp", (1, 4, 2), "save_dots", 512),
+    ("fsdp", (1, 4, 2), "none", 512),  # every layer's intermediates saved
     ("tp", (2, 1, 4), "save_qkv_out", 1024),  # attention's (query, key) scores dominate
 ])
 def test_estimate_within_15_percent_of_compiled(rules, mesh, remat, seq_len):
