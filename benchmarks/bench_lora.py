@@ -18,7 +18,7 @@ import time
 import jax
 
 from bench_perf import config, fixed_batch, random_corpus
-from jaxtrain import lora as lora_lib
+from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.layout import peak_bytes
 from jaxtrain.state import bytes_per_device
 from jaxtrain.train import build

@@ -22,7 +22,7 @@ import time
 import jax
 
 from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig
-from jaxtrain import hlo_report
+from jaxtrain.plan import hlo_report
 from jaxtrain.layout import lower_steps, peak_bytes
 from jaxtrain.state import bytes_per_device
 from jaxtrain.train import build

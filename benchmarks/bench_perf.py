@@ -4,7 +4,7 @@ interleaved repetitions, so a noisy shared machine slows both sides alike):
 - ``overhead_ratio``: a hand-written plain jax + optax train step of the same model math and shapes
   (below) ÷ jaxtrain's compiled step, by step time; 1.0 = no framework overhead. On one device, and on
   the cpu8 mesh with fsdp_tp (the hand-written step then gets the same parameter and batch shardings).
-- ``matmul_peak_flops`` (jaxtrain.flops.measure_matmul_peak over all devices), ``model_flops_per_s``
+- ``matmul_peak_flops`` (jaxtrain.observe.flops.measure_matmul_peak over all devices), ``model_flops_per_s``
   of jaxtrain's step on the same devices, and their ratio ``mfu_vs_matmul_peak``.
 - ``compile_s_{2,8,32}_layers`` and ``step_s_{...}_layers``: layers are scanned, so compile time
   should not grow with depth.
@@ -30,7 +30,7 @@ import optax
 
 from jaxtrain import data as data_lib
 from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig
-from jaxtrain.flops import flops_per_token, measure_matmul_peak
+from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.state import init_state
 from jaxtrain.train import Trainer, build, train

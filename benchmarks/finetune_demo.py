@@ -110,7 +110,8 @@ def answers(loaded, words: list[str], max_new_tokens: int) -> list[str]:
 
 def run(work_dir: Path, seed: int, setting: Setting = Setting()) -> dict:
     """Base, data, LoRA training through the CLI, and held-out exact match before and after; the measurements."""
-    from jaxtrain import cli, generate, lora
+    from jaxtrain import cli, generate
+    from jaxtrain.adapt import lora
 
     start = time.perf_counter()
     base, run_dir, data = work_dir / "base", work_dir / "run", work_dir / "train.jsonl"

@@ -91,7 +91,7 @@ ROWS = (
     Row("offload_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "optim.offload=true"), 60),
     Row("float16_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "model.dtype=float16"), 60),
     # optim.grad_dtype=bfloat16 on one GPU: no other device to sum with, so this prices the per-device gradient pass
-    # (jaxtrain/grad_comm.py) against mfu_1b; the bytes it saves need several GPUs (bench_memory counts them)
+    # (jaxtrain/memory/grad_comm.py) against mfu_1b; the bytes it saves need several GPUs (bench_memory counts them)
     Row("grad_bf16_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "optim.grad_dtype=bfloat16"), 60),
     # pipeline parallelism (rules pp_fsdp): 2 stages x fsdp over the rest of the GPUs, circular (16 layers = 2 stages x
     # 2 repeats x 4), 2 micro-batches in flight: bubble (2 - 1) / (2 x 2 + 2 - 1) = 20%; compare its MFU with mfu_1b's

@@ -3,7 +3,7 @@
     python benchmarks/throughput.py llama3_1b --mesh gpu1 --rules fsdp model.remat=save_dots data.seq_len=4096
 
 Prints one JSON line. Random tokens (the step time does not depend on the data); model FLOPs counted
-as in jaxtrain.flops (PaLM, causal attention halved); MFU against --peak-tflops (default 989: H100/H200
+as in jaxtrain.observe.flops (PaLM, causal attention halved); MFU against --peak-tflops (default 989: H100/H200
 dense bf16) or, on CPUs, the measured matmul peak. Memory per device, side by side: the planner's
 estimate for these devices, XLA's compiled peak, and the peak the device measured (``memory_stats()``;
 none on CPUs). Used by benchmarks/gpu_h200.sh.
@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax  # after the config: a bad one fails fast, before any device starts
 
     from bench_perf import fixed_batch, random_corpus
-    from jaxtrain.flops import flops_per_token, measure_matmul_peak
+    from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak
     from jaxtrain.layout import peak_bytes
-    from jaxtrain.plan import estimate, estimate_total
+    from jaxtrain.plan.estimate import estimate, estimate_total
     from jaxtrain.train import build
 
     trainer = build(cfg, random_corpus(cfg.model.vocab_size, tokens=(cfg.train.global_batch + 1) * (cfg.data.seq_len + 1) * 12))

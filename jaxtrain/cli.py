@@ -99,7 +99,7 @@ def cmd_export_hf(args) -> int:
         raise UserError(f"--adapter-only exports a LoRA run's adapters, and {run_dir} trained every parameter (model.lora.rank=0)")
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before jax sees devices
     if cfg.model.lora.rank:
-        from jaxtrain import lora  # starts jax
+        from jaxtrain.adapt import lora  # starts jax
 
         lora.export(cfg, run_dir, out, step=args.step, dtype=args.dtype, adapter_only=args.adapter_only)
         return 0
@@ -128,7 +128,7 @@ def cmd_plan(args) -> int:
     simulate_cpu_devices(count)
     # jax's CUDA plugin, where installed, checks the CUDA driver as jax starts; a plan needs only its compiler
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    from jaxtrain import plan as plan_lib  # starts jax
+    from jaxtrain.plan import estimate as plan_lib  # starts jax
 
     memory = None if args.device_memory is None else int(args.device_memory * plan_lib.GIB)
     plan = plan_lib.make_plan(cfg, device_memory=memory, gpu=args.gpu, headroom=args.headroom, tokens_per_s=args.tokens_per_s,
@@ -154,7 +154,7 @@ def cmd_generate(args) -> int:
 
     loaded = generate_lib.load(path, args.mesh, args.rules, chat=args.chat)
     if args.adapter:
-        from jaxtrain import lora
+        from jaxtrain.adapt import lora
 
         loaded = lora.with_adapter(loaded, Path(args.adapter))
     prompt = loaded.encode(args.prompt)
@@ -176,14 +176,14 @@ def cmd_checkpoints(args) -> int:
 
 
 def cmd_adapters(args) -> int:
-    from jaxtrain import adapters
+    from jaxtrain.adapt import adapters
 
     print(adapters.format_pool(adapters.pool(Path(args.dir))))
     return 0
 
 
 def cmd_plot(args) -> int:
-    from jaxtrain import plot
+    from jaxtrain.observe import plot
 
     run_dirs = [Path(d) for d in args.run_dirs]
     out = Path(args.out) if args.out else run_dirs[0] / "metrics.png"

@@ -67,7 +67,7 @@ class DataConfig:
 class TrainConfig:
     steps: int = 100
     global_batch: int = 32  # sequences per optimizer step, across all devices
-    microbatches: int | str = 1  # gradient accumulation passes per step; "auto": the fewest that fit (jaxtrain/plan.py)
+    microbatches: int | str = 1  # gradient accumulation passes per step; "auto": the fewest that fit (jaxtrain/plan/estimate.py)
     seed: int = 0  # parameter initialisation
     eval_every: int = 0  # 0: evaluate only at the end
     eval_batches: int = 4  # global batches of the validation split per evaluation
@@ -87,7 +87,7 @@ class OptimConfig:
     clip_norm: float = 1.0  # global gradient-norm clipping; 0 disables
     offload: bool = False  # optimizer state (and float32 master weights under narrower compute) in host memory
     loss_scale_period: int = 2000  # model.dtype=float16: finite steps in a row before the loss scale doubles
-    grad_dtype: str = "float32"  # bfloat16: gradients summed over the batch axes in bfloat16 (jaxtrain/grad_comm.py)
+    grad_dtype: str = "float32"  # bfloat16: gradients summed over the batch axes in bfloat16 (jaxtrain/memory/grad_comm.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
-from jaxtrain import lora as lora_lib
+from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.config import Config, SamplingConfig
 from jaxtrain.data.sft import ChatTemplate
 from jaxtrain.data.token_file import TOKEN_FILE_SUFFIXES

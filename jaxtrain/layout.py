@@ -1,6 +1,6 @@
 """How a config maps onto the devices, and the train step lowered and compiled for it.
 
-The trainer (train.py) and the planner (plan.py) both build on this module, so the planner reads the
+The trainer (train.py) and the planner (plan/estimate.py) both build on this module, so the planner reads the
 very layout and step the trainer runs, and neither imports the other.
 """
 
@@ -16,11 +16,12 @@ from jaxtrain import config as config_lib
 from jaxtrain.config import Config
 from jaxtrain.data.pipeline import batch_fields
 from jaxtrain.errors import UserError
-from jaxtrain.gpu_targets import is_nvidia_gpu
+from jaxtrain.plan.gpu_targets import is_nvidia_gpu
 from jaxtrain.mesh import build_mesh
 from jaxtrain.optim import learning_rate_schedule, make_optimizer
-from jaxtrain import grad_comm, offload
-from jaxtrain.adapters import split_frozen
+from jaxtrain.memory import grad_comm
+from jaxtrain.memory import offload
+from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, load_state_rules,
                                   logical_ways, model_tracing, param_shardings)
 from jaxtrain.stages import check_pipeline

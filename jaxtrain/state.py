@@ -13,9 +13,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtrain import loss_scale as loss_scale_lib
-from jaxtrain.adapters import join_frozen, split_frozen
-from jaxtrain.quant import quantized
+from jaxtrain.memory import loss_scale as loss_scale_lib
+from jaxtrain.adapt.adapters import join_frozen, split_frozen
+from jaxtrain.memory.quant import quantized
 from jaxtrain.partitioning import Rules, param_shardings, spec_axes
 from models.config import LlamaConfig
 from models.llama import Llama
@@ -26,7 +26,7 @@ class TrainState:
     step: jax.Array  # int32 scalar: optimizer updates applied so far
     params: dict  # nested dict of arrays, keyed like the NNX module tree: the trained ones (a LoRA run: the adapters)
     opt_state: Any
-    loss_scale: Any = None  # float16 compute: {"scale", "counter"} of the dynamic loss scale (jaxtrain/loss_scale.py)
+    loss_scale: Any = None  # float16 compute: {"scale", "counter"} of the dynamic loss scale (jaxtrain/memory/loss_scale.py)
     frozen: dict | None = None  # a LoRA run's base weights (never updated, not checkpointed); None: every parameter trains
 
     @property

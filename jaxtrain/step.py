@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxtrain import loss_scale as loss_scale_lib
-from jaxtrain.adapters import join_frozen
+from jaxtrain.memory import loss_scale as loss_scale_lib
+from jaxtrain.adapt.adapters import join_frozen
 from jaxtrain.state import TrainState
 from models.lora import dropout_key
 from models.moe import pop_router_stats
@@ -107,7 +107,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     places the gradients (ZeRO-2: reduce-scattered); ``device_opt_state`` are the optimizer state's shardings
     in device memory, where the step brings it from the host (optim.offload) for the update; with a loss scale in the
     state (float16) the objective is scaled before differentiation and an overflowing update skipped. ``grad_reduction``
-    (optim.grad_dtype, jaxtrain/grad_comm.py) sums each pass's gradients over the batch axes in its own dtype;
+    (optim.grad_dtype, jaxtrain/memory/grad_comm.py) sums each pass's gradients over the batch axes in its own dtype;
     ``device_params``: the trained parameters' shardings in device memory, where the step brings offloaded master
     weights for the whole step (optim.offload under narrower compute). ``dropout_seed`` (LoRA dropout): the forward
     passes run inside ``models.lora.dropout_key`` with a key from the seed and the step (and the micro-batch), so a

@@ -17,14 +17,14 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
-from jaxtrain import exporters
-from jaxtrain import lora as lora_lib
-from jaxtrain import plan
+from jaxtrain.observe import exporters
+from jaxtrain.adapt import lora as lora_lib
+from jaxtrain.plan import estimate as plan
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import
 from jaxtrain.layout import Layout, compile_train_step, make_layout
-from jaxtrain.metrics import MetricsLog
+from jaxtrain.observe.metrics import MetricsLog
 from jaxtrain.state import TrainState, state_from_params, state_initializer
 
 

@@ -62,7 +62,7 @@ def _matches(pattern: str, text: str) -> bool:
 # dropless: every token reaches its experts (grouped matmul, jax.lax.ragged_dot); capacity: each expert takes at most
 # capacity_factor x its fair share of a sequence's tokens, the rest skip the block (fixed shapes: expert parallel everywhere)
 MOE_DISPATCH = ("dropless", "capacity")
-# quantized training of the layers' matmuls (jaxtrain/quant.py, qwix): int8, or fp8 (e4m3 forward, e5m2 gradients)
+# quantized training of the layers' matmuls (jaxtrain/memory/quant.py, qwix): int8, or fp8 (e4m3 forward, e5m2 gradients)
 QUANT_TYPES = ("none", "int8", "fp8")
 
 

@@ -1,4 +1,4 @@
-"""optim.grad_dtype=bfloat16: gradients summed across the batch shards in bfloat16 (jaxtrain/grad_comm.py)."""
+"""optim.grad_dtype=bfloat16: gradients summed across the batch shards in bfloat16 (jaxtrain/memory/grad_comm.py)."""
 
 import shutil
 
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import small_config, with_
-from jaxtrain import hlo_report, step_cost
+from jaxtrain.plan import hlo_report
+from jaxtrain.plan import step_cost
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.train import build, train
 from test_memory import _run

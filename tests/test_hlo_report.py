@@ -8,8 +8,8 @@ import jax
 import numpy as np
 from conftest import REPO, run_cli, small_config
 
-from jaxtrain import hlo_report
-from jaxtrain import plan as plan_lib
+from jaxtrain.plan import hlo_report
+from jaxtrain.plan import estimate as plan_lib
 from jaxtrain.train import make_layout
 
 

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from conftest import small_config, with_
 from jaxtrain import cli
-from jaxtrain import lora as lora_lib
+from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config
 from jaxtrain.layout import make_layout

@@ -12,7 +12,7 @@ from flax.core import spmd
 
 from conftest import with_
 from jaxtrain import cli
-from jaxtrain import lora as lora_lib
+from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.layout import compile_train_step, make_layout
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.train import build, train

@@ -13,8 +13,9 @@ from conftest import small_config, with_
 from test_plan import medium_config
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
-from jaxtrain import offload, step_cost
-from jaxtrain import plan as plan_lib
+from jaxtrain.memory import offload
+from jaxtrain.plan import step_cost
+from jaxtrain.plan import estimate as plan_lib
 from jaxtrain.data import train_batches
 from jaxtrain.errors import UserError
 from jaxtrain.layout import make_layout

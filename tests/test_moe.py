@@ -14,7 +14,7 @@ from flax import nnx
 from conftest import run_cli, small_config, with_
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.config import AxisSizes, MeshConfig, load_experiment
-from jaxtrain.flops import matmul_params
+from jaxtrain.observe.flops import matmul_params
 from jaxtrain.layout import make_layout
 from jaxtrain.state import model_spec
 from jaxtrain.step import router_metrics, token_nll_and_router_stats, training_objective
@@ -166,7 +166,7 @@ def test_expert_parallel_losses_match_one_device(expert_parallel, corpus, tmp_pa
 def test_router_metrics_reach_tensorboard_and_the_plot(expert_parallel, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from jaxtrain.plot import MOE_PANEL, panels_for, plot_runs, read_metrics
+    from jaxtrain.observe.plot import MOE_PANEL, panels_for, plot_runs, read_metrics
 
     _, _, run_dir, _, records = expert_parallel
     events = EventAccumulator(str(run_dir))
@@ -234,9 +234,9 @@ def test_mixtral_sizes_are_the_published_ones(name, total, active):
 
 
 def test_planner_counts_expert_weights_by_the_expert_axis_and_all_to_all_traffic():
-    from jaxtrain.plan import estimate
+    from jaxtrain.plan.estimate import estimate
     from jaxtrain.state import bytes_per_device
-    from jaxtrain.step_cost import step_time
+    from jaxtrain.plan.step_cost import step_time
 
     layout = make_layout(load_experiment("tiny_moe"))  # fsdp 2 x tensor 2 x expert 2, capacity 1.25, float32, no remat
     m = layout.cfg.model

@@ -16,14 +16,14 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import run_cli, small_config, with_
-from jaxtrain import metrics as metrics_lib
+from jaxtrain.observe import metrics as metrics_lib
 from jaxtrain import train as train_lib
 from jaxtrain.checkpoint import Preempted
 from jaxtrain.errors import UserError
-from jaxtrain.exporters import check_port_free
-from jaxtrain.flops import flops_per_token
+from jaxtrain.observe.exporters import check_port_free
+from jaxtrain.observe.flops import flops_per_token
 from jaxtrain.layout import lower_steps, make_layout
-from jaxtrain.metrics import NonFiniteError, Progress
+from jaxtrain.observe.metrics import NonFiniteError, Progress
 from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.step import schedule_count
 

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from conftest import small_config, subprocess_env, with_
-from jaxtrain import plan as plan_lib
+from jaxtrain.plan import estimate as plan_lib
 from jaxtrain import stages as stages_lib
 from jaxtrain.config import AxisSizes, MeshConfig, SamplingConfig
 from jaxtrain.generate import generate, load

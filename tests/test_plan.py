@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import REPO, run_cli, small_config, with_
 
-from jaxtrain import plan as plan_lib
+from jaxtrain.plan import estimate as plan_lib
 from jaxtrain.config import check, load_experiment, resolve_attention
 from jaxtrain.layout import compile_train_step, make_layout, peak_bytes
 from jaxtrain.state import model_spec
@@ -85,7 +85,7 @@ def test_cudnn_attention_is_compiled_as_xla_on_cpu_and_its_scores_taken_out_for_
 def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_xla_elsewhere():
     from types import SimpleNamespace
 
-    from jaxtrain.gpu_targets import is_nvidia_gpu
+    from jaxtrain.plan.gpu_targets import is_nvidia_gpu
 
     cfg = small_config(dtype="bfloat16")
     assert cfg.model.attention == "auto"  # the default

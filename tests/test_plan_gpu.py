@@ -12,8 +12,8 @@ from test_plan import medium_config
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax's CUDA plugin is not installed (make test-gpu-plan)")
 
-from jaxtrain import gpu_targets  # noqa: E402
-from jaxtrain import plan as plan_lib  # noqa: E402
+from jaxtrain.plan import gpu_targets  # noqa: E402
+from jaxtrain.plan import estimate as plan_lib  # noqa: E402
 from jaxtrain.layout import make_layout  # noqa: E402
 
 

@@ -7,10 +7,10 @@ import pytest
 from conftest import with_
 from test_plan import medium_config
 
-from jaxtrain import step_cost
+from jaxtrain.plan import step_cost
 from jaxtrain.config import AxisSizes, MeshConfig
-from jaxtrain.flops import flops_per_token
-from jaxtrain.gpu_targets import LINK_BYTES_PER_S
+from jaxtrain.observe.flops import flops_per_token
+from jaxtrain.plan.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.layout import make_layout
 
 H100_BF16 = 989.4e12

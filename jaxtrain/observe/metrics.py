@@ -29,8 +29,8 @@ import tqdm
 from jaxtrain import config as config_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
-from jaxtrain.exporters import MlflowRun, PrometheusGauges
-from jaxtrain.flops import flops_per_token, measure_matmul_peak, peak_flops
+from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges
+from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak, peak_flops
 from jaxtrain.layout import Layout
 from jaxtrain.mesh import describe_axes
 from jaxtrain.state import bytes_per_device, elements_per_device

@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
-from jaxtrain.adapters import BASE_RECORD, join_frozen, read_record, split_frozen, summary
+from jaxtrain.adapt.adapters import BASE_RECORD, join_frozen, read_record, split_frozen, summary
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_export, hf_import, peft

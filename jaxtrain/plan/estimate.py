@@ -26,18 +26,18 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxtrain.adapters import split_frozen
+from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.config import Config, flatten, resolve_attention, to_dict
 from jaxtrain.errors import UserError
-from jaxtrain.flops import flops_per_token, peak_flops
-from jaxtrain.gpu_targets import GPU_MEMORY_MIB, compile_only_devices, gpu_memory_bytes
-from jaxtrain.hlo_report import HloReport, captured_stderr, report
+from jaxtrain.observe.flops import flops_per_token, peak_flops
+from jaxtrain.plan.gpu_targets import GPU_MEMORY_MIB, compile_only_devices, gpu_memory_bytes
+from jaxtrain.plan.hlo_report import HloReport, captured_stderr, report
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
 from jaxtrain.stages import pipelined_variants, schedule, stage_memory
 from jaxtrain.state import bytes_per_device, gathered_elements
-from jaxtrain.offload import offloads_master_weights
-from jaxtrain.step_cost import StepTime, step_time
+from jaxtrain.memory.offload import offloads_master_weights
+from jaxtrain.plan.step_cost import StepTime, step_time
 from jaxtrain.layout import Layout, lower_steps, make_layout, peak_bytes
 from models.config import REMAT_POLICIES
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from jaxtrain import config as config_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
-from jaxtrain.plot import plot_runs
+from jaxtrain.observe.plot import plot_runs
 
 MLFLOW_RUN_ID_FILE = "mlflow_run_id"  # in the run directory: a resumed run continues the same MLflow run
 PLOT_FILE = "metrics.png"

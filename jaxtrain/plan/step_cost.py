@@ -11,7 +11,7 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
   reducing inside the micro-batch loop);
 gradients travel in the dtype the weight is used in: the compute dtype for matmul weights, float32 for the
 norm scales (RMSNorm applies them in float32), as the compiled program shows; with optim.grad_dtype=bfloat16 every
-gradient travels in bfloat16 (jaxtrain/grad_comm.py sums them so);
+gradient travels in bfloat16 (jaxtrain/memory/grad_comm.py sums them so);
 - ZeRO-2 (gradients split over batch axes their weight is replicated on): those reduced by a reduce-scatter,
   half an all-reduce; ZeRO-1/2 (optimizer state split so): each updated float32 weight all-gathered once per
   step over those axes;
@@ -42,12 +42,12 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxtrain.adapters import split_frozen
+from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.config import Config
-from jaxtrain.flops import active_mlps, flops_per_token, peak_flops
-from jaxtrain.gpu_targets import LINK_BYTES_PER_S
+from jaxtrain.observe.flops import active_mlps, flops_per_token, peak_flops
+from jaxtrain.plan.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.layout import Layout
-from jaxtrain.offload import offloads_master_weights
+from jaxtrain.memory.offload import offloads_master_weights
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways, spec_axes
 from jaxtrain.stages import schedule
 from jaxtrain.state import bytes_per_device, elements_per_device, gathered_elements

@@ -1,0 +1,2 @@
+"""Memory techniques beyond sharding: host offload (offload), float16 loss scaling (loss_scale), int8 / fp8
+quantized training (quant), gradient sums in bfloat16 (grad_comm)."""
