@@ -24,6 +24,13 @@ def _rules_file(tmp_path: Path, **changes) -> str:
     return str(path)
 
 
+def _zero1_over(tmp_path: Path, axis: str) -> str:
+    """A ZeRO-1 rule file whose optimizer state is split over ``axis``."""
+    path = tmp_path / "zero1_bad.yaml"
+    path.write_text(yaml.safe_dump({"extends": "dp", "optimizer_state": {"embed": [axis]}}))
+    return str(path)
+
+
 def _random_bytes(path: Path) -> Path:
     path.write_bytes(np.random.default_rng(0).bytes(1000))
     return path
@@ -63,6 +70,8 @@ CASES = {
     "batch not divisible into pipeline micro-batches": (lambda t: [*PIPELINE, "model.pipeline.microbatches=3"],
                                                         "= 32 sequences do not split into model.pipeline.microbatches=3 micro-batches over the 2 batch shards"),
     # memory techniques (issue 12): optim.offload on devices without host memory is tests/test_memory.py's (CPUs have it)
+    "optimizer state over a mesh axis the mesh lacks": (lambda t: ["--rules", _zero1_over(t, "pipeline")],
+                                                        "zero1_bad.yaml (optimizer_state): 'embed' maps to mesh axis 'pipeline', which the mesh does not have"),
     "unknown model.quant": (lambda t: ["model.quant=int4"], "model.quant='int4' is unknown"),
     "float16 without master weights": (lambda t: ["model.dtype=float16", "model.param_dtype=float16"],
                                        "model.dtype=float16 with model.param_dtype=float16 keeps no float32 master weights"),
