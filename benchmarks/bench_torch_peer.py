@@ -6,6 +6,13 @@ repetitions interleaved as in bench_perf.
 - ``torch_peer_ratio``: jaxtrain tokens/s ÷ transformers tokens/s (goal >= 1.0), and both absolute.
 - ``unrolled_layers_speedup``: jaxtrain with ``model.scan_layers=false`` ÷ the scanned default, tokens/s, in the
   same interleaved run, beside both train steps' compile times (what unrolling costs).
+- ``chunked_attention_speedup``: jaxtrain with ``model.attention=chunked`` (what ``auto`` picks on CPUs:
+  models/attention.py) ÷ the same with ``model.attention=xla``, tokens/s, in the same interleaved run; and
+  ``chunked_attention_speedup_seq_1024``: the same pair at sequence length 1024 (batch 2, the same tokens per
+  step), where the scores weigh more.
+- ``remat_full_speedup``: jaxtrain with ``model.remat=full`` ÷ the default (none), and ``torch_peer.remat_full_ratio``:
+  that setting's tokens/s ÷ transformers': XLA:CPU recomputes a layer faster than it stacks and reads back what
+  the layer scan saves.
 - ``torch_peer_phases``: where the time goes, phase by phase, each timed side by side like the whole step:
   the forward pass alone (loss, no gradient), forward + backward (loss and gradients), and the whole step
   (+ clipping and AdamW); the differences give backward and optimizer times.
@@ -95,7 +102,11 @@ def run() -> dict:
     cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, layer_every=0))  # the peer computes no per-layer norms
     corpus = random_corpus(PEER_MODEL.vocab_size)
     trainer = build(cfg, corpus, jax.devices()[:1])
-    unrolled = build(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False)), corpus, jax.devices()[:1])
+    variant = lambda cfg, **model: build(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model)), corpus, jax.devices()[:1])  # noqa: E731
+    unrolled, xla_attention, remat_full = variant(cfg, scan_layers=False), variant(cfg, attention="xla"), variant(cfg, remat="full")
+    long_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=4 * SEQ_LEN),
+                                   train=dataclasses.replace(cfg.train, global_batch=BATCH // 4))
+    long_chunked, long_xla = variant(long_cfg), variant(long_cfg, attention="xla")
     batch = fixed_batch(trainer)
     torch_phases = torch_contender(cfg, batch)
     torch_loss = torch_phases["step"][1]
@@ -104,8 +115,11 @@ def run() -> dict:
         if abs(loss - math.log(PEER_MODEL.vocab_size)) > 0.1:
             raise AssertionError(f"{name}'s first loss {loss:.3f} is not ln(vocab) = {math.log(PEER_MODEL.vocab_size):.3f}")
     jax_phases = jaxtrain_phases(trainer)
+    long_medians = interleaved_medians({"chunked": jaxtrain_contender(long_chunked), "xla": jaxtrain_contender(long_xla)},
+                                       fixed_batch(long_chunked))
     medians = interleaved_medians({"jaxtrain": jax_phases["step"], "jaxtrain_unrolled": jaxtrain_contender(unrolled),
-                                   "transformers": torch_phases["step"]}
+                                   "jaxtrain_xla_attention": jaxtrain_contender(xla_attention),
+                                   "jaxtrain_remat_full": jaxtrain_contender(remat_full), "transformers": torch_phases["step"]}
                                   | {f"{who}_{phase}": contender for who, phases in (("jaxtrain", jax_phases), ("transformers", torch_phases))
                                      for phase, contender in phases.items() if phase != "step"}, batch)
     phases = {phase: {who: medians[f"{who}_{phase}"] for who in ("jaxtrain", "transformers")} for phase in ("forward", "forward_backward")}
@@ -114,11 +128,17 @@ def run() -> dict:
     return {
         "torch_peer_ratio": medians["transformers"] / medians["jaxtrain"],
         "unrolled_layers_speedup": medians["jaxtrain"] / medians["jaxtrain_unrolled"],
+        "chunked_attention_speedup": medians["jaxtrain_xla_attention"] / medians["jaxtrain"],
+        "chunked_attention_speedup_seq_1024": long_medians["xla"] / long_medians["chunked"],
+        "remat_full_speedup": medians["jaxtrain"] / medians["jaxtrain_remat_full"],
         # seconds per phase and the transformers ÷ jaxtrain time ratio (> 1: jaxtrain faster there)
         "torch_peer_phases": {phase: t | {"ratio": t["transformers"] / t["jaxtrain"]} for phase, t in phases.items()},
         "torch_peer": {"jaxtrain_tokens_per_s": tokens / medians["jaxtrain"], "transformers_tokens_per_s": tokens / medians["transformers"],
                        "jaxtrain_unrolled_tokens_per_s": tokens / medians["jaxtrain_unrolled"],
                        "unrolled_over_transformers": medians["transformers"] / medians["jaxtrain_unrolled"],
+                       "remat_full_ratio": medians["transformers"] / medians["jaxtrain_remat_full"],
+                       "xla_attention_ratio": medians["transformers"] / medians["jaxtrain_xla_attention"],
+                       "seq_1024_step_s": {"chunked": long_medians["chunked"], "xla": long_medians["xla"]},
                        "compile_s": trainer.compile_s, "unrolled_compile_s": unrolled.compile_s,
                        "jaxtrain_step_s": medians["jaxtrain"], "transformers_step_s": medians["transformers"],
                        "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,

@@ -337,15 +337,16 @@ def profile_range(spec: str) -> tuple[int, int]:
     return int(start), int(end)
 
 
-def resolve_attention(cfg: Config, nvidia_gpu: bool) -> Config:
+def resolve_attention(cfg: Config, nvidia_gpu: bool, cpu: bool = False) -> Config:
     """``model.attention=auto`` made concrete for the devices: cuDNN flash attention on NVIDIA GPUs where it takes
     the model (half-precision compute, a head dimension that is a multiple of 8 up to 128: jax's cuDNN checks,
-    256 on Hopper kept out to hold on every GPU), XLA elsewhere. Explicit values stay."""
+    256 on Hopper kept out to hold on every GPU), chunked causal attention on CPUs (XLA:CPU has no fused kernel:
+    models/attention.py), XLA elsewhere. Explicit values stay."""
     m = cfg.model
     if m.attention != "auto":
         return cfg
     cudnn = nvidia_gpu and m.dtype in ("bfloat16", "float16") and m.resolved_head_dim % 8 == 0 and m.resolved_head_dim <= 128
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention="cudnn" if cudnn else "xla"))
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention="cudnn" if cudnn else "chunked" if cpu else "xla"))
 
 
 def log_problems(cfg: Config) -> list[str]:

@@ -66,7 +66,8 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
     """Check the config against the devices, mesh, rules and model parameters; no compilation."""
     config_lib.check(cfg)
     mesh = build_mesh(cfg.mesh, devices)
-    cfg = config_lib.resolve_attention(cfg, is_nvidia_gpu(mesh.devices.flat[0]))  # before the model is built
+    device = mesh.devices.flat[0]
+    cfg = config_lib.resolve_attention(cfg, is_nvidia_gpu(device), cpu=device.platform == "cpu")  # before the model is built
     rules = load_rules(cfg.rules)
     check_rules_against_mesh(rules, mesh, cfg.rules)
     check_pipeline(cfg, rules, mesh)

@@ -10,8 +10,9 @@ import re
 # offload_*: what save_* keeps is moved to host memory (pinned_host) and brought back for the backward pass.
 REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_out", "offload_dots", "offload_qkv_out")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-# auto: the trainer picks cudnn on NVIDIA GPUs and xla elsewhere; a model built directly lets jax choose
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+# auto: the trainer picks cudnn on NVIDIA GPUs, chunked on CPUs and xla elsewhere; a model built directly lets jax
+# choose. chunked: models/attention.py, causal attention scored per query chunk (no fused kernel needed)
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "chunked")
 ROPE_SCALING_TYPES = ("none", "llama3")
 # LoRA target name -> (module in the block, its weight, how many leading weight dimensions are inputs)
 LORA_TARGETS = {"q": ("attn", "wq", 1), "k": ("attn", "wk", 1), "v": ("attn", "wv", 1), "o": ("attn", "wo", 2),
@@ -162,7 +163,7 @@ class LlamaConfig:
     dtype: str = "bfloat16"  # compute dtype; softmax, logits and loss are always float32
     param_dtype: str = "float32"
     remat: str = "none"
-    attention: str = "auto"  # jax.nn.dot_product_attention implementation
+    attention: str = "auto"  # jax.nn.dot_product_attention implementation, or chunked (models/attention.py)
     # False: the loop over layers unrolled when compiling (faster steps on CPU, compile time grows with depth);
     # the parameters stay stacked on the layers axis either way, so checkpoints do not change
     scan_layers: bool = True

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models import pipeline
+from models.attention import chunked_causal_attention
 from models.config import LlamaConfig, RopeScaling
 from models.lora import adapt_block, adapter_delta, layer_inputs, layer_scope
 from models.quant import weight
@@ -163,7 +164,10 @@ class Attention(nnx.Module):
         examples packed in one sequence never see each other."""
         q, k, v = self._float16_widened(*self._qkv(x, sin, cos), cudnn=self.implementation == "cudnn")
         mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=self.implementation)
+        if self.implementation == "chunked":
+            out = chunked_causal_attention(q, k, v, mask)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=self.implementation)
         return self._output(out.astype(self.dtype))
 
     def extend(self, x, sin, cos, cache: LayerCache):

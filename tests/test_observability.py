@@ -89,7 +89,7 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     num_params = trainer.layout.spec.num_params
     assert summary["params"] == num_params and summary["devices"] == 8 and summary["processes"] == 1
     assert summary["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1} and summary["rules"] == "fsdp_tp"
-    assert summary["attention"] == "xla"  # model.attention=auto on CPUs
+    assert summary["attention"] == "chunked"  # model.attention=auto on CPUs
     assert summary["global_batch_tokens"] == 128 and summary["flops_per_token"] == hand_flops
     assert summary["peak_flops_per_device"] == PEAK_TFLOPS * 1e12 and summary["compile_s"] > 0
     # fsdp_tp shards every matrix 4 ways (fsdp x tensor); float32, and AdamW keeps two moments per parameter

@@ -25,14 +25,15 @@ def total(cfg, for_platform=None) -> int:
     return plan_lib.estimate_total(plan_lib.estimate(make_layout(cfg), for_platform))
 
 
-@pytest.mark.parametrize("rules,mesh,remat,seq_len", [
-    ("fsdp_tp", (1, 4, 2), "full", 512),
-    ("fsdp", (1, 4, 2), "save_dots", 512),
-    ("fsdp", (1, 4, 2), "none", 512),  # every layer's intermediates saved
-    ("tp", (2, 1, 4), "save_qkv_out", 1024),  # attention's (query, key) scores dominate
+@pytest.mark.parametrize("rules,mesh,remat,seq_len,attention", [
+    ("fsdp_tp", (1, 4, 2), "full", 512, "auto"),  # auto: chunked attention on these CPU devices
+    ("fsdp", (1, 4, 2), "save_dots", 512, "auto"),
+    ("fsdp", (1, 4, 2), "none", 512, "auto"),  # every layer's intermediates saved
+    ("tp", (2, 1, 4), "save_qkv_out", 1024, "xla"),  # XLA attention's (query, key) scores dominate
+    ("fsdp", (1, 4, 2), "save_dots", 1024, "chunked"),  # chunked attention's share of them
 ])
-def test_estimate_within_15_percent_of_compiled(rules, mesh, remat, seq_len):
-    layout = make_layout(medium_config(rules, remat, mesh=mesh, seq_len=seq_len))
+def test_estimate_within_15_percent_of_compiled(rules, mesh, remat, seq_len, attention):
+    layout = make_layout(with_(medium_config(rules, remat, mesh=mesh, seq_len=seq_len), model={"attention": attention}))
     items = plan_lib.estimate(layout)
     compiled = plan_lib.compile_truth(layout)
     assert compiled.platform == "cpu"
@@ -82,14 +83,14 @@ def test_cudnn_attention_is_compiled_as_xla_on_cpu_and_its_scores_taken_out_for_
         plan_lib.estimate_total(as_compiled) - plan_lib.estimate_total(flash))
 
 
-def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_xla_elsewhere():
+def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_chunked_on_cpus():
     from types import SimpleNamespace
 
     from jaxtrain.plan.gpu_targets import is_nvidia_gpu
 
     cfg = small_config(dtype="bfloat16")
     assert cfg.model.attention == "auto"  # the default
-    assert make_layout(cfg).cfg.model.attention == "xla"  # CPU devices
+    assert make_layout(cfg).cfg.model.attention == "chunked"  # CPU devices
     assert is_nvidia_gpu(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3"))
     assert not is_nvidia_gpu(SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI300X"))
     assert not is_nvidia_gpu(SimpleNamespace(platform="cpu", device_kind="cpu"))
@@ -97,11 +98,12 @@ def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_xla_elsewh
     assert (plan.cfg.model.attention, plan.compiled.attention) == ("cudnn", "xla")
     assert plan_lib.render(plan).splitlines()[0].count("cudnn attention") == 1
     assert plan.to_json()["experiment"]["attention"] == "cudnn"
-    assert plan_lib.make_plan(cfg).cfg.model.attention == "xla"  # no GPU named: the devices decide
+    assert plan_lib.make_plan(cfg).cfg.model.attention == "chunked"  # no GPU named: the devices decide (CPUs)
     # cuDNN takes half-precision inputs and head dimensions that are multiples of 8
     assert resolve_attention(with_(cfg, model={"dtype": "float32"}), nvidia_gpu=True).model.attention == "xla"
     assert resolve_attention(with_(cfg, model={"head_dim": 12}), nvidia_gpu=True).model.attention == "xla"
     assert resolve_attention(cfg, nvidia_gpu=True).model.attention == "cudnn"
+    assert resolve_attention(cfg, nvidia_gpu=False).model.attention == "xla"  # other accelerators
     assert plan_lib.make_plan(with_(cfg, model={"attention": "xla"}), gpu="h100").cfg.model.attention == "xla"  # explicit stays
 
 

@@ -39,6 +39,7 @@ from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.memory.offload import offloads_master_weights
 from jaxtrain.plan.step_cost import StepTime, step_time
 from jaxtrain.layout import Layout, lower_steps, make_layout, peak_bytes
+from models.attention import scored_fraction
 from models.config import REMAT_POLICIES
 
 GIB = 2**30
@@ -106,8 +107,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     routed = moe.top_k * (moe.capacity_factor if moe.dispatch == "capacity" else 1) if moe.num_experts else 0
     mlp = tokens * m.mlp_dim * (routed + moe.num_shared_experts if moe.num_experts else 1) / _ways(layout, "activation_mlp")
     # attention through XLA materialises a score for every (query, key) pair and head; flash attention (cudnn)
-    # keeps only blocks of them
-    scores = 0 if m.attention == "cudnn" else b / pipe.microbatches * m.num_heads / _ways(layout, "activation_heads") * seq**2
+    # keeps only blocks of them; chunked attention the pairs of each query chunk with the keys up to its end
+    scored = {"cudnn": 0.0, "chunked": scored_fraction(seq)}.get(m.attention, 1.0)
+    scores = scored * b / pipe.microbatches * m.num_heads / _ways(layout, "activation_heads") * seq**2
     saved_per_layer = {
         # float32 norm inputs, the projections and 4 MLP intermediates (gate, up and their SwiGLU product among them:
         # models/llama.py recomputes the SwiGLU's own), float32 and compute-dtype probabilities
@@ -323,7 +325,7 @@ def fit_microbatches(cfg: Config, limit_bytes: float, devices, compile_fn: Calla
     Returns the layout and what ``compile_fn`` made of it."""
     base = make_layout(_replace(cfg, microbatches=1), devices)  # the micro-batch count changes neither model nor sharding
     for k in _candidates(base, limit_bytes)[:AUTO_COMPILES]:
-        layout = _with_cfg(base, _replace(cfg, microbatches=k))
+        layout = _with_cfg(base, _replace(base.cfg, microbatches=k))  # base.cfg: model.attention=auto resolved
         result, peak = compile_fn(layout)
         if peak <= limit_bytes:
             break
