@@ -140,6 +140,7 @@ def run() -> dict:
                        "xla_attention_ratio": medians["transformers"] / medians["jaxtrain_xla_attention"],
                        "seq_1024_step_s": {"chunked": long_medians["chunked"], "xla": long_medians["xla"]},
                        "compile_s": trainer.compile_s, "unrolled_compile_s": unrolled.compile_s,
+                       "xla_attention_compile_s": xla_attention.compile_s,
                        "jaxtrain_step_s": medians["jaxtrain"], "transformers_step_s": medians["transformers"],
                        "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
                        "load_average": {"before": load_before, "after": os.getloadavg()[0], "cores": os.cpu_count()}},
