@@ -88,3 +88,21 @@ def test_resume_with_dropout_is_exact_and_the_export_carries_it(corpus, tmp_path
     out = tmp_path / "adapter"
     assert cli.main(["export-hf", str(tmp_path / "straight"), "--out", str(out), "--adapter-only", "--mesh", "cpu8"]) == 0
     assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == DROPOUT
+
+
+def test_dropout_acts_under_bfloat16_gradient_sums_and_resumes_exactly(corpus, tmp_path):
+    """optim.grad_dtype=bfloat16 runs the passes under shard_map (jaxtrain/memory/grad_comm.py): the dropout key
+    goes in with them (each batch shard folds in its index), so dropout still acts there, and a resumed run redraws
+    the same masks."""
+    cfg = with_(lora_config(init_std=0.3, mesh=(8, 1, 1)), optim={"grad_dtype": "bfloat16"},
+                train={"microbatches": 2, "global_batch": 16})
+    losses = []
+    for c in (cfg, with_dropout(cfg)):
+        run_dir = tmp_path / f"dropout-{c.model.lora.dropout}"
+        final = train(c, run_dir, build(c, corpus))
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses.append([r["loss"] for r in records if "loss" in r])
+    assert losses[1] != losses[0]  # the masks reached the passes
+    shutil.rmtree(run_dir / "checkpoints" / "4")
+    resumed = train(c, run_dir, build(c, corpus))
+    assert _tree_equal(resumed.params, final.params) and _tree_equal(resumed.opt_state, final.opt_state)
