@@ -2,11 +2,13 @@
 logits of evaluation or generation, resumes exactly (masks drawn from the run's seed and the step), and the PEFT
 export carries the value."""
 
+import dataclasses
 import json
 import shutil
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from flax.core import spmd
 
@@ -16,7 +18,7 @@ from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.layout import compile_train_step, make_layout
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.train import build, train
-from models.config import LoraConfig
+from models.config import LoraConfig, PipelineConfig
 from models.llama import KVCache
 from models.lora import dropout_key
 from test_lora import TOKENS, _randomise_adapters, _tree_equal, lora_config
@@ -90,19 +92,24 @@ def test_resume_with_dropout_is_exact_and_the_export_carries_it(corpus, tmp_path
     assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == DROPOUT
 
 
-def test_dropout_acts_under_bfloat16_gradient_sums_and_resumes_exactly(corpus, tmp_path):
-    """optim.grad_dtype=bfloat16 runs the passes under shard_map (jaxtrain/memory/grad_comm.py): the dropout key
-    goes in with them (each batch shard folds in its index), so dropout still acts there, and a resumed run redraws
-    the same masks."""
-    cfg = with_(lora_config(init_std=0.3, mesh=(8, 1, 1)), optim={"grad_dtype": "bfloat16"},
-                train={"microbatches": 2, "global_batch": 16})
+@pytest.mark.parametrize("setup", ["grad_bfloat16", "pipeline"])
+def test_dropout_acts_under_bfloat16_gradient_sums_and_pipeline_stages_and_resumes_exactly(setup, corpus, tmp_path):
+    """optim.grad_dtype=bfloat16 runs the passes under shard_map (jaxtrain/memory/grad_comm.py; each batch shard
+    folds in its index); pipeline stages slice each layer's key with its weights (models/pipeline.py). Either way
+    the dropout key reaches the layers, so dropout acts, and a resumed run redraws the same masks."""
+    if setup == "grad_bfloat16":
+        cfg = with_(lora_config(init_std=0.3, mesh=(8, 1, 1)), optim={"grad_dtype": "bfloat16"},
+                    train={"microbatches": 2, "global_batch": 16})
+    else:  # 4 stages x 2 repeats x 1 layer, 4 micro-batches in flight, over data 2
+        cfg = dataclasses.replace(lora_config(init_std=0.3, mesh=(2, 1, 1, 4), num_layers=8,
+                                              pipeline=PipelineConfig(microbatches=4, repeats=2)), rules="pp_dp")
     losses = []
     for c in (cfg, with_dropout(cfg)):
         run_dir = tmp_path / f"dropout-{c.model.lora.dropout}"
         final = train(c, run_dir, build(c, corpus))
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         losses.append([r["loss"] for r in records if "loss" in r])
-    assert losses[1] != losses[0]  # the masks reached the passes
+    assert losses[1] != losses[0]  # the masks reached the layers
     shutil.rmtree(run_dir / "checkpoints" / "4")
     resumed = train(c, run_dir, build(c, corpus))
     assert _tree_equal(resumed.params, final.params) and _tree_equal(resumed.opt_state, final.opt_state)
