@@ -10,9 +10,9 @@ repetitions interleaved as in bench_perf.
   models/attention.py) ÷ the same with ``model.attention=xla``, tokens/s, in the same interleaved run; and
   ``chunked_attention_speedup_seq_1024``: the same pair at sequence length 1024 (batch 2, the same tokens per
   step), where the scores weigh more.
-- ``remat_full_speedup``: jaxtrain with ``model.remat=full`` ÷ the default (none), and ``torch_peer.remat_full_ratio``:
-  that setting's tokens/s ÷ transformers': XLA:CPU recomputes a layer faster than it stacks and reads back what
-  the layer scan saves.
+- ``remat_speedup``: jaxtrain with ``model.remat=full``, ``save_dots`` and ``save_qkv_out`` each ÷ the default
+  (none), and ``torch_peer.remat_ratio``: each setting's tokens/s ÷ transformers': on XLA:CPU, recomputing part of
+  a layer can cost less than zero-filling, writing and reading back the stacks the layer scan saves.
 - ``torch_peer_phases``: where the time goes, phase by phase, each timed side by side like the whole step:
   the forward pass alone (loss, no gradient), forward + backward (loss and gradients), and the whole step
   (+ clipping and AdamW); the differences give backward and optimizer times.
@@ -37,6 +37,7 @@ from models.config import LlamaConfig
 # the issue's shapes: 4 layers, d_model 256, 4 heads / 2 KV heads, SwiGLU 768, vocab 256, batch 8 x 256 tokens
 PEER_MODEL = LlamaConfig(vocab_size=256, d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=768, dtype="float32")
 SEQ_LEN, BATCH = 256, 8
+REMATS = ("full", "save_dots", "save_qkv_out")  # timed against the default, none
 
 
 def torch_contender(cfg, batch):
@@ -103,7 +104,8 @@ def run() -> dict:
     corpus = random_corpus(PEER_MODEL.vocab_size)
     trainer = build(cfg, corpus, jax.devices()[:1])
     variant = lambda cfg, **model: build(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model)), corpus, jax.devices()[:1])  # noqa: E731
-    unrolled, xla_attention, remat_full = variant(cfg, scan_layers=False), variant(cfg, attention="xla"), variant(cfg, remat="full")
+    unrolled, xla_attention = variant(cfg, scan_layers=False), variant(cfg, attention="xla")
+    remats = {policy: variant(cfg, remat=policy) for policy in REMATS}
     long_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=4 * SEQ_LEN),
                                    train=dataclasses.replace(cfg.train, global_batch=BATCH // 4))
     long_chunked, long_xla = variant(long_cfg), variant(long_cfg, attention="xla")
@@ -119,7 +121,8 @@ def run() -> dict:
                                        fixed_batch(long_chunked))
     medians = interleaved_medians({"jaxtrain": jax_phases["step"], "jaxtrain_unrolled": jaxtrain_contender(unrolled),
                                    "jaxtrain_xla_attention": jaxtrain_contender(xla_attention),
-                                   "jaxtrain_remat_full": jaxtrain_contender(remat_full), "transformers": torch_phases["step"]}
+                                   "transformers": torch_phases["step"]}
+                                  | {f"jaxtrain_remat_{policy}": jaxtrain_contender(t) for policy, t in remats.items()}
                                   | {f"{who}_{phase}": contender for who, phases in (("jaxtrain", jax_phases), ("transformers", torch_phases))
                                      for phase, contender in phases.items() if phase != "step"}, batch)
     phases = {phase: {who: medians[f"{who}_{phase}"] for who in ("jaxtrain", "transformers")} for phase in ("forward", "forward_backward")}
@@ -130,13 +133,13 @@ def run() -> dict:
         "unrolled_layers_speedup": medians["jaxtrain"] / medians["jaxtrain_unrolled"],
         "chunked_attention_speedup": medians["jaxtrain_xla_attention"] / medians["jaxtrain"],
         "chunked_attention_speedup_seq_1024": long_medians["xla"] / long_medians["chunked"],
-        "remat_full_speedup": medians["jaxtrain"] / medians["jaxtrain_remat_full"],
+        "remat_speedup": {policy: medians["jaxtrain"] / medians[f"jaxtrain_remat_{policy}"] for policy in REMATS},
         # seconds per phase and the transformers ÷ jaxtrain time ratio (> 1: jaxtrain faster there)
         "torch_peer_phases": {phase: t | {"ratio": t["transformers"] / t["jaxtrain"]} for phase, t in phases.items()},
         "torch_peer": {"jaxtrain_tokens_per_s": tokens / medians["jaxtrain"], "transformers_tokens_per_s": tokens / medians["transformers"],
                        "jaxtrain_unrolled_tokens_per_s": tokens / medians["jaxtrain_unrolled"],
                        "unrolled_over_transformers": medians["transformers"] / medians["jaxtrain_unrolled"],
-                       "remat_full_ratio": medians["transformers"] / medians["jaxtrain_remat_full"],
+                       "remat_ratio": {policy: medians["transformers"] / medians[f"jaxtrain_remat_{policy}"] for policy in REMATS},
                        "xla_attention_ratio": medians["transformers"] / medians["jaxtrain_xla_attention"],
                        "seq_1024_step_s": {"chunked": long_medians["chunked"], "xla": long_medians["xla"]},
                        "compile_s": trainer.compile_s, "unrolled_compile_s": unrolled.compile_s,
