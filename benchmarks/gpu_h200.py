@@ -52,8 +52,8 @@ class Row:
                 *self.options, *(self.tiny_options if tiny else ()), *GPU_SHAPE, *self.overrides, *((*TINY_SHAPE, *self.tiny_overrides) if tiny else ())]
 
 
-# Most wanted first: MFU of the 1B and 3B (goal >= 55%), cuDNN vs XLA attention (and the planner's memory
-# model, which is XLA attention's), the remat trade; then generation and Hugging Face import / export.
+# Most wanted first: MFU of the 1B and 3B (goal >= 55%), cuDNN vs XLA attention, scan vs unrolled layers, the
+# remat trade; then generation and Hugging Face import / export.
 GENERATE = dict(script="bench_generate.py", options=("--prompt-tokens", "512", "--new-tokens", "256"),
                 tiny_options=("--prompt-tokens", "16", "--new-tokens", "8"))
 ROWS = (
@@ -62,6 +62,9 @@ ROWS = (
     Row("attention_xla_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=xla"), 60),
     # chunked causal attention (what auto picks on CPUs) on a GPU: does scoring only the keys up to each query chunk
     # pay there too, against attention_xla_1b and cuDNN (mfu_1b)
+    # scan vs unrolled layers on the GPU: step time and compile time beside mfu_1b (same shape, scanned)
+    Row("unrolled_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto",
+                                     "model.scan_layers=false"), 75),
     Row("attention_chunked_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=chunked"), 60),
     Row("remat_full_1b", "llama3_1b", ("train.global_batch=8", "model.remat=full", "model.attention=auto"), 60),
     Row("mfu_3b_save_dots", "llama3_3b", ("train.global_batch=4", "model.remat=save_dots", "model.attention=auto"), 75),
