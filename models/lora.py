@@ -88,7 +88,17 @@ class LoRA(nnx.Module):
             keep = jax.random.bernoulli(jax.random.fold_in(key, self.salt), 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
         low = jnp.tensordot(x, self.a[...].astype(x.dtype), axes=self.inputs)
-        return jnp.tensordot(low, self.b[...].astype(x.dtype), axes=1) * jnp.asarray(self.scale, x.dtype)
+        return _unsaved_up_projection(low, self.b[...].astype(x.dtype)) * jnp.asarray(self.scale, x.dtype)
+
+
+def _unsaved_up_projection(low: jax.Array, b: jax.Array) -> jax.Array:
+    """``low @ b`` (low (..., rank), b (rank, outputs...)) written with a unit batch dimension, so the dot-saving remat
+    policies (``save_dots``, ``offload_dots``: dots *without* batch dimensions) recompute it in the backward instead
+    of keeping it: it is as large as the base projection's output, which they keep already, and redoing it from the
+    saved rank-sized ``low`` costs rank / d_model of the base matmul. (A nested ``jax.checkpoint`` does not do this:
+    the outer policy keeps its output.) Measured on an H200, llama3_1b with rank-16 adapters on every projection at
+    save_dots: a 78 GB peak where the plain model's is 69 GB, before this."""
+    return jax.lax.dot_general(low[None], b[None], (((low.ndim,), (1,)), ((0,), (0,))))[0]
 
 
 def adapter_name(target: str) -> str:

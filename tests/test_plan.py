@@ -10,6 +10,7 @@ from jaxtrain.plan import estimate as plan_lib
 from jaxtrain.config import check, load_experiment, resolve_attention
 from jaxtrain.layout import compile_train_step, make_layout, peak_bytes
 from jaxtrain.state import model_spec
+from models.config import LoraConfig
 
 GIB = plan_lib.GIB
 
@@ -39,10 +40,21 @@ def test_estimate_within_15_percent_of_compiled(rules, mesh, remat, seq_len, att
     assert compiled.platform == "cpu"
     assert compiled.total == compiled.argument + compiled.output - compiled.alias + compiled.temp
     assert abs(plan_lib.estimate_total(items) / compiled.total - 1) < 0.15, (items, compiled)
-    # the two working sets are never live together: the total counts the larger
-    larger = max(plan_lib.WORKING_SETS, key=items.get)
-    assert set(plan_lib.peak_items(items)) == set(items) - set(plan_lib.WORKING_SETS) | {larger}
-    assert plan_lib.estimate_total(items) == sum(plan_lib.peak_items(items).values())
+    # the total counts what is live at the largest of the moments the peak can fall on
+    moments = {moment: sum(items.get(key, 0) for key in keys) for moment, keys in plan_lib.MOMENTS.items()}
+    always = sum(v for key, v in items.items() if not any(key in keys for keys in plan_lib.MOMENTS.values()))
+    assert plan_lib.estimate_total(items) == always + max(moments.values()) == sum(plan_lib.peak_items(items).values())
+
+
+def test_lora_adapters_add_no_saved_activations_at_save_dots():
+    """The adapters' up-projections are recomputed in the backward, not kept by the dot-saving policy
+    (models/lora.py): a LoRA run's compiled peak stays below the plain model's (it has no optimizer state for the
+    base) and the estimate, which counts no adapter outputs, holds. Saved, they took 161 MiB here against 110."""
+    plain = medium_config("fsdp", "save_dots", mesh=(1, 8, 1))
+    lora = with_(plain, model={"lora": LoraConfig(rank=8, alpha=16.0)})
+    plain_peak, lora_peak = (plan_lib.compile_truth(make_layout(cfg)).total for cfg in (plain, lora))
+    assert lora_peak < plain_peak
+    assert abs(total(lora) / lora_peak - 1) < 0.15
 
 
 def test_accelerator_estimate_drops_what_only_the_cpu_compile_holds():
@@ -52,10 +64,12 @@ def test_accelerator_estimate_drops_what_only_the_cpu_compile_holds():
     assert plan_lib.estimate(layout) == cpu  # the simulated devices are CPUs
     # bfloat16 stacks: the CPU backend's float32 copies take twice the bytes
     assert cpu["activations"] == 2 * gpu["activations"]
-    state = ("parameters", "optimizer state", "gradients")
+    state = ("parameters", "optimizer state", "gradient accumulator")
     assert [cpu[k] for k in state] == [gpu[k] for k in state]
+    # the CPU compile holds the optimizer's update with the gradients; on the accelerator it is its own moment
+    assert (cpu["gradients"], cpu["optimizer update"]) == (gpu["gradients"] + gpu["optimizer update"], 0)
     # the CPU compile also holds more score arrays and vocabulary-table copies in its working sets
-    assert all(gpu[k] < cpu[k] for k in plan_lib.WORKING_SETS)
+    assert all(gpu[k] < cpu[k] for k in ("logits and loss", "layer backward"))
     compiled = plan_lib.compile_truth(layout)
     excess = plan_lib.estimate_total(cpu) - plan_lib.estimate_total(gpu)
     assert excess > 0 and plan_lib.accelerator_total(layout, compiled) == compiled.total - excess
@@ -169,7 +183,10 @@ def test_suggestions_fit_and_are_ranked_by_step_time():
     compiled = [s.compiled for s in checked if s.compiled is not None]
     assert compiled and all(c > usable for c in compiled[:-1])
     assert compiled[-1] <= usable or len(compiled) == min(len(checked), plan_lib.AUTO_COMPILES)
-    assert abs(compiled[0] / checked[0].total - 1) < 0.15  # the estimate that ranked it agrees with the compiled step
+    # the estimate that ranked it agrees with the compiled step. On CPUs the compiled figure for the accelerator is
+    # the CPU compile less the estimated terms only that compile holds, so the two estimates' errors add up: 20%
+    # (the GPU compiler's own figures: tests/test_plan_gpu.py, within 15% and within 7% at the measured H200 shapes)
+    assert abs(compiled[0] / checked[0].total - 1) < 0.2
 
 
 @pytest.mark.parametrize("name,params", [("llama3_1b", 1_235_814_400), ("llama3_3b", 3_212_749_824),
@@ -197,8 +214,8 @@ def test_cli_plan_json_with_auto_microbatches(tmp_path):
     body = json.loads(result.stdout)
     k = body["experiment"]["microbatches"]
     assert body["devices"] == 8 and body["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1}
-    assert set(body["estimate_bytes"]) == {"parameters", "optimizer state", "gradients", "activations", "logits and loss",
-                                           "layer backward", "total"}
+    assert set(body["estimate_bytes"]) == {"parameters", "optimizer state", "gradients", "gradient accumulator",
+                                           "optimizer update", "activations", "logits and loss", "layer backward", "total"}
     assert body["accelerator_estimate_bytes"]["total"] == total(with_(cfg, train={"microbatches": k}), plan_lib.ACCELERATOR)
     compiled = body["compiled_bytes"]
     assert body["compiled_platform"] == "cpu"
