@@ -91,6 +91,52 @@ def test_tied_embeddings_have_no_output_projection():
     assert tied(TOKENS).shape == (2, 16, 64)
 
 
+def _dot_operand_dtypes(fn, *args) -> list[tuple]:
+    """The operand dtypes of every dot_general in ``fn``'s jaxpr, nested ones included, in order."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("tie_embeddings", [False, True])
+def test_output_projection_backward_runs_in_the_compute_dtype(tie_embeddings):
+    """bfloat16 model: float32 logits, but both backward matmuls of the output projection take bfloat16 operands
+    (left to autodiff, the float32 logits' gradient makes them float32 products, as the reference shows:
+    models/llama.py); the gradients equal the float32-cotangent reference's within bfloat16 rounding."""
+    model = Llama(LlamaConfig(**{**CFG.__dict__, "dtype": "bfloat16", "tie_embeddings": tie_embeddings}), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    name, equation = ("embed", "btd,vd->btv") if tie_embeddings else ("lm_head", "btd,dv->btv")
+    x = jax.random.normal(jax.random.key(2), (2, 16, 32), jnp.bfloat16)
+    weights = jax.random.normal(jax.random.key(3), (2, 16, 64))  # a loss whose gradient is not uniform
+
+    def ours(x, params):
+        return nnx.merge(graphdef, params).logits(x)
+
+    def reference(x, table):
+        return jnp.einsum(equation, x, table.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+    table = getattr(model, name)[...]
+    assert ours(x, params).dtype == jnp.float32
+    np.testing.assert_array_equal(ours(x, params), reference(x, table))  # the forward is unchanged
+    grad = lambda logits_fn: jax.grad(lambda x, p: jnp.sum(logits_fn(x, p) * weights), argnums=(0, 1))  # noqa: E731
+    dots = _dot_operand_dtypes(grad(ours), x, params)  # the forward, the hidden states' and the table's gradients
+    assert len(dots) >= 3 and set(dots) == {("bfloat16", "bfloat16")}
+    assert ("float32", "bfloat16") in _dot_operand_dtypes(grad(reference), x, table)  # XLA makes it a float32 product
+    (dx, dparams), (dx_want, dtable_want) = grad(ours)(x, params), grad(reference)(x, table)
+    for got, want in ((dx, dx_want), (getattr(dparams, name)[...], dtable_want)):
+        assert got.dtype == want.dtype
+        want = np.asarray(want, np.float32)  # bfloat16 rounding of the logits' gradient: 1% of the largest entry
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.02, atol=0.01 * np.abs(want).max())
+
+
 def test_models_name_no_mesh_axes():
     for path in (Path(__file__).parent.parent / "models").glob("*.py"):
         text = path.read_text()
