@@ -117,6 +117,36 @@ ENTRY %main (x: f32[8]) -> f32[8] {{
     assert (peeled.executions, peeled.executions_known) == (1, False)
 
 
+def test_matmul_flops_by_the_element_types_the_dots_multiply():
+    """Dots inside fusions (operands converted there, as XLA's GPU gemm fusions do) and at top level, times the
+    trip count of the loop around them."""
+    module = """HloModule m, is_scheduled=true
+
+%gemm (p0: bf16[4,6], p1: f32[4,3]) -> f32[6,3] {
+  %p0 = bf16[4,6]{1,0} parameter(0)
+  %c = f32[4,6]{1,0} convert(%p0)
+  %p1 = f32[4,3]{1,0} parameter(1)
+  ROOT %d = f32[6,3]{1,0} dot(%c, %p1), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+
+%body (a: bf16[4,6], b: f32[4,3]) -> f32[6,3] {
+  %a = bf16[4,6]{1,0} parameter(0)
+  %b = f32[4,3]{1,0} parameter(1)
+  ROOT %f = f32[6,3]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm
+}
+
+ENTRY %main (x: bf16[2,5], y: bf16[5,7]) -> bf16[2,7] {
+  %x = bf16[2,5]{1,0} parameter(0)
+  %y = bf16[5,7]{1,0} parameter(1)
+  %w = f32[6,3]{1,0} while(%x), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"10"}}
+  ROOT %d = bf16[2,7]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    flops = hlo_report.report(module, {"data": 1}).matmul_flops
+    # 10 runs of a (6 x 3) output over depth 4 in float32; one (2 x 7) output over depth 5 in bfloat16
+    assert flops == {"f32 x f32": 10 * 2 * 6 * 3 * 4, "bf16 x bf16": 2 * 2 * 7 * 5}
+
+
 def test_cli_plan_json_has_the_hlo_report():
     result = run_cli("plan", "tiny", "--rules", "fsdp", "--json", "--hlo-report", "train.global_batch=8", cwd=REPO)
     assert result.returncode == 0, result.stderr

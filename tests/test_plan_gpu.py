@@ -66,6 +66,16 @@ def test_hlo_report_names_cudnn_fused_attention():
     assert plan.compiled.hlo.attention == "cudnn" and plan.compiled.hlo.attention_calls >= 2  # forward and backward
 
 
+def test_hlo_report_finds_no_float32_matmul_in_a_bfloat16_step():
+    """Every matmul of a bfloat16 step, the output projection's backward included (models/llama.py casts the
+    logits' gradient to bfloat16; left to autodiff, llama3_1b's two were float32 gemms, 14% of its matmul FLOPs)."""
+    cfg = with_(small_config(rules="fsdp", mesh=(1, 8, 1)), model={"dtype": "bfloat16"})
+    plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
+    flops = plan.compiled.hlo.matmul_flops
+    assert set(flops) == {"bf16 x bf16"}, flops
+    assert "matmuls per step:" in plan_lib.render(plan) and "bf16 x bf16 100.0%" in plan_lib.render(plan)
+
+
 def _h200_record(row: str) -> dict:
     lines = (REPO / "benchmarks" / "results" / "gpu_h200.jsonl").read_text().splitlines()
     return next(r for r in map(json.loads, lines) if r["row"] == row and r["status"] == "ok")

@@ -638,7 +638,7 @@ def _size(n: float) -> str:
 
 def render_hlo(plan: Plan) -> list[str]:
     """The --hlo-report section: the compiled program's collectives next to step_cost's prediction, fusions,
-    attention kernel, XLA's warnings."""
+    attention kernel, matmul FLOPs by operand element types, XLA's warnings."""
     c, hlo = plan.compiled, plan.compiled.hlo
     attention = f"cuDNN fused ({hlo.attention_calls} custom calls)" if hlo.attention == "cudnn" else "XLA (no fused attention kernel)"
     lines = [f"compiled program ({c.device_kind}): {hlo.fusions} fusions; attention: {attention}",
@@ -656,6 +656,9 @@ def render_hlo(plan: Plan) -> list[str]:
     predicted, compiled = plan.step_time.traffic_bytes, plan.compiled_traffic
     lines.append("traffic per device per step, step_cost's prediction / compiled: "
                  + ", ".join(f"{kind} {_size(predicted[kind])} / {_size(compiled.get(kind, 0))}" for kind in predicted))
+    total = sum(hlo.matmul_flops.values())
+    lines.append(f"matmuls per step: {total:.3g} FLOPs per device" + "".join(
+        f"{', ' if i else ': '}{types} {100 * flops / total:.1f}%" for i, (types, flops) in enumerate(hlo.matmul_flops.items())))
     lines.append("XLA warnings: " + ("none" if not hlo.warnings else f"{len(hlo.warnings)}"))
     lines += [f"  {w}" for w in hlo.warnings]
     return lines

@@ -4,7 +4,9 @@ The optimised, scheduled HLO text of the compiled step gives: every collective w
 it carries per device, the mesh axes its device groups span, how often a step runs it (loop trip
 counts: the layer scan, the micro-batch scan), whether it is asynchronous and has compute scheduled
 between its start and its done (overlap); the number of fusions; the attention kernel (cuDNN's fused
-attention is a custom call; XLA attention is plain fusions); and the warnings XLA wrote while compiling
+attention is a custom call; XLA attention is plain fusions); the matmul FLOPs per step by the element types the
+dots multiply (after XLA's converts: a float32 product in a bfloat16 program runs at TF32's rate at best); and
+the warnings XLA wrote while compiling
 (e.g. ``[SPMD] Involuntary full rematerialization``). jax offers the HLO only as text, so it is parsed
 here; what cannot be parsed is reported as unknown, never guessed.
 """
@@ -73,6 +75,8 @@ class HloReport:
     attention: str  # "cudnn" (fused cuDNN kernel) or "xla"
     attention_calls: int  # cuDNN fused-attention custom calls (forward and backward)
     warnings: tuple[str, ...]
+    # FLOPs per step of the dots, fused or not, by their operands' element types ("bf16 x bf16", "f32 x f32", ...)
+    matmul_flops: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def groups(self) -> list[dict]:
         """The collectives by (kind, mesh axes): instructions, executions, bytes and traffic per step, async and
@@ -108,7 +112,8 @@ class HloReport:
 
     def to_json(self) -> dict:
         return {"collectives": self.groups(), "fusions": self.fusions, "attention": self.attention,
-                "attention_calls": self.attention_calls, "xla_warnings": list(self.warnings)}
+                "attention_calls": self.attention_calls, "xla_warnings": list(self.warnings),
+                "matmul_flops_by_operand_types": self.matmul_flops}
 
 
 def _array_bytes(type_text: str) -> list[int]:
@@ -242,6 +247,27 @@ def _done(computation: list[Instruction], start: str) -> tuple[Instruction | Non
     return None, False
 
 
+def _dots(computations: dict[str, list[Instruction]], name: str) -> Iterator[tuple[str, float]]:
+    """("LHS x RHS" element types, FLOPs) of each dot in computation ``name`` and in the fusions it calls."""
+    instructions = computations.get(name, [])
+    types = {ins.name: ins.type for ins in instructions}
+    for ins in instructions:
+        if ins.opcode == "fusion":
+            callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes)
+            if callee:
+                yield from _dots(computations, callee.group(1))
+            continue
+        if ins.opcode != "dot" or len(ins.operands) < 2:
+            continue
+        (lhs, lhs_dims), (rhs, _) = (match.groups() if (match := _ARRAY.search(types.get(o, ""))) else ("?", "")
+                                     for o in ins.operands[:2])
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attributes)
+        shape = [int(d) for d in lhs_dims.split(",") if d]
+        depth = math.prod(shape[int(i)] for i in contracting.group(1).split(",") if i) if contracting else 1
+        outputs = math.prod(int(d) for d in _ARRAY.search(ins.type).group(2).split(",") if d)
+        yield f"{lhs} x {rhs}", 2.0 * outputs * depth
+
+
 def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloReport:
     """Read the compiled step's HLO text (``Compiled.as_text()``) for a mesh of ``mesh_shape``; ``log``: what XLA
     wrote while compiling it."""
@@ -254,7 +280,10 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
     devices = math.prod(mesh_shape.values())
     collectives = []
     fusions = attention_calls = 0
+    matmul_flops: dict[str, float] = {}
     for comp, (times, known, async_start) in reached.items():
+        for operand_types, flops in _dots(computations, comp):
+            matmul_flops[operand_types] = matmul_flops.get(operand_types, 0.0) + times * flops
         for ins in computations[comp]:
             fusions += ins.opcode == "fusion"
             target = re.search(r'custom_call_target="([^"]+)"', ins.attributes) if ins.opcode == "custom-call" else None
@@ -275,7 +304,8 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
             collectives.append(Collective(kind, mesh_axes(groups, mesh_shape), len(groups[0]) if groups else 0, len(result),
                                           full, times, known, is_async, overlapped, dtypes))
     warnings = tuple(dict.fromkeys(line.strip() for line in log.splitlines() if WARNING_LINE.search(line)))
-    return HloReport(tuple(collectives), fusions, "cudnn" if attention_calls else "xla", attention_calls, warnings)
+    return HloReport(tuple(collectives), fusions, "cudnn" if attention_calls else "xla", attention_calls, warnings,
+                     dict(sorted(matmul_flops.items(), key=lambda item: -item[1])))
 
 
 def partitioned_hlo(lowered) -> str:
