@@ -60,11 +60,11 @@ ROWS = (
     Row("mfu_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto"), 60),
     Row("mfu_3b", "llama3_3b", ("train.global_batch=4", "model.remat=full", "model.attention=auto"), 75),
     Row("attention_xla_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=xla"), 60),
-    # chunked causal attention (what auto picks on CPUs) on a GPU: does scoring only the keys up to each query chunk
-    # pay there too, against attention_xla_1b and cuDNN (mfu_1b)
     # scan vs unrolled layers on the GPU: step time and compile time beside mfu_1b (same shape, scanned)
     Row("unrolled_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto",
                                      "model.scan_layers=false"), 75),
+    # chunked causal attention (what auto picks on CPUs) on a GPU: does scoring only the keys up to each query chunk
+    # pay there too, against attention_xla_1b and cuDNN (mfu_1b)
     Row("attention_chunked_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=chunked"), 60),
     Row("remat_full_1b", "llama3_1b", ("train.global_batch=8", "model.remat=full", "model.attention=auto"), 60),
     Row("mfu_3b_save_dots", "llama3_3b", ("train.global_batch=4", "model.remat=save_dots", "model.attention=auto"), 75),

@@ -82,7 +82,7 @@ def stage_memory(layout: Layout, items: dict[str, int]) -> dict[str, int]:
     stacked layers and the rest in the ratio of their parameter bytes on a device."""
     params = layout.abstract_state().params
     layers_share = bytes_per_device(params["layers"]) / bytes_per_device(params)
-    state = sum(items[key] for key in ("parameters", "optimizer state", "gradients", "gradient accumulator", "optimizer update"))
+    state = sum(items[key] for key in ("parameters", "optimizer state", "gradients", "gradient accumulator"))
     return {
         "transformer layers": int(layers_share * state) + items.get("circular re-layout", 0),
         "embedding and output layer": int((1 - layers_share) * state),

@@ -97,7 +97,7 @@ def _unsaved_up_projection(low: jax.Array, b: jax.Array) -> jax.Array:
     of keeping it: it is as large as the base projection's output, which they keep already, and redoing it from the
     saved rank-sized ``low`` costs rank / d_model of the base matmul. (A nested ``jax.checkpoint`` does not do this:
     the outer policy keeps its output.) Measured on an H200, llama3_1b with rank-16 adapters on every projection at
-    save_dots: a 78 GB peak where the plain model's is 69 GB, before this."""
+    save_dots: a 77.9 GiB peak where the plain model's is 68.9 GiB, before this (56.9 GiB compiled after)."""
     return jax.lax.dot_general(low[None], b[None], (((low.ndim,), (1,)), ((0,), (0,))))[0]
 
 

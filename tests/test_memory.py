@@ -209,7 +209,7 @@ def test_planner_itemises_each_technique_and_suggests_them():
     effects = {t.change: t for t in plan_lib.technique_effects(layout, "h100")}
     assert set(effects) == {"rules=zero1", "rules=zero2", "rules=fsdp", "optim.offload=true", "model.remat=offload_dots"}
     # per device at the peak, one layer's backward: ZeRO-1 splits the moments (8 bytes a parameter); ZeRO-2 also the
-    # gradients (4). Both split the update too, which is live only after the backward, off the peak
+    # gradients (4). Both split the update too, which a GPU applies in place: no buffer of its own
     assert plan_lib.peak_moment(plan_lib.estimate(layout, plan_lib.ACCELERATOR)) == "layer backward"
     assert effects["rules=zero1"].saved == pytest.approx(params * 8 * 7 / 8, abs=64)
     assert effects["rules=zero2"].saved == pytest.approx(params * 12 * 7 / 8, abs=64)

@@ -83,9 +83,11 @@ def _h200_record(row: str) -> dict:
 
 @pytest.mark.parametrize("row", ["mfu_1b", "remat_full_1b", "mfu_3b", "mfu_3b_save_dots", "loss_chunk_1b"])
 def test_compile_and_estimate_match_the_h200_measurements(row):
-    """Rows measured on a lent H200 (benchmarks/results/gpu_h200.jsonl, jax 0.11.2): the compile-only H200's peak is
-    the peak the device measured, and the estimate is within 7% of it (it was 14-41% over before the estimate
-    counted what is live at each moment rather than everything at once)."""
+    """The configurations of rows measured on a lent H200 (benchmarks/results/gpu_h200.jsonl, jax 0.11.2), whose
+    compiled peak was the peak the device measured: the estimate is within 5% of the compile-only H200's (it was
+    14-41% over before the estimate counted what is live at each moment rather than everything at once). The
+    compiled peaks themselves moved since (the output projection's backward in bfloat16: llama3_3b 1.4 GiB lower),
+    so they are not compared with the recorded measurements."""
     from jaxtrain.cli import resolve_config
 
     record = _h200_record(row)
@@ -93,5 +95,4 @@ def test_compile_and_estimate_match_the_h200_measurements(row):
     layout = make_layout(cfg, plan_lib.target_devices(1, "h200"))
     compiled = plan_lib.compile_truth(layout)
     assert compiled.attention == record["attention"] == "cudnn"
-    assert compiled.total / 2**30 == pytest.approx(record["measured_peak_gib_per_device"], rel=0.01)
-    assert abs(plan_lib.estimate_total(plan_lib.estimate(layout)) / compiled.total - 1) < 0.07
+    assert abs(plan_lib.estimate_total(plan_lib.estimate(layout)) / compiled.total - 1) < 0.05

@@ -152,13 +152,13 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
         "parameters": params,
         "optimizer state": optimizer,
         # float32 gradients (split as the rule set's gradients: section says, ZeRO-2), filled during the backward;
-        # with micro-batches the accumulator, held through the step; the optimizer's update, the size of the
-        # parameters split as its optimizer_state: section says (ZeRO-1/2), once the backward is done. The CPU
-        # compile's peak holds more than the GPU compiler's (XLA:CPU keeps more buffers live); counted with the
-        # gradients there, the update keeps the CPU estimate within 15% of that compile (tests/test_plan.py)
+        # with micro-batches the accumulator, held through the step. The GPU compiler applies the optimizer's update
+        # in place, fused with computing it: no buffer of its size (llama3_3b on an H200: 19.2 GiB of temporaries,
+        # less than its gradients and an update would take, 23.9). The CPU compile's peak holds one (the size of the
+        # parameters split as the optimizer_state: section says, ZeRO-1/2): counted with the gradients there, it
+        # keeps the CPU estimate within 15% of that compile (tests/test_plan.py)
         "gradients": grads + (updates if on_cpu else 0),
         "gradient accumulator": grads if k > 1 else 0,
-        "optimizer update": 0 if on_cpu else updates,
         # with a pipeline, also the micro-batch buffer the stages read and write, and its gradient; and, in the
         # backward of each iteration, two copies of what that iteration saved (its stage's layers of one repeat)
         "activations": int(layers_saved * saved_per_layer + (pipe.stages > 1) * (2 * b * seq * m.d_model * act + 2 * per_stage * saved_per_layer)),
@@ -175,13 +175,12 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
 # What is live together at each moment the peak can fall on, beside what lives through the whole step (the state,
 # a micro-batching accumulator, a circular schedule's copy): the loss's working set at the start of the backward,
 # every layer's saved activations still held and no layer's gradient yet; one layer's backward, the layer scan's
-# stacked gradients allocated whole while the saved activations are not yet freed; the optimizer's update, the
-# activations gone. Measured on an H200, the compiled and the device's peak agree with this to 2-6% for llama3_1b
-# and llama3_3b; counting every item at once overstated them by 14-41% (README, "GPU: measured on an H200").
+# stacked gradients allocated whole while the saved activations are not yet freed. Measured on an H200, the
+# compiled and the device's peak agree with this within 3% for llama3_1b and llama3_3b; counting every item at once
+# overstated them by 14-41% (README, "GPU: measured on an H200").
 MOMENTS = {
     "loss": ("logits and loss", "activations", "dispatch buffers"),
     "layer backward": ("layer backward", "activations", "dispatch buffers", "gradients"),
-    "optimizer update": ("optimizer update", "gradients"),
 }
 
 
