@@ -150,8 +150,14 @@ ENTRY %main (x: bf16[2,5], y: bf16[5,7]) -> bf16[2,7] {
 def test_cli_plan_json_has_the_hlo_report():
     result = run_cli("plan", "tiny", "--rules", "fsdp", "--json", "--hlo-report", "train.global_batch=8", cwd=REPO)
     assert result.returncode == 0, result.stderr
-    body = json.loads(result.stdout)["hlo_report"]
+    plan = json.loads(result.stdout)
+    body = plan["hlo_report"]
     assert body["attention"] == "xla" and body["fusions"] > 0
     assert {g["kind"] for g in body["collectives"]} >= {"all-gather"}
     assert set(body["traffic_bytes"]["predicted"]) == set(body["traffic_bytes"]["compiled"]) == {"fsdp", "data", "tensor"}
     assert np.isclose(sum(g["traffic_bytes"] for g in body["collectives"]), sum(body["traffic_bytes"]["compiled"].values()))
+    # a float32 model: float32 products only; at least the model's own FLOPs on each device's share of the batch
+    # (fsdp on the tiny experiment's mesh: 4 batch shards, the tensor axis repeats their work)
+    matmuls = body["matmul_flops_by_operand_types"]
+    assert set(matmuls) == {"f32 x f32"}
+    assert matmuls["f32 x f32"] >= plan["flops_per_token"] * 8 * plan["experiment"]["seq_len"] / 4
