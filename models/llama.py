@@ -84,22 +84,20 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling = Rope
 def rotary_tables(seq_len: int, head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(), start=0, positions=None):
     """sin/cos of positions start .. start + seq_len - 1, shape (seq_len, head_dim // 2), float32;
     ``start`` may be traced (the first position of a decoding step). With ``positions`` (batch, seq_len), each
-    token's own position instead, shape (batch, seq_len, head_dim // 2): packed sequences restart per example,
-    so every position is below seq_len.
+    token's own position instead, shape (batch, seq_len, head_dim // 2): packed sequences restart per example.
 
-    With a static ``start`` the tables are computed on the host and reach the compiler as constants (packed
-    positions index into them). Computed in the program from iota, a table is fused into every rotary multiply
-    that broadcasts it, its sine and cosine recomputed for each batch row and head: with unrolled layers on
-    XLA:CPU that was 8% of the train step (README, "Benchmarks and performance")."""
+    With a static ``start`` and no ``positions`` the tables are computed on the host and reach the compiler as
+    constants. Computed in the program from iota, a table is fused into every rotary multiply that broadcasts it,
+    its sine and cosine recomputed for each batch row and head: with unrolled layers on XLA:CPU that was 8% of the
+    train step (README, "Benchmarks and performance")."""
     inv_freq = inverse_frequencies(head_dim, theta, scaling)
-    if not isinstance(start, int):
-        angles = (start + jnp.arange(seq_len)).astype(jnp.float32)[:, None] * inv_freq
-        return jnp.sin(angles), jnp.cos(angles)
-    angles = np.arange(start, start + seq_len, dtype=np.float32)[:, None] * inv_freq  # a float32 product, as transformers
-    sin, cos = (f(angles.astype(np.float64)).astype(np.float32) for f in (np.sin, np.cos))
+    if positions is None and isinstance(start, int):
+        angles = np.arange(start, start + seq_len, dtype=np.float32)[:, None] * inv_freq  # a float32 product, as transformers
+        return tuple(f(angles.astype(np.float64)).astype(np.float32) for f in (np.sin, np.cos))
     if positions is None:
-        return sin, cos
-    return jnp.take(sin, positions, axis=0), jnp.take(cos, positions, axis=0)
+        positions = start + jnp.arange(seq_len)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.sin(angles), jnp.cos(angles)
 
 
 def apply_rotary(x, sin, cos):
