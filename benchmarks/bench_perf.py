@@ -11,6 +11,10 @@ interleaved repetitions, so a noisy shared machine slows both sides alike):
 - ``host_gap_ms_per_step``: the real loop (``jaxtrain.train.train``: data pipeline, metrics) per-step
   time minus the device-bound step time (same batch, steps queued back to back).
 - ``remat_precision``: step time and compiled memory per remat policy x compute dtype.
+- ``cross_entropy``: the loss and its gradient over float32 logits of a 32K vocabulary (2048 tokens, one device),
+  jaxtrain.step.cross_entropy against optax.softmax_cross_entropy_with_integer_labels: ``speedup`` (optax's time
+  ÷ ours). What ours saves is on GPUs (one logits-sized float32 buffer, tests/test_plan_gpu.py); XLA:CPU does
+  optax's scatter in place, and its elementwise exponential is slow, so here ours can be slower.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig
 from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.state import init_state
+from jaxtrain.step import cross_entropy
 from jaxtrain.train import Trainer, build, train
 from models.config import REMAT_POLICIES, LlamaConfig
 
@@ -229,6 +234,17 @@ def remat_precision(corpus) -> list[dict]:
              "tokens_per_s": cfg.train.global_batch * cfg.data.seq_len / steps[dtype, remat]} for dtype, remat in contenders]
 
 
+def cross_entropy_comparison(tokens: int = 2048, vocab: int = 32768) -> dict:
+    rng = np.random.default_rng(0)
+    logits = jax.device_put(rng.normal(0, 3, (tokens, vocab)).astype(np.float32), jax.devices()[0])
+    targets = jax.device_put(rng.integers(0, vocab, tokens).astype(np.int32), jax.devices()[0])
+    steps = {name: jax.jit(jax.value_and_grad(lambda x, f=f: f(x, targets).mean()))
+             for name, f in (("jaxtrain", cross_entropy), ("optax", optax.softmax_cross_entropy_with_integer_labels))}
+    # each contender's carry is the logits, passed through unchanged: the loss and gradient are what is timed
+    seconds = interleaved_medians({name: (lambda x, _, step=step: step(x)[1] * 0 + x, logits) for name, step in steps.items()}, None)
+    return {"speedup": seconds["optax"] / seconds["jaxtrain"], "step_s": seconds, "tokens": tokens, "vocab": vocab}
+
+
 def _timed(name: str, fn, *args):
     start = time.perf_counter()
     out = fn(*args)
@@ -254,4 +270,5 @@ def run() -> dict:
         **_timed("compile_by_depth", compile_by_depth, corpus),
         **_timed("host_gap", host_gap, config(), corpus),
         "remat_precision": _timed("remat_precision", remat_precision, corpus),
+        "cross_entropy": _timed("cross_entropy", cross_entropy_comparison),
     }

@@ -1,5 +1,8 @@
-"""train.loss_chunk: the chunked cross-entropy gives the same loss and gradients as the whole-sequence
-one, with a smaller compiled working set, and a chunk that does not divide the sequence is a UserError."""
+"""The loss: train.loss_chunk's chunked cross-entropy gives the same loss and gradients as the whole-sequence
+one, with a smaller compiled working set, and a chunk that does not divide the sequence is a UserError;
+jaxtrain.step.cross_entropy equals optax's with a backward that scatters nothing."""
+
+import re
 
 import jax
 import numpy as np
@@ -37,3 +40,23 @@ def test_chunked_loss_matches_whole_sequence_and_uses_less_memory():
 def test_loss_chunk_must_divide_seq_len():
     with pytest.raises(UserError, match=r"train.loss_chunk=5 must be 0 \(off\) or a positive divisor of data.seq_len=16"):
         check(with_(small_config(), train={"loss_chunk": 5}))
+
+
+def test_cross_entropy_equals_optax_and_its_backward_scatters_nothing():
+    """jaxtrain.step.cross_entropy: optax's values and gradients; its backward is softmax minus the one-hot in one
+    elementwise pass, where optax's scatters into a zeroed float32 array of the logits' size."""
+    import jax.numpy as jnp
+    import optax
+
+    from jaxtrain.step import cross_entropy
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(0, 3, (3, 5, 37)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 37, (3, 5)), jnp.int32)
+    weights = jnp.asarray(rng.random((3, 5)), jnp.float32)  # a cotangent other than ones
+    ours, theirs = cross_entropy, optax.softmax_cross_entropy_with_integer_labels
+    np.testing.assert_allclose(ours(logits, targets), theirs(logits, targets), rtol=1e-6)
+    grad = {f: jax.jit(jax.grad(lambda x, f=f: (f(x, targets) * weights).sum())) for f in (ours, theirs)}
+    np.testing.assert_allclose(grad[ours](logits), grad[theirs](logits), atol=1e-6)
+    scatters = {f: bool(re.search(r" scatter\(", g.lower(logits).compile().as_text())) for f, g in grad.items()}
+    assert scatters == {ours: False, theirs: True}
