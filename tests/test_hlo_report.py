@@ -147,6 +147,64 @@ ENTRY %main (x: bf16[2,5], y: bf16[5,7]) -> bf16[2,7] {
     assert flops == {"f32 x f32": 10 * 2 * 6 * 3 * 4, "bf16 x bf16": 2 * 2 * 7 * 5}
 
 
+def test_kernel_bytes_count_slices_and_in_place_updates_times_trip_counts():
+    """Each top-level kernel's bytes read and written, by kind: a fusion that only slices a parameter reads the
+    slice; a dynamic-update-slice root writes the update in place (the layer scan's stacks); loops multiply."""
+    module = """HloModule m, is_scheduled=true
+
+%elementwise (p0: f32[256]) -> f32[256] {
+  %p0 = f32[256]{0} parameter(0)
+  ROOT %e = f32[256]{0} exponential(%p0)
+}
+
+%save (p0: f32[4,64], p1: f32[1,64], i: s32[]) -> f32[4,64] {
+  %p0 = f32[4,64]{1,0} parameter(0)
+  %p1 = f32[1,64]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %u = f32[4,64]{1,0} dynamic-update-slice(%p0, %p1, %i, %z)
+}
+
+%load (p0: f32[4,64], i: s32[]) -> f32[1,64] {
+  %p0 = f32[4,64]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %s = f32[1,64]{1,0} dynamic-slice(%p0, %i, %z), dynamic_slice_sizes={1,64}
+}
+
+%gemm (p0: bf16[8,16], p1: bf16[16,4]) -> bf16[8,4] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[16,4]{1,0} parameter(1)
+  ROOT %d = bf16[8,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (stack: f32[4,64], row: f32[1,64], i: s32[]) -> f32[4,64] {
+  %stack = f32[4,64]{1,0} parameter(0)
+  %row = f32[1,64]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %saved = f32[4,64]{1,0} fusion(%stack, %row, %i), kind=kLoop, calls=%save, metadata={op_name="jit(f)/save"}
+  ROOT %loaded = f32[1,64]{1,0} fusion(%saved, %i), kind=kLoop, calls=%load, metadata={op_name="jit(f)/load"}
+}
+
+ENTRY %main (x: f32[256], a: bf16[8,16], b: bf16[16,4], q: bf16[2,8]) -> bf16[8,4] {
+  %x = f32[256]{0} parameter(0)
+  %a = bf16[8,16]{1,0} parameter(1)
+  %b = bf16[16,4]{1,0} parameter(2)
+  %q = bf16[2,8]{1,0} parameter(3)
+  %e = f32[256]{0} fusion(%x), kind=kLoop, calls=%elementwise, metadata={op_name="jit(f)/exp"}
+  %w = f32[4,64]{1,0} while(%x), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %o = bf16[2,8]{1,0} custom-call(%q, %q), custom_call_target="__cudnn$fmhaSoftmax"
+  ROOT %g = bf16[8,4]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm
+}
+"""
+    hlo = hlo_report.report(module, {"data": 1})
+    # exp: 1 KiB in, 1 KiB out; each of 4 iterations: save reads the row (256 B) and index (4 B) and writes the row
+    # in place, load reads the row it slices and the index and writes it
+    assert hlo.kernel_bytes == {"other": 2048 + 4 * (256 + 4 + 256) * 2, "matmul": 2 * (8 * 16 + 16 * 4 + 8 * 4),
+                                "attention": 3 * 2 * 2 * 8}
+    assert hlo.largest_other_kernels == (("jit(f)/save", 4 * 516), ("jit(f)/load", 4 * 516), ("jit(f)/exp", 2048))
+
+
 def test_cli_plan_json_has_the_hlo_report():
     result = run_cli("plan", "tiny", "--rules", "fsdp", "--json", "--hlo-report", "train.global_batch=8", cwd=REPO)
     assert result.returncode == 0, result.stderr
@@ -159,5 +217,8 @@ def test_cli_plan_json_has_the_hlo_report():
     # a float32 model: float32 products only; at least the model's own FLOPs on each device's share of the batch
     # (fsdp on the tiny experiment's mesh: 4 batch shards, the tensor axis repeats their work)
     matmuls = body["matmul_flops_by_operand_types"]
+    # every kernel moves bytes; the elementwise and reduction ones most of all on a CPU compile
+    assert all(body["kernel_bytes_per_step"][kind] > 0 for kind in ("other", "matmul"))
+    assert len(body["largest_other_kernels"]) == hlo_report.LARGEST_KERNELS
     assert set(matmuls) == {"f32 x f32"}
     assert matmuls["f32 x f32"] >= plan["flops_per_token"] * 8 * plan["experiment"]["seq_len"] / 4

@@ -31,7 +31,7 @@ from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.config import Config, flatten, resolve_attention, to_dict
 from jaxtrain.errors import UserError
 from jaxtrain.observe.flops import flops_per_token, peak_flops
-from jaxtrain.plan.gpu_targets import GPU_MEMORY_MIB, compile_only_devices, gpu_memory_bytes
+from jaxtrain.plan.gpu_targets import GPU_MEMORY_MIB, GPU_MODELS, compile_only_devices, gpu_memory_bytes
 from jaxtrain.plan.hlo_report import HloReport, captured_stderr, report
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
@@ -638,7 +638,7 @@ def _size(n: float) -> str:
 
 def render_hlo(plan: Plan) -> list[str]:
     """The --hlo-report section: the compiled program's collectives next to step_cost's prediction, fusions,
-    attention kernel, matmul FLOPs by operand element types, XLA's warnings."""
+    attention kernel, matmul FLOPs by operand element types, the kernels' memory traffic, XLA's warnings."""
     c, hlo = plan.compiled, plan.compiled.hlo
     attention = f"cuDNN fused ({hlo.attention_calls} custom calls)" if hlo.attention == "cudnn" else "XLA (no fused attention kernel)"
     lines = [f"compiled program ({c.device_kind}): {hlo.fusions} fusions; attention: {attention}",
@@ -659,6 +659,12 @@ def render_hlo(plan: Plan) -> list[str]:
     total = sum(hlo.matmul_flops.values())
     lines.append(f"matmuls per step: {total:.3g} FLOPs per device" + "".join(
         f"{', ' if i else ': '}{types} {100 * flops / total:.1f}%" for i, (types, flops) in enumerate(hlo.matmul_flops.items())))
+    moved = hlo.kernel_bytes
+    bandwidth = next((g.memory_bandwidth for g in GPU_MODELS.values() if g.description == c.device_kind), None)
+    at_bandwidth = f" (at least {1e3 * moved['other'] / bandwidth:.0f} ms at {bandwidth / 1e12:.2g} TB/s)" if bandwidth else ""
+    lines.append(f"kernel memory traffic per step: elementwise and reductions {_size(moved['other'])}{at_bandwidth}, "
+                 f"matmuls {_size(moved['matmul'])}, attention {_size(moved['attention'])}; largest elementwise and reductions:")
+    lines += [f"  {_size(b):>10}  {name}" for name, b in hlo.largest_other_kernels]
     lines.append("XLA warnings: " + ("none" if not hlo.warnings else f"{len(hlo.warnings)}"))
     lines += [f"  {w}" for w in hlo.warnings]
     return lines

@@ -5,7 +5,9 @@ it carries per device, the mesh axes its device groups span, how often a step ru
 counts: the layer scan, the micro-batch scan), whether it is asynchronous and has compute scheduled
 between its start and its done (overlap); the number of fusions; the attention kernel (cuDNN's fused
 attention is a custom call; XLA attention is plain fusions); the matmul FLOPs per step by the element types the
-dots multiply (after XLA's converts: a float32 product in a bfloat16 program runs at TF32's rate at best); and
+dots multiply (after XLA's converts: a float32 product in a bfloat16 program runs at TF32's rate at best); the
+bytes each kind of kernel reads and writes per step (matmuls, attention, the elementwise and reduction rest: what
+the rest moves, over the memory bandwidth, is step time no matmul speed recovers); and
 the warnings XLA wrote while compiling
 (e.g. ``[SPMD] Involuntary full rematerialization``). jax offers the HLO only as text, so it is parsed
 here; what cannot be parsed is reported as unknown, never guessed.
@@ -29,6 +31,11 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
 COMPUTE_OPCODES = {"fusion", "custom-call", "dot", "convolution", "while", "call", "conditional"}
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+# top-level instructions that run as kernels and move their operands and results through device memory
+KERNEL_OPCODES = {"fusion", "custom-call", "copy", "transpose", "reduce", "scatter", "gather", "concatenate", "pad",
+                  "convert", "select-and-scatter", "sort", "dot", "convolution", "dynamic-slice", "dynamic-update-slice"}
+_SLICING = {"dynamic-slice", "slice", "gather"}
+LARGEST_KERNELS = 5  # the "other" kernels (by XLA's op name) the report lists, most bytes first
 # XLA's C++ log lines of severity warning or error start W or E and the date (absl's format)
 WARNING_LINE = re.compile(r"^\s*[WE]\d{4} \d\d:\d\d|Involuntary full rematerialization|\bWARNING\b")
 
@@ -77,6 +84,10 @@ class HloReport:
     warnings: tuple[str, ...]
     # FLOPs per step of the dots, fused or not, by their operands' element types ("bf16 x bf16", "f32 x f32", ...)
     matmul_flops: dict[str, float] = dataclasses.field(default_factory=dict)
+    # bytes read and written per step by the kernels of each kind ("matmul", "attention", "other"), and the largest
+    # "other" kernels: (XLA's op name of the kernel's root, bytes per step)
+    kernel_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    largest_other_kernels: tuple[tuple[str, float], ...] = ()
 
     def groups(self) -> list[dict]:
         """The collectives by (kind, mesh axes): instructions, executions, bytes and traffic per step, async and
@@ -113,7 +124,8 @@ class HloReport:
     def to_json(self) -> dict:
         return {"collectives": self.groups(), "fusions": self.fusions, "attention": self.attention,
                 "attention_calls": self.attention_calls, "xla_warnings": list(self.warnings),
-                "matmul_flops_by_operand_types": self.matmul_flops}
+                "matmul_flops_by_operand_types": self.matmul_flops, "kernel_bytes_per_step": self.kernel_bytes,
+                "largest_other_kernels": [{"op_name": name, "bytes": b} for name, b in self.largest_other_kernels]}
 
 
 def _array_bytes(type_text: str) -> list[int]:
@@ -268,6 +280,41 @@ def _dots(computations: dict[str, list[Instruction]], name: str) -> Iterator[tup
         yield f"{lhs} x {rhs}", 2.0 * outputs * depth
 
 
+def _kernel(computations: dict[str, list[Instruction]], ins: Instruction, types: dict[str, str]) -> tuple[str, int]:
+    """(kind, bytes read and written) of one top-level kernel. A fusion reads each parameter whole unless it only
+    slices it (then the slices), and a dynamic-update-slice at its root writes only the update, in place (the
+    layer scan reads and writes one layer of its stacks so)."""
+    target = re.search(r'custom_call_target="([^"]+)"', ins.attributes)
+    callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes) if ins.opcode == "fusion" else None
+    body = computations.get(callee.group(1), []) if callee else []
+    if ins.opcode in ("dot", "convolution") or any(i.opcode in ("dot", "convolution") for i in body) or \
+            (target and re.search(r"gemm|matmul", target.group(1))):
+        kind = "matmul"
+    else:
+        kind = "attention" if target and "fmha" in target.group(1) else "other"
+    if not body:
+        return kind, sum(sum(_array_bytes(types.get(o, ""))) for o in ins.operands) + sum(_array_bytes(ins.type))
+    local = {i.name: i for i in body}
+    users: dict[str, list[Instruction]] = {}
+    for i in body:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    moved = 0
+    for i in body:
+        if i.opcode != "parameter":
+            continue
+        uses = users.get(i.name, [])
+        if uses and all(u.opcode in _SLICING and u.operands[0] == i.name for u in uses):
+            moved += sum(sum(_array_bytes(u.type)) for u in uses)
+        elif not (uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == i.name for u in uses)):
+            moved += sum(_array_bytes(i.type))
+    root = body[-1]
+    for result in ([local[o] for o in root.operands if o in local] if root.opcode == "tuple" else [root]):
+        in_place = result.opcode == "dynamic-update-slice" and result.operands[1] in local
+        moved += sum(_array_bytes(local[result.operands[1]].type if in_place else result.type))
+    return kind, moved
+
+
 def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloReport:
     """Read the compiled step's HLO text (``Compiled.as_text()``) for a mesh of ``mesh_shape``; ``log``: what XLA
     wrote while compiling it."""
@@ -281,11 +328,20 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
     collectives = []
     fusions = attention_calls = 0
     matmul_flops: dict[str, float] = {}
+    kernel_bytes = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    other_kernels: dict[str, float] = {}
     for comp, (times, known, async_start) in reached.items():
         for operand_types, flops in _dots(computations, comp):
             matmul_flops[operand_types] = matmul_flops.get(operand_types, 0.0) + times * flops
         for ins in computations[comp]:
             fusions += ins.opcode == "fusion"
+            if ins.opcode in KERNEL_OPCODES:
+                kind, moved = _kernel(computations, ins, types)
+                kernel_bytes[kind] += times * moved
+                if kind == "other":
+                    name = re.search(r'op_name="([^"]*)"', ins.attributes)
+                    key = name.group(1) if name else ins.name
+                    other_kernels[key] = other_kernels.get(key, 0.0) + times * moved
             target = re.search(r'custom_call_target="([^"]+)"', ins.attributes) if ins.opcode == "custom-call" else None
             attention_calls += bool(target and "fmha" in target.group(1))
             kind = ins.opcode.removesuffix("-start")
@@ -304,8 +360,9 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
             collectives.append(Collective(kind, mesh_axes(groups, mesh_shape), len(groups[0]) if groups else 0, len(result),
                                           full, times, known, is_async, overlapped, dtypes))
     warnings = tuple(dict.fromkeys(line.strip() for line in log.splitlines() if WARNING_LINE.search(line)))
+    largest = tuple(sorted(other_kernels.items(), key=lambda item: -item[1])[:LARGEST_KERNELS])
     return HloReport(tuple(collectives), fusions, "cudnn" if attention_calls else "xla", attention_calls, warnings,
-                     dict(sorted(matmul_flops.items(), key=lambda item: -item[1])))
+                     dict(sorted(matmul_flops.items(), key=lambda item: -item[1])), kernel_bytes, largest)
 
 
 def partitioned_hlo(lowered) -> str:
