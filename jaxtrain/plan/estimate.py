@@ -145,9 +145,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     layer_backward = attention_backward + 16 * embed + (16 + act if on_cpu else 4) * vocab_table + (4 + act) * layer_weights + frozen_layer
     logit_tokens = b * (cfg.train.loss_chunk or seq)  # train.loss_chunk: one chunk's logits live at a time
     # float32 logits and their gradient in the compute dtype (jaxtrain.step.cross_entropy's backward, cast by the
-    # output projection's); the output table's float32 gradient, gathered over fsdp (the CPU compile also keeps the
-    # float32 value and compute copy of each gathered table)
-    loss = logit_tokens * m.vocab_size / _ways(layout, "activation_vocab") * (4 + act) + \
+    # output projection's; float32 on the CPU compile); the output table's float32 gradient, gathered over fsdp (the
+    # CPU compile also keeps the float32 value and compute copy of each gathered table)
+    loss = logit_tokens * m.vocab_size / _ways(layout, "activation_vocab") * (8 if on_cpu else 4 + act) + \
         ((1 if m.tie_embeddings else 2) * 3 if on_cpu else 1) * vocab_table * 4
     items = {
         "parameters": params,
