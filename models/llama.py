@@ -88,8 +88,8 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, scaling: RopeScalin
 
     With a static ``start`` and no ``positions`` the tables are computed on the host and reach the compiler as
     constants. Computed in the program from iota, a table is fused into every rotary multiply that broadcasts it,
-    its sine and cosine recomputed for each batch row and head: with unrolled layers on XLA:CPU that was 8% of the
-    train step (README, "Benchmarks and performance")."""
+    its sine and cosine recomputed for each batch row and head: with unrolled layers on XLA:CPU that was 5-8% of
+    the train step (README, "Benchmarks and performance")."""
     inv_freq = inverse_frequencies(head_dim, theta, scaling)
     if positions is None and isinstance(start, int):
         angles = np.arange(start, start + seq_len, dtype=np.float32)[:, None] * inv_freq  # a float32 product, as transformers

@@ -5,14 +5,16 @@ jaxtrain.step.cross_entropy equals optax's with a backward that scatters nothing
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from conftest import small_config, with_
 from jaxtrain.config import check
 from jaxtrain.errors import UserError
 from jaxtrain.state import init_state
-from jaxtrain.step import token_nll
+from jaxtrain.step import cross_entropy, token_nll
 from jaxtrain.layout import lower_steps, make_layout
 
 
@@ -45,11 +47,6 @@ def test_loss_chunk_must_divide_seq_len():
 def test_cross_entropy_equals_optax_and_its_backward_scatters_nothing():
     """jaxtrain.step.cross_entropy: optax's values and gradients; its backward is softmax minus the one-hot in one
     elementwise pass, where optax's scatters into a zeroed float32 array of the logits' size."""
-    import jax.numpy as jnp
-    import optax
-
-    from jaxtrain.step import cross_entropy
-
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(0, 3, (3, 5, 37)), jnp.float32)
     targets = jnp.asarray(rng.integers(0, 37, (3, 5)), jnp.int32)

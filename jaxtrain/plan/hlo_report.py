@@ -336,9 +336,9 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
         for ins in computations[comp]:
             fusions += ins.opcode == "fusion"
             if ins.opcode in KERNEL_OPCODES:
-                kind, moved = _kernel(computations, ins, types)
-                kernel_bytes[kind] += times * moved
-                if kind == "other":
+                kernel_kind, moved = _kernel(computations, ins, types)
+                kernel_bytes[kernel_kind] += times * moved
+                if kernel_kind == "other":
                     name = re.search(r'op_name="([^"]*)"', ins.attributes)
                     key = name.group(1) if name else ins.name
                     other_kernels[key] = other_kernels.get(key, 0.0) + times * moved
