@@ -20,7 +20,9 @@ test: $(INSTALLED)
 	$(PY) -m pytest -n 2 tests
 
 # The code on the next jax (the GPU image's 0.11, which needs Python 3.12) beside our 0.10: the tests that need
-# no torch, on the CPU. Not part of `make test`: it needs a python3.12 and about 1 GB of downloads.
+# no torch, on the CPU. Not part of `make test`: it needs a python3.12 and about 1 GB of downloads. Less the planner's
+# estimate-vs-CPU-compile bounds: the CPU estimate is fitted to the pinned jax's XLA:CPU, and 0.11's compiles the
+# planner's test configurations 10-30% smaller (README, "GPU: one command for a lent H200").
 JAX_NEXT ?= 0.11.2
 JAX_NEXT_PYTHON ?= python3.12
 JAX_NEXT_VENV := .venv-jax-next
@@ -33,7 +35,7 @@ $(JAX_NEXT_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-jax-next: $(JAX_NEXT_VENV)/.installed
-	$(JAX_NEXT_VENV)/bin/python -m pytest -n 2 $(JAX_NEXT_TESTS) -k "not transformers and not torch"
+	$(JAX_NEXT_VENV)/bin/python -m pytest -n 2 $(JAX_NEXT_TESTS) -k "not transformers and not torch and not percent_of_compiled"
 
 # CPU benchmark suite -> benchmarks/results/latest.json; ONLY=perf,checkpoint runs a subset
 bench: $(INSTALLED)
