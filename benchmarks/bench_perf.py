@@ -6,8 +6,8 @@ interleaved repetitions, so a noisy shared machine slows both sides alike):
   the cpu8 mesh with fsdp_tp (the hand-written step then gets the same parameter and batch shardings).
 - ``matmul_peak_flops`` (jaxtrain.observe.flops.measure_matmul_peak over all devices), ``model_flops_per_s``
   of jaxtrain's step on the same devices, and their ratio ``mfu_vs_matmul_peak``.
-- ``compile_s_{2,8,32}_layers`` and ``step_s_{...}_layers``: layers are scanned, so compile time
-  should not grow with depth.
+- ``compile_s_{2,8,32}_layers`` and ``step_s_{...}_layers``: layers scanned (``model.scan_layers=true``, as on
+  GPUs; CPUs unroll by default), so compile time should not grow with depth.
 - ``host_gap_ms_per_step``: the real loop (``jaxtrain.train.train``: data pipeline, metrics) per-step
   time minus the device-bound step time (same batch, steps queued back to back).
 - ``remat_precision``: step time and compiled memory per remat policy x compute dtype.
@@ -119,7 +119,7 @@ def hand_written_loss(cfg: LlamaConfig, params: dict, batch: dict) -> jax.Array:
         h, m = _rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), p["mlp"]
         return x + (jax.nn.silu(h @ m["w_gate"].astype(dt)) * (h @ m["w_up"].astype(dt))) @ m["w_down"].astype(dt), None
 
-    x, _ = jax.lax.scan(layer, params["embed"][tokens].astype(dt), params["layers"])
+    x, _ = jax.lax.scan(layer, params["embed"][tokens].astype(dt), params["layers"], unroll=cfg.scan_layers is False)
     x = _rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps)
     logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
@@ -159,10 +159,11 @@ def overhead(cfg: Config, corpus, sharded: bool) -> dict[str, float]:
     trainer = build(cfg, corpus, devices)
     batch = fixed_batch(trainer)
     state = trainer.init_state()
+    # trainer.cfg: model.scan_layers=auto resolved, so both steps loop over the layers alike (unrolled on CPUs)
     if sharded:
-        hand, tx = hand_written_step(cfg, trainer.layout.abstract_state().params, trainer.batch_sharding)
+        hand, tx = hand_written_step(trainer.cfg, trainer.layout.abstract_state().params, trainer.batch_sharding)
     else:
-        hand, tx = hand_written_step(cfg)
+        hand, tx = hand_written_step(trainer.cfg)
     params = jax.tree.map(jnp.copy, state.params)  # the same initial weights: the first losses must agree
     hand_carry = (params, tx.init(params), jnp.zeros((), jnp.float32))
     hand_loss = float(hand(hand_carry, batch)[2])
@@ -191,7 +192,7 @@ def compiled_train_step(cfg: Config, corpus):
 
 def compile_by_depth(corpus, depths=(2, 8, 32), repeats: int = 3) -> dict[str, float]:
     out, contenders = {}, {}
-    model = dataclasses.replace(STEP_MODEL, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=256)
+    model = dataclasses.replace(STEP_MODEL, d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=256, scan_layers=True)
     for depth in depths:
         runs = [compiled_train_step(config(dataclasses.replace(model, num_layers=depth)), corpus) for _ in range(repeats)]
         _, contenders[depth], batch, _, _ = runs[-1]

@@ -4,8 +4,9 @@ on every core (torch.set_num_threads(os.cpu_count()); XLA:CPU's thread pool take
 repetitions interleaved as in bench_perf.
 
 - ``torch_peer_ratio``: jaxtrain tokens/s ÷ transformers tokens/s (goal >= 1.0), and both absolute.
-- ``unrolled_layers_speedup``: jaxtrain with ``model.scan_layers=false`` ÷ the scanned default, tokens/s, in the
-  same interleaved run, beside both train steps' compile times (what unrolling costs).
+- ``unrolled_layers_speedup``: the default on CPUs (``model.scan_layers=auto``: unrolled) ÷ the same with
+  ``model.scan_layers=true`` (the layer scan, as on GPUs), tokens/s, in the same interleaved run, beside both train
+  steps' compile times (what unrolling costs).
 - ``chunked_attention_speedup``: jaxtrain with ``model.attention=chunked`` (what ``auto`` picks on CPUs:
   models/attention.py) ÷ the same with ``model.attention=xla``, tokens/s, in the same interleaved run; and
   ``chunked_attention_speedup_seq_1024``: the same pair at sequence length 1024 (batch 2, the same tokens per
@@ -104,7 +105,7 @@ def run() -> dict:
     corpus = random_corpus(PEER_MODEL.vocab_size)
     trainer = build(cfg, corpus, jax.devices()[:1])
     variant = lambda cfg, **model: build(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model)), corpus, jax.devices()[:1])  # noqa: E731
-    unrolled, xla_attention = variant(cfg, scan_layers=False), variant(cfg, attention="xla")
+    scanned, xla_attention = variant(cfg, scan_layers=True), variant(cfg, attention="xla")
     remats = {policy: variant(cfg, remat=policy) for policy in REMATS}
     long_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=4 * SEQ_LEN),
                                    train=dataclasses.replace(cfg.train, global_batch=BATCH // 4))
@@ -119,7 +120,7 @@ def run() -> dict:
     jax_phases = jaxtrain_phases(trainer)
     long_medians = interleaved_medians({"chunked": jaxtrain_contender(long_chunked), "xla": jaxtrain_contender(long_xla)},
                                        fixed_batch(long_chunked))
-    medians = interleaved_medians({"jaxtrain": jax_phases["step"], "jaxtrain_unrolled": jaxtrain_contender(unrolled),
+    medians = interleaved_medians({"jaxtrain": jax_phases["step"], "jaxtrain_scanned": jaxtrain_contender(scanned),
                                    "jaxtrain_xla_attention": jaxtrain_contender(xla_attention),
                                    "transformers": torch_phases["step"]}
                                   | {f"jaxtrain_remat_{policy}": jaxtrain_contender(t) for policy, t in remats.items()}
@@ -130,19 +131,19 @@ def run() -> dict:
     tokens = trainer.tokens_per_step
     return {
         "torch_peer_ratio": medians["transformers"] / medians["jaxtrain"],
-        "unrolled_layers_speedup": medians["jaxtrain"] / medians["jaxtrain_unrolled"],
+        "unrolled_layers_speedup": medians["jaxtrain_scanned"] / medians["jaxtrain"],
         "chunked_attention_speedup": medians["jaxtrain_xla_attention"] / medians["jaxtrain"],
         "chunked_attention_speedup_seq_1024": long_medians["xla"] / long_medians["chunked"],
         "remat_speedup": {policy: medians["jaxtrain"] / medians[f"jaxtrain_remat_{policy}"] for policy in REMATS},
         # seconds per phase and the transformers ÷ jaxtrain time ratio (> 1: jaxtrain faster there)
         "torch_peer_phases": {phase: t | {"ratio": t["transformers"] / t["jaxtrain"]} for phase, t in phases.items()},
         "torch_peer": {"jaxtrain_tokens_per_s": tokens / medians["jaxtrain"], "transformers_tokens_per_s": tokens / medians["transformers"],
-                       "jaxtrain_unrolled_tokens_per_s": tokens / medians["jaxtrain_unrolled"],
-                       "unrolled_over_transformers": medians["transformers"] / medians["jaxtrain_unrolled"],
+                       "jaxtrain_scanned_tokens_per_s": tokens / medians["jaxtrain_scanned"],
+                       "scanned_over_transformers": medians["transformers"] / medians["jaxtrain_scanned"],
                        "remat_ratio": {policy: medians["transformers"] / medians[f"jaxtrain_remat_{policy}"] for policy in REMATS},
                        "xla_attention_ratio": medians["transformers"] / medians["jaxtrain_xla_attention"],
                        "seq_1024_step_s": {"chunked": long_medians["chunked"], "xla": long_medians["xla"]},
-                       "compile_s": trainer.compile_s, "unrolled_compile_s": unrolled.compile_s,
+                       "compile_s": trainer.compile_s, "scanned_compile_s": scanned.compile_s,
                        "xla_attention_compile_s": xla_attention.compile_s,
                        "jaxtrain_step_s": medians["jaxtrain"], "transformers_step_s": medians["transformers"],
                        "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,

@@ -2,7 +2,7 @@
 gradients on XLA:CPU under jax's profiler, and transformers' ``LlamaForCausalLM`` under torch's, same shapes and
 batch as ``bench_torch_peer``. Not part of ``make bench`` (a profile, not a ratio); run by hand:
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_torch_peer.py [--top 25] [--unrolled]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_torch_peer.py [--top 25] [--scanned]
 
 jaxtrain's side: per compiled op (fusion, dot, copy), milliseconds per pass (mean of the profiled passes), the op's
 source function in the model (from the HLO's stack frames; ops without one are the layer scan's stacking, copies and
@@ -56,9 +56,9 @@ def source_of_ops(hlo: str) -> dict[str, str]:
     return ops
 
 
-def jax_profile(unrolled: bool) -> tuple[dict, dict, float]:
+def jax_profile(scanned: bool) -> tuple[dict, dict, float]:
     """(op -> ms per pass, op -> source, total ms per pass) of jaxtrain's forward + backward."""
-    model = dataclasses.replace(PEER_MODEL, scan_layers=not unrolled)
+    model = dataclasses.replace(PEER_MODEL, scan_layers=True if scanned else "auto")  # auto: unrolled on CPUs
     cfg = config(model, mesh=ONE_DEVICE, rules="dp", seq_len=SEQ_LEN, global_batch=BATCH)
     trainer = build(cfg, random_corpus(model.vocab_size), jax.devices()[:1])
     batch, params = fixed_batch(trainer), trainer.init_state().params
@@ -95,9 +95,9 @@ def torch_profile(top: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--unrolled", action="store_true", help="model.scan_layers=false")
+    parser.add_argument("--scanned", action="store_true", help="model.scan_layers=true (the default on CPUs unrolls)")
     args = parser.parse_args()
-    times, sources, total = jax_profile(args.unrolled)
+    times, sources, total = jax_profile(args.scanned)
     print(f"jaxtrain forward + backward: {total:.1f} ms of op time per pass (load average {os.getloadavg()[0]:.1f})")
     by_source = collections.Counter()
     for op, ms in times.items():

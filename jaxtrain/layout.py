@@ -67,7 +67,7 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
     config_lib.check(cfg)
     mesh = build_mesh(cfg.mesh, devices)
     device = mesh.devices.flat[0]
-    cfg = config_lib.resolve_attention(cfg, is_nvidia_gpu(device), cpu=device.platform == "cpu")  # before the model is built
+    cfg = config_lib.resolve_for_devices(cfg, is_nvidia_gpu(device), cpu=device.platform == "cpu")  # before the model is built
     rules = load_rules(cfg.rules)
     check_rules_against_mesh(rules, mesh, cfg.rules)
     check_pipeline(cfg, rules, mesh)

@@ -165,8 +165,9 @@ class LlamaConfig:
     remat: str = "none"
     attention: str = "auto"  # jax.nn.dot_product_attention implementation, or chunked (models/attention.py)
     # False: the loop over layers unrolled when compiling (faster steps on CPU, compile time grows with depth);
-    # the parameters stay stacked on the layers axis either way, so checkpoints do not change
-    scan_layers: bool = True
+    # the parameters stay stacked on the layers axis either way, so checkpoints do not change. auto: the trainer
+    # unrolls on CPUs and scans elsewhere (jaxtrain/config.py resolve_for_devices); a model built directly scans
+    scan_layers: bool | str = "auto"
     lora: LoraConfig = LoraConfig()
     base_quant: str = "none"  # the frozen base of a LoRA run stored as int8 or nf4 (QLoRA)
     pipeline: PipelineConfig = PipelineConfig()
@@ -217,6 +218,8 @@ class LlamaConfig:
             out.append(f"model.quant={self.quant!r} is unknown; choose one of {', '.join(QUANT_TYPES)}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             out.append(f"model.attention={self.attention!r} is unknown; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        if self.scan_layers not in (True, False, "auto"):
+            out.append(f"model.scan_layers={self.scan_layers!r} is unknown; choose true, false or auto")
         for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
             if getattr(self, key) <= 0:
                 out.append(f"model.{key}={getattr(self, key)} must be positive")

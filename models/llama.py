@@ -345,7 +345,7 @@ class Llama(nnx.Module):
 
     @property
     def _unroll(self) -> bool:
-        return not self.cfg.scan_layers
+        return self.cfg.scan_layers is False  # "auto" left unresolved (a model built directly) scans
 
     def _embed_tokens(self, tokens: jax.Array) -> jax.Array:
         tokens = constrain(tokens, (BATCH, LENGTH))

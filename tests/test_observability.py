@@ -90,6 +90,8 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     assert summary["params"] == num_params and summary["devices"] == 8 and summary["processes"] == 1
     assert summary["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1} and summary["rules"] == "fsdp_tp"
     assert summary["attention"] == "chunked"  # model.attention=auto on CPUs
+    # model.scan_layers=auto on CPUs: the compiled step has no loop (no micro-batches either here)
+    assert summary["layers"] == "unrolled" and " while(" not in trainer.train_step.as_text()
     assert summary["global_batch_tokens"] == 128 and summary["flops_per_token"] == hand_flops
     assert summary["peak_flops_per_device"] == PEAK_TFLOPS * 1e12 and summary["compile_s"] > 0
     # fsdp_tp shards every matrix 4 ways (fsdp x tensor); float32, and AdamW keeps two moments per parameter

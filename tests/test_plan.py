@@ -7,7 +7,7 @@ import pytest
 from conftest import REPO, run_cli, small_config, with_
 
 from jaxtrain.plan import estimate as plan_lib
-from jaxtrain.config import check, load_experiment, resolve_attention
+from jaxtrain.config import check, load_experiment, resolve_for_devices
 from jaxtrain.layout import compile_train_step, make_layout, peak_bytes
 from jaxtrain.state import model_spec
 from models.config import LoraConfig
@@ -16,9 +16,10 @@ GIB = plan_lib.GIB
 
 
 def medium_config(rules: str, remat: str, mesh=(1, 4, 2), microbatches: int = 1, seq_len: int = 512):
-    """Big enough that activations and logits dominate, as they do at scale; compiles in a few seconds."""
+    """Big enough that activations and logits dominate, as they do at scale; compiles in a few seconds. Layers
+    scanned: the estimate models the scanned program (these CPU devices would unroll them by default)."""
     cfg = small_config(rules=rules, mesh=mesh, vocab_size=4096, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                       mlp_dim=1024, dtype="bfloat16", remat=remat)
+                       mlp_dim=1024, dtype="bfloat16", remat=remat, scan_layers=True)
     return with_(cfg, data={"seq_len": seq_len}, train={"global_batch": 16, "microbatches": microbatches})
 
 
@@ -97,7 +98,7 @@ def test_cudnn_attention_is_compiled_as_xla_on_cpu_and_its_scores_taken_out_for_
         plan_lib.estimate_total(as_compiled) - plan_lib.estimate_total(flash))
 
 
-def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_chunked_on_cpus():
+def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_chunked_on_cpus_and_layers_unroll_on_cpus_only():
     from types import SimpleNamespace
 
     from jaxtrain.plan.gpu_targets import is_nvidia_gpu
@@ -114,11 +115,17 @@ def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_chunked_on
     assert plan.to_json()["experiment"]["attention"] == "cudnn"
     assert plan_lib.make_plan(cfg).cfg.model.attention == "chunked"  # no GPU named: the devices decide (CPUs)
     # cuDNN takes half-precision inputs and head dimensions that are multiples of 8
-    assert resolve_attention(with_(cfg, model={"dtype": "float32"}), nvidia_gpu=True).model.attention == "xla"
-    assert resolve_attention(with_(cfg, model={"head_dim": 12}), nvidia_gpu=True).model.attention == "xla"
-    assert resolve_attention(cfg, nvidia_gpu=True).model.attention == "cudnn"
-    assert resolve_attention(cfg, nvidia_gpu=False).model.attention == "xla"  # other accelerators
+    assert resolve_for_devices(with_(cfg, model={"dtype": "float32"}), nvidia_gpu=True).model.attention == "xla"
+    assert resolve_for_devices(with_(cfg, model={"head_dim": 12}), nvidia_gpu=True).model.attention == "xla"
+    assert resolve_for_devices(cfg, nvidia_gpu=True).model.attention == "cudnn"
+    assert resolve_for_devices(cfg, nvidia_gpu=False).model.attention == "xla"  # other accelerators
     assert plan_lib.make_plan(with_(cfg, model={"attention": "xla"}), gpu="h100").cfg.model.attention == "xla"  # explicit stays
+    # the layer loop: unrolled by the trainer on CPUs, scanned on GPUs and in every plan (the estimate models the scan)
+    assert cfg.model.scan_layers == "auto" and make_layout(cfg).cfg.model.scan_layers is False
+    assert resolve_for_devices(cfg, nvidia_gpu=True).model.scan_layers is True
+    assert resolve_for_devices(cfg, nvidia_gpu=False).model.scan_layers is True
+    assert plan.cfg.model.scan_layers is True and plan_lib.make_plan(cfg).cfg.model.scan_layers is True
+    assert make_layout(with_(cfg, model={"scan_layers": True})).cfg.model.scan_layers is True  # explicit stays
 
 
 def test_auto_microbatches_starts_from_the_estimate_and_steps_up_until_the_compiled_step_fits():

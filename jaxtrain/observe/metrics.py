@@ -98,6 +98,7 @@ def startup_summary(layout: Layout, compile_s: float, data: str, peak: float | N
     return {
         "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count(),
         "mesh": dict(mesh.shape), "rules": cfg.rules, "attention": cfg.model.attention,
+        "layers": "scanned" if cfg.model.scan_layers else "unrolled",
         "params": layout.spec.num_params, "params_per_device": elements_per_device(state.params),
         "param_bytes_per_device": bytes_per_device(state.params),
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
@@ -112,7 +113,8 @@ def format_summary(s: dict[str, Any]) -> str:
     mesh = describe_axes(s["mesh"])
     peak = "unknown" if s["peak_flops_per_device"] is None else f"{s['peak_flops_per_device'] / 1e12:.3g} TFLOP/s"
     return "\n".join([
-        f"jaxtrain: {s['devices']} x {s['device_kind']} in {s['processes']} process(es); mesh {mesh}; rules {s['rules']}; {s['attention']} attention",
+        f"jaxtrain: {s['devices']} x {s['device_kind']} in {s['processes']} process(es); mesh {mesh}; rules {s['rules']}; {s['attention']} attention; "
+        f"{s['layers']} layers",
         f"  parameters {s['params']:,} ({s['params_per_device']:,} per device); per device: params "
         f"{s['param_bytes_per_device'] / GIB:.3g} GiB, optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB",
         f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "

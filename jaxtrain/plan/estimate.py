@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxtrain.adapt.adapters import split_frozen
-from jaxtrain.config import Config, flatten, resolve_attention, to_dict
+from jaxtrain.config import Config, flatten, resolve_for_devices, to_dict
 from jaxtrain.errors import UserError
 from jaxtrain.observe.flops import flops_per_token, peak_flops
 from jaxtrain.plan.gpu_targets import GPU_MEMORY_MIB, GPU_MODELS, compile_only_devices, gpu_memory_bytes
@@ -557,8 +557,10 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     if not 0 <= headroom < 1:
         raise UserError(f"headroom={headroom} must be in [0, 1), e.g. 0.1 to keep 10% of device memory free")
     usable = None if device_memory is None else device_memory * (1 - headroom)
-    if gpu is not None:  # a plan for a GPU gets its attention even when compiled on CPUs; every GPU known is NVIDIA's
-        cfg = resolve_attention(cfg, gpu.lower() in GPU_MEMORY_MIB)
+    if gpu is not None:  # a plan for a GPU gets its attention and layer scan even when compiled on CPUs; every GPU known is NVIDIA's
+        cfg = resolve_for_devices(cfg, gpu.lower() in GPU_MEMORY_MIB)
+    elif cfg.model.scan_layers == "auto":  # the estimate models the scanned program, as accelerators run it
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
     if cfg.train.microbatches == "auto" and usable is not None:
         layout, (compiled, predicted) = fit_microbatches(cfg, usable, devices, functools.partial(_compile_and_predict, hlo_report=hlo_report))
     else:
