@@ -166,7 +166,8 @@ class LlamaConfig:
     attention: str = "auto"  # jax.nn.dot_product_attention implementation, or chunked (models/attention.py)
     # False: the loop over layers unrolled when compiling (faster steps on CPU, compile time grows with depth);
     # the parameters stay stacked on the layers axis either way, so checkpoints do not change. auto: the trainer
-    # unrolls on CPUs and scans elsewhere (jaxtrain/config.py resolve_for_devices); a model built directly scans
+    # unrolls on CPUs and scans elsewhere (jaxtrain/config.py resolve_for_devices); a model built directly, as
+    # generation builds it, scans (unrolled decoding was not faster on CPUs)
     scan_layers: bool | str = "auto"
     lora: LoraConfig = LoraConfig()
     base_quant: str = "none"  # the frozen base of a LoRA run stored as int8 or nf4 (QLoRA)
