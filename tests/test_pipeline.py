@@ -64,6 +64,8 @@ def test_stage2_fsdp2_tensor2_matches_one_device_and_its_checkpoint_moves_to_a_p
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([r["loss"] for r in records if "loss" in r], reference, rtol=1e-5)
+    # the last leg's start-up summary: its stages scan their layers, though model.scan_layers=auto unrolls on CPUs
+    assert json.loads((run_dir / "summary.json").read_text())["layers"] == "scanned"
     prompts = np.array([corpus.train[:5], corpus.train[100:105]])
     sampling = SamplingConfig(max_new_tokens=12)
     on_pipeline = generate(load(run_dir), prompts, sampling).tokens

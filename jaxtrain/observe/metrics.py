@@ -33,6 +33,7 @@ from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges
 from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak, peak_flops
 from jaxtrain.layout import Layout
 from jaxtrain.mesh import describe_axes
+from jaxtrain.stages import schedule
 from jaxtrain.state import bytes_per_device, elements_per_device
 
 SUMMARY_FILE = "summary.json"
@@ -98,7 +99,8 @@ def startup_summary(layout: Layout, compile_s: float, data: str, peak: float | N
     return {
         "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count(),
         "mesh": dict(mesh.shape), "rules": cfg.rules, "attention": cfg.model.attention,
-        "layers": "scanned" if cfg.model.scan_layers else "unrolled",
+        # pipeline stages loop over their layers with a scan whatever model.scan_layers says (models/pipeline.py)
+        "layers": "scanned" if cfg.model.scan_layers or schedule(cfg, layout.rules, mesh).stages > 1 else "unrolled",
         "params": layout.spec.num_params, "params_per_device": elements_per_device(state.params),
         "param_bytes_per_device": bytes_per_device(state.params),
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
