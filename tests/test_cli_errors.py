@@ -73,6 +73,8 @@ CASES = {
     "optimizer state over a mesh axis the mesh lacks": (lambda t: ["--rules", _zero1_over(t, "pipeline")],
                                                         "zero1_bad.yaml (optimizer_state): 'embed' maps to mesh axis 'pipeline', which the mesh does not have"),
     "unknown model.quant": (lambda t: ["model.quant=int4"], "model.quant='int4' is unknown"),
+    "unknown model.scan_layers": (lambda t: ["model.scan_layers=sometimes"],
+                                  "model.scan_layers='sometimes' is unknown; choose true, false or auto"),
     "float16 without master weights": (lambda t: ["model.dtype=float16", "model.param_dtype=float16"],
                                        "model.dtype=float16 with model.param_dtype=float16 keeps no float32 master weights"),
     "unknown gradient dtype": (lambda t: ["optim.grad_dtype=float16"], "optim.grad_dtype='float16' must be float32 or bfloat16"),
