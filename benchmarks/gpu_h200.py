@@ -18,8 +18,10 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,37 +47,37 @@ class Row:
     min_devices: int = 1  # skipped, saying so, with fewer devices visible; --tiny gives it 8 simulated CPU devices
     tiny_overrides: tuple[str, ...] = ()  # key=value after the tiny shape (for sizes the row needs, e.g. divisible layers)
 
-    def argv(self, python: str, steps: int, tiny: bool) -> list[str]:
+    def argv(self, python: str, steps: int, tiny: bool, cache: str) -> list[str]:
+        """``cache``: the runner's compilation cache folder, new each run, for options that name ``{cache}``."""
         timed = ("--steps", str(steps)) if self.script == "throughput.py" else ()
+        options = [option.replace("{cache}", cache) for option in (*self.options, *(self.tiny_options if tiny else ()))]
         # later overrides win: the tiny shape replaces the GPU one and the row's sizes
         return [python, str(BENCH_DIR / self.script), self.experiment, "--mesh", "gpu1", "--rules", "fsdp", *timed,
-                *self.options, *(self.tiny_options if tiny else ()), *GPU_SHAPE, *self.overrides, *((*TINY_SHAPE, *self.tiny_overrides) if tiny else ())]
+                *options, *GPU_SHAPE, *self.overrides, *((*TINY_SHAPE, *self.tiny_overrides) if tiny else ())]
 
 
 # Most wanted first: MFU of the 1B and 3B (goal >= 55%), cuDNN vs XLA attention, scan vs unrolled layers, the
 # remat trade; then generation and Hugging Face import / export.
 GENERATE = dict(script="bench_generate.py", options=("--prompt-tokens", "512", "--new-tokens", "256"),
                 tiny_options=("--prompt-tokens", "16", "--new-tokens", "8"))
+MFU_1B = ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto")  # the 1B rows' shape
 ROWS = (
-    Row("mfu_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto"), 60),
+    Row("mfu_1b", "llama3_1b", MFU_1B, 60),
     Row("mfu_3b", "llama3_3b", ("train.global_batch=4", "model.remat=full", "model.attention=auto"), 75),
     Row("attention_xla_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=xla"), 60),
     # scan vs unrolled layers on the GPU: step time and compile time beside mfu_1b (same shape, scanned)
-    Row("unrolled_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto",
-                                     "model.scan_layers=false"), 75),
+    Row("unrolled_1b", "llama3_1b", (*MFU_1B, "model.scan_layers=false"), 75),
     # chunked causal attention (what auto picks on CPUs) on a GPU: does scoring only the keys up to each query chunk
     # pay there too, against attention_xla_1b and cuDNN (mfu_1b)
     Row("attention_chunked_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=chunked"), 60),
     Row("remat_full_1b", "llama3_1b", ("train.global_batch=8", "model.remat=full", "model.attention=auto"), 60),
     Row("mfu_3b_save_dots", "llama3_3b", ("train.global_batch=4", "model.remat=save_dots", "model.attention=auto"), 75),
-    Row("loss_chunk_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto",
-                                       "train.loss_chunk=512"), 60),
+    Row("loss_chunk_1b", "llama3_1b", (*MFU_1B, "train.loss_chunk=512"), 60),
     # LoRA (rank 16 on every projection, bf16 frozen base) and QLoRA (nf4 base): tokens/s and peak memory
-    Row("lora_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto",
-                                 "model.param_dtype=bfloat16", "model.lora.rank=16", "model.lora.alpha=32"), 60),
-    Row("qlora_nf4_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto",
-                                      "model.param_dtype=bfloat16", "model.lora.rank=16", "model.lora.alpha=32",
-                                      "model.base_quant=nf4"), 60),
+    Row("lora_1b", "llama3_1b", (*MFU_1B, "model.param_dtype=bfloat16", "model.lora.rank=16",
+                                 "model.lora.alpha=32"), 60),
+    Row("qlora_nf4_1b", "llama3_1b", (*MFU_1B, "model.param_dtype=bfloat16", "model.lora.rank=16",
+                                      "model.lora.alpha=32", "model.base_quant=nf4"), 60),
     # KV-cache prefill and decode tokens/s, bf16 weights (benchmarks/bench_generate.py)
     Row("generate_1b_batch_1", "llama3_1b", ("model.param_dtype=bfloat16", "model.attention=auto"), 60,
         **GENERATE | {"options": (*GENERATE["options"], "--batch", "1")}),
@@ -92,16 +94,20 @@ ROWS = (
                                                         "model.attention=auto", "model.moe.dispatch=dropless"), 75),
     # memory techniques beside mfu_1b (bf16, same shape): quantized training's speed-up, offload's memory and
     # step time, float16 with loss scaling (benchmarks/bench_memory.py measures them all on CPU)
-    Row("quant_fp8_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "model.quant=fp8"), 60),
-    Row("quant_int8_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "model.quant=int8"), 60),
-    Row("offload_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "optim.offload=true"), 60),
-    Row("float16_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "model.dtype=float16"), 60),
+    Row("quant_fp8_1b", "llama3_1b", (*MFU_1B, "model.quant=fp8"), 60),
+    Row("quant_int8_1b", "llama3_1b", (*MFU_1B, "model.quant=int8"), 60),
+    Row("offload_1b", "llama3_1b", (*MFU_1B, "optim.offload=true"), 60),
+    Row("float16_1b", "llama3_1b", (*MFU_1B, "model.dtype=float16"), 60),
     # optim.grad_dtype=bfloat16 on one GPU: no other device to sum with, so this prices the per-device gradient pass
     # (jaxtrain/memory/grad_comm.py) against mfu_1b; the bytes it saves need several GPUs (bench_memory counts them)
-    Row("grad_bf16_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "optim.grad_dtype=bfloat16"), 60),
+    Row("grad_bf16_1b", "llama3_1b", (*MFU_1B, "optim.grad_dtype=bfloat16"), 60),
+    # the persistent compilation cache (train.compile_cache): mfu_1b's program compiled into the runner's new folder,
+    # then read back by the next process, as a restart after preemption does; compare their compile_s
+    Row("compile_cache_cold_1b", "llama3_1b", MFU_1B, 60, options=("--compile-cache", "{cache}")),
+    Row("compile_cache_warm_1b", "llama3_1b", MFU_1B, 45, options=("--compile-cache", "{cache}")),
     # pipeline parallelism (rules pp_fsdp): 2 stages x fsdp over the rest of the GPUs, circular (16 layers = 2 stages x
     # 2 repeats x 4), 2 micro-batches in flight: bubble (2 - 1) / (2 x 2 + 2 - 1) = 20%; compare its MFU with mfu_1b's
-    Row("pipeline_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto", "mesh.ici.stage=2",
+    Row("pipeline_1b", "llama3_1b", (*MFU_1B, "mesh.ici.stage=2",
                                      "mesh.ici.fsdp=-1", "model.pipeline.microbatches=2", "model.pipeline.repeats=2"), 60,
         options=("--rules", "pp_fsdp"), min_devices=2, tiny_overrides=("model.num_layers=8", "train.global_batch=8")),
 )
@@ -163,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
 
+    cache = tempfile.mkdtemp(prefix="jaxtrain-gpu-cache-")  # empty: the cold row fills it, the warm row reads it
     env = environment(sys.executable)
     write({"row": "environment", "tiny": args.tiny, "budget_s": args.budget_s} | env)
     failed = False
@@ -178,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         simulated = args.tiny and row.min_devices > 1
         row_env = os.environ | {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"} if simulated else None
         print(f"== {row.name} ({left:.0f} s of the budget left)", file=sys.stderr, flush=True)
-        record = {"row": row.name} | run_row(row, row.argv(sys.executable, args.steps, args.tiny), left, row_env)
+        record = {"row": row.name} | run_row(row, row.argv(sys.executable, args.steps, args.tiny, cache), left, row_env)
         failed |= record["status"] != "ok"
         write(record)
+    shutil.rmtree(cache, ignore_errors=True)
     return 1 if failed else 0
 
 

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = experiment_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU; ignored on CPUs")
+    parser.add_argument("--compile-cache", metavar="DIR", default=False,
+                        help="compile through the persistent compilation cache in DIR (train.compile_cache); default none")
     args = parser.parse_intermixed_args(argv)
     try:
         cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
@@ -48,9 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak
     from jaxtrain.layout import peak_bytes
     from jaxtrain.plan.estimate import estimate, estimate_total
+    from jaxtrain import compile_cache
     from jaxtrain.train import build
 
-    trainer = build(cfg, random_corpus(cfg.model.vocab_size, tokens=(cfg.train.global_batch + 1) * (cfg.data.seq_len + 1) * 12))
+    with compile_cache.using(args.compile_cache) as cache_dir:
+        trainer = build(cfg, random_corpus(cfg.model.vocab_size, tokens=(cfg.train.global_batch + 1) * (cfg.data.seq_len + 1) * 12))
     batch, state = fixed_batch(trainer), trainer.init_state()
     for _ in range(2):
         state, metrics = trainer.train_step(state, batch)
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_kind": trainer.mesh.devices.flat[0].device_kind, "devices": devices,
         "seq_len": cfg.data.seq_len, "global_batch": cfg.train.global_batch, "remat": cfg.model.remat, "dtype": cfg.model.dtype,
         "attention": trainer.cfg.model.attention, "scan_layers": trainer.cfg.model.scan_layers,  # auto resolved
-        "compile_s": round(trainer.compile_s, 1), "step_s": step_s, "tokens_per_s": trainer.tokens_per_step / step_s,
+        "compile_s": round(trainer.compile_s, 1), "compile_cache": trainer.compiled.record(cache_dir), "step_s": step_s, "tokens_per_s": trainer.tokens_per_step / step_s,
         "tflops_per_device": model_flops / 1e12, "peak_tflops_per_device": peak / 1e12, "mfu": model_flops / peak,
         "estimate_gib_per_device": estimate_total(estimate(trainer.layout)) / 2**30,
         "compiled_gib_per_device": peak_bytes(memory) / 2**30,

@@ -150,15 +150,19 @@ def cmd_generate(args) -> int:
                         "give the --run-dir of a training run or a model directory")
     import numpy as np
 
+    from jaxtrain import compile_cache
     from jaxtrain import generate as generate_lib  # starts jax
 
-    loaded = generate_lib.load(path, args.mesh, args.rules, chat=args.chat)
-    if args.adapter:
-        from jaxtrain.adapt import lora
+    # a run's own train.compile_cache; a Hugging Face model directory the default folder
+    cache = "auto" if hf_config.is_hf_dir(path) else config_lib.load_run_config(path).train.compile_cache
+    with compile_cache.using(cache):
+        loaded = generate_lib.load(path, args.mesh, args.rules, chat=args.chat)
+        if args.adapter:
+            from jaxtrain.adapt import lora
 
-        loaded = lora.with_adapter(loaded, Path(args.adapter))
-    prompt = loaded.encode(args.prompt)
-    out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling)
+            loaded = lora.with_adapter(loaded, Path(args.adapter))
+        prompt = loaded.encode(args.prompt)
+        out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling)
     new = out.tokens[0]
     text = loaded.decode(new) if args.chat else args.prompt + loaded.decode(new) if loaded.decode else " ".join(map(str, new))
     print(text, flush=True)

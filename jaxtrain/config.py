@@ -73,6 +73,9 @@ class TrainConfig:
     eval_batches: int = 4  # global batches of the validation split per evaluation
     skip_nonfinite: int = 0  # updates with a non-finite loss or grad norm skipped before the run stops
     loss_chunk: int = 0  # sequence positions per cross-entropy chunk (large vocabularies); 0: whole sequence
+    # XLA programs kept on disk and read back by the next run that compiles them (jaxtrain/compile_cache.py):
+    # auto (or true): $XDG_CACHE_HOME/jaxtrain/xla, else ~/.cache/jaxtrain/xla; a folder path; false: no cache
+    compile_cache: bool | str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,6 +444,8 @@ def check(cfg: Config) -> None:
     microbatches = 1 if isinstance(t.microbatches, str) else t.microbatches
     if t.loss_chunk < 0 or (t.loss_chunk > 0 and d.seq_len > 0 and d.seq_len % t.loss_chunk):
         problems.append(f"train.loss_chunk={t.loss_chunk} must be 0 (off) or a positive divisor of data.seq_len={d.seq_len}")
+    if t.compile_cache == "":
+        problems.append("train.compile_cache is empty; give auto, a folder path, or false (no cache)")
     if d.format not in DATA_FORMATS:
         problems.append(f"data.format={d.format!r} must be one of {', '.join(DATA_FORMATS)}")
     if microbatches > 0 and t.global_batch % microbatches:

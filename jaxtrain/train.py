@@ -15,6 +15,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import compile_cache
 from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain.observe import exporters
@@ -37,12 +38,14 @@ class Trainer:
     train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]  # compiled; donates the state
     eval_step: Callable[[dict, dict], tuple[jax.Array, jax.Array]]  # compiled: (summed nats, counted tokens)
     compile_s: float
+    compiled: compile_cache.CacheCount  # of the steps' programs, how many the compilation cache gave back
     initializer: Callable[[], TrainState]  # jitted: compiles on the first fresh state, not on every run
 
     @classmethod
-    def of(cls, layout: Layout, corpus: data_lib.Corpus, train_step, eval_step, compile_s: float) -> Trainer:
+    def of(cls, layout: Layout, corpus: data_lib.Corpus, train_step, eval_step, compile_s: float,
+           compiled: compile_cache.CacheCount) -> Trainer:
         cfg = layout.cfg
-        return cls(layout, corpus, train_step, eval_step, compile_s,
+        return cls(layout, corpus, train_step, eval_step, compile_s, compiled,
                    state_initializer(cfg.model, layout.tx, cfg.train.seed, layout.shardings))
 
     @property
@@ -80,11 +83,13 @@ def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
     corpus = corpus or data_lib.load_corpus(cfg.data)
     data_lib.check_sizes(corpus, cfg.data, cfg.train.global_batch, cfg.model.vocab_size)
     start = time.perf_counter()
-    if layout is None:  # the fewest micro-batches whose compiled train step fits
-        layout, (train_step, eval_lowered) = plan.fit_microbatches(cfg, limit, devices, compile_train_step)
-    else:
-        (train_step, eval_lowered), _ = compile_train_step(layout)
-    return Trainer.of(layout, corpus, train_step, eval_lowered.compile(), time.perf_counter() - start)
+    with compile_cache.counting() as compiled:
+        if layout is None:  # the fewest micro-batches whose compiled train step fits
+            layout, (train_step, eval_lowered) = plan.fit_microbatches(cfg, limit, devices, compile_train_step)
+        else:
+            (train_step, eval_lowered), _ = compile_train_step(layout)
+        eval_step = eval_lowered.compile()
+    return Trainer.of(layout, corpus, train_step, eval_step, time.perf_counter() - start, compiled)
 
 
 def evaluate(trainer: Trainer, params: dict, batches: list[dict]) -> tuple[float, int]:
@@ -107,6 +112,12 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
     check_run_dir(run_dir)
     if cfg.log.prometheus_port and jax.process_index() == 0:
         exporters.check_port_free(cfg.log.prometheus_port)
+    with compile_cache.using(cfg.train.compile_cache) as cache_dir:
+        return _train(cfg, run_dir, trainer, init_from, params_only, cache_dir)
+
+
+def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path | None, params_only: bool,
+           cache_dir: Path | None) -> TrainState:
     trainer = trainer or build(cfg)
     cfg = trainer.cfg  # train.microbatches=auto resolved
     t = cfg.train
@@ -136,7 +147,8 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
             state = trainer.init_state() if initial is None else initial
         eval_data = data_lib.eval_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding, t.eval_batches)
         log = MetricsLog(trainer.layout, run_dir, int(state.step), compile_s=trainer.compile_s,
-                         data=trainer.corpus.description, enabled=jax.process_index() == 0)
+                         compile_cache=trainer.compiled.record(cache_dir), data=trainer.corpus.description,
+                         enabled=jax.process_index() == 0)
         for step in range(int(state.step) + 1, t.steps + 1):
             with log.timer("data_wait_s"):
                 batch = next(batches)

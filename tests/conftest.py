@@ -2,6 +2,8 @@
 
 import os
 import re
+import shutil
+import tempfile
 
 # Tests check behaviour, not the speed of XLA:CPU's code: its cheapest optimisation level halves compile times,
 # which are most of the suite's time. Subprocesses the tests start get the same flags (subprocess_env).
@@ -9,6 +11,19 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expe
 os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")) + \
     f" {FAST_COMPILE_FLAGS} --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One compilation cache for the session, shared by every test and the processes they start (xdist workers inherit
+# this environment): the suite compiles the same small programs over and over, and reading them back halves its
+# time. A new folder each session, so a local run takes the time CI's cold run takes; removed at the end.
+# XDG_CACHE_HOME is where train.compile_cache=auto (the default) puts the cache of `jaxtrain train`.
+if "JAXTRAIN_TEST_CACHE" not in os.environ:
+    os.environ["JAXTRAIN_TEST_CACHE"] = tempfile.mkdtemp(prefix="jaxtrain-tests-")
+    _OWN_CACHE = True
+else:
+    _OWN_CACHE = False
+os.environ["XDG_CACHE_HOME"] = os.environ["JAXTRAIN_TEST_CACHE"]
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["JAXTRAIN_TEST_CACHE"], "jaxtrain", "xla")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the small programs too
 
 import dataclasses  # noqa: E402
 import subprocess  # noqa: E402
@@ -63,3 +78,8 @@ def run_cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedPr
     env = subprocess_env()
     return subprocess.run([sys.executable, "-m", "jaxtrain.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:  # the process that made the session's cache folder (not an xdist worker)
+        shutil.rmtree(os.environ["JAXTRAIN_TEST_CACHE"], ignore_errors=True)

@@ -273,7 +273,7 @@ def test_infinite_grad_norm_with_finite_loss_is_not_applied_and_stops(trainer, t
     after, metrics = trainer.train_step(state.replace(params=params), batch)
     assert np.isfinite(float(metrics["loss"])) and np.isinf(float(metrics["grad_norm"]))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get((after.params, after.opt_state)), before)
-    log = metrics_lib.MetricsLog(trainer.layout, tmp_path, 1, compile_s=0.0, data="", enabled=False)
+    log = metrics_lib.MetricsLog(trainer.layout, tmp_path, 1, compile_s=0.0, compile_cache=None, data="", enabled=False)
     with pytest.raises(NonFiniteError, match=r"^step 2: grad_norm not finite \(loss 4\.\d+, grad_norm inf\)"):
         log.after_step(2, metrics)
 

@@ -94,7 +94,8 @@ def memory_gib() -> tuple[float, float, str]:
     return rss / GIB, peak / GIB, "host_rss"
 
 
-def startup_summary(layout: Layout, compile_s: float, data: str, peak: float | None, peak_source: str) -> dict[str, Any]:
+def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None, data: str, peak: float | None,
+                    peak_source: str) -> dict[str, Any]:
     cfg, mesh, state = layout.cfg, layout.mesh, layout.abstract_state()
     return {
         "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count(),
@@ -107,7 +108,7 @@ def startup_summary(layout: Layout, compile_s: float, data: str, peak: float | N
         "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": layout.tokens_per_step,
         "microbatches": cfg.train.microbatches, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
         "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(compile_s, 3),
-        "data": data,
+        "compile_cache": compile_cache, "data": data,
     }
 
 
@@ -121,9 +122,16 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{s['param_bytes_per_device'] / GIB:.3g} GiB, optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB",
         f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "
         f"{s['microbatches']} micro-batch(es); {s['flops_per_token']:.4g} FLOPs per token",
-        f"  peak for MFU {peak} per device ({s['peak_source']}); train step compiled in {s['compile_s']:.1f}s",
+        f"  peak for MFU {peak} per device ({s['peak_source']}); train step compiled in {s['compile_s']:.1f}s "
+        f"({_cache_use(s['compile_cache'])})",
         f"  data: {s['data']}",
     ])
+
+
+def _cache_use(cache: dict | None) -> str:
+    if cache is None:
+        return "no compilation cache"
+    return f"{cache['read_back']} of {cache['programs']} programs read back from the compilation cache {cache['folder']}"
 
 
 class Progress:
@@ -182,7 +190,8 @@ def drop_records_after(path: Path, step: int) -> None:
 class MetricsLog:
     """Created by the loop once the state is ready; see the module docstring."""
 
-    def __init__(self, layout: Layout, run_dir: Path, initial_step: int, *, compile_s: float, data: str, enabled: bool):
+    def __init__(self, layout: Layout, run_dir: Path, initial_step: int, *, compile_s: float,
+                 compile_cache: dict | None, data: str, enabled: bool):
         cfg = layout.cfg
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
         self.tokens_per_step = layout.tokens_per_step
@@ -200,7 +209,7 @@ class MetricsLog:
         self.peak, peak_source = resolve_peak(cfg, list(layout.mesh.devices.flat)) if enabled else (None, "")
         if enabled:
             try:
-                self._open(startup_summary(layout, compile_s, data, self.peak, peak_source), initial_step)
+                self._open(startup_summary(layout, compile_s, compile_cache, data, self.peak, peak_source), initial_step)
             except BaseException:
                 self.close()
                 raise

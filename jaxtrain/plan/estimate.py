@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxtrain import compile_cache
 from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.config import Config, flatten, resolve_for_devices, to_dict
 from jaxtrain.errors import UserError
@@ -237,7 +238,10 @@ def compile_truth(layout: Layout, hlo_report: bool = False) -> Compiled:
         layout = make_layout(_with_attention(layout, "xla").cfg, list(layout.mesh.devices.flat))
     start = time.perf_counter()
     train_lowered, _ = lower_steps(layout)
-    with captured_stderr() if hlo_report else contextlib.nullcontext([""]) as log:
+    # XLA logs its warnings only as it compiles: a program read back from a persistent cache (one set with
+    # JAX_COMPILATION_CACHE_DIR) would come without them, so the report's compile bypasses any cache
+    with captured_stderr() if hlo_report else contextlib.nullcontext([""]) as log, \
+            compile_cache.using(False) if hlo_report else contextlib.nullcontext():
         compiled = train_lowered.compile()
     seconds = time.perf_counter() - start
     hlo = report(compiled.as_text(), dict(layout.mesh.shape), log[0]) if hlo_report else None
