@@ -155,7 +155,7 @@ def cmd_generate(args) -> int:
 
     # a run's own train.compile_cache; a Hugging Face model directory the default folder
     cache = "auto" if hf_config.is_hf_dir(path) else config_lib.load_run_config(path).train.compile_cache
-    with compile_cache.using(cache):
+    with compile_cache.using(cache) as folder, compile_cache.counting() as compiled:
         loaded = generate_lib.load(path, args.mesh, args.rules, chat=args.chat)
         if args.adapter:
             from jaxtrain.adapt import lora
@@ -168,7 +168,8 @@ def cmd_generate(args) -> int:
     print(text, flush=True)
     decode = f"{out.decode_tokens_per_s:,.1f} tokens/s" if out.decode_tokens_per_s else "no decoding steps"
     print(f"jaxtrain: {len(new)} new tokens; prefill {out.prompt_tokens} tokens in {out.prefill_s:.3f} s "
-          f"({out.prefill_tokens_per_s:,.0f} tokens/s); decode {decode}; compile {out.compile_s:.1f} s", file=sys.stderr)
+          f"({out.prefill_tokens_per_s:,.0f} tokens/s); decode {decode}; compile {out.compile_s:.1f} s "
+          f"({compile_cache.describe(compiled.record(folder))})", file=sys.stderr)
     return 0
 
 

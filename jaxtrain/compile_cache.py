@@ -96,6 +96,13 @@ class CacheCount:
         return None if folder is None else {"folder": str(folder), "programs": self.lookups, "read_back": self.hits}
 
 
+def describe(record: dict | None) -> str:
+    """A ``CacheCount.record`` in words, for the start-up summary and ``jaxtrain generate``."""
+    if record is None:
+        return "no compilation cache"
+    return f"{record['read_back']} of {record['programs']} programs read back from the compilation cache {record['folder']}"
+
+
 @contextlib.contextmanager
 def counting() -> Iterator[CacheCount]:
     """Count the cache lookups and hits of the compiles inside the block (none at all when the cache is off)."""

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from conftest import REPO, run_cli, small_config, with_
+from jaxtrain import compile_cache
 from jaxtrain.config import SamplingConfig
 from jaxtrain.generate import Loaded, generate, nucleus, sample
 from jaxtrain.partitioning import model_tracing
@@ -125,6 +126,12 @@ def test_generate_command_prints_the_runs_greedy_text(byte_run):
     expected = generate(loaded, np.array([loaded.encode("the quick")]), SamplingConfig(max_new_tokens=24)).tokens[0]
     assert result.stdout == "the quick" + loaded.decode(expected) + "\n"
     assert re.search(r"24 new tokens; prefill 9 tokens in [\d.]+ s \([\d,]+ tokens/s\); decode [\d,.]+ tokens/s", result.stderr)
+    # the same command again reads every program it compiles back from the run's compilation cache (train.compile_cache)
+    again = run_cli("generate", str(byte_run), "--prompt", "the quick", "--max-new-tokens", "24", cwd=REPO)
+    assert again.returncode == 0 and again.stdout == result.stdout, again.stderr[-3000:]
+    folder = compile_cache.directory("auto")  # the run's setting, in the tests' XDG_CACHE_HOME (conftest.py)
+    read_back = re.search(rf"\((\d+) of (\d+) programs read back from the compilation cache {re.escape(str(folder))}\)", again.stderr)
+    assert read_back and read_back[1] == read_back[2] != "0", again.stderr[-2000:]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -27,6 +27,7 @@ import psutil
 import tqdm
 
 from jaxtrain import config as config_lib
+from jaxtrain.compile_cache import describe as describe_cache
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges
@@ -123,15 +124,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "
         f"{s['microbatches']} micro-batch(es); {s['flops_per_token']:.4g} FLOPs per token",
         f"  peak for MFU {peak} per device ({s['peak_source']}); train step compiled in {s['compile_s']:.1f}s "
-        f"({_cache_use(s['compile_cache'])})",
+        f"({describe_cache(s['compile_cache'])})",
         f"  data: {s['data']}",
     ])
-
-
-def _cache_use(cache: dict | None) -> str:
-    if cache is None:
-        return "no compilation cache"
-    return f"{cache['read_back']} of {cache['programs']} programs read back from the compilation cache {cache['folder']}"
 
 
 class Progress:
