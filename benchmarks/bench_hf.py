@@ -80,7 +80,7 @@ def _save_whole(params: dict, model: LlamaConfig, directory: Path) -> None:
         param = params
         for key in t.tm.path:
             param = param[key]
-        layer = np.asarray(param[t.layer] if t.tm.layers else param)
+        layer = np.asarray(param[t.index] if t.index else param)  # t.index: its layer (and expert) when stacked
         tensors[t.name] = np.ascontiguousarray(t.tm.to_hf(layer))
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
 
