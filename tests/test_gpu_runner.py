@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 from conftest import REPO, subprocess_env
 
@@ -47,3 +48,19 @@ def test_rows_past_the_budget_are_skipped_and_recorded(tmp_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert records[0]["row"] == "environment" and records[0]["platform"] == "cpu"
     assert [(r["row"], r["status"]) for r in records[1:]] == [("mfu_1b", "skipped"), ("attention_xla_1b", "skipped")]
+
+
+def test_tiny_rows_of_each_benchmark_script_run_and_the_warm_row_reads_the_cold_rows_programs(tmp_path):
+    """The rows a lent GPU runs first compile on its minutes: each script (bench_generate, bench_hf, throughput
+    with the runner's compilation cache folder) with tiny shapes on CPU, as `make gpu-dry-run` runs them all."""
+    out = tmp_path / "rows.jsonl"
+    rows = ["generate_1b_batch_1", "hf_import_export_1b", "compile_cache_cold_1b", "compile_cache_warm_1b"]
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_h200.py"), "--tiny", "--steps", "1",
+                             "--only", ",".join(rows), "--out", str(out)],
+                            env=subprocess_env() | {"JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = {r["row"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert [records[row]["status"] for row in rows] == ["ok"] * 4, result.stdout[-3000:]
+    cold, warm = records["compile_cache_cold_1b"]["compile_cache"], records["compile_cache_warm_1b"]["compile_cache"]
+    assert cold["folder"] == warm["folder"] and cold["read_back"] == 0 and warm["read_back"] == warm["programs"] >= 2
+    assert not Path(cold["folder"]).exists()  # the runner removes its folder
