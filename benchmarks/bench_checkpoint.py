@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.checkpoint import RunCheckpoints
 from jaxtrain.config import CheckpointConfig
+from jaxtrain.state import TrainState
 
 REPO = Path(__file__).resolve().parent.parent
 STATE_BYTES = 1 << 30
@@ -40,13 +41,15 @@ def _position():
     return grain.MapDataset.range(8).to_iter_dataset().__iter__()
 
 
-def _state() -> dict:
+def _state() -> TrainState:
+    """A train state (what RunCheckpoints saves) whose parameters are ARRAYS arrays split over every device."""
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))
     sharding = NamedSharding(mesh, PartitionSpec("fsdp"))
     rows = STATE_BYTES // ARRAYS // 4 // 1024
     # random values: constant arrays would compress and flatter the save throughput
     make = jax.jit(lambda key: jax.random.normal(key, (rows, 1024), jnp.float32), out_shardings=sharding)
-    return {f"w{i}": make(jax.random.key(i)) for i in range(ARRAYS)}
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, PartitionSpec()))
+    return TrainState(step, {f"w{i}": make(jax.random.key(i)) for i in range(ARRAYS)}, opt_state=())
 
 
 def _disk_write_s(directory: Path) -> float:
@@ -103,7 +106,8 @@ def run() -> dict:
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
         del restored
 
-        step = jax.jit(lambda s: jax.tree.map(lambda x: x * 1.0001 + 1.0, s))  # no donation: both loops start from the same state
+        # no donation: both loops start from the same state
+        step = jax.jit(lambda s: s.replace(params=jax.tree.map(lambda x: x * 1.0001 + 1.0, s.params)))
         base_s, _ = _loop_s(step, state, None)
         async_s, stall_s = _loop_s(step, state, RunCheckpoints(directory / "async", CheckpointConfig(), 1, meta))
         return {
