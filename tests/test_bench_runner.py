@@ -1,5 +1,5 @@
 """benchmarks/run.py: discovers bench_*.py modules, merges their keys with the machine description,
-keeps other modules' keys on a subset run, and refuses a key two modules claim."""
+keeps other modules' keys on a subset run, and refuses a key two modules claim; and bench_checkpoint runs."""
 
 import json
 import shutil
@@ -36,3 +36,17 @@ def test_discovers_merges_and_keeps_keys_of_modules_not_run(tmp_path):
     clash = _run(tmp_path, "--only", "gamma")
     assert clash.returncode == 1 and "bench_gamma returns keys another module owns: alpha_s" in clash.stderr
     assert json.loads(out.read_text())["alpha_s"] == 1.5
+
+
+def test_checkpoint_benchmark_runs_at_a_small_size(tmp_path, monkeypatch):
+    """bench_checkpoint drives RunCheckpoints directly, so a change to what it saves can break the module unseen
+    (it did once: a dict where a TrainState now goes); here at 16 MiB instead of 1 GiB, writing under tmp_path."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bench_checkpoint
+
+    monkeypatch.setattr(bench_checkpoint, "STATE_BYTES", 16 << 20)
+    monkeypatch.setattr(bench_checkpoint, "REPO", tmp_path)
+    results = bench_checkpoint.run()
+    assert results["checkpoint_state_bytes"] == (16 << 20) + 4  # the arrays and the int32 step
+    assert all(results[key] > 0 for key in ("checkpoint_sync_save_s", "checkpoint_restore_s", "checkpoint_async_loop_s"))
+    assert list((tmp_path / "runs").iterdir()) == []  # it deletes what it wrote
