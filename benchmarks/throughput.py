@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         "device_kind": trainer.mesh.devices.flat[0].device_kind, "devices": devices,
         "seq_len": cfg.data.seq_len, "global_batch": cfg.train.global_batch, "remat": cfg.model.remat, "dtype": cfg.model.dtype,
         "attention": trainer.cfg.model.attention, "scan_layers": trainer.cfg.model.scan_layers,  # auto resolved
-        "compile_s": round(trainer.compile_s, 1), "compile_cache": trainer.compiled.record(cache_dir), "step_s": step_s, "tokens_per_s": trainer.tokens_per_step / step_s,
+        "compile_s": round(trainer.compile_s, 1), "compile_cache": trainer.compiled.record(cache_dir),
+        "step_s": step_s, "tokens_per_s": trainer.tokens_per_step / step_s,
         "tflops_per_device": model_flops / 1e12, "peak_tflops_per_device": peak / 1e12, "mfu": model_flops / peak,
         "estimate_gib_per_device": estimate_total(estimate(trainer.layout)) / 2**30,
         "compiled_gib_per_device": peak_bytes(memory) / 2**30,
