@@ -10,7 +10,9 @@ import time
 from conftest import REPO, run_cli, subprocess_env
 from jaxtrain.checkpoint import PREEMPTED_EXIT_STATUS
 
-STEPS = 8
+# headroom: the processes agree on a stop step a few steps after the signal (1-2 here, 5 on a loaded CI machine);
+# a sync point on the last step just finishes the run and would leave the resume untested
+STEPS = 16
 ARGS = [f"train.steps={STEPS}", "log.every=1", "train.eval_batches=1", "train.global_batch=8", "data.seq_len=32",
         "model.num_layers=2", "model.d_model=64", "log.progress=false", "checkpoint.every=2"]
 
@@ -36,7 +38,7 @@ def test_two_processes_match_one_process_through_preemption(tmp_path):
 
     multi = tmp_path / "multi"
     launcher = _launch(multi)
-    while launcher.poll() is None and not any(s >= 3 for s, _ in _losses(multi)):
+    while launcher.poll() is None and not any(s >= 2 for s, _ in _losses(multi)):
         time.sleep(0.005)
     launcher.send_signal(signal.SIGTERM)  # forwarded to both processes; they agree on the step to stop at
     assert launcher.wait(timeout=300) == PREEMPTED_EXIT_STATUS, open(f"{multi}.stderr").read()[-3000:]
