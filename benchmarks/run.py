@@ -6,7 +6,8 @@ machine description into ``benchmarks/results/latest.json`` (written atomically)
     make bench ONLY=perf,checkpoint
 
 Each module owns its keys; two modules returning the same key is an error. Without an accelerator,
-jax gets 8 simulated CPU devices (the cpu8 mesh), as in the tests and ``make train``.
+jax gets 8 simulated CPU devices (the cpu8 mesh), as in the tests and ``make train``; a module that sets
+``SIMULATED_CPU_DEVICES`` to another count runs in a process of its own with that many.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import importlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from jaxtrain.cli import simulate_cpu_devices
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -55,6 +59,22 @@ def machine() -> dict:
     }
 
 
+def run_module(name: str) -> tuple[dict, int]:
+    """(bench_{name}.run(), the simulated CPU devices it ran with): in a process of its own when the module asks
+    for another count (XLA:CPU gives every device a thread, so idle simulated devices are extra threads on the
+    same cores)."""
+    module = importlib.import_module(f"bench_{name}")
+    devices = getattr(module, "SIMULATED_CPU_DEVICES", SIMULATED_CPU_DEVICES)
+    if devices == SIMULATED_CPU_DEVICES:
+        return module.run(), devices
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "keys.json"
+        child = subprocess.run([sys.executable, __file__, "--only", name, "--devices", str(devices), "--keys-out", str(out)])
+        if child.returncode != 0:
+            raise RuntimeError(f"bench_{name} in its own process with {devices} simulated CPU device(s) exited {child.returncode}")
+        return json.loads(out.read_text()), devices
+
+
 def write_atomically(path: Path, results: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
@@ -68,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help=f"comma-separated modules to run (of: {', '.join(available)}); default all")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    # run_module's child process: one module, its keys to a file
+    parser.add_argument("--devices", type=int, default=SIMULATED_CPU_DEVICES, help=argparse.SUPPRESS)
+    parser.add_argument("--keys-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     chosen = [name.strip() for name in args.only.split(",") if name.strip()] or available
     unknown = sorted(set(chosen) - set(available))
@@ -76,9 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # before jax starts: the simulated device count only takes effect then; ignored on accelerators
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={SIMULATED_CPU_DEVICES}"
+    simulate_cpu_devices(args.devices)
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(BENCH_DIR))
+    if args.keys_out:
+        write_atomically(args.keys_out, importlib.import_module(f"bench_{chosen[0]}").run())
+        return 0
 
     # a subset run keeps the other modules' keys from the previous run
     results = json.loads(args.out.read_text()) if args.out.is_file() and args.only else {}
@@ -87,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench {name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
-            found = importlib.import_module(f"bench_{name}").run()
+            found, devices = run_module(name)
         except Exception:  # one broken benchmark must not lose the others' results
             traceback.print_exc()
             failed.append(name)
@@ -102,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             results.pop(key, None)
         results.update(found)
         seconds = time.perf_counter() - start
-        runs[name] = {"seconds": round(seconds, 1), "keys": sorted(found),
+        runs[name] = {"seconds": round(seconds, 1), "keys": sorted(found), "simulated_cpu_devices": devices,
                       "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         print(f"bench {name}: {len(found)} keys in {seconds:.0f}s", file=sys.stderr, flush=True)
     results["machine"] = machine()

@@ -38,6 +38,20 @@ def test_discovers_merges_and_keeps_keys_of_modules_not_run(tmp_path):
     assert json.loads(out.read_text())["alpha_s"] == 1.5
 
 
+def test_a_module_asking_for_another_device_count_runs_in_a_process_of_its_own(tmp_path):
+    shutil.copy(REPO / "benchmarks" / "run.py", tmp_path / "run.py")
+    count = "def run():\n    import jax\n    return {'%s_devices': len(jax.devices())}\n"
+    (tmp_path / "bench_shared.py").write_text(count % "shared")
+    (tmp_path / "bench_solo.py").write_text("SIMULATED_CPU_DEVICES = 1\n" + count % "solo")
+    (tmp_path / "bench_broken.py").write_text("SIMULATED_CPU_DEVICES = 2\ndef run():\n    raise ValueError('broken')\n")
+    result = _run(tmp_path)
+    assert result.returncode == 1 and "bench_broken in its own process with 2 simulated CPU device(s) exited 1" in result.stderr
+    out = json.loads((tmp_path / "results" / "latest.json").read_text())
+    assert (out["shared_devices"], out["solo_devices"], out["machine"]["device_count"]) == (8, 1, 8)
+    assert out["runs"]["solo"]["keys"] == ["solo_devices"] and "broken" not in out["runs"]
+    assert (out["runs"]["solo"]["simulated_cpu_devices"], out["runs"]["shared"]["simulated_cpu_devices"]) == (1, 8)
+
+
 def test_checkpoint_benchmark_runs_at_a_small_size(tmp_path, monkeypatch):
     """bench_checkpoint drives RunCheckpoints directly, so a change to what it saves can break the module unseen
     (it did once: a dict where a TrainState now goes); here at 16 MiB instead of 1 GiB, writing under tmp_path."""
