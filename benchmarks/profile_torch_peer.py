@@ -24,8 +24,8 @@ import tempfile
 
 import jax
 
-# like benchmarks/run.py: the same XLA:CPU process as `make bench`
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# the XLA:CPU process `make bench` runs bench_torch_peer in: one device, as many pool threads as cores
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_perf import ONE_DEVICE, config, fixed_batch, random_corpus  # noqa: E402
