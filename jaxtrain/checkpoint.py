@@ -240,7 +240,7 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _checkpoints_dir(path: Path, source: str) -> tuple[Path, int | None]:
+def checkpoints_dir(path: Path, source: str) -> tuple[Path, int | None]:
     """(checkpoints directory, step or None for the latest) for a run directory, its checkpoints/
     directory, or one step's directory."""
     if (path / CHECKPOINTS_DIR).is_dir():
@@ -256,7 +256,7 @@ def restore_from(path: Path, abstract_state, data_iterator, *, params_only: bool
     """``--init-from`` (or ``source``, named in messages): another run's checkpoint, resharded onto
     ``abstract_state``. With ``params_only`` only the parameters are read (and returned); otherwise the
     whole state and the data position."""
-    directory, step = _checkpoints_dir(path, source)
+    directory, step = checkpoints_dir(path, source)
     manager = _manager(directory, None)
     step = manager.latest_step() if step is None else step
     if step is None or step not in manager.all_steps():

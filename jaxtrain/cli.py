@@ -33,14 +33,23 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def simulate_cpu_devices(count: int | None) -> None:
-    """Ask XLA for ``count`` CPU devices (ignored by GPU backends). Keeps an existing setting when
-    ``count`` is None."""
+def simulate_cpu_devices(count: int | None, default: int = DEFAULT_CPU_DEVICES) -> None:
+    """Ask XLA for ``count`` CPU devices (ignored by GPU backends). When ``count`` is None: keeps an existing
+    setting, else asks for ``default``."""
     flags = os.environ.get("XLA_FLAGS", "")
     if count is None and _DEVICE_FLAG in flags:
         return
     flags = re.sub(rf"{_DEVICE_FLAG}=\d+", "", flags).strip()
-    os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={count or DEFAULT_CPU_DEVICES}".strip()
+    os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={count or default}".strip()
+
+
+def default_train_devices(mesh_cfg: config_lib.MeshConfig, num_processes: int | None) -> int:
+    """Simulated CPU devices of ``jaxtrain train`` without --devices: as many as this process's part of the mesh
+    holds, so a 1-device mesh runs on one device, whose XLA:CPU thread pool has a thread per core (a device each
+    when there are more: README, "--devices"). At most DEFAULT_CPU_DEVICES, which a mesh with a -1 axis also gets:
+    a cluster's mesh on a CPU is still the one-line error that asks for --devices."""
+    local = mesh_cfg.ici.as_tuple() if (num_processes or 1) > 1 else mesh_cfg.ici.as_tuple() + mesh_cfg.dcn.as_tuple()
+    return DEFAULT_CPU_DEVICES if -1 in local else min(math.prod(local), DEFAULT_CPU_DEVICES)
 
 
 def _positive_int(text: str) -> int:
@@ -71,6 +80,7 @@ def resolve_config(experiment: str, mesh: str | None, rules: str | None, overrid
 def cmd_train(args) -> int:
     hf_dir = Path(args.init_from) if args.init_from and hf_config.is_hf_dir(Path(args.init_from)) else None
     cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides, hf_dir)
+    simulate_cpu_devices(args.devices, default=default_train_devices(cfg.mesh, args.num_processes))
     run_dir = Path(args.run_dir or Path("runs") / Path(args.experiment).stem)
     if args.params_only and not args.init_from:
         raise UserError("--params-only needs --init-from PATH (the checkpoint whose parameters to start from)")
@@ -226,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--mesh", help="mesh file (a path, or a name under experiments/meshes/)")
     train.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
     train.add_argument("--run-dir", help="run directory (default runs/EXPERIMENT)")
-    train.add_argument("--devices", type=_positive_int, help=f"simulated CPU devices when there is no accelerator (default {DEFAULT_CPU_DEVICES})")
+    train.add_argument("--devices", type=_positive_int, help="simulated CPU devices when there is no accelerator (default: the "
+                       f"mesh's size, at most {DEFAULT_CPU_DEVICES}; {DEFAULT_CPU_DEVICES} when an axis is -1)")
     train.add_argument("--init-from", metavar="PATH", help="start from another run's checkpoint (run dir or step dir), or from a "
                        "Hugging Face model directory (its config.json gives the model's shape); ignored once this run has checkpoints of its own")
     train.add_argument("--params-only", action="store_true", help="with --init-from: take only the parameters (fresh optimizer, step 0)")
@@ -320,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extras]
-    simulate_cpu_devices(getattr(args, "devices", None))
+    if args.func is not cmd_train:  # train's default count follows its mesh
+        simulate_cpu_devices(getattr(args, "devices", None))
     try:
         return args.func(args)
     except UserError as e:

@@ -110,6 +110,8 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
     """Train to ``cfg.train.steps``, resuming from RUN_DIR's latest checkpoint if any; raises
     ``checkpoint.Preempted`` after committing a checkpoint when preempted (SIGTERM)."""
     check_run_dir(run_dir)
+    if init_from is not None and not hf_config.is_hf_dir(init_from):  # a mistyped path fails before the compile
+        checkpoint_lib.checkpoints_dir(init_from, "--init-from")
     if cfg.log.prometheus_port and jax.process_index() == 0:
         exporters.check_port_free(cfg.log.prometheus_port)
     with compile_cache.using(cfg.train.compile_cache) as cache_dir:

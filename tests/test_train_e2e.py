@@ -6,8 +6,9 @@ import sys
 
 import yaml
 
-from conftest import REPO, run_cli
-from jaxtrain.config import from_dict
+from conftest import REPO, run_cli, subprocess_env
+from jaxtrain.cli import DEFAULT_CPU_DEVICES, default_train_devices
+from jaxtrain.config import AxisSizes, MeshConfig, from_dict, load_mesh_file
 
 SHORT = ["train.steps=4", "log.every=2", "train.eval_batches=1", "train.global_batch=8", "data.seq_len=32", "model.num_layers=2"]
 KEYS = {"step", "loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s", "mfu"}
@@ -38,10 +39,22 @@ def test_train_command_writes_config_and_metrics(tmp_path):
 def test_experiment_file_runs_directly_with_same_arguments(tmp_path):
     run_dir = tmp_path / "run"
     env_python = sys.executable
-    result = subprocess.run([env_python, str(REPO / "experiments" / "tiny.py"), "--run-dir", str(run_dir), "--devices", "4",
+    # no --devices: a 4-device mesh gets 4 simulated CPU devices (default_train_devices), not the 8 it could not use
+    result = subprocess.run([env_python, str(REPO / "experiments" / "tiny.py"), "--run-dir", str(run_dir),
                              "--mesh", "gpu1", "mesh.ici.fsdp=4", "--rules", "fsdp", *SHORT],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                            cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["resolved"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "stage": 1, "expert": 1} and saved["rules"] == "fsdp"
+    assert saved["resolved"]["devices"] == 4
     assert len([r for r in _records(run_dir) if "loss" in r]) == 2
+
+
+def test_train_simulates_as_many_cpu_devices_as_its_mesh_holds_up_to_the_default():
+    assert default_train_devices(load_mesh_file("gpu1"), None) == 1
+    assert default_train_devices(load_mesh_file("a100x4"), None) == 4
+    assert default_train_devices(load_mesh_file("cpu2x4"), 2) == 4  # this process's part: ici
+    assert default_train_devices(load_mesh_file("cpu2x4"), None) == 8  # one process holds ici x dcn
+    # a cluster's mesh, or an unknown size, gets the default (and training asks for --devices in one line)
+    assert default_train_devices(load_mesh_file("h100x64"), None) == DEFAULT_CPU_DEVICES
+    assert default_train_devices(MeshConfig(ici=AxisSizes(data=-1)), None) == DEFAULT_CPU_DEVICES
