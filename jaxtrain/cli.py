@@ -25,6 +25,8 @@ from jaxtrain.interop import hf_config, hf_weights
 
 DEFAULT_CPU_DEVICES = 8
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+_DEVICES_HELP = (f"simulated CPU devices when there is no accelerator (default: the mesh's size, at most {DEFAULT_CPU_DEVICES}; "
+                 f"{DEFAULT_CPU_DEVICES} when an axis is -1)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,8 +45,9 @@ def simulate_cpu_devices(count: int | None, default: int = DEFAULT_CPU_DEVICES) 
     os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={count or default}".strip()
 
 
-def default_train_devices(mesh_cfg: config_lib.MeshConfig, num_processes: int | None) -> int:
-    """Simulated CPU devices of ``jaxtrain train`` without --devices: as many as this process's part of the mesh
+def default_cpu_devices(mesh_cfg: config_lib.MeshConfig, num_processes: int | None) -> int:
+    """Simulated CPU devices of ``jaxtrain train``, ``generate`` and ``export-hf`` without --devices: as many as
+    this process's part of the mesh
     holds, so a 1-device mesh runs on one device, whose XLA:CPU thread pool has a thread per core (a device each
     when there are more: README, "--devices"). At most DEFAULT_CPU_DEVICES, which a mesh with a -1 axis also gets:
     a cluster's mesh on a CPU is still the one-line error that asks for --devices."""
@@ -80,7 +83,7 @@ def resolve_config(experiment: str, mesh: str | None, rules: str | None, overrid
 def cmd_train(args) -> int:
     hf_dir = Path(args.init_from) if args.init_from and hf_config.is_hf_dir(Path(args.init_from)) else None
     cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides, hf_dir)
-    simulate_cpu_devices(args.devices, default=default_train_devices(cfg.mesh, args.num_processes))
+    simulate_cpu_devices(args.devices, default=default_cpu_devices(cfg.mesh, args.num_processes))
     run_dir = Path(args.run_dir or Path("runs") / Path(args.experiment).stem)
     if args.params_only and not args.init_from:
         raise UserError("--params-only needs --init-from PATH (the checkpoint whose parameters to start from)")
@@ -107,6 +110,7 @@ def cmd_export_hf(args) -> int:
         raise UserError(f"--out {out} already exists; give a new directory (export-hf never overwrites)")
     if args.adapter_only and not cfg.model.lora.rank:
         raise UserError(f"--adapter-only exports a LoRA run's adapters, and {run_dir} trained every parameter (model.lora.rank=0)")
+    simulate_cpu_devices(args.devices, default=default_cpu_devices(cfg.mesh, args.num_processes))
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before jax sees devices
     if cfg.model.lora.rank:
         from jaxtrain.adapt import lora  # starts jax
@@ -158,13 +162,16 @@ def cmd_generate(args) -> int:
     if not (hf_config.is_hf_dir(path) or (path / "config.yaml").is_file()):
         raise UserError(f"{path} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json); "
                         "give the --run-dir of a training run or a model directory")
+    run_cfg = None if hf_config.is_hf_dir(path) else config_lib.load_run_config(path)
+    mesh = config_lib.load_mesh_file(args.mesh) if args.mesh else run_cfg.mesh if run_cfg else config_lib.Config().mesh
+    simulate_cpu_devices(args.devices, default=default_cpu_devices(mesh, None))
     import numpy as np
 
     from jaxtrain import compile_cache
     from jaxtrain import generate as generate_lib  # starts jax
 
     # a run's own train.compile_cache; a Hugging Face model directory the default folder
-    cache = "auto" if hf_config.is_hf_dir(path) else config_lib.load_run_config(path).train.compile_cache
+    cache = run_cfg.train.compile_cache if run_cfg else "auto"
     with compile_cache.using(cache) as folder, compile_cache.counting() as compiled:
         loaded = generate_lib.load(path, args.mesh, args.rules, chat=args.chat)
         if args.adapter:
@@ -236,8 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--mesh", help="mesh file (a path, or a name under experiments/meshes/)")
     train.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
     train.add_argument("--run-dir", help="run directory (default runs/EXPERIMENT)")
-    train.add_argument("--devices", type=_positive_int, help="simulated CPU devices when there is no accelerator (default: the "
-                       f"mesh's size, at most {DEFAULT_CPU_DEVICES}; {DEFAULT_CPU_DEVICES} when an axis is -1)")
+    train.add_argument("--devices", type=_positive_int, help=_DEVICES_HELP)
     train.add_argument("--init-from", metavar="PATH", help="start from another run's checkpoint (run dir or step dir), or from a "
                        "Hugging Face model directory (its config.json gives the model's shape); ignored once this run has checkpoints of its own")
     train.add_argument("--params-only", action="store_true", help="with --init-from: take only the parameters (fresh optimizer, step 0)")
@@ -279,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "on it, or a PEFT adapter directory (adapter_config.json); merged into the weights before generating")
     generate.add_argument("--mesh", help="mesh file to generate on (default: the run's mesh; HF_DIR: every device on fsdp)")
     generate.add_argument("--rules", help="sharding rule set (default: the run's; HF_DIR: fsdp_tp)")
-    generate.add_argument("--devices", type=_positive_int, help=f"simulated CPU devices when there is no accelerator (default {DEFAULT_CPU_DEVICES})")
+    generate.add_argument("--devices", type=_positive_int, help=_DEVICES_HELP)
     generate.set_defaults(func=cmd_generate)
     checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, complete, mesh/rules")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR")
@@ -311,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
     export.add_argument("--mesh", help="mesh to restore onto (default: the run's)")
     export.add_argument("--rules", help="sharding rule set to restore with (default: the run's)")
-    export.add_argument("--devices", type=_positive_int, help=f"simulated CPU devices when there is no accelerator (default {DEFAULT_CPU_DEVICES})")
+    export.add_argument("--devices", type=_positive_int, help=_DEVICES_HELP)
     _add_process_flags(export)
     export.set_defaults(func=cmd_export_hf)
     return parser
@@ -331,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extras]
-    if args.func is not cmd_train:  # train's default count follows its mesh
+    if args.func not in (cmd_train, cmd_generate, cmd_export_hf):  # theirs follows the mesh they run on
         simulate_cpu_devices(getattr(args, "devices", None))
     try:
         return args.func(args)

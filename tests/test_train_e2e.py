@@ -7,7 +7,7 @@ import sys
 import yaml
 
 from conftest import REPO, run_cli, subprocess_env
-from jaxtrain.cli import DEFAULT_CPU_DEVICES, default_train_devices
+from jaxtrain.cli import DEFAULT_CPU_DEVICES, default_cpu_devices
 from jaxtrain.config import AxisSizes, MeshConfig, from_dict, load_mesh_file
 
 SHORT = ["train.steps=4", "log.every=2", "train.eval_batches=1", "train.global_batch=8", "data.seq_len=32", "model.num_layers=2"]
@@ -39,7 +39,7 @@ def test_train_command_writes_config_and_metrics(tmp_path):
 def test_experiment_file_runs_directly_with_same_arguments(tmp_path):
     run_dir = tmp_path / "run"
     env_python = sys.executable
-    # no --devices: a 4-device mesh gets 4 simulated CPU devices (default_train_devices), not the 8 it could not use
+    # no --devices: a 4-device mesh gets 4 simulated CPU devices (default_cpu_devices), not the 8 it could not use
     result = subprocess.run([env_python, str(REPO / "experiments" / "tiny.py"), "--run-dir", str(run_dir),
                              "--mesh", "gpu1", "mesh.ici.fsdp=4", "--rules", "fsdp", *SHORT],
                             cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
@@ -48,13 +48,18 @@ def test_experiment_file_runs_directly_with_same_arguments(tmp_path):
     assert saved["resolved"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "stage": 1, "expert": 1} and saved["rules"] == "fsdp"
     assert saved["resolved"]["devices"] == 4
     assert len([r for r in _records(run_dir) if "loss" in r]) == 2
+    # generate and export-hf on the run's own 4-device mesh, again without --devices
+    generated = run_cli("generate", str(run_dir), "--prompt", "def", "--max-new-tokens", "2", cwd=tmp_path)
+    assert generated.returncode == 0 and generated.stdout.startswith("def"), generated.stderr[-3000:]
+    exported = run_cli("export-hf", str(run_dir), "--out", str(tmp_path / "hf"), cwd=tmp_path)
+    assert exported.returncode == 0 and (tmp_path / "hf" / "config.json").is_file(), exported.stderr[-3000:]
 
 
 def test_train_simulates_as_many_cpu_devices_as_its_mesh_holds_up_to_the_default():
-    assert default_train_devices(load_mesh_file("gpu1"), None) == 1
-    assert default_train_devices(load_mesh_file("a100x4"), None) == 4
-    assert default_train_devices(load_mesh_file("cpu2x4"), 2) == 4  # this process's part: ici
-    assert default_train_devices(load_mesh_file("cpu2x4"), None) == 8  # one process holds ici x dcn
+    assert default_cpu_devices(load_mesh_file("gpu1"), None) == 1
+    assert default_cpu_devices(load_mesh_file("a100x4"), None) == 4
+    assert default_cpu_devices(load_mesh_file("cpu2x4"), 2) == 4  # this process's part: ici
+    assert default_cpu_devices(load_mesh_file("cpu2x4"), None) == 8  # one process holds ici x dcn
     # a cluster's mesh, or an unknown size, gets the default (and training asks for --devices in one line)
-    assert default_train_devices(load_mesh_file("h100x64"), None) == DEFAULT_CPU_DEVICES
-    assert default_train_devices(MeshConfig(ici=AxisSizes(data=-1)), None) == DEFAULT_CPU_DEVICES
+    assert default_cpu_devices(load_mesh_file("h100x64"), None) == DEFAULT_CPU_DEVICES
+    assert default_cpu_devices(MeshConfig(ici=AxisSizes(data=-1)), None) == DEFAULT_CPU_DEVICES
