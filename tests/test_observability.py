@@ -23,7 +23,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.observe.exporters import check_port_free
 from jaxtrain.observe.flops import flops_per_token
 from jaxtrain.layout import lower_steps, make_layout
-from jaxtrain.observe.metrics import NonFiniteError, Progress
+from jaxtrain.observe.metrics import NonFiniteError, Progress, format_summary
 from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.step import schedule_count
 
@@ -98,6 +98,9 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     assert num_params / 4 <= summary["params_per_device"] < num_params / 2
     assert summary["param_bytes_per_device"] == 4 * summary["params_per_device"]
     assert summary["opt_state_bytes_per_device"] >= 2 * summary["param_bytes_per_device"]
+    assert summary["cpu_devices_per_core"] == 8 / len(os.sched_getaffinity(0))
+    crowded = lambda per_core: "simulated CPU devices per core" in format_summary(summary | {"cpu_devices_per_core": per_core})  # noqa: E731
+    assert crowded(4.0) and not crowded(1.0) and not crowded(None)  # None: an accelerator
 
 
 def test_profile_trace_written(two_runs):

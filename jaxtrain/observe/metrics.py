@@ -15,6 +15,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -109,8 +110,18 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": layout.tokens_per_step,
         "microbatches": cfg.train.microbatches, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
         "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(compile_s, 3),
-        "compile_cache": compile_cache, "data": data,
+        "compile_cache": compile_cache, "data": data, "cpu_devices_per_core": cpu_devices_per_core(),
     }
+
+
+def cpu_devices_per_core() -> float | None:
+    """This process's simulated CPU devices per core it may run on (None on accelerators). XLA:CPU runs a thread
+    per device, so above 1 the devices crowd the cores: the torch peer's step took 1.4x one device's on 8 devices
+    over 2 cores (README, "Benchmarks")."""
+    devices = jax.local_devices()
+    if devices[0].platform != "cpu":
+        return None
+    return len(devices) / len(os.sched_getaffinity(0))
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -126,6 +137,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  peak for MFU {peak} per device ({s['peak_source']}); train step compiled in {s['compile_s']:.1f}s "
         f"({describe_cache(s['compile_cache'])})",
         f"  data: {s['data']}",
+        *([f"  note: {s['cpu_devices_per_core']:.3g} simulated CPU devices per core, each an XLA:CPU thread, crowd the cores: "
+           "for speed, a mesh of at most one device per core (--mesh gpu1 runs on one)"] if (s["cpu_devices_per_core"] or 0) > 1 else []),
     ])
 
 
