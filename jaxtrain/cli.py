@@ -47,10 +47,10 @@ def simulate_cpu_devices(count: int | None, default: int = DEFAULT_CPU_DEVICES) 
 
 def default_cpu_devices(mesh_cfg: config_lib.MeshConfig, num_processes: int | None) -> int:
     """Simulated CPU devices of ``jaxtrain train``, ``generate`` and ``export-hf`` without --devices: as many as
-    this process's part of the mesh
-    holds, so a 1-device mesh runs on one device, whose XLA:CPU thread pool has a thread per core (a device each
-    when there are more: README, "--devices"). At most DEFAULT_CPU_DEVICES, which a mesh with a -1 axis also gets:
-    a cluster's mesh on a CPU is still the one-line error that asks for --devices."""
+    this process's part of the mesh holds, so a 1-device mesh runs on one device, whose XLA:CPU thread pool has a
+    thread per core (a thread per device when there are more: README, "--devices"). At most DEFAULT_CPU_DEVICES,
+    which a mesh with a -1 axis also gets: a cluster's mesh on a CPU is still the one-line error that asks for
+    --devices."""
     local = mesh_cfg.ici.as_tuple() if (num_processes or 1) > 1 else mesh_cfg.ici.as_tuple() + mesh_cfg.dcn.as_tuple()
     return DEFAULT_CPU_DEVICES if -1 in local else min(math.prod(local), DEFAULT_CPU_DEVICES)
 
