@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import small_config, with_
+from jaxtrain import compile_cache
 from jaxtrain.plan import hlo_report
 from jaxtrain.plan import step_cost
 from jaxtrain.layout import lower_steps, make_layout
@@ -70,3 +71,12 @@ def test_bfloat16_reduction_trains_like_float32_and_resumes_exactly(trainers, co
     again = train(trainers["bfloat16"].cfg, run_dir, trainers["bfloat16"])
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(again)), jax.tree.leaves(jax.device_get(final))))
 
+
+
+def test_the_partitioned_program_is_read_even_when_the_compilation_cache_holds_it(tmp_path):
+    # a program the persistent cache gives back runs no compiler passes, so none would be dumped (a warm cache failed here)
+    lowered = lower_steps(make_layout(_cfg("bfloat16")))[0]
+    with compile_cache.using(str(tmp_path)):
+        lowered.compile()
+        assert any(tmp_path.iterdir())  # the cache holds the program now
+        assert "all-reduce" in hlo_report.partitioned_hlo(lowered)

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from jaxtrain import compile_cache
+
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # instructions that do work on the device: scheduled between an async start and its done, they overlap it
 COMPUTE_OPCODES = {"fusion", "custom-call", "dot", "convolution", "while", "call", "conditional"}
@@ -367,8 +369,9 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
 
 def partitioned_hlo(lowered) -> str:
     """The HLO text of a lowered step right after XLA's SPMD partitioner: its collectives in the element types the program
-    asks for, before a backend rewrites them (XLA:CPU promotes bfloat16 all-reduces to float32; a GPU keeps them)."""
-    with tempfile.TemporaryDirectory() as dump:
+    asks for, before a backend rewrites them (XLA:CPU promotes bfloat16 all-reduces to float32; a GPU keeps them).
+    Compiled without the persistent cache: a program read back from it runs no passes, so nothing is dumped."""
+    with tempfile.TemporaryDirectory() as dump, compile_cache.using(False):
         lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "spmd-partitioning"})
         (path,) = [name for name in os.listdir(dump) if "after_spmd-partitioning" in name]
         with open(os.path.join(dump, path)) as f:
