@@ -13,8 +13,9 @@ os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One compilation cache for the session, shared by every test and the processes they start (xdist workers inherit
-# this environment): the suite compiles the same small programs over and over, and reading them back halves its
-# time. A new folder each session, so a local run takes the time CI's cold run takes; removed at the end.
+# this environment): the suite compiles the same small programs over and over, and reading them back took a cold
+# run from 15.9 to 12.5 min (2026-12-02). A new folder each session, so a local run takes the time CI's cold run
+# takes; removed at the end. JAXTRAIN_TEST_CACHE=DIR keeps one across runs: a re-run on it took 6.6 min.
 # XDG_CACHE_HOME is where train.compile_cache=auto (the default) puts the cache of `jaxtrain train`.
 if "JAXTRAIN_TEST_CACHE" not in os.environ:
     os.environ["JAXTRAIN_TEST_CACHE"] = tempfile.mkdtemp(prefix="jaxtrain-tests-")
