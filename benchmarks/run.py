@@ -26,6 +26,8 @@ import traceback
 from pathlib import Path
 
 from jaxtrain.cli import simulate_cpu_devices
+from jaxtrain.errors import UserError
+from jaxtrain.memory import host_malloc
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -56,6 +58,7 @@ def machine() -> dict:
         "device_count": len(devices),
         "jax": jax.__version__,
         "python": platform.python_version(),
+        "host_malloc_kept": host_malloc.kept(),  # README, "Host memory on CPUs"
     }
 
 
@@ -98,8 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --only names unknown benchmark(s) {', '.join(unknown)}; available: {', '.join(available)}", file=sys.stderr)
         return 2
 
-    # before jax starts: the simulated device count only takes effect then; ignored on accelerators
+    # before jax starts: the simulated device count and malloc's setting only take effect then; both as `jaxtrain train`
     simulate_cpu_devices(args.devices)
+    try:
+        host_malloc.configure()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(BENCH_DIR))
     if args.keys_out:

@@ -19,6 +19,7 @@ import time
 
 from jaxtrain.cli import resolve_config
 from jaxtrain.errors import UserError
+from jaxtrain.memory import host_malloc
 
 
 def experiment_parser(description: str) -> argparse.ArgumentParser:
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile through the persistent compilation cache in DIR (train.compile_cache); default none")
     args = parser.parse_intermixed_args(argv)
     try:
+        host_malloc.configure()  # as `jaxtrain train` does, before jax starts
         cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
     except UserError as e:
         print(f"throughput: error: {e}", file=sys.stderr)

@@ -2,7 +2,7 @@
 and ``plan``, ``checkpoints``, ``adapters``, ``plot``, ``tokenize``, ``train-tokenizer``, ``export-hf``; ``jaxtrain generate RUN_DIR|HF_DIR --prompt TEXT``.
 
 jax is imported only after the arguments are read, because the simulated CPU device count must be
-in XLA_FLAGS before jax starts.
+in XLA_FLAGS, and glibc's malloc set to keep freed memory on CPUs (memory/host_malloc.py), before jax starts.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from jaxtrain import distributed
 from jaxtrain.config import SamplingConfig
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_weights
+from jaxtrain.memory import host_malloc
 
 DEFAULT_CPU_DEVICES = 8
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -340,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.func not in (cmd_train, cmd_generate, cmd_export_hf):  # theirs follows the mesh they run on
         simulate_cpu_devices(getattr(args, "devices", None))
     try:
+        host_malloc.configure()  # before jax starts its threads
         return args.func(args)
     except UserError as e:
         print(f"jaxtrain: error: {e}", file=sys.stderr)

@@ -34,6 +34,10 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from jaxtrain.memory import host_malloc  # noqa: E402
+
+host_malloc.configure()  # as `jaxtrain train` does on a CPU, before jax starts its threads
+
 from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig  # noqa: E402
 from models.config import LlamaConfig  # noqa: E402
 

@@ -34,6 +34,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges
 from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak, peak_flops
 from jaxtrain.layout import Layout
+from jaxtrain.memory import host_malloc
 from jaxtrain.mesh import describe_axes
 from jaxtrain.stages import schedule
 from jaxtrain.state import bytes_per_device, elements_per_device
@@ -111,6 +112,8 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "microbatches": cfg.train.microbatches, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
         "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(compile_s, 3),
         "compile_cache": compile_cache, "data": data, "cpu_devices_per_core": cpu_devices_per_core(),
+        # on CPUs: whether malloc keeps XLA:CPU's step buffers mapped (memory/host_malloc.py); null on accelerators
+        "host_malloc_kept": host_malloc.kept() if jax.local_devices()[0].platform == "cpu" else None,
     }
 
 
@@ -139,6 +142,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  data: {s['data']}",
         *([f"  note: {s['cpu_devices_per_core']:.3g} simulated CPU devices per core, each an XLA:CPU thread, crowd the cores: "
            "for speed, a mesh of at most one device per core (--mesh gpu1 runs on one)"] if (s["cpu_devices_per_core"] or 0) > 1 else []),
+        *([f"  note: malloc hands XLA:CPU's step buffers back to the system (no glibc, or {host_malloc.ENV}=system), so each step "
+           "maps and zeroes them again: about 1.2x slower on the torch peer (README, \"Host memory on CPUs\")"]
+          if s["host_malloc_kept"] is False else []),
     ])
 
 
