@@ -6,7 +6,11 @@ jax starts, alternating ``system`` and ``keep``, so machine noise falls on both 
 - ``host_malloc``: per setting, the step time, the minor page faults and the kernel (system) CPU time per step, and
   the process's resident memory after the timed steps (kept memory stays the process's: its cost).
 
+    python benchmarks/bench_host_malloc.py             # the pairs, one JSON line (gpu_h200.py's host_malloc_cpu row)
     python benchmarks/bench_host_malloc.py --child     # one process's record (JAXTRAIN_HOST_MALLOC decides)
+
+Always on the CPU (the processes get ``JAX_PLATFORMS=cpu``), also on a GPU machine, whose cores it then measures;
+the arguments the GPU runner passes every row (experiment, mesh, overrides) are ignored.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def run() -> dict:
     records = {"system": [], "keep": []}
     for _ in range(PAIRS):
         for choice in records:
-            env = os.environ | {"JAXTRAIN_HOST_MALLOC": choice}
+            env = os.environ | {"JAXTRAIN_HOST_MALLOC": choice, "JAX_PLATFORMS": "cpu"}
             done = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"the {choice} process failed: {done.stderr[-2000:]}")
@@ -83,4 +87,4 @@ def run() -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    print(json.dumps(child() if sys.argv[1:] == ["--child"] else run()))
+    print(json.dumps(child() if "--child" in sys.argv[1:] else run()))
