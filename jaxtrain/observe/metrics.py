@@ -142,8 +142,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  data: {s['data']}",
         *([f"  note: {s['cpu_devices_per_core']:.3g} simulated CPU devices per core, each an XLA:CPU thread, crowd the cores: "
            "for speed, a mesh of at most one device per core (--mesh gpu1 runs on one)"] if (s["cpu_devices_per_core"] or 0) > 1 else []),
-        *([f"  note: malloc hands XLA:CPU's step buffers back to the system (no glibc, or {host_malloc.ENV}=system), so each step "
-           "maps and zeroes them again: about 1.2x slower on the torch peer (README, \"Host memory on CPUs\")"]
+        *([f"  note: malloc hands XLA:CPU's step buffers back to the system, so each step maps and zeroes them again (about "
+           f"1.2x slower on the torch peer): {host_malloc.ENV}=system, or auto with an accelerator plugin installed, or not "
+           f"glibc; {host_malloc.ENV}=keep keeps them (README, \"Host memory on CPUs\")"]
           if s["host_malloc_kept"] is False else []),
     ])
 
