@@ -3,14 +3,15 @@
 XLA:CPU allocates the whole temporary buffer of each execution (every intermediate of a train step: 255 MiB for
 the torch peer's) with ``posix_memalign``, from a thread of its pool, and frees it when the step ends. glibc serves
 an allocation that large from a thread's own arena with a fresh ``mmap`` and returns it with ``munmap``, so every
-step faults in and zeroes every page again: 67,000 page faults and about a third of the step's CPU time in the
+step faults in and zeroes every page again: 67,000 page faults and 15-30% of the step's CPU time in the
 kernel (README, "Host memory on CPUs"). With one arena (every thread allocates from the main heap), no ``mmap``'d
 chunks and no trimming of the heap's top, the buffer a step frees is the next step's, already mapped.
 
-The cost: memory the process freed stays its own until it exits (the peak stays resident), and every thread
-allocates from one arena. Worth it where the device memory is the host's, so ``auto`` (the default) applies it
-when jax computes on the CPU and leaves accelerator hosts alone; ``JAXTRAIN_HOST_MALLOC=keep`` or ``system``
-decides instead. It has to run before jax starts its CPU client's threads: a thread keeps the arena it first
+The cost: memory the process freed stays its own until it exits, every thread allocates from one arena, and the
+heap fragments: other allocations take parts of freed buffers, so it grows by a few more buffers before it settles
+(the torch peer's resident memory 0.9 -> 1.8 GiB, ``make train``'s 1.6 -> 3.6 GB). Worth it where the device
+memory is the host's, so ``auto`` (the default) applies it when jax computes on the CPU and leaves accelerator
+hosts alone; ``JAXTRAIN_HOST_MALLOC=keep`` or ``system`` decides instead. It has to run before jax starts its CPU client's threads: a thread keeps the arena it first
 allocated from, so the CLI, ``make bench`` and the tests apply it as they start.
 """
 
