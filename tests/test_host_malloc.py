@@ -2,6 +2,7 @@
 counted in fresh processes, the choice of when to apply it, and its one-line error."""
 
 import importlib.metadata
+import importlib.util
 import json
 import subprocess
 import sys
@@ -53,9 +54,14 @@ def test_kept_memory_serves_each_run_without_page_faults_where_the_system_settin
 def test_applied_where_jax_computes_on_the_cpu_only(monkeypatch):
     assert host_malloc.computes_on_cpu({"JAX_PLATFORMS": "cpu"})
     assert not host_malloc.computes_on_cpu({"JAX_PLATFORMS": "cuda,cpu"})
-    assert host_malloc.computes_on_cpu({})  # this environment has no accelerator plugin
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert host_malloc.computes_on_cpu({})  # no accelerator plugin installed
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: ["xla_cuda12"] if group == "jax_plugins" else [])
-    assert not host_malloc.computes_on_cpu({})
+    assert not host_malloc.computes_on_cpu({})  # jax's CUDA plugin
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "libtpu" else None)
+    assert not host_malloc.computes_on_cpu({})  # a TPU host
     assert host_malloc.configure({"JAX_PLATFORMS": "cuda"}) is False
     assert host_malloc.configure({"JAX_PLATFORMS": "cpu", host_malloc.ENV: "system"}) is False
 
