@@ -111,8 +111,8 @@ ROWS = (
                                      "mesh.ici.fsdp=-1", "model.pipeline.microbatches=2", "model.pipeline.repeats=2"), 60,
         options=("--rules", "pp_fsdp"), min_devices=2, tiny_overrides=("model.num_layers=8", "train.global_batch=8")),
     # not the GPU: the machine's own cores (16) training the torch peer's step on the CPU with glibc's malloc keeping
-    # freed memory (JAXTRAIN_HOST_MALLOC) against the system's: does one malloc arena cost anything on many cores?
-    # (benchmarks/bench_host_malloc.py: 1.18x on 2 cores)
+    # freed memory (JAXTRAIN_HOST_MALLOC), and jemalloc where the image has it, against the system's: does one malloc
+    # arena cost anything on many cores? (benchmarks/bench_host_malloc.py: 1.18-1.34x, jemalloc 1.57x, on 2 cores)
     Row("host_malloc_cpu", "tiny", (), 120, script="bench_host_malloc.py"),
 )
 

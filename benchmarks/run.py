@@ -58,7 +58,7 @@ def machine() -> dict:
         "device_count": len(devices),
         "jax": jax.__version__,
         "python": platform.python_version(),
-        "host_malloc_kept": host_malloc.kept(),  # README, "Host memory on CPUs"
+        "host_malloc": host_malloc.allocator(), "host_malloc_kept": host_malloc.kept(),  # README, "Host memory on CPUs"
     }
 
 
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     # before jax starts: the simulated device count and malloc's setting only take effect then; both as `jaxtrain train`
     simulate_cpu_devices(args.devices)
     try:
+        host_malloc.reexec_with_jemalloc()
         host_malloc.configure()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

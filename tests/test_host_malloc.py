@@ -1,14 +1,16 @@
-"""glibc's malloc set to keep XLA:CPU's per-execution buffer mapped (jaxtrain/memory/host_malloc.py): page faults
-counted in fresh processes, the choice of when to apply it, and its one-line error."""
+"""glibc's malloc set to keep XLA:CPU's per-execution buffer mapped, or jemalloc preloaded instead
+(jaxtrain/memory/host_malloc.py): page faults counted in fresh processes, the choice of when to apply it, the
+process started again with jemalloc, and the one-line errors."""
 
 import importlib.metadata
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO, subprocess_env
+from conftest import REPO, run_cli, subprocess_env
 
 from jaxtrain import cli
 from jaxtrain.memory import host_malloc
@@ -18,6 +20,7 @@ from jaxtrain.memory import host_malloc
 FAULTS_PER_RUN = """
 import json, resource
 from jaxtrain.memory import host_malloc
+host_malloc.reexec_with_jemalloc()
 kept = host_malloc.configure()
 import jax, jax.numpy as jnp
 run = jax.jit(lambda x, v: (x[:, None] * x[None, :]) @ v)
@@ -27,10 +30,12 @@ for _ in range(WARMUP):
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(RUNS):
     run(x, v).block_until_ready()
-print(json.dumps({"kept": kept, "faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / RUNS}))
+print(json.dumps({"malloc": host_malloc.allocator(), "kept": kept, "faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / RUNS}))
 """
 TEMP_PAGES = 6144 * 6144 * 4 // 4096
 WARMUP, RUNS = 30, 20
+JEMALLOC = host_malloc.find_jemalloc()
+needs_jemalloc = pytest.mark.skipif(JEMALLOC is None, reason="no jemalloc library (Debian: libjemalloc2; .ci/run installs it)")
 
 
 def faults_per_run(choice: str) -> dict:
@@ -51,6 +56,51 @@ def test_kept_memory_serves_each_run_without_page_faults_where_the_system_settin
     assert kept["faults"] < TEMP_PAGES / 2
 
 
+@needs_jemalloc
+def test_jemalloc_chosen_starts_the_process_again_with_it_preloaded_and_keeps_the_buffer():
+    record = faults_per_run("jemalloc")  # `python -c PROGRAM` itself, started again by reexec_with_jemalloc
+    assert record["malloc"] == "jemalloc" and record["kept"] is True
+    assert record["faults"] < TEMP_PAGES / 2
+
+
+@needs_jemalloc
+def test_a_jemalloc_the_user_preloaded_is_reported_with_whether_its_settings_keep_freed_memory():
+    program = "from jaxtrain.memory import host_malloc; print(host_malloc.configure(), host_malloc.allocator())"
+    env = {k: v for k, v in subprocess_env().items() if k != "MALLOC_CONF"} | {"LD_PRELOAD": JEMALLOC}
+    for extra, expected in (({}, "False jemalloc"), ({"MALLOC_CONF": host_malloc.JEMALLOC_CONF}, "True jemalloc")):
+        done = subprocess.run([sys.executable, "-c", program], env=env | extra, capture_output=True, text=True, timeout=60)
+        assert done.stdout.strip() == expected, done.stderr[-2000:]
+
+
+@needs_jemalloc
+def test_the_jaxtrain_command_starts_again_with_jemalloc_where_main_in_process_cannot(monkeypatch, capsys, tmp_path):
+    (tmp_path / "checkpoints").mkdir()  # a run directory with none saved yet: the command lists nothing, status 0
+    # main() in this (pytest) process: jemalloc cannot be preloaded any more, so one line says how
+    monkeypatch.setenv(host_malloc.ENV, "jemalloc")
+    assert cli.main(["checkpoints", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "LD_PRELOAD=" in err and host_malloc.JEMALLOC_CONF in err
+    # the command (console_main) starts itself again with it, so main's check passes
+    done = run_cli("checkpoints", str(tmp_path), cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_jemalloc_chosen_but_missing_or_not_loading_is_one_line_and_exit_status_2(monkeypatch, capsys):
+    def no_exec(*args):
+        raise AssertionError("must not replace the test's process")
+
+    monkeypatch.setattr(os, "execve", no_exec)
+    monkeypatch.setattr(host_malloc, "find_jemalloc", lambda: None)
+    monkeypatch.setenv(host_malloc.ENV, "jemalloc")
+    monkeypatch.setattr(sys, "argv", ["jaxtrain", "checkpoints", "runs/none"])
+    assert cli.console_main() == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no jemalloc library found" in err and "apt install libjemalloc2" in err
+    # started again with it preloaded and still not loaded (a broken library): stops instead of starting again
+    with pytest.raises(host_malloc.UserError, match="still not its malloc"):
+        host_malloc.reexec_with_jemalloc({host_malloc.ENV: "jemalloc", host_malloc.REEXECUTED: "1", "LD_PRELOAD": "libx.so"})
+
+
 def test_applied_where_jax_computes_on_the_cpu_only(monkeypatch):
     assert host_malloc.computes_on_cpu({"JAX_PLATFORMS": "cpu"})
     assert not host_malloc.computes_on_cpu({"JAX_PLATFORMS": "cuda,cpu"})
@@ -62,12 +112,16 @@ def test_applied_where_jax_computes_on_the_cpu_only(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "libtpu" else None)
     assert not host_malloc.computes_on_cpu({})  # a TPU host
+    applied = []
+    monkeypatch.setattr(host_malloc, "keep_freed_memory", lambda: applied.append(True) or True)
+    monkeypatch.setattr(host_malloc, "_kept", False)  # this process's own setting (conftest) aside
     assert host_malloc.configure({"JAX_PLATFORMS": "cuda"}) is False
-    assert host_malloc.configure({"JAX_PLATFORMS": "cpu", host_malloc.ENV: "system"}) is False
+    assert host_malloc.configure({"JAX_PLATFORMS": "cpu", host_malloc.ENV: "system"}) is False and not applied
+    assert host_malloc.configure({"JAX_PLATFORMS": "cuda", host_malloc.ENV: "keep"}) is True and applied
 
 
 def test_an_unknown_choice_is_one_line_and_exit_status_2(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv(host_malloc.ENV, "sometimes")
     assert cli.main(["checkpoints", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "JAXTRAIN_HOST_MALLOC='sometimes'" in err and "auto, keep, system" in err
+    assert err.count("\n") == 1 and "JAXTRAIN_HOST_MALLOC='sometimes'" in err and "auto, keep, jemalloc, system" in err

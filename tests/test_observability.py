@@ -101,9 +101,12 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     assert summary["cpu_devices_per_core"] == 8 / len(os.sched_getaffinity(0))
     crowded = lambda per_core: "simulated CPU devices per core" in format_summary(summary | {"cpu_devices_per_core": per_core})  # noqa: E731
     assert crowded(4.0) and not crowded(1.0) and not crowded(None)  # None: an accelerator
-    assert summary["host_malloc_kept"] is True  # conftest configures malloc as `jaxtrain train` does on a CPU
-    returned = lambda kept: "maps and zeroes them again" in format_summary(summary | {"host_malloc_kept": kept})  # noqa: E731
-    assert returned(False) and not returned(True) and not returned(None)
+    # conftest configures malloc as `jaxtrain train` does on a CPU
+    assert summary["host_malloc"] == "glibc" and summary["host_malloc_kept"] is True
+    returned = lambda kept, malloc="glibc": format_summary(summary | {"host_malloc": malloc, "host_malloc_kept": kept})  # noqa: E731
+    assert "maps and zeroes them again" in returned(False) and "JAXTRAIN_HOST_MALLOC=keep" in returned(False)
+    assert "MALLOC_CONF=dirty_decay_ms:-1" in returned(False, "jemalloc")  # preloaded by the user with its defaults
+    assert "maps and zeroes" not in returned(True) + returned(None, None)
 
 
 def test_profile_trace_written(two_runs):

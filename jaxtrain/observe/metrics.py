@@ -112,8 +112,9 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "microbatches": cfg.train.microbatches, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
         "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(compile_s, 3),
         "compile_cache": compile_cache, "data": data, "cpu_devices_per_core": cpu_devices_per_core(),
-        # on CPUs: whether malloc keeps XLA:CPU's step buffers mapped (memory/host_malloc.py); null on accelerators
-        "host_malloc_kept": host_malloc.kept() if jax.local_devices()[0].platform == "cpu" else None,
+        # on CPUs: the malloc and whether it keeps XLA:CPU's step buffers mapped (memory/host_malloc.py); null on accelerators
+        **({"host_malloc": host_malloc.allocator(), "host_malloc_kept": host_malloc.kept()}
+           if jax.local_devices()[0].platform == "cpu" else {"host_malloc": None, "host_malloc_kept": None}),
     }
 
 
@@ -142,11 +143,19 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  data: {s['data']}",
         *([f"  note: {s['cpu_devices_per_core']:.3g} simulated CPU devices per core, each an XLA:CPU thread, crowd the cores: "
            "for speed, a mesh of at most one device per core (--mesh gpu1 runs on one)"] if (s["cpu_devices_per_core"] or 0) > 1 else []),
-        *([f"  note: malloc hands XLA:CPU's step buffers back to the system, so each step maps and zeroes them again (about "
-           f"1.2x slower on the torch peer): {host_malloc.ENV}=system, or auto with an accelerator plugin installed, or not "
-           f"glibc; {host_malloc.ENV}=keep keeps them (README, \"Host memory on CPUs\")"]
+        *([f"  note: {s['host_malloc']} malloc hands XLA:CPU's step buffers back to the system, so each step maps and zeroes "
+           f"them again (about 1.2x slower on the torch peer); {keep_hint(s['host_malloc'])} (README, \"Host memory on CPUs\")"]
           if s["host_malloc_kept"] is False else []),
     ])
+
+
+def keep_hint(allocator: str) -> str:
+    """How to keep freed step buffers with this malloc (the summary's note)."""
+    if allocator == "jemalloc":  # preloaded by the user with its default settings
+        return f"MALLOC_CONF={host_malloc.JEMALLOC_CONF} keeps them"
+    if allocator == "glibc":
+        return f"{host_malloc.ENV}=keep or jemalloc keeps them (auto does only where no accelerator plugin is installed)"
+    return f"{host_malloc.ENV}=jemalloc keeps them (this C library's malloc has no setting for it)"
 
 
 class Progress:
