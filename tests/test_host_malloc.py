@@ -96,6 +96,9 @@ def test_jemalloc_chosen_but_missing_or_not_loading_is_one_line_and_exit_status_
     assert cli.console_main() == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no jemalloc library found" in err and "apt install libjemalloc2" in err
+    monkeypatch.setattr(host_malloc.platform, "system", lambda: "Darwin")
+    with pytest.raises(host_malloc.UserError, match="Darwin's does not"):
+        host_malloc.reexec_with_jemalloc({host_malloc.ENV: "jemalloc"})
     # started again with it preloaded and still not loaded (a broken library): stops instead of starting again
     with pytest.raises(host_malloc.UserError, match="still not its malloc"):
         host_malloc.reexec_with_jemalloc({host_malloc.ENV: "jemalloc", host_malloc.REEXECUTED: "1", "LD_PRELOAD": "libx.so"})

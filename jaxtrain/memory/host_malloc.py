@@ -90,6 +90,9 @@ def find_jemalloc() -> str | None:
 
 def jemalloc_environ(environ=os.environ) -> dict[str, str]:
     """``environ`` with jemalloc preloaded and, unless the user set ``MALLOC_CONF``, told to keep freed memory."""
+    if platform.system() != "Linux":
+        raise UserError(f"{ENV}=jemalloc preloads the library with LD_PRELOAD, which Linux's dynamic linker reads and "
+                        f"{platform.system()}'s does not; use {ENV}=system here")
     library = find_jemalloc()
     if library is None:
         raise UserError(f"{ENV}=jemalloc: no jemalloc library found by the dynamic linker; install it (Debian, Ubuntu: "

@@ -155,7 +155,7 @@ def keep_hint(allocator: str) -> str:
         return f"MALLOC_CONF={host_malloc.JEMALLOC_CONF} keeps them"
     if allocator == "glibc":
         return f"{host_malloc.ENV}=keep or jemalloc keeps them (auto does only where no accelerator plugin is installed)"
-    return f"{host_malloc.ENV}=jemalloc keeps them (this C library's malloc has no setting for it)"
+    return f"this C library's malloc has no setting for it; on Linux, {host_malloc.ENV}=jemalloc keeps them"
 
 
 class Progress:
