@@ -348,16 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def console_main() -> int:
-    """The ``jaxtrain`` command: ``main`` in a process with the malloc ``JAXTRAIN_HOST_MALLOC`` asks for (jemalloc:
-    the command starts itself again with it preloaded). ``main`` alone never replaces the process that calls it."""
-    try:
-        host_malloc.reexec_with_jemalloc()
-    except UserError as e:
-        print(f"jaxtrain: error: {e}", file=sys.stderr)
-        return 2
-    return main()
+if __name__ == "__main__":  # `python -m jaxtrain.cli`: the command, as `jaxtrain` and `python -m jaxtrain` run it
+    from jaxtrain.__main__ import main as command
 
-
-if __name__ == "__main__":
-    sys.exit(console_main())
+    sys.exit(command())

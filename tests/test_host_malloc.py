@@ -12,6 +12,7 @@ import sys
 import pytest
 from conftest import REPO, run_cli, subprocess_env
 
+from jaxtrain import __main__ as command
 from jaxtrain import cli
 from jaxtrain.memory import host_malloc
 
@@ -80,7 +81,7 @@ def test_the_jaxtrain_command_starts_again_with_jemalloc_where_main_in_process_c
     assert cli.main(["checkpoints", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "LD_PRELOAD=" in err and host_malloc.JEMALLOC_CONF in err
-    # the command (console_main) starts itself again with it, so main's check passes
+    # the command (jaxtrain/__main__.py) starts itself again with it, so main's check passes
     done = run_cli("checkpoints", str(tmp_path), cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -93,7 +94,7 @@ def test_jemalloc_chosen_but_missing_or_not_loading_is_one_line_and_exit_status_
     monkeypatch.setattr(host_malloc, "find_jemalloc", lambda: None)
     monkeypatch.setenv(host_malloc.ENV, "jemalloc")
     monkeypatch.setattr(sys, "argv", ["jaxtrain", "checkpoints", "runs/none"])
-    assert cli.console_main() == 2
+    assert command.main() == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no jemalloc library found" in err and "apt install libjemalloc2" in err
     monkeypatch.setattr(host_malloc.platform, "system", lambda: "Darwin")
