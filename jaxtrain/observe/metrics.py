@@ -144,7 +144,7 @@ def format_summary(s: dict[str, Any]) -> str:
         *([f"  note: {s['cpu_devices_per_core']:.3g} simulated CPU devices per core, each an XLA:CPU thread, crowd the cores: "
            "for speed, a mesh of at most one device per core (--mesh gpu1 runs on one)"] if (s["cpu_devices_per_core"] or 0) > 1 else []),
         *([f"  note: {s['host_malloc']} malloc hands XLA:CPU's step buffers back to the system, so each step maps and zeroes "
-           f"them again (about 1.2x slower on the torch peer); {keep_hint(s['host_malloc'])} (README, \"Host memory on CPUs\")"]
+           f"them again (1.2-1.3x slower on the torch peer); {keep_hint(s['host_malloc'])} (README, \"Host memory on CPUs\")"]
           if s["host_malloc_kept"] is False else []),
     ])
 
