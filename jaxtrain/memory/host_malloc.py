@@ -58,12 +58,12 @@ def computes_on_cpu(environ=os.environ) -> bool:
     return not plugins and importlib.util.find_spec("jax_plugins") is None and importlib.util.find_spec("libtpu") is None
 
 
-def _mallctl_int(name: str) -> int:
-    """A signed integer option of the jemalloc this process runs (``mallctl``, e.g. ``opt.dirty_decay_ms``)."""
+def _jemalloc_option(name: str) -> int | None:
+    """A signed integer option of the jemalloc this process runs (``mallctl``, e.g. ``opt.dirty_decay_ms``); None
+    where that jemalloc has no such option (before 5.0)."""
     value, size = ctypes.c_ssize_t(), ctypes.c_size_t(ctypes.sizeof(ctypes.c_ssize_t))
-    if ctypes.CDLL(None).mallctl(name.encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)):
-        raise OSError(f"mallctl({name!r}) failed")
-    return value.value
+    failed = ctypes.CDLL(None).mallctl(name.encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0))
+    return None if failed else value.value
 
 
 def allocator() -> str:
@@ -122,7 +122,7 @@ def configure(environ=os.environ) -> bool:
         raise UserError(f"{ENV}={choice!r} is not a choice; use one of {', '.join(CHOICES)} (auto keeps freed memory "
                         "when jax computes on the CPU)")
     if allocator() == "jemalloc":  # preloaded, by `reexec_with_jemalloc` or the user: its own settings decide
-        _kept = _mallctl_int("opt.dirty_decay_ms") == -1
+        _kept = _jemalloc_option("opt.dirty_decay_ms") == -1
     elif choice == "jemalloc":
         raise UserError(f"{ENV}=jemalloc: jemalloc is not this process's malloc, and only a process's start can preload "
                         f"it: the jaxtrain command and make bench restart themselves with it; for your own script, "
