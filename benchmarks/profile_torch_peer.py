@@ -29,7 +29,8 @@ from jaxtrain.memory import host_malloc
 # the XLA:CPU process `make bench` runs bench_torch_peer in: one device, as many pool threads as cores
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
 sys.path.insert(0, os.path.dirname(__file__))
-host_malloc.configure()  # malloc as in `make bench` and `jaxtrain train`
+host_malloc.reexec_with_jemalloc()  # malloc as in `make bench` and `jaxtrain train`
+host_malloc.configure()
 
 from bench_perf import ONE_DEVICE, config, fixed_batch, random_corpus  # noqa: E402
 from bench_torch_peer import BATCH, PEER_MODEL, SEQ_LEN, torch_contender  # noqa: E402

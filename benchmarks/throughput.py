@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile through the persistent compilation cache in DIR (train.compile_cache); default none")
     args = parser.parse_intermixed_args(argv)
     try:
-        host_malloc.configure()  # as `jaxtrain train` does, before jax starts
+        host_malloc.reexec_with_jemalloc()  # as the jaxtrain command does, before jax starts
+        host_malloc.configure()
         cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
     except UserError as e:
         print(f"throughput: error: {e}", file=sys.stderr)
