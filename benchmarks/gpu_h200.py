@@ -61,12 +61,14 @@ class Row:
 GENERATE = dict(script="bench_generate.py", options=("--prompt-tokens", "512", "--new-tokens", "256"),
                 tiny_options=("--prompt-tokens", "16", "--new-tokens", "8"))
 MFU_1B = ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto")  # the 1B rows' shape
+# where the MFU rows' device time goes: 3 steps more under jax's profiler, by kind of kernel (record key "profile")
+PROFILED = ("--profile-steps", "3")
 ROWS = (
-    Row("mfu_1b", "llama3_1b", MFU_1B, 60),
-    Row("mfu_3b", "llama3_3b", ("train.global_batch=4", "model.remat=full", "model.attention=auto"), 75),
+    Row("mfu_1b", "llama3_1b", MFU_1B, 60, options=PROFILED),
+    Row("mfu_3b", "llama3_3b", ("train.global_batch=4", "model.remat=full", "model.attention=auto"), 75, options=PROFILED),
     Row("attention_xla_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=xla"), 60),
     # scan vs unrolled layers on the GPU: step time and compile time beside mfu_1b (same shape, scanned)
-    Row("unrolled_1b", "llama3_1b", (*MFU_1B, "model.scan_layers=false"), 75),
+    Row("unrolled_1b", "llama3_1b", (*MFU_1B, "model.scan_layers=false"), 75, options=PROFILED),
     # chunked causal attention (what auto picks on CPUs) on a GPU: does scoring only the keys up to each query chunk
     # pay there too, against attention_xla_1b and cuDNN (mfu_1b)
     Row("attention_chunked_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=chunked"), 60),

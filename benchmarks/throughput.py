@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 
 from jaxtrain.cli import resolve_config
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = experiment_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU; ignored on CPUs")
+    parser.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                        help="after the timed steps, N more under jax's profiler: the record's 'profile' says where the "
+                             "device time went (jaxtrain.observe.step_profile); default none")
     parser.add_argument("--compile-cache", metavar="DIR", default=False,
                         help="compile through the persistent compilation cache in DIR (train.compile_cache); default none")
     args = parser.parse_intermixed_args(argv)
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.block_until_ready(state)
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
+    profile = profile_steps(trainer, state, batch, args.profile_steps) if args.profile_steps else None
     devices = trainer.mesh.size
     on_cpu = trainer.mesh.devices.flat[0].platform == "cpu"
     peak = measure_matmul_peak(list(trainer.mesh.devices.flat)) / devices if on_cpu else args.peak_tflops * 1e12
@@ -87,8 +92,31 @@ def main(argv: list[str] | None = None) -> int:
         "compiled_gib_per_device": peak_bytes(memory) / 2**30,
         "measured_peak_gib_per_device": None if measured is None else measured / 2**30,
         "loss": float(metrics["loss"]),
-    }), flush=True)
+    } | ({"profile": profile} if profile else {})), flush=True)
     return 0
+
+
+def profile_steps(trainer, state, batch, steps: int) -> dict:
+    """``steps`` more steps under jax's profiler, summarized (their state is not kept: the timed ones came first);
+    ``{"error": ...}`` where the profiler or its trace fails, so the record keeps its measurements."""
+    import jax
+
+    from jaxtrain.observe import step_profile
+
+    try:
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                for _ in range(steps):
+                    state, _ = trainer.train_step(state, batch)
+                jax.block_until_ready(state)
+            profile = step_profile.summarize(step_profile.trace_file(trace_dir), trainer.train_step.as_text(), steps,
+                                             dict(trainer.mesh.shape), trainer.mesh.devices.flat[0].platform)
+    except Exception as e:  # the record's step time and memory stand without it
+        print(f"throughput: no profile: {type(e).__name__}: {e}", file=sys.stderr)
+        return {"error": f"{type(e).__name__}: {e}"}
+    for line in profile.lines():
+        print(f"throughput: {line}", file=sys.stderr)
+    return profile.to_json()
 
 
 if __name__ == "__main__":

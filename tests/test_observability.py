@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import run_cli, small_config, with_
+from conftest import REPO, run_cli, small_config, with_
 from jaxtrain.observe import metrics as metrics_lib
+from jaxtrain.observe import step_profile
 from jaxtrain import train as train_lib
 from jaxtrain.checkpoint import Preempted
 from jaxtrain.errors import UserError
@@ -109,9 +110,33 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     assert "maps and zeroes" not in returned(True) + returned(None, None)
 
 
-def test_profile_trace_written(two_runs):
+def _check_cpu_profile(profile: dict, steps: int) -> None:
+    """A summary of XLA:CPU's ops of whole steps: every op the compiled program's, each run a whole number of times
+    per step, matmuls and the fsdp_tp mesh's collectives among them (jaxtrain.observe.step_profile; its GPU trace:
+    tests/test_step_profile.py)."""
+    assert profile["steps"] == steps and profile["device"] == "/host:CPU" and profile["unattributed_ms_per_step"] == 0
+    by_kind = profile["ms_per_step_by_kind"]
+    assert by_kind["matmul"] > 0 and by_kind["other"] > 0 and by_kind["collective"] > 0 and by_kind["attention"] == 0
+    assert profile["span_ms_per_step"] >= profile["busy_ms_per_step"] > 0 and profile["matmul_tflops"] > 0
+    ops = profile["largest_ops"]
+    assert len(ops) == step_profile.LARGEST_OPS and all(r["runs_per_step"] == int(r["runs_per_step"]) >= 1 for r in ops)
+    assert min(r["runs_per_step"] for r in ops) == 1  # layers unrolled on CPUs: most ops run once a step
+    assert [r["ms_per_step"] for r in ops] == sorted((r["ms_per_step"] for r in ops), reverse=True)
+
+
+def test_profile_trace_written_and_summarized(two_runs):
     traces = list((two_runs[1] / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
+    _check_cpu_profile(json.loads((traces[0].parent / step_profile.SUMMARY_FILE).read_text()), steps=2)
+
+
+def test_throughput_benchmark_profiles_more_steps(trainer, monkeypatch):
+    """benchmarks/throughput.py --profile-steps (the GPU runner's mfu rows): steps after the timed ones, summarized."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from bench_perf import fixed_batch
+    from throughput import profile_steps
+
+    _check_cpu_profile(profile_steps(trainer, trainer.init_state(), fixed_batch(trainer), 3), steps=3)
 
 
 def test_plot_two_runs(two_runs, tmp_path):

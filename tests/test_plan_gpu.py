@@ -4,6 +4,7 @@ environment has no plugin, so there every test here is skipped (the device selec
 test_plan.py with stand-in devices)."""
 
 import json
+import re
 
 import pytest
 from conftest import REPO, run_cli, small_config, with_
@@ -14,7 +15,8 @@ pytest.importorskip("jax_plugins.xla_cuda12", reason="jax's CUDA plugin is not i
 
 from jaxtrain.plan import gpu_targets  # noqa: E402
 from jaxtrain.plan import estimate as plan_lib  # noqa: E402
-from jaxtrain.layout import make_layout  # noqa: E402
+from jaxtrain.layout import compile_train_step, make_layout  # noqa: E402
+from jaxtrain.plan import hlo_report  # noqa: E402
 
 
 def test_compile_only_devices_of_a_described_gpu():
@@ -74,6 +76,25 @@ def test_hlo_report_finds_no_float32_matmul_in_a_bfloat16_step():
     flops = plan.compiled.hlo.matmul_flops
     assert set(flops) == {"bf16 x bf16"}, flops
     assert "matmuls per step:" in plan_lib.render(plan) and "bf16 x bf16 100.0%" in plan_lib.render(plan)
+
+
+def test_kernel_kinds_of_the_gpu_program():
+    """What a GPU profile's kernels are summed by (jaxtrain.observe.step_profile, `throughput.py --profile-steps`):
+    in XLA's GPU program, every gemm fusion a matmul, cuDNN's calls attention, the gradients' reduce-scatters
+    collectives, and the matmul FLOPs the profile divides by the matmuls' time all in kernels it calls matmuls."""
+    cfg = small_config(rules="fsdp", mesh=(1, 8, 1), dtype="bfloat16")
+    (step, _), _ = compile_train_step(make_layout(cfg, gpu_targets.compile_only_devices("h100", 8)))
+    hlo = step.as_text()
+    kinds = hlo_report.kernel_kinds(hlo)
+
+    def named(pattern: str) -> set[str]:
+        """The kinds of the instructions whose text (after "%name = ") matches."""
+        found = re.findall(rf"^\s+(?:ROOT )?%([\w.\-]+) = (?:{pattern})", hlo, re.M)
+        assert found, pattern
+        return {kinds[name][0] for name in found}
+    assert named(r"\S+ fusion\(.*kind=kCustom, calls=%gemm_fusion") == {"matmul"}  # Triton gemms
+    assert named(r".*custom-call\(.*custom_call_target=\"__cudnn\$fmha") == {"attention"}
+    assert named(r".* reduce-scatter(?:-start|-done)?\(") == {"collective"}  # its type may be a tuple
 
 
 def _h200_record(row: str) -> dict:

@@ -20,7 +20,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -32,6 +32,7 @@ from jaxtrain.compile_cache import describe as describe_cache
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges
+from jaxtrain.observe import step_profile
 from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak, peak_flops
 from jaxtrain.layout import Layout
 from jaxtrain.memory import host_malloc
@@ -215,9 +216,12 @@ class MetricsLog:
     """Created by the loop once the state is ready; see the module docstring."""
 
     def __init__(self, layout: Layout, run_dir: Path, initial_step: int, *, compile_s: float,
-                 compile_cache: dict | None, data: str, enabled: bool):
+                 compile_cache: dict | None, data: str, enabled: bool, step_program: Callable[[], str] | None = None):
+        """``step_program``: the compiled train step's HLO text, read when a profile is summarized."""
         cfg = layout.cfg
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
+        self.step_program, self.mesh_shape = step_program, dict(layout.mesh.shape)
+        self.platform = layout.mesh.devices.flat[0].platform
         self.tokens_per_step = layout.tokens_per_step
         self.devices = layout.mesh.size
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -274,6 +278,8 @@ class MetricsLog:
 
     def before_step(self, step: int) -> None:
         if self.profile and step == self.profile[0]:
+            if self.pending:  # steps still running on the devices would be counted in the profile's first step
+                jax.block_until_ready(self.pending[-1][1])
             jax.profiler.start_trace(str(self.run_dir))
             self.profiling = True
 
@@ -384,6 +390,20 @@ class MetricsLog:
         traces = sorted((self.run_dir / "plugins" / "profile").iterdir())
         self._say(f"jaxtrain: profile of steps {self.profile[0]}-{self.profile[1]} in {traces[-1]} "
                   f"(tensorboard --logdir {self.run_dir}, or open the .xplane.pb / .trace.json.gz in Perfetto)")
+        if self.enabled and self.step_program is not None:
+            self._summarize_profile(traces[-1])
+
+    def _summarize_profile(self, trace_dir: Path) -> None:
+        """The device time per step by kind into ``step_profile.json`` beside the trace, and two lines."""
+        try:
+            summary = step_profile.summarize(step_profile.trace_file(trace_dir), self.step_program(),
+                                             self.profile[1] - self.profile[0] + 1, self.mesh_shape, self.platform)
+        except Exception as e:  # a reading aid: the trace is written and the run goes on without it
+            self._say(f"jaxtrain: no summary of the profile ({type(e).__name__}: {e}); the trace is complete")
+            return
+        (trace_dir / step_profile.SUMMARY_FILE).write_text(json.dumps(summary.to_json(), indent=1) + "\n")
+        for line in summary.lines():
+            self._say(f"jaxtrain: {line}")
 
     def _say(self, line: str) -> None:
         if not self.enabled:

@@ -282,18 +282,43 @@ def _dots(computations: dict[str, list[Instruction]], name: str) -> Iterator[tup
         yield f"{lhs} x {rhs}", 2.0 * outputs * depth
 
 
+def _fusion_body(computations: dict[str, list[Instruction]], ins: Instruction) -> list[Instruction]:
+    callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes) if ins.opcode == "fusion" else None
+    return computations.get(callee.group(1), []) if callee else []
+
+
+def _kernel_kind(computations: dict[str, list[Instruction]], ins: Instruction) -> str:
+    """"matmul" (a dot or convolution, fused or not, or a library gemm), "attention" (cuDNN's fused attention) or
+    "other" (elementwise, reductions, copies) for one top-level kernel."""
+    target = re.search(r'custom_call_target="([^"]+)"', ins.attributes)
+    if ins.opcode in ("dot", "convolution") or any(i.opcode in ("dot", "convolution") for i in _fusion_body(computations, ins)) \
+            or (target and re.search(r"gemm|matmul", target.group(1))):
+        return "matmul"
+    return "attention" if target and "fmha" in target.group(1) else "other"
+
+
+def kernel_kinds(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """Every instruction of the module by name (what a profile's events name in their ``hlo_op``): its kind as a
+    kernel ("matmul", "attention", "other" as in ``kernel_bytes``, or "collective"; "other" too for what runs no
+    kernel of its own) and the jax operation it came from (XLA's ``op_name``, "" where it has none)."""
+    computations = parse_computations(hlo_text)
+    out = {}
+    for instructions in computations.values():
+        for ins in instructions:
+            if re.sub(r"-(start|done|update)$", "", ins.opcode) in COLLECTIVES:
+                kind = "collective"
+            else:
+                kind = _kernel_kind(computations, ins) if ins.opcode in KERNEL_OPCODES else "other"
+            source = re.search(r'op_name="([^"]*)"', ins.attributes)
+            out[ins.name] = (kind, source.group(1) if source else "")
+    return out
+
+
 def _kernel(computations: dict[str, list[Instruction]], ins: Instruction, types: dict[str, str]) -> tuple[str, int]:
     """(kind, bytes read and written) of one top-level kernel. A fusion reads each parameter whole unless it only
     slices it (then the slices), and a dynamic-update-slice at its root writes only the update, in place (the
     layer scan reads and writes one layer of its stacks so)."""
-    target = re.search(r'custom_call_target="([^"]+)"', ins.attributes)
-    callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes) if ins.opcode == "fusion" else None
-    body = computations.get(callee.group(1), []) if callee else []
-    if ins.opcode in ("dot", "convolution") or any(i.opcode in ("dot", "convolution") for i in body) or \
-            (target and re.search(r"gemm|matmul", target.group(1))):
-        kind = "matmul"
-    else:
-        kind = "attention" if target and "fmha" in target.group(1) else "other"
+    kind, body = _kernel_kind(computations, ins), _fusion_body(computations, ins)
     if not body:
         return kind, sum(sum(_array_bytes(types.get(o, ""))) for o in ins.operands) + sum(_array_bytes(ins.type))
     local = {i.name: i for i in body}
