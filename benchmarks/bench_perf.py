@@ -11,6 +11,10 @@ interleaved repetitions, so a noisy shared machine slows both sides alike):
 - ``host_gap_ms_per_step``: the real loop (``jaxtrain.train.train``: data pipeline, metrics) per-step
   time minus the device-bound step time (same batch, steps queued back to back).
 - ``remat_precision``: step time and compiled memory per remat policy x compute dtype.
+- ``step_profile``: what ``log.profile_steps`` costs (one device, the step of ``overhead_ratio``): the traced steps'
+  time ÷ untraced steps' (``overhead``, interleaved rounds), seconds to write and summarize the trace
+  (``summary_s``), and the summary's span per step ÷ the untraced step time (``span_vs_step``: whether the profile
+  shows the step as it runs).
 - ``cross_entropy``: the loss and its gradient over float32 logits of a 32K vocabulary (2048 tokens, one device),
   jaxtrain.step.cross_entropy against optax.softmax_cross_entropy_with_integer_labels: ``speedup`` (optax's time
   ÷ ours). What ours saves is on GPUs (one logits-sized float32 buffer, tests/test_plan_gpu.py); XLA:CPU does
@@ -34,6 +38,7 @@ import optax
 
 from jaxtrain import data as data_lib
 from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig
+from jaxtrain.observe import step_profile
 from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.state import init_state
@@ -223,6 +228,30 @@ def host_gap(cfg: Config, corpus, intervals: int = 6) -> dict[str, float]:
     return {"host_gap_ms_per_step": 1e3 * (loop_s - device), "loop_step_s": loop_s, "device_step_s": device}
 
 
+def profile_cost(cfg: Config, corpus, rounds: int = 3) -> dict[str, float]:
+    """Traced against untraced steps of one trainer, alternating (jaxtrain.observe.step_profile)."""
+    trainer = build(cfg, corpus, jax.devices()[:1])
+    step, state = jaxtrain_contender(trainer)
+    batch = fixed_batch(trainer)
+    plain, traced, summary_s, spans = [], [], [], []
+    for _ in range(rounds):
+        seconds, state = seconds_per_step(step, state, batch)
+        plain.append(seconds)
+        with tempfile.TemporaryDirectory() as trace_dir:
+            jax.profiler.start_trace(trace_dir)
+            seconds, state = seconds_per_step(step, state, batch)
+            traced.append(seconds)
+            start = time.perf_counter()
+            jax.profiler.stop_trace()
+            summary = step_profile.summarize(step_profile.trace_file(trace_dir), trainer.train_step.as_text(),
+                                             STEPS_PER_REPEAT, dict(trainer.mesh.shape), "cpu")
+            summary_s.append(time.perf_counter() - start)
+            spans.append(summary.span_ms / 1e3)
+    return {"overhead": statistics.median(traced) / statistics.median(plain), "step_s": statistics.median(plain),
+            "traced_step_s": statistics.median(traced), "summary_s": statistics.median(summary_s),
+            "span_vs_step": statistics.median(spans) / statistics.median(plain)}
+
+
 def remat_precision(corpus) -> list[dict]:
     compiled, contenders = {}, {}
     for dtype in ("float32", "bfloat16"):
@@ -272,4 +301,5 @@ def run() -> dict:
         **_timed("host_gap", host_gap, config(), corpus),
         "remat_precision": _timed("remat_precision", remat_precision, corpus),
         "cross_entropy": _timed("cross_entropy", cross_entropy_comparison),
+        "step_profile": _timed("step_profile", profile_cost, config(mesh=ONE_DEVICE, rules="dp"), corpus),
     }

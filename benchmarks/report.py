@@ -31,6 +31,9 @@ def main(argv: list[str]) -> int:
         ("compile_ratio_32_vs_2_layers", f"{r['compile_ratio_32_vs_2_layers']:.2f}", "goal ≤ 1.5"),
         ("host_gap_ms_per_step", f"{r['host_gap_ms_per_step']:.1f} ms",
          f"real loop {r['loop_step_s'] * 1e3:.0f} ms - device-bound {r['device_step_s'] * 1e3:.0f} ms per step"),
+        *([("step_profile.overhead (1 device)", f"{p['overhead']:.2f}",
+            f"traced {p['traced_step_s'] * 1e3:.0f} ms / untraced {p['step_s'] * 1e3:.0f} ms per step; summary "
+            f"{p['summary_s']:.1f} s; span ÷ step {p['span_vs_step']:.2f}")] if (p := r.get("step_profile")) else []),
     ]
     print("| key | value | detail |\n|---|---|---|")
     for row in rows:

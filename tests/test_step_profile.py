@@ -52,6 +52,7 @@ ENTRY %main (a: bf16[64,32], b: bf16[32,16], c: f32[64,16], q: bf16[2,4,64,8]) -
   %all-gather-start.1 = (bf16[32,16]{1,0}, bf16[64,16]{1,0}) all-gather-start(%b), replica_groups={{0}}, dimensions={0}
   %dot_product_attention_fwd.0 = (bf16[2,4,64,8]{3,2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax"
   %all-gather-done.1 = bf16[64,16]{1,0} all-gather-done(%all-gather-start.1)
+  %loop_add_fusion.7 = f32[64,16]{1,0} fusion(%c), kind=kLoop, calls=%fused_add
   ROOT %loop_add_fusion = f32[64,16]{1,0} fusion(%c), kind=kLoop, calls=%fused_add, metadata={op_name="jit(train_step)/add"}
 }
 """
@@ -81,6 +82,7 @@ def _trace(path, stream_names=("Stream #7(Compute)", "Stream #9(Nccl)")):
             _kernel(t + 250, 200, "cudnn_generated_fort_native_sdpa_sm90", "dot_product_attention_fwd.0"),
             _kernel(t + 500, 50, "loop_add_fusion", "loop_add_fusion"),
             _kernel(t + 560, 20, "sm90_xmma_gemm_bf16bf16", "command_buffer.3"),  # inside a CUDA graph: by name
+            _kernel(t + 590, 5, "loop_add_fusion_7", "command_buffer.3"),  # XLA's kernel for the fusion loop_add_fusion.7
             _kernel(t + 600, 10, "Memset (Device)"),  # the runtime's: no op, no module
             _kernel(t + 700, 300, "loop_add_fusion", "loop_add_fusion", module="jit_eval_step"),  # another program
             _kernel(t + 0, 999, "gemm_fusion_dot.1", "gemm_fusion_dot.1", tid=DERIVED),  # the profiler's own line
@@ -115,22 +117,23 @@ def test_gpu_trace_summed_by_kind_per_step(tmp_path, stream_names, monkeypatch):
     assert step_profile.trace_file(tmp_path) == trace
     profile = step_profile.summarize(trace, HLO, STEPS, {"fsdp": 1}, "gpu")
     assert profile.device == "/device:GPU:0" and profile.steps == STEPS
-    # microseconds per step -> ms: the two gemm runs plus the CUDA graph's gemm (by its name), cuDNN, the fusion plus
-    # the memset; the other program, the derived line, the other device and the host are not counted
-    assert profile.ms_by_kind == pytest.approx({"matmul": 0.22, "attention": 0.2, "other": 0.06, "collective": 0.3})
+    # microseconds per step -> ms: the two gemm runs plus the CUDA graph's gemm (by its name), cuDNN, the fusions (one
+    # by its kernel's name) plus the memset; the other program, the derived line, the other device, the host: not counted
+    assert profile.ms_by_kind == pytest.approx({"matmul": 0.22, "attention": 0.2, "other": 0.065, "collective": 0.3})
     assert profile.unattributed_ms == pytest.approx(0.03)
     assert profile.span_ms == pytest.approx(1.61 / STEPS)  # 0 .. 1610 us: the wait for the second step is idle too
-    # 0 .. 450 (the all-gather under the gemms and cuDNN), 500 .. 550, 560 .. 580, 600 .. 610
-    assert profile.busy_ms == pytest.approx(0.53)
-    assert profile.idle_ms == pytest.approx(0.805 - 0.53)
+    # 0 .. 450 (the all-gather under the gemms and cuDNN), 500 .. 550, 560 .. 580, 590 .. 595, 600 .. 610
+    assert profile.busy_ms == pytest.approx(0.535)
+    assert profile.idle_ms == pytest.approx(0.805 - 0.535)
     # the loop's two trips of a 64 x 32 x 16 product per step, over the matmul kernels' time
     assert profile.matmul_tflops == pytest.approx(2 * 2 * 64 * 32 * 16 / 0.22e-3 / 1e12)
-    assert profile.other_gb_per_s == pytest.approx(2 * 64 * 16 * 4 / 0.06e-3 / 1e9)
+    assert profile.other_gb_per_s == pytest.approx(2 * 2 * 64 * 16 * 4 / 0.065e-3 / 1e9)  # each fusion 4 KiB in, 4 out
     ops = {op: (kind, ms, runs, source) for op, kind, ms, runs, source in profile.largest_ops}
     assert ops["gemm_fusion_dot.1"] == ("matmul", pytest.approx(0.2), 2.0, "jit(train_step)/while/body/mlp/dot_general")
+    assert ops["loop_add_fusion.7"] == ("other", pytest.approx(0.005), 1.0, "")
     assert profile.largest_ops[0][0] == "all-gather-start.1"
     assert {op for op, *_ in profile.largest_ops[1:3]} == {"dot_product_attention_fwd.0", "gemm_fusion_dot.1"}
-    assert json.loads(json.dumps(profile.to_json()))["idle_ms_per_step"] == pytest.approx(0.275)
+    assert json.loads(json.dumps(profile.to_json()))["idle_ms_per_step"] == pytest.approx(0.27)
     first, second = profile.lines()
     assert "span 0.8 ms" in first and "idle 0.3 ms (34%)" in first and "matmul 0.2 ms (27%)" in first and "mlp/dot_general" in second
 

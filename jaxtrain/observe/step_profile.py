@@ -4,8 +4,8 @@
 writes a Perfetto ``*.trace.json.gz`` beside its ``.xplane.pb``. Its events on the first device, the GPU's kernels
 (each names the HLO instruction it runs in ``args.hlo_op``) or XLA:CPU's ops, are summed by kind, the kind read off
 the compiled program (``hlo_report.kernel_kinds``): matmuls, attention (cuDNN's fused kernels), the elementwise,
-reduction and copy rest, and collectives; events the program does not name (the runtime's copies, memsets, kernels
-inside a CUDA graph) are classified by their kernel's name. Per step: each kind's milliseconds, the device's busy
+reduction and copy rest, and collectives; an event that names no instruction (a kernel inside a CUDA graph, the
+runtime's memsets) by its kernel's name: XLA's fusion kernels carry the fusion's, library kernels their kind's. Per step: each kind's milliseconds, the device's busy
 time (the union of its events: collectives on their own streams overlap compute), the idle rest of the span the
 events cover (launch gaps, the host's work between steps), the rates the matmuls and the rest reached (FLOPs and
 bytes per step from ``hlo_report``) and the largest ops. What MFU does not say: where the rest of the step went.
@@ -139,6 +139,8 @@ def summarize(trace: Path, hlo_text: str, steps: int, mesh_shape: dict[str, int]
     unattributed = 0.0
     for e in timed:
         op = e.get("args", {}).get("hlo_op") or e["name"]
+        if op not in kinds:  # a kernel XLA emitted for a fusion carries its name, "." made "_" ("loop_add_fusion_3")
+            op = next((name for name in (e["name"], re.sub(r"_(\d+)$", r".\1", e["name"])) if name in kinds), op)
         kind, source = kinds.get(op, (None, ""))
         if kind is None:
             kind = next((k for k, pattern in _NAMED_KINDS if pattern.search(e["name"])), "other")
