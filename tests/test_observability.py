@@ -130,6 +130,18 @@ def test_profile_trace_written_and_summarized(two_runs):
     _check_cpu_profile(json.loads((traces[0].parent / step_profile.SUMMARY_FILE).read_text()), steps=2)
 
 
+def test_a_profile_that_cannot_be_summarized_is_one_line_and_the_run_goes_on(trainer, tmp_path, monkeypatch, capsys):
+    def no_device_events(*args):
+        raise ValueError("the trace has no events of a gpu device")
+    monkeypatch.setattr(step_profile, "summarize", no_device_events)
+    profiled = _loop_config(trainer, log={"profile_steps": "2:2"})
+    train_lib.train(profiled.cfg, tmp_path, profiled)
+    assert "jaxtrain: no summary of the profile (ValueError: the trace has no events of a gpu device); the trace is " \
+           "complete" in capsys.readouterr().err
+    assert _records(tmp_path)[-1]["step"] == STEPS and list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
+    assert not list(tmp_path.glob(f"plugins/profile/*/{step_profile.SUMMARY_FILE}"))
+
+
 def test_throughput_benchmark_profiles_more_steps(trainer, monkeypatch):
     """benchmarks/throughput.py --profile-steps (the GPU runner's mfu rows): steps after the timed ones, summarized."""
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))

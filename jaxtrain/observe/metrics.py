@@ -28,6 +28,7 @@ import psutil
 import tqdm
 
 from jaxtrain import config as config_lib
+from jaxtrain.atomic import atomic_file
 from jaxtrain.compile_cache import describe as describe_cache
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
@@ -401,7 +402,8 @@ class MetricsLog:
         except Exception as e:  # a reading aid: the trace is written and the run goes on without it
             self._say(f"jaxtrain: no summary of the profile ({type(e).__name__}: {e}); the trace is complete")
             return
-        (trace_dir / step_profile.SUMMARY_FILE).write_text(json.dumps(summary.to_json(), indent=1) + "\n")
+        with atomic_file(trace_dir / step_profile.SUMMARY_FILE, "profile summary") as f:
+            f.write((json.dumps(summary.to_json(), indent=1) + "\n").encode())
         for line in summary.lines():
             self._say(f"jaxtrain: {line}")
 
