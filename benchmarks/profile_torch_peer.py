@@ -14,9 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import glob
-import gzip
-import json
 import os
 import re
 import sys
@@ -35,11 +32,11 @@ host_malloc.configure()
 from bench_perf import ONE_DEVICE, config, fixed_batch, random_corpus  # noqa: E402
 from bench_torch_peer import BATCH, PEER_MODEL, SEQ_LEN, torch_contender  # noqa: E402
 
+from jaxtrain.observe import step_profile  # noqa: E402
 from jaxtrain.step import token_nll  # noqa: E402
 from jaxtrain.train import build  # noqa: E402
 
 PASSES = 3
-RUNTIME_EVENTS = ("ThunkExecutor", "$", "Slinky", "Pjit", "Common", "end:", "Handle", "Parse", "Allocate", "Python")
 
 
 def source_of_ops(hlo: str) -> dict[str, str]:
@@ -70,15 +67,11 @@ def jax_profile(scanned: bool) -> tuple[dict, dict, float]:
     compiled = jax.jit(jax.value_and_grad(loss)).lower(params, batch).compile()
     jax.block_until_ready(compiled(params, batch))
     with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        with jax.profiler.trace(trace_dir):
             for _ in range(PASSES):
                 jax.block_until_ready(compiled(params, batch))
-        trace = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    times = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and not e["name"].startswith(RUNTIME_EVENTS):
-            times[e["name"]] += e["dur"] / 1000 / PASSES
+        _, ops, _ = step_profile.op_times(step_profile.trace_file(trace_dir), compiled.as_text(), PASSES, "cpu")
+    times = collections.Counter({op: o.ms for op, o in ops.items()})
     return times, source_of_ops(compiled.as_text()), sum(times.values())
 
 

@@ -125,35 +125,50 @@ def _device_events(events: list[dict], module: str, platform: str) -> tuple[str,
     return "/host:CPU", [e for e in ops if e["args"].get("device_ordinal", "0") == first]
 
 
-def summarize(trace: Path, hlo_text: str, steps: int, mesh_shape: dict[str, int], platform: str) -> StepProfile:
-    """The profile of ``steps`` steps of the program ``hlo_text`` (``Compiled.as_text()``, for a mesh of
-    ``mesh_shape`` on ``platform``'s devices: "cpu", "gpu") in the Perfetto trace file ``trace``."""
+@dataclasses.dataclass(frozen=True)
+class OpTime:
+    kind: str  # one of KINDS
+    ms: float  # per step
+    runs: float  # per step
+    source: str  # the jax operation it came from (XLA's op_name), "" where the program names none
+    attributed: bool  # the event named an instruction of the program (else its kind is read off the kernel's name)
+
+
+def op_times(trace: Path, hlo_text: str, steps: int, platform: str) -> tuple[str, dict[str, OpTime], list[tuple[float, float]]]:
+    """(the device read, each op's time per step, the events' (start, end) in microseconds) of ``steps`` runs of the
+    program ``hlo_text`` (``Compiled.as_text()``) on ``platform``'s devices ("cpu", "gpu") in the trace file ``trace``."""
     with gzip.open(trace, "rt") as f:
         document = json.load(f)
     events = document["traceEvents"] if isinstance(document, dict) else document
     module = re.match(r"HloModule ([\w.\-]+)", hlo_text)
     device, timed = _device_events(events, module.group(1) if module else "", platform)
     kinds = hlo_report.kernel_kinds(hlo_text)
-    ms = dict.fromkeys(KINDS, 0.0)
-    per_op: dict[str, list] = collections.defaultdict(lambda: ["", 0.0, 0, ""])
-    unattributed = 0.0
+    per_op: dict[str, list] = collections.defaultdict(lambda: ["", 0.0, 0, "", True])
     for e in timed:
         op = e.get("args", {}).get("hlo_op") or e["name"]
         if op not in kinds:  # a kernel XLA emitted for a fusion carries its name, "." made "_" ("loop_add_fusion_3")
             op = next((name for name in (e["name"], re.sub(r"_(\d+)$", r".\1", e["name"])) if name in kinds), op)
         kind, source = kinds.get(op, (None, ""))
-        if kind is None:
-            kind = next((k for k, pattern in _NAMED_KINDS if pattern.search(e["name"])), "other")
-            unattributed += e["dur"]
-        ms[kind] += e["dur"] / 1e3 / steps
         row = per_op[op]
+        if kind is None:
+            kind, row[4] = next((k for k, pattern in _NAMED_KINDS if pattern.search(e["name"])), "other"), False
         row[0], row[1], row[2], row[3] = kind, row[1] + e["dur"] / 1e3 / steps, row[2] + 1, source
-    span = (max(e["ts"] + e["dur"] for e in timed) - min(e["ts"] for e in timed)) / 1e3 / steps if timed else 0.0
+    return (device, {op: OpTime(kind, ms, runs / steps, source, attributed)
+                     for op, (kind, ms, runs, source, attributed) in per_op.items()},
+            [(e["ts"], e["ts"] + e["dur"]) for e in timed])
+
+
+def summarize(trace: Path, hlo_text: str, steps: int, mesh_shape: dict[str, int], platform: str) -> StepProfile:
+    """The profile of ``steps`` steps of the program ``hlo_text`` (``Compiled.as_text()``, for a mesh of
+    ``mesh_shape`` on ``platform``'s devices: "cpu", "gpu") in the Perfetto trace file ``trace``."""
+    device, ops, intervals = op_times(trace, hlo_text, steps, platform)
+    ms = {kind: sum(o.ms for o in ops.values() if o.kind == kind) for kind in KINDS}
+    span = (max(end for _, end in intervals) - min(start for start, _ in intervals)) / 1e3 / steps if intervals else 0.0
     report = hlo_report.report(hlo_text, mesh_shape)
     flops, other_bytes = sum(report.matmul_flops.values()), report.kernel_bytes.get("other", 0.0)
-    largest = sorted(((op, kind, t, runs / steps, source) for op, (kind, t, runs, source) in per_op.items()), key=lambda r: -r[2])
-    return StepProfile(steps, device, ms, _union_us([(e["ts"], e["ts"] + e["dur"]) for e in timed]) / 1e3 / steps, span,
-                       unattributed / 1e3 / steps,
+    largest = sorted(((op, o.kind, o.ms, o.runs, o.source) for op, o in ops.items()), key=lambda r: -r[2])
+    return StepProfile(steps, device, ms, _union_us(intervals) / 1e3 / steps, span,
+                       sum(o.ms for o in ops.values() if not o.attributed),
                        flops / (ms["matmul"] * 1e-3) / 1e12 if flops and ms["matmul"] else None,
                        other_bytes / (ms["other"] * 1e-3) / 1e9 if other_bytes and ms["other"] else None,
                        tuple(largest[:LARGEST_OPS]))
