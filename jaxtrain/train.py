@@ -150,7 +150,9 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
         eval_data = data_lib.eval_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding, t.eval_batches)
         log = MetricsLog(trainer.layout, run_dir, int(state.step), compile_s=trainer.compile_s,
                          compile_cache=trainer.compiled.record(cache_dir), data=trainer.corpus.description,
-                         enabled=jax.process_index() == 0, step_program=trainer.train_step.as_text)
+                         enabled=jax.process_index() == 0,
+                         # a compiled step gives its program for the profile's summary; a wrapped one (tests) none
+                         step_program=getattr(trainer.train_step, "as_text", None))
         for step in range(int(state.step) + 1, t.steps + 1):
             with log.timer("data_wait_s"):
                 batch = next(batches)
