@@ -112,6 +112,13 @@ ROWS = (
     Row("pipeline_1b", "llama3_1b", (*MFU_1B, "mesh.ici.stage=2",
                                      "mesh.ici.fsdp=-1", "model.pipeline.microbatches=2", "model.pipeline.repeats=2"), 60,
         options=("--rules", "pp_fsdp"), min_devices=2, tiny_overrides=("model.num_layers=8", "train.global_batch=8")),
+    # optim.grad_sync on 2+ GPUs: 4 micro-batches of llama3_1b, data 2 x fsdp over the rest, the sums over data once per
+    # step against GSPMD's in every micro-batch (jaxtrain/memory/grad_comm.py; 4 micro-batches x bfloat16 against one
+    # float32 sum: half the bytes over data); compare step_s, and hlo_report's bytes with `jaxtrain plan --hlo-report`
+    *(Row(f"grad_sync_{sync}_1b", "llama3_1b", (*MFU_1B, "train.global_batch=32", "train.microbatches=4", f"optim.grad_sync={sync}",
+                                               "mesh.ici.data=2", "mesh.ici.fsdp=-1"), 60, min_devices=2,
+          tiny_overrides=("train.global_batch=32", "train.microbatches=4"))
+      for sync in ("step", "microbatch")),
     # not the GPU: the machine's own cores (16) training the torch peer's step on the CPU with glibc's malloc keeping
     # freed memory (JAXTRAIN_HOST_MALLOC), and jemalloc where the image has it, against the system's: does one malloc
     # arena cost anything on many cores? (benchmarks/bench_host_malloc.py: 1.18-1.34x, jemalloc 1.57x, on 2 cores)

@@ -27,6 +27,9 @@ MESHES_DIR = Path(experiments.__file__).parent / "meshes"
 EXPERIMENTS_DIR = Path(experiments.__file__).parent
 
 
+GRAD_SYNCS = ("auto", "step", "microbatch")  # optim.grad_sync (jaxtrain/memory/grad_comm.py)
+
+
 @dataclasses.dataclass(frozen=True)
 class AxisSizes:
     """Size of each mesh axis at one level; -1 fills what the other axes leave."""
@@ -91,6 +94,9 @@ class OptimConfig:
     offload: bool = False  # optimizer state (and float32 master weights under narrower compute) in host memory
     loss_scale_period: int = 2000  # model.dtype=float16: finite steps in a row before the loss scale doubles
     grad_dtype: str = "float32"  # bfloat16: gradients summed over the batch axes in bfloat16 (jaxtrain/memory/grad_comm.py)
+    # when gradients are summed over the batch axes no weight is split over: "step" (once, after the last micro-batch),
+    # "microbatch" (GSPMD's, in every pass's backward), "auto": once per step when that moves fewer bytes
+    grad_sync: str = "auto"  # one of GRAD_SYNCS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,6 +444,12 @@ def check(cfg: Config) -> None:
     problems.extend(log_problems(cfg))
     if cfg.optim.grad_dtype not in ("float32", "bfloat16"):
         problems.append(f"optim.grad_dtype={cfg.optim.grad_dtype!r} must be float32 or bfloat16 (gradients summed across devices in bfloat16)")
+    if cfg.optim.grad_sync not in GRAD_SYNCS:
+        problems.append(f"optim.grad_sync={cfg.optim.grad_sync!r} must be one of {', '.join(GRAD_SYNCS)} (when gradients are summed "
+                        "across the batch shards: once per step, or in every micro-batch's backward pass)")
+    elif cfg.optim.grad_sync == "microbatch" and cfg.optim.grad_dtype != "float32":
+        problems.append(f"optim.grad_sync=microbatch with optim.grad_dtype={cfg.optim.grad_dtype}: narrower sums run once per step, "
+                        "after the last micro-batch; use optim.grad_sync=auto or step, or optim.grad_dtype=float32")
     if cfg.model.dtype == "float16" and cfg.model.param_dtype == "float16":
         problems.append("model.dtype=float16 with model.param_dtype=float16 keeps no float32 master weights, so small updates "
                         "vanish and loss scaling cannot help; set model.param_dtype=float32")

@@ -42,7 +42,13 @@ class Layout:
     batch_sharding: NamedSharding
     grad_shardings: dict | None = None  # per parameter, where the gradients differ from the parameters (ZeRO-2)
     moment_shardings: dict | None = None  # per parameter, where the optimizer moments differ from them (ZeRO-1/2)
-    grad_reduction: grad_comm.GradReduction | None = None  # optim.grad_dtype=bfloat16: the gradients' own reduction
+
+    @property
+    def grad_reduction(self) -> grad_comm.GradReduction | None:
+        """The gradients' own sum once per step (optim.grad_sync, grad_dtype), or None for GSPMD's: from the config, as
+        the micro-batch count decides it and the planner tries several counts on one layout."""
+        return grad_comm.grad_reduction(self.cfg, self.rules, self.mesh, self.shardings.params, self.shardings.frozen,
+                                        self.grad_shardings)
 
     def gradient_shardings(self) -> dict:
         return self.grad_shardings or self.shardings.params
@@ -93,9 +99,10 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
         raise UserError(
             f"train.global_batch={t.global_batch} / train.microbatches={t.microbatches} = {t.global_batch // t.microbatches} "
             f"sequences per micro-batch do not split over the {shards} batch shards of the mesh; use a multiple of {shards * t.microbatches}")
-    grads = differing("gradients")
-    reduction = grad_comm.grad_reduction(cfg.optim.grad_dtype, cfg.rules, rules, mesh, shardings.params, grads)
-    return Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh), grads, differing("optimizer_state"), reduction)
+    layout = Layout(cfg, mesh, rules, spec, tx, shardings, batch_sharding(rules, mesh), differing("gradients"),
+                    differing("optimizer_state"))
+    layout.grad_reduction  # noqa: B018 -- optim.grad_dtype's problems with the rule set surface here, before any compile
+    return layout
 
 
 def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:

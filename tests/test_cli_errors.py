@@ -80,6 +80,7 @@ CASES = {
     "unknown gradient dtype": (lambda t: ["optim.grad_dtype=float16"], "optim.grad_dtype='float16' must be float32 or bfloat16"),
     "bfloat16 gradient sums with split weights": (lambda t: ["optim.grad_dtype=bfloat16"],
                                                   "optim.grad_dtype=bfloat16 needs pure data parallelism"),
+    "unknown gradient sync": (lambda t: ["optim.grad_sync=never"], "optim.grad_sync='never' must be one of auto, step, microbatch"),
     "compilation cache in a folder that cannot be made": (lambda t: [f"train.compile_cache={_random_bytes(t / 'notes')}/xla"],
                                                           "/notes/xla (NotADirectoryError: Not a directory); give a writable folder, or train.compile_cache=false"),
     "empty compilation cache path": (lambda t: ["train.compile_cache="], "train.compile_cache is empty; give auto, a folder path, or false"),

@@ -7,12 +7,17 @@ import numpy as np
 import pytest
 
 from conftest import small_config, with_
+from test_plan import medium_config
+
 from jaxtrain import compile_cache
+from jaxtrain.errors import UserError
+from jaxtrain.plan.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.plan import hlo_report
 from jaxtrain.plan import step_cost
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.train import build, train
 from test_memory import _run
+from models.config import MoEConfig
 
 STEPS = 6
 
@@ -80,3 +85,83 @@ def test_the_partitioned_program_is_read_even_when_the_compilation_cache_holds_i
         lowered.compile()
         assert any(tmp_path.iterdir())  # the cache holds the program now
         assert "all-reduce" in hlo_report.partitioned_hlo(lowered)
+
+
+# optim.grad_sync: with gradient accumulation, the sums over the batch axes no weight is split over run once per step
+
+def _sync_cfg(grad_sync, rules="fsdp_tp", mesh=(2, 2, 2), microbatches=4, **model):
+    return with_(small_config(rules, mesh, **model), optim={"grad_sync": grad_sync}, log={"layer_every": 0},
+                 train={"steps": 3, "global_batch": 32, "microbatches": microbatches})
+
+
+def _data_sums(cfg) -> dict[bool, int]:
+    """Bytes per step of the partitioned step's all-reduces over the data axis, by whether they run outside every loop
+    (inside one, before XLA's passes, the count of runs is not known yet: one each here); scalars left out."""
+    layout = make_layout(cfg)
+    hlo = hlo_report.report(hlo_report.partitioned_hlo(lower_steps(layout)[0]), dict(layout.mesh.shape))
+    out: dict[bool, int] = {}
+    for c in hlo.collectives:
+        if c.kind == "all-reduce" and c.axes == ("data",) and c.bytes > 4 * c.tensors:  # not the loss's
+            out[c.executions_known] = out.get(c.executions_known, 0) + c.bytes * c.executions
+    return out
+
+
+def test_grad_sync_step_sums_each_gradient_once_after_the_micro_batches_under_fsdp_and_tensor_parallelism():
+    layout = make_layout(_sync_cfg("step"))
+    # data is the one batch axis no weight is split over (fsdp splits them, tensor is no batch axis): hybrid sharding
+    assert layout.grad_reduction.axes == ("data",) and layout.grad_reduction.rules is not None
+    shard_bytes = sum(4 * np.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(layout.abstract_state().params))
+    # every device's float32 shard of every gradient, summed over data once, outside the micro-batch and layer loops
+    assert _data_sums(_sync_cfg("step")) == {True: shard_bytes}
+    # GSPMD's sums: inside the loops (the layer loop's gradients, in every micro-batch)
+    assert set(_data_sums(_sync_cfg("microbatch"))) == {False}
+
+
+def test_grad_sync_auto_sums_once_per_step_only_where_that_moves_fewer_bytes():
+    def summed(sync, **kw):
+        return make_layout(_sync_cfg(sync, **kw)).grad_reduction is not None
+    # float32 accumulators against k sums in the compute dtype: float32 from 2 micro-batches, bfloat16 from 3
+    assert summed("auto", microbatches=2) and not summed("auto", microbatches=2, dtype="bfloat16")
+    assert summed("auto", microbatches=4, dtype="bfloat16") and summed("step", microbatches=2, dtype="bfloat16")
+    assert not summed("auto", microbatches=1) and not summed("step", microbatches=1) and not summed("microbatch")
+    # FSDP over every batch axis: each weight is split over them, nothing to sum once (ZeRO-3 reduce-scatters per pass)
+    assert not summed("step", rules="fsdp", mesh=(1, 8, 1))
+    # pure data parallelism: every axis manual (shard_map), the bfloat16 path's
+    pure = make_layout(_sync_cfg("auto", rules="dp", mesh=(8, 1, 1))).grad_reduction
+    assert pure.rules is None and pure.ways == 8
+
+
+def test_grad_sync_choices_that_cannot_run_are_one_line_errors():
+    moe = {"mlp_dim": 16, "moe": MoEConfig(num_experts=4, top_k=2)}
+    assert make_layout(_sync_cfg("auto", **moe)).grad_reduction is None  # jax cannot vmap ragged_dot: GSPMD's sums
+    with pytest.raises(UserError, match="optim.grad_sync=step with a mixture-of-experts model .* also splits over fsdp, tensor"):
+        make_layout(_sync_cfg("step", **moe))
+    with pytest.raises(UserError, match="optim.grad_sync=microbatch with optim.grad_dtype=bfloat16: narrower sums run once per step"):
+        make_layout(with_(_sync_cfg("microbatch"), optim={"grad_dtype": "bfloat16"}))
+
+
+def test_grad_sync_step_trains_like_per_micro_batch_sums(corpus):
+    runs = {sync: _run(build(_sync_cfg(sync), corpus), corpus, 3)[1] for sync in ("step", "microbatch")}
+    for key in ("loss", "grad_norm"):
+        values = np.array([[m[key] for m in runs[sync]] for sync in runs])
+        np.testing.assert_allclose(values[0], values[1], rtol=1e-5)
+
+
+def test_the_planner_counts_the_once_per_step_sums_and_does_not_hide_them():
+    cfg = with_(medium_config("fsdp", "full", mesh=(2, 4, 1), microbatches=4), train={"global_batch": 32})  # bfloat16 compute
+    once, every = (step_cost.step_time(make_layout(with_(cfg, optim={"grad_sync": sync})), "h100") for sync in ("auto", "microbatch"))
+    layout = make_layout(cfg)
+    norms = (2 * 4 + 1) * 256  # replicated over fsdp too: their float32 gradients still summed over fsdp in every pass
+    local = sum(np.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(layout.abstract_state().params))
+    nvlink, _ = LINK_BYTES_PER_S["h100"]
+    after = 2 * local * 4 * 1 / 2  # float32, all-reduced over data (2 ways) once
+    assert once.traffic_bytes["data"] == pytest.approx(4 * 2 * norms * 4 * 3 / 4 + after)
+    assert once.after_backward_s == pytest.approx(after / nvlink)
+    # per micro-batch: every weight's bfloat16 gradient over data, the norm scales' float32 ones over data and fsdp
+    assert every.traffic_bytes["data"] == pytest.approx(4 * 2 * ((local - norms) * 2 * 1 / 2 + norms * 4 * 7 / 8))
+    assert every.after_backward_s == 0
+    # the once-a-step sums follow the backward pass: added to the step, only the rest overlaps the compute
+    overlapped = once.communication_s["fsdp"] + once.communication_s["data"] - once.after_backward_s
+    assert once.total_s == pytest.approx(once.compute_s + once.after_backward_s + max(0, overlapped - once.compute_s))
+    assert "gradients summed in float32 once per step over data" in once.describe()
+    assert "in every micro-batch" in every.describe()

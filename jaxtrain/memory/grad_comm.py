@@ -1,16 +1,26 @@
-"""Gradient communication in a narrower dtype (``optim.grad_dtype=bfloat16``, the seeds' "gradient compression").
+"""When and in what dtype the gradients are summed across the batch shards: ``optim.grad_sync`` (once per step, or in
+every micro-batch's backward pass) and ``optim.grad_dtype`` (float32, or bfloat16: the seeds' "gradient compression").
 
-Under GSPMD the data-parallel sum of a weight's gradient is an all-reduce placed right after the backward matmul
-that makes it, in that matmul's output dtype: the dtype the weight enters the compute in. Casting the gradient
-afterwards (an identity with a custom VJP on the parameters: checked in the partitioned HLO) leaves the all-reduce
-in float32, and a cast of the cotangent where the weight enters the compute would also follow that matmul. This
-module takes the reduction out of GSPMD's hands instead: the gradient passes run under ``jax.shard_map`` with every
-mesh axis manual, so each device computes the gradient of its own share of the batch (all its micro-batches), with
-no collective; those partial gradients are cast to ``grad_dtype`` and summed over the batch axes with one ``psum``
-each (ZeRO-2: ``psum_scatter``, each device keeping its slice), then brought back to float32 for the optimizer.
-Loss and router statistics are summed in float32. Every axis manual means pure data parallelism (dp, zero1, zero2 on
-a mesh whose other axes are 1): FSDP splits the weights, and a tensor axis left automatic makes XLA:CPU's compiler
-abort on the bfloat16 all-reduce (its ``AllReducePromotion`` clones only a bare binary reducer).
+Under GSPMD the data-parallel sum of a weight's gradient is an all-reduce placed right after the backward matmul that
+makes it, inside the layer loop and in that matmul's output dtype, so with gradient accumulation every micro-batch pays
+a whole gradient sum (XLA's WhileLoopAllReduceCodeMotion does not lift it: the sum sits in the nested layer loop,
+written into the stacked gradients, not added to the accumulator). This module takes the sums over the *summed axes*,
+the batch axes no parameter is split over (data parallelism; under FSDP the replica axes across nodes: hybrid
+sharding), out of GSPMD's hands: each device group differentiates its own share of the batch (all its micro-batches,
+accumulated in float32) with no collective over those axes, and the groups' gradients are summed once, after the last
+micro-batch, in ``grad_dtype``, then brought back to float32 for the optimizer. Loss and router statistics are summed
+in float32. Two ways to keep the groups apart:
+
+- pure data parallelism (every mesh axis of more than one device summed): ``jax.shard_map`` with every axis manual,
+  one ``psum`` per gradient (ZeRO-2: ``psum_scatter``, each device keeping its slice). Narrower sums need this way: a
+  cast of a GSPMD gradient (even an identity with a custom VJP on the parameters) leaves its all-reduce in float32,
+  and an axis left automatic makes XLA:CPU's compiler abort on a bfloat16 all-reduce (its ``AllReducePromotion``
+  clones only a bare binary reducer);
+- otherwise the groups are a ``vmap`` dimension laid on the summed axes (``spmd_axis_name``), the other axes GSPMD's
+  (FSDP gathers and reduce-scatters, tensor parallelism, pipeline stages) under the rule set less the summed axes, and
+  the sum over that dimension is the one all-reduce. A ``shard_map`` manual over the summed axes only makes XLA's SPMD
+  partitioner abort (jax 0.10.2, CPU and GPU) once two automatic axes of more than one device (fsdp, tensor) carry
+  collectives; and jax cannot vmap ``ragged_dot``, so mixture-of-experts models keep GSPMD's sums there.
 
 XLA:CPU has no bfloat16 reduction: after partitioning it promotes every bfloat16 all-reduce to float32
 (``AllReducePromotion``), so the compiled CPU program carries float32 bytes; the program right after partitioning
@@ -30,17 +40,18 @@ from flax.core import spmd
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxtrain.errors import UserError
-from jaxtrain.partitioning import Rules, spec_axes
+from jaxtrain.partitioning import Rules, flax_rules, spec_axes
 
 
 @dataclasses.dataclass(frozen=True)
 class GradReduction:
-    """Over which mesh axes and in what dtype the gradient pass's partial sums are reduced."""
+    """Over which mesh axes and in what dtype the gradient passes' partial sums are reduced, once per step."""
 
     mesh: Mesh
-    batch_axes: tuple[str, ...]  # the rule set's batch axes: every mesh axis of more than one device is one of them
+    axes: tuple[str, ...]  # the summed batch axes: the batch axes no parameter is split over
     dtype: jnp.dtype
-    grad_specs: Any = None  # PartitionSpec per trained parameter where its gradient is kept split (ZeRO-2); None: whole
+    grad_specs: Any = None  # every axis manual: PartitionSpec per trained parameter where its gradient is kept split (ZeRO-2)
+    rules: Rules | None = None  # the rule set (the vmapped groups: the model's constraints on the other axes); None: all manual
 
     def _sum(self, g: jax.Array, spec: PartitionSpec) -> jax.Array:
         """The devices' partial ``g`` summed in ``dtype``: whole (all-reduce), or each device's slice of the dimension the
@@ -48,47 +59,97 @@ class GradReduction:
         narrow = g.astype(self.dtype)
         split = [(dim, entry) for dim, entry in enumerate(spec) if entry]
         if not split:
-            return jax.lax.psum(narrow, self.batch_axes).astype(g.dtype)
+            return jax.lax.psum(narrow, self.axes).astype(g.dtype)
         (dim, entry), = split
         return jax.lax.psum_scatter(narrow, entry, scatter_dimension=dim, tiled=True).astype(g.dtype)
+
+    def _inner_rules(self) -> tuple:
+        """The model's logical rules inside the groups' passes: no constraint names a summed axis (the groups' own)."""
+        if self.rules is None:
+            return ()
+        return flax_rules({logical: tuple(a for a in targets if a not in self.axes) or None if targets else None
+                           for logical, targets in self.rules.items()})
+
+    @property
+    def ways(self) -> int:
+        """How many device groups' gradients are summed."""
+        return math.prod(self.mesh.shape[a] for a in self.axes)
 
     def wrap(self, grad_fn: Callable) -> Callable:
         """``grad_fn(params, frozen, batch, counted, scale, key, share=) -> ((loss, stats), grads)``, the gradient passes
         of a whole batch (``share``: the part of the batch's value they make; ``key``: LoRA dropout's, or None), computed
-        per device on its share of the batch (every micro-batch of it) and summed over the batch axes in ``dtype`` once."""
-        ways = math.prod(self.mesh.shape[a] for a in self.batch_axes)
+        per device group on its share of the batch (every micro-batch of it, each group drawing its own dropout masks) and
+        summed over ``axes`` in ``dtype`` once. Each group's part is 1/ways of the batch's value, so the sum is the batch's."""
+        return self._wrap_manual(grad_fn) if self.rules is None else self._wrap_grouped(grad_fn)
+
+    def _wrap_grouped(self, grad_fn: Callable) -> Callable:
+        def grouped(params, frozen, batch, counted, scale, key):
+            groups = {name: x.reshape(self.ways, x.shape[0] // self.ways, *x.shape[1:]) for name, x in batch.items()}
+            keys = None if key is None else jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(self.ways))
+
+            def group_grads(group, group_key):
+                return grad_fn(params, frozen, group, counted, scale, group_key, share=1 / self.ways)
+
+            with spmd.logical_axis_rules(self._inner_rules()):
+                (loss, stats), grads = jax.vmap(group_grads, in_axes=(0, None if key is None else 0),
+                                                spmd_axis_name=self.axes)(groups, keys)
+            loss, stats = jax.tree.map(lambda x: x.sum(0), (loss, stats))
+            return (loss, stats), jax.tree.map(lambda g: g.astype(self.dtype).sum(0).astype(g.dtype), grads)
+
+        return grouped
+
+    def _wrap_manual(self, grad_fn: Callable) -> Callable:
         whole = PartitionSpec()
 
         def local(params, frozen, batch, counted, scale, key):
-            # every axis is manual here: the model's activation constraints have nothing left to split; each device's
-            # part is 1/ways of the batch's value, so summing the devices' parts gives the batch's
-            if key is not None:  # each device's rows draw their own dropout masks
-                key = jax.random.fold_in(key, jax.lax.axis_index(self.batch_axes))
-            with spmd.logical_axis_rules(()):
-                (loss, stats), grads = grad_fn(params, frozen, batch, counted, scale, key, share=1 / ways)
-            loss, stats = jax.lax.psum((loss, stats), self.batch_axes)
+            if key is not None:
+                key = jax.random.fold_in(key, jax.lax.axis_index(self.axes))
+            with spmd.logical_axis_rules(()):  # every axis is manual: the activation constraints have nothing left to split
+                (loss, stats), grads = grad_fn(params, frozen, batch, counted, scale, key, share=1 / self.ways)
+            loss, stats = jax.lax.psum((loss, stats), self.axes)
             specs = self.grad_specs if self.grad_specs is not None else jax.tree.map(lambda _: whole, grads)
             return (loss, stats), jax.tree.map(self._sum, grads, specs)
 
-        # every mesh axis manual: with axes left automatic the reducer carries their sharding annotations (see above)
         grad_specs = whole if self.grad_specs is None else self.grad_specs
         return jax.shard_map(local, mesh=self.mesh, check_vma=False, out_specs=(whole, grad_specs),
-                             in_specs=(whole, whole, PartitionSpec(self.batch_axes), whole, whole, whole))
+                             in_specs=(whole, whole, PartitionSpec(self.axes), whole, whole, whole))
 
 
-def grad_reduction(grad_dtype: str, rules_name: str, rules: Rules, mesh: Mesh, param_shardings: dict,
+def summed_once_per_step(grad_sync: str, microbatches: int, compute_dtype: str) -> bool:
+    """Whether ``optim.grad_sync`` sums the gradients once per step. ``auto``: when that moves fewer bytes than one sum per
+    micro-batch: the accumulated gradients are float32 (4 bytes), GSPMD's per-pass sums in the compute dtype, so from 2
+    micro-batches in float32, 3 in bfloat16. One micro-batch: GSPMD's sums, which overlap the backward pass."""
+    if microbatches == 1 or grad_sync == "microbatch":
+        return False
+    return grad_sync == "step" or microbatches * jnp.dtype(compute_dtype).itemsize > 4
+
+
+def grad_reduction(cfg, rules: Rules, mesh: Mesh, param_shardings: dict, frozen_shardings: dict | None,
                    grad_shardings: dict | None) -> GradReduction | None:
-    """The reduction ``optim.grad_dtype`` asks for; None for float32 (GSPMD's own, in the compute dtype).
-    ``grad_shardings``: where ZeRO-2 keeps the gradients split (None: whole, as the parameters)."""
-    if grad_dtype == "float32":
-        return None
+    """The reduction ``optim.grad_dtype`` and ``optim.grad_sync`` ask for; None for GSPMD's own (float32 sums in the
+    compute dtype, per micro-batch). ``grad_shardings``: where ZeRO-2 keeps the gradients split (None: whole, as the
+    parameters); ``frozen_shardings``: a LoRA run's base weights, whose split axes are not summed over either."""
     batch_axes = tuple(rules.get("activation_batch") or ())
-    split = sorted({a for s in jax.tree.leaves(param_shardings) for a in spec_axes(s.spec) if mesh.shape[a] > 1})
+    split = {a for s in jax.tree.leaves((param_shardings, frozen_shardings)) for a in spec_axes(s.spec) if mesh.shape[a] > 1}
+    summed = tuple(a for a in batch_axes if mesh.shape[a] > 1 and a not in split)
     other = sorted(a for a in mesh.axis_names if a not in batch_axes and mesh.shape[a] > 1)
-    if split or other:
-        raise UserError(f"optim.grad_dtype={grad_dtype} needs pure data parallelism (parameters whole on every device, every "
-                        f"mesh axis a batch axis), but rule set {rules_name} on mesh {dict(mesh.shape)} splits parameters "
-                        f"over {', '.join(split) or 'no axis'} and has other axes {', '.join(other) or 'none'}; use rules=dp, zero1 "
-                        f"or zero2 with a data-only mesh, or optim.grad_dtype=float32")
     specs = None if grad_shardings is None else jax.tree.map(lambda sharding: sharding.spec, grad_shardings)
-    return GradReduction(mesh, batch_axes, jnp.dtype(grad_dtype), specs)
+    grad_dtype = cfg.optim.grad_dtype
+    if grad_dtype != "float32":
+        if split or other:
+            raise UserError(f"optim.grad_dtype={grad_dtype} needs pure data parallelism (parameters whole on every device, every "
+                            f"mesh axis a batch axis), but rule set {cfg.rules} on mesh {dict(mesh.shape)} splits parameters "
+                            f"over {', '.join(sorted(split)) or 'no axis'} and has other axes {', '.join(other) or 'none'}; use rules=dp, "
+                            f"zero1 or zero2 with a data-only mesh, or optim.grad_dtype=float32")
+        return GradReduction(mesh, batch_axes, jnp.dtype(grad_dtype), specs)
+    if not summed or not summed_once_per_step(cfg.optim.grad_sync, cfg.train.microbatches, cfg.model.dtype):
+        return None
+    # every axis of more than one device summed: all manual, as bfloat16 sums need; else the others stay GSPMD's
+    pure = not (set(a for a in mesh.axis_names if mesh.shape[a] > 1) - set(summed))
+    if not pure and cfg.model.moe.num_experts:  # the groups are a vmap, and jax cannot vmap ragged_dot (dropless dispatch)
+        if cfg.optim.grad_sync == "auto":
+            return None
+        raise UserError(f"optim.grad_sync=step with a mixture-of-experts model (model.moe.num_experts={cfg.model.moe.num_experts}) "
+                        f"needs pure data parallelism, but rule set {cfg.rules} on mesh {dict(mesh.shape)} also splits over "
+                        f"{', '.join(sorted(split | set(other)))}; use optim.grad_sync=auto or microbatch")
+    return GradReduction(mesh, batch_axes if pure else summed, jnp.dtype(grad_dtype), specs, None if pure else rules)

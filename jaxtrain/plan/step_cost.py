@@ -6,12 +6,12 @@ reduce-scatter of N bytes over n devices moves N (n-1)/n per device, an all-redu
 NVLink when all its mesh axes sit inside a node and over the network otherwise:
 - FSDP: per micro-batch, each weight all-gathered over the batch axes it is split on, for the forward and
   again for the backward (compute dtype), and its gradient reduce-scattered;
-- data parallel: per micro-batch, each gradient all-reduced over the batch axes its weight is replicated on
-  (the accumulation across micro-batches adds reduced gradients: ``jaxtrain plan --hlo-report`` shows XLA
-  reducing inside the micro-batch loop);
-gradients travel in the dtype the weight is used in: the compute dtype for matmul weights, float32 for the
-norm scales (RMSNorm applies them in float32), as the compiled program shows; with optim.grad_dtype=bfloat16 every
-gradient travels in bfloat16 (jaxtrain/memory/grad_comm.py sums them so);
+- data parallel: each gradient all-reduced over the batch axes its weight is replicated on. Over the batch axes
+  no weight is split on, once per step after the last micro-batch when optim.grad_sync sums there
+  (jaxtrain/memory/grad_comm.py: float32, or optim.grad_dtype; not overlapped with compute); otherwise per
+  micro-batch, in GSPMD's backward pass (``jaxtrain plan --hlo-report`` shows XLA reducing inside the micro-batch
+  loop), where gradients travel in the dtype the weight is used in: the compute dtype for matmul weights, float32
+  for the norm scales (RMSNorm applies them in float32), as the compiled program shows;
 - ZeRO-2 (gradients split over batch axes their weight is replicated on): those reduced by a reduce-scatter,
   half an all-reduce; ZeRO-1/2 (optimizer state split so): each updated float32 weight all-gathered once per
   step over those axes;
@@ -80,20 +80,24 @@ class StepTime:
     communication_s: dict  # "fsdp", "data", "tensor" (and "pipeline" with stages, "expert" for a mixture of experts) -> seconds
     traffic_bytes: dict  # the same kinds -> bytes each device sends per step
     host_s: float = 0.0  # optim.offload: the optimizer state's (and master weights') round trip over PCIe
-    gradients: str = ""  # the dtype gradients are summed across devices in (optim.grad_dtype), as describe() says it
+    gradients: str = ""  # how and when gradients are summed across devices (optim.grad_dtype, grad_sync), as describe() says it
+    after_backward_s: float = 0.0  # the part of communication_s["data"] summed once after the last micro-batch: not overlapped
 
     @property
     def total_s(self) -> float:
         """Compute, plus the tensor-parallel all-reduces and host transfers, plus the overlapped traffic the compute
         cannot hide."""
         c = self.communication_s
-        return self.compute_s + c["tensor"] + c.get("pipeline", 0.0) + c.get("expert", 0.0) + self.host_s + max(0.0, c["fsdp"] + c["data"] - self.compute_s)
+        overlapped = c["fsdp"] + c["data"] - self.after_backward_s
+        return (self.compute_s + c["tensor"] + c.get("pipeline", 0.0) + c.get("expert", 0.0) + self.host_s + self.after_backward_s
+                + max(0.0, overlapped - self.compute_s))
 
     def describe(self) -> str:
         parts = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in self.communication_s.items() if seconds >= 0.005)
         host = f"; host transfer {1e3 * self.host_s:.0f} ms" if self.host_s else ""
+        after = f" but the {1e3 * self.after_backward_s:.0f} ms of gradient sums after the backward" if self.after_backward_s >= 0.0005 else ""
         return (f"{self.total_s:.2f} s on {self.gpu} (compute {self.compute_s:.2f} s at {100 * ASSUMED_MFU:.0f}% MFU"
-                + (f"; communication {parts}, fsdp and data overlapped with compute" if parts else "") + host
+                + (f"; communication {parts}, fsdp and data overlapped with compute{after}" if parts else "") + host
                 + (f"; gradients summed in {self.gradients}" if self.gradients else "") + ")")
 
 
@@ -121,7 +125,9 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         placed = x.update(sharding=sharding)
         return gathered_elements(placed, batch_axes) // elements_per_device(placed)
 
-    grad_bytes = layout.grad_reduction.dtype.itemsize if layout.grad_reduction is not None else 0
+    reduction = layout.grad_reduction  # the sums once per step, over its axes (optim.grad_sync, grad_dtype)
+    summed_ways = 1 if reduction is None else math.prod(layout.mesh.shape[a] for a in reduction.axes)
+    after_backward = 0.0
     for x, axes, grad_sharding, moment_sharding in zip(jax.tree.leaves(params), logical, jax.tree.leaves(layout.gradient_shardings()),
                                                         jax.tree.leaves(layout.optimizer_shardings())):
         # an expert's weights live on its own devices: no gather or gradient reduction over the expert axes
@@ -129,10 +135,13 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         local, gathered = elements_per_device(x), gathered_elements(x, gather_axes(layout.rules, axes))
         split = gathered // local
         replicated = batch_ways // (split * (expert_ways if own else 1))
-        grad = grad_bytes or (4 if "norm" in axes else act)
+        grad = 4 if "norm" in axes else act
         fsdp += k * gathered * (2 * act + grad) * (split - 1) / split
         reductions = 1 if ways(x, grad_sharding) > split else 2  # reduce-scatter (ZeRO-2) or all-reduce
-        data += k * reductions * local * grad * (replicated - 1) / replicated
+        per_pass = replicated // summed_ways  # the replicas summed in every pass's backward, the rest once a step
+        data += k * reductions * local * grad * (per_pass - 1) / per_pass
+        if reduction is not None:
+            after_backward += reductions * local * reduction.dtype.itemsize * (summed_ways - 1) / summed_ways
         optimizer_split = ways(x, moment_sharding) // split
         data += local * x.dtype.itemsize * (optimizer_split - 1) / optimizer_split  # ZeRO-1/2: the updated weights gathered
         used = spec_axes(x.sharding.spec)
@@ -153,6 +162,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
 
     offloaded = (layout.abstract_state().opt_state, params if offloads_master_weights(m) else {})  # optim.offload: each way per step
     host = 2 * bytes_per_device(offloaded) / PCIE_BYTES_PER_S[name] if cfg.optim.offload else 0.0
+    data += after_backward
     communication = {"fsdp": seconds(fsdp, fsdp_axes), "data": seconds(data, data_axes),
                      "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ())}
     traffic = {"fsdp": fsdp, "data": data, "tensor": tensor}
@@ -166,6 +176,9 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         all_to_alls = k * m.num_layers * (4 + 2 * (m.remat == "full"))
         traffic["expert"] = all_to_alls * sequences * seq * routed * m.d_model * act * (expert_ways - 1) / expert_ways
         communication["expert"] = seconds(traffic["expert"], expert_axes)
-    gradients = str(layout.grad_reduction.dtype) if layout.grad_reduction is not None else \
-        m.dtype + (" (norm scales float32)" if m.dtype != "float32" else "")
-    return StepTime(name, compute, communication, traffic, host, gradients)
+    if reduction is None:
+        gradients = m.dtype + (" (norm scales float32)" if m.dtype != "float32" else "") + (" in every micro-batch" if k > 1 else "")
+    else:
+        gradients = f"{reduction.dtype} once per step over {', '.join(a for a in reduction.axes if layout.mesh.shape[a] > 1)}"
+    return StepTime(name, compute, communication, traffic, host, gradients,
+                    seconds(after_backward, reduction.axes) if reduction is not None else 0.0)
