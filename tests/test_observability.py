@@ -94,6 +94,10 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     # model.scan_layers=auto on CPUs: the compiled step has no loop (no micro-batches either here)
     assert summary["layers"] == "unrolled" and " while(" not in trainer.train_step.as_text()
     assert summary["global_batch_tokens"] == 128 and summary["flops_per_token"] == hand_flops
+    assert summary["grad_sync"] == "microbatch"  # one micro-batch: GSPMD's sums, overlapped with the backward
+    synced = lambda sync: format_summary(summary | {"microbatches": 4, "grad_sync": sync})  # noqa: E731
+    assert "4 micro-batch(es), gradients summed across the batch shards once per step;" in synced("step")
+    assert "in every micro-batch" in synced("microbatch") and "gradients summed" not in format_summary(summary)
     assert summary["peak_flops_per_device"] == PEAK_TFLOPS * 1e12 and summary["compile_s"] > 0
     # fsdp_tp shards every matrix 4 ways (fsdp x tensor); float32, and AdamW keeps two moments per parameter
     assert num_params / 4 <= summary["params_per_device"] < num_params / 2

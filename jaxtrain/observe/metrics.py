@@ -112,6 +112,7 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
         "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": layout.tokens_per_step,
         "microbatches": cfg.train.microbatches, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
+        "grad_sync": "microbatch" if layout.grad_reduction is None else "step",  # optim.grad_sync as resolved (auto)
         "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(compile_s, 3),
         "compile_cache": compile_cache, "data": data, "cpu_devices_per_core": cpu_devices_per_core(),
         # on CPUs: the malloc and whether it keeps XLA:CPU's step buffers mapped (memory/host_malloc.py); null on accelerators
@@ -139,7 +140,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  parameters {s['params']:,} ({s['params_per_device']:,} per device); per device: params "
         f"{s['param_bytes_per_device'] / GIB:.3g} GiB, optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB",
         f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "
-        f"{s['microbatches']} micro-batch(es); {s['flops_per_token']:.4g} FLOPs per token",
+        f"{s['microbatches']} micro-batch(es)"
+        + (f", gradients summed across the batch shards {'once per step' if s['grad_sync'] == 'step' else 'in every micro-batch'}"
+           if s["microbatches"] > 1 else "") + f"; {s['flops_per_token']:.4g} FLOPs per token",
         f"  peak for MFU {peak} per device ({s['peak_source']}); train step compiled in {s['compile_s']:.1f}s "
         f"({describe_cache(s['compile_cache'])})",
         f"  data: {s['data']}",
