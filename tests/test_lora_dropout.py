@@ -92,14 +92,17 @@ def test_resume_with_dropout_is_exact_and_the_export_carries_it(corpus, tmp_path
     assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == DROPOUT
 
 
-@pytest.mark.parametrize("setup", ["grad_bfloat16", "pipeline"])
-def test_dropout_acts_under_bfloat16_gradient_sums_and_pipeline_stages_and_resumes_exactly(setup, corpus, tmp_path):
+@pytest.mark.parametrize("setup", ["grad_bfloat16", "grad_sync_step", "pipeline"])
+def test_dropout_acts_under_once_per_step_gradient_sums_and_pipeline_stages_and_resumes_exactly(setup, corpus, tmp_path):
     """optim.grad_dtype=bfloat16 runs the passes under shard_map (jaxtrain/memory/grad_comm.py; each batch shard
-    folds in its index); pipeline stages slice each layer's key with its weights (models/pipeline.py). Either way
-    the dropout key reaches the layers, so dropout acts, and a resumed run redraws the same masks."""
+    folds in its index), optim.grad_sync=step on fsdp_tp in a vmap over the data groups (each group folds in its
+    index); pipeline stages slice each layer's key with its weights (models/pipeline.py). Either way the dropout key
+    reaches the layers, so dropout acts, and a resumed run redraws the same masks."""
     if setup == "grad_bfloat16":
         cfg = with_(lora_config(init_std=0.3, mesh=(8, 1, 1)), optim={"grad_dtype": "bfloat16"},
                     train={"microbatches": 2, "global_batch": 16})
+    elif setup == "grad_sync_step":
+        cfg = with_(lora_config(init_std=0.3), optim={"grad_sync": "step"}, train={"microbatches": 2, "global_batch": 16})
     else:  # 4 stages x 2 repeats x 1 layer, 4 micro-batches in flight, over data 2
         cfg = dataclasses.replace(lora_config(init_std=0.3, mesh=(2, 1, 1, 4), num_layers=8,
                                               pipeline=PipelineConfig(microbatches=4, repeats=2)), rules="pp_dp")
