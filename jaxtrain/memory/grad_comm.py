@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax.core import spmd
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.partitioning import Rules, flax_rules, spec_axes
 
@@ -124,7 +125,7 @@ def summed_once_per_step(grad_sync: str, microbatches: int, compute_dtype: str) 
     return grad_sync == "step" or microbatches * jnp.dtype(compute_dtype).itemsize > 4
 
 
-def grad_reduction(cfg, rules: Rules, mesh: Mesh, param_shardings: dict, frozen_shardings: dict | None,
+def grad_reduction(cfg: Config, rules: Rules, mesh: Mesh, param_shardings: dict, frozen_shardings: dict | None,
                    grad_shardings: dict | None) -> GradReduction | None:
     """The reduction ``optim.grad_dtype`` and ``optim.grad_sync`` ask for; None for GSPMD's own (float32 sums in the
     compute dtype, per micro-batch). ``grad_shardings``: where ZeRO-2 keeps the gradients split (None: whole, as the

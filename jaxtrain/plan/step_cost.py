@@ -126,7 +126,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         return gathered_elements(placed, batch_axes) // elements_per_device(placed)
 
     reduction = layout.grad_reduction  # the sums once per step, over its axes (optim.grad_sync, grad_dtype)
-    summed_ways = 1 if reduction is None else math.prod(layout.mesh.shape[a] for a in reduction.axes)
+    summed_ways = 1 if reduction is None else reduction.ways
     after_backward = 0.0
     for x, axes, grad_sharding, moment_sharding in zip(jax.tree.leaves(params), logical, jax.tree.leaves(layout.gradient_shardings()),
                                                         jax.tree.leaves(layout.optimizer_shardings())):
