@@ -9,12 +9,9 @@ a collective is a memory copy, so the step time shows the cost of the restructur
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 
-from bench_memory import MIB, MODEL
+from bench_memory import MIB, MODEL, interleaved_step_times
 from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig
 from jaxtrain.layout import peak_bytes
 from jaxtrain.plan import hlo_report
@@ -38,10 +35,10 @@ def _config(rules, mesh, grad_sync) -> Config:
 
 
 def run() -> dict:
-    from bench_perf import fixed_batch, random_corpus
+    from bench_perf import random_corpus
 
     corpus = random_corpus(MODEL.vocab_size, tokens=200_000)
-    trainers, states, batches, rows = {}, {}, {}, {}
+    trainers, rows = {}, {}
     for layout, (rules, mesh) in LAYOUTS.items():
         for sync in ("microbatch", "step"):
             name = f"{layout}_{sync}"
@@ -49,18 +46,9 @@ def run() -> dict:
             assert (trainer.layout.grad_reduction is not None) == (sync == "step"), name
             rows[name] = {"data_sums_mib": data_sum_bytes(trainer) / MIB,
                           "compiled_peak_mib": peak_bytes(trainer.train_step.memory_analysis()) / MIB}
-            trainers[name], states[name], batches[name] = trainer, trainer.init_state(), fixed_batch(trainer)
-            states[name], _ = trainer.train_step(states[name], batches[name])  # warm-up
-    jax.block_until_ready(states)
-    times = {name: [] for name in trainers}
-    for _ in range(STEPS):
-        for name, trainer in trainers.items():
-            start = time.perf_counter()
-            states[name], metrics = trainer.train_step(states[name], batches[name])
-            jax.block_until_ready(metrics)
-            times[name].append(time.perf_counter() - start)
-    for name in trainers:
-        rows[name]["step_s"] = statistics.median(times[name])
+            trainers[name] = trainer
+    for name, step_s in interleaved_step_times(trainers, STEPS).items():
+        rows[name]["step_s"] = step_s
     ratios = {layout: {"data_sums_microbatch_over_step": rows[f"{layout}_microbatch"]["data_sums_mib"] / rows[f"{layout}_step"]["data_sums_mib"],
                        "step_time_step_over_microbatch": rows[f"{layout}_step"]["step_s"] / rows[f"{layout}_microbatch"]["step_s"]}
               for layout in LAYOUTS}

@@ -71,16 +71,36 @@ def gradient_reduction_bytes(trainer) -> dict[str, int]:
     return out
 
 
+def interleaved_step_times(trainers: dict, steps: int) -> dict[str, float]:
+    """Median step time of each trainer: a fresh state and a fixed batch each, one warm-up step, then ``steps`` rounds of
+    one step of each in turn, so the ratios between them share the machine's load."""
+    from bench_perf import fixed_batch
+
+    states = {name: trainer.init_state() for name, trainer in trainers.items()}
+    batches = {name: fixed_batch(trainer) for name, trainer in trainers.items()}
+    for name, trainer in trainers.items():
+        states[name], _ = trainer.train_step(states[name], batches[name])  # warm-up
+    jax.block_until_ready(states)
+    times = {name: [] for name in trainers}
+    for _ in range(steps):
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            states[name], metrics = trainer.train_step(states[name], batches[name])
+            jax.block_until_ready(metrics)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _config(rules, mesh, model, optim) -> Config:
     return Config(model=dataclasses.replace(MODEL, **model), data=DataConfig(seq_len=64), train=TrainConfig(steps=100, global_batch=8),
                   optim=OptimConfig(**optim), log=LogConfig(progress=False), mesh=MeshConfig(ici=AxisSizes(*mesh)), rules=rules)
 
 
 def run() -> dict:
-    from bench_perf import fixed_batch, random_corpus
+    from bench_perf import random_corpus
 
     corpus = random_corpus(MODEL.vocab_size, tokens=200_000)
-    trainers, states, batches, rows = {}, {}, {}, {}
+    trainers, rows = {}, {}
     for name, (rules, mesh, model, optim, stage) in VARIANTS.items():
         trainer = build(_config(rules, mesh, model, optim), corpus, jax.devices()[:DEVICES])
         memory = trainer.train_step.memory_analysis()
@@ -102,22 +122,13 @@ def run() -> dict:
         }
         if name in GRADIENT_BYTES:
             rows[name] |= {f"gradient_sums_{dtype}_mib": n / MIB for dtype, n in gradient_reduction_bytes(trainer).items()}
-        trainers[name], states[name], batches[name] = trainer, trainer.init_state(), fixed_batch(trainer)
-        states[name], _ = trainer.train_step(states[name], batches[name])  # warm-up
-    jax.block_until_ready(states)
-    times = {name: [] for name in VARIANTS}
-    for _ in range(STEPS):
-        for name, trainer in trainers.items():
-            start = time.perf_counter()
-            states[name], metrics = trainer.train_step(states[name], batches[name])
-            jax.block_until_ready(metrics)
-            times[name].append(time.perf_counter() - start)
+        trainers[name] = trainer
+    times = interleaved_step_times(trainers, STEPS)
     # ZeRO-2's gradients split: the temporaries it saves against ZeRO-1, beside the formula's gradient terms
     saved = rows["zero1"]["compiled_temp_mib"] - rows["zero2"]["compiled_temp_mib"]
     rows["zero2"]["gradient_saving_vs_formula"] = saved / (rows["zero1"]["formula_gradients_mib"] - rows["zero2"]["formula_gradients_mib"]) - 1
-    base = statistics.median(times["dp"])
     for name in VARIANTS:
-        rows[name] |= {"step_s": statistics.median(times[name]), "step_vs_dp": statistics.median(times[name]) / base}
+        rows[name] |= {"step_s": times[name], "step_vs_dp": times[name] / times["dp"]}
     return {"memory_techniques": {"model_params": trainers["dp"].layout.spec.num_params, "devices": DEVICES,
                                   "rows": {k: {m: round(v, 4) for m, v in r.items()} for k, r in rows.items()}}}
 
