@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, run_cli, small_config, with_
+from conftest import REPO, run_cli, small_config, subprocess_env, with_
 from jaxtrain.observe import metrics as metrics_lib
 from jaxtrain.observe import step_profile
 from jaxtrain import train as train_lib
@@ -57,6 +59,18 @@ def two_runs(trainer, tmp_path_factory):
     profiled = _loop_config(trainer, log={"profile_steps": "3:4"})
     train_lib.train(profiled.cfg, second, profiled)
     return first, second
+
+
+def test_tensorboard_writer_loads_without_torch_and_torch_still_imports_after(tmp_path):
+    """torch is installed here (the test extra), so a plain tensorboardX import would load it."""
+    script = (f"import sys; from jaxtrain.observe.metrics import tensorboard_writer_class; "
+              f"w = tensorboard_writer_class()({str(tmp_path)!r}); w.add_scalar('train/loss', 2.5, 1); w.close(); "
+              "print('torch' in sys.modules); import torch; print(torch.ones(1).item())")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+    assert result.stdout.split() == ["False", "1.0"], result.stderr[-2000:]
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.5)]
 
 
 def test_records_tensorboard_and_summary(two_runs, trainer):
