@@ -30,6 +30,10 @@ CHECKPOINTS_DIR = "checkpoints"
 QUARANTINE_DIR = "unreadable_checkpoints"  # beside checkpoints/, so Orbax never lists them again
 PREEMPTED_EXIT_STATUS = 143  # 128 + SIGTERM, what schedulers expect from a job that stopped on SIGTERM
 _TMP_MARK = ".orbax-checkpoint-tmp"
+# Replicas of a large array (data-parallel copies across hosts) still share its writing; a small one is written by one
+# replica. Saving the tiny model's state on 8 CPU devices: first save 6.0 -> 0.3 s, later ones 0.45 -> 0.23 s
+# (2026-12-03, 2-core Intel Xeon VM).
+REPLICA_SLICE_MIN_BYTES = 1 << 20
 
 
 class Preempted(Exception):
@@ -91,6 +95,17 @@ def check_same_shapes(saved_metadata, abstract_state, where: str) -> None:
                 f"{wanted.get(name, 'absent')} in this config; use the model config of that run or a new --run-dir")
 
 
+def _state_type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
+    """Orbax's standard handlers, with jax arrays split between their replicas for writing only where each replica's
+    part is at least REPLICA_SLICE_MIN_BYTES: Orbax slices a replicated shard on its device, one small program per
+    shape and device, which for norm scales and small models costs more than it saves (below). No per-array metadata
+    files: Orbax keeps them for typed PRNG keys, and the train state holds none."""
+    arrays = ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_SLICE_MIN_BYTES)
+    return ocp.type_handlers.create_type_handler_registry(
+        *((kind, arrays if kind is jax.Array else ocp.type_handlers.get_type_handler(kind))
+          for kind in ocp.type_handlers.supported_types()))
+
+
 def _manager(directory: Path, cfg: CheckpointConfig | None) -> ocp.CheckpointManager:
     """The run's own manager (``cfg``), or, without ``cfg``, one that only reads."""
     if cfg is None:
@@ -101,7 +116,8 @@ def _manager(directory: Path, cfg: CheckpointConfig | None) -> ocp.CheckpointMan
             save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(cfg.every),
             max_to_keep=cfg.keep, keep_period=cfg.keep_every or None,
             enable_async_checkpointing=cfg.async_save, create=True)
-    handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_state_type_handlers()),
+                "data": grain.checkpoint.CheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=handlers)
 
 

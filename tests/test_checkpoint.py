@@ -209,3 +209,32 @@ def test_unwritable_checkpoint_directory_is_one_line_error(tmp_path):
     assert status == 2 and len(lines) == 1, lines
     assert lines[0].startswith("jaxtrain: error: checkpoint directory") and "is not writable" in lines[0]
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_replicas_share_the_writing_of_large_arrays_only(tmp_path):
+    """Orbax splits a replicated array's writing between its replicas by slicing it on each device, compiling a
+    program per shape and device; below REPLICA_SLICE_MIN_BYTES a part, one replica writes the array whole."""
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(jax.make_mesh((8,), ("data",)), PartitionSpec())
+    parts = {"small": 8 * checkpoint_lib.REPLICA_SLICE_MIN_BYTES // 4 - 8, "large": 8 * checkpoint_lib.REPLICA_SLICE_MIN_BYTES // 4}
+    compiles = []
+
+    def listen(event, _, **__):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    for name, elements in parts.items():  # float32 elements: 8 parts of just under / exactly the threshold
+        tree = {name: jax.device_put(np.arange(elements, dtype=np.float32), replicated)}
+        before = len(compiles)
+        manager = checkpoint_lib._manager(tmp_path / name, dataclasses.replace(checkpoint_lib.CheckpointConfig(), async_save=False))
+        manager.save(1, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree)), force=True)
+        manager.wait_until_finished()
+        parts[name] = len(compiles) - before
+        restored = manager.restore(1, args=ocp.args.Composite(state=checkpoint_lib._state_restore(tree))).state
+        assert np.array_equal(np.asarray(restored[name]), np.asarray(tree[name]))
+        manager.close()
+    jax.monitoring.unregister_event_duration_listener(listen)
+    assert parts["small"] == 0 and parts["large"] >= 8, parts  # the large one: a slice per device
