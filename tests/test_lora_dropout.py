@@ -15,7 +15,7 @@ from flax.core import spmd
 from conftest import with_
 from jaxtrain import cli
 from jaxtrain.adapt import lora as lora_lib
-from jaxtrain.layout import compile_train_step, make_layout
+from jaxtrain.layout import make_layout
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.train import build, train
 from models.config import LoraConfig, PipelineConfig
@@ -63,56 +63,55 @@ def _decoded(model, tokens):
     return model.logits(model.extend(tokens[:, -1:], cache)[0])
 
 
-def test_dropout_changes_the_training_gradients(corpus):
-    cfg = lora_config(init_std=0.3, mesh=(1, 1, 1))
-    tokens = corpus.train[:8 * 17].reshape(8, 17)
-    metrics = []
-    for c in (cfg, with_dropout(cfg)):
-        layout = make_layout(c, jax.devices()[:1])
-        state = lora_lib.load_base(layout, None).start_state(layout)
-        state = state.replace(params=_randomise_adapters(state.params))  # B != 0: gradients reach A through the dropped inputs
-        batch = {k: jax.device_put(v, layout.batch_sharding) for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
-        metrics.append(jax.device_get(compile_train_step(layout)[0][0](state, batch)[1]))
-    assert abs(metrics[1]["grad_norm"] - metrics[0]["grad_norm"]) > 1e-3 * metrics[0]["grad_norm"], metrics
-    assert metrics[1]["loss"] != metrics[0]["loss"]
-
-
-def test_resume_with_dropout_is_exact_and_the_export_carries_it(corpus, tmp_path):
-    cfg = with_(with_dropout(lora_config(init_std=0.3)), train={"microbatches": 2})  # a key per micro-batch too
+def _train_beside_undropped_losses(cfg, corpus, run_dir):
+    """Train, evaluating before each step the same parameters on the same batch with the eval step, which never
+    drops: (final state, the losses the train step reported, the undropped losses)."""
     trainer = build(cfg, corpus)
-    straight = train(cfg, tmp_path / "straight", trainer)
-    resumed_dir = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "straight", resumed_dir)
-    shutil.rmtree(resumed_dir / "checkpoints" / "4")
-    resumed = train(cfg, resumed_dir, build(cfg, corpus))  # steps 3 and 4 again, after a restart (a new compiled step)
-    assert _tree_equal(resumed.params, straight.params) and _tree_equal(resumed.opt_state, straight.opt_state)
+    undropped = []
 
-    out = tmp_path / "adapter"
-    assert cli.main(["export-hf", str(tmp_path / "straight"), "--out", str(out), "--adapter-only", "--mesh", "cpu8"]) == 0
-    assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == DROPOUT
+    def step(state, batch):
+        nll, count = trainer.eval_step(state.model_params, batch)
+        undropped.append(float(nll) / float(count))  # read before the train step donates the parameters
+        return trainer.train_step(state, batch)
+
+    final = train(cfg, run_dir, dataclasses.replace(trainer, train_step=step))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return final, [r["loss"] for r in records if "loss" in r], undropped
 
 
-@pytest.mark.parametrize("setup", ["grad_bfloat16", "grad_sync_step", "pipeline"])
-def test_dropout_acts_under_once_per_step_gradient_sums_and_pipeline_stages_and_resumes_exactly(setup, corpus, tmp_path):
-    """optim.grad_dtype=bfloat16 runs the passes under shard_map (jaxtrain/memory/grad_comm.py; each batch shard
-    folds in its index), optim.grad_sync=step on fsdp_tp in a vmap over the data groups (each group folds in its
-    index); pipeline stages slice each layer's key with its weights (models/pipeline.py). Either way the dropout key
-    reaches the layers, so dropout acts, and a resumed run redraws the same masks."""
-    if setup == "grad_bfloat16":
-        cfg = with_(lora_config(init_std=0.3, mesh=(8, 1, 1)), optim={"grad_dtype": "bfloat16"},
-                    train={"microbatches": 2, "global_batch": 16})
-    elif setup == "grad_sync_step":
-        cfg = with_(lora_config(init_std=0.3), optim={"grad_sync": "step"}, train={"microbatches": 2, "global_batch": 16})
-    else:  # 4 stages x 2 repeats x 1 layer, 4 micro-batches in flight, over data 2
-        cfg = dataclasses.replace(lora_config(init_std=0.3, mesh=(2, 1, 1, 4), num_layers=8,
-                                              pipeline=PipelineConfig(microbatches=4, repeats=2)), rules="pp_dp")
-    losses = []
-    for c in (cfg, with_dropout(cfg)):
-        run_dir = tmp_path / f"dropout-{c.model.lora.dropout}"
-        final = train(c, run_dir, build(c, corpus))
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        losses.append([r["loss"] for r in records if "loss" in r])
-    assert losses[1] != losses[0]  # the masks reached the layers
+SETUPS = {
+    # GSPMD's sums in the one pass; the PEFT export
+    "one_pass": lambda: lora_config(init_std=0.3),
+    # a vmap over the data groups, each folding in its index (jaxtrain/memory/grad_comm.py); a key per micro-batch
+    "grad_sync_step": lambda: with_(lora_config(init_std=0.3), optim={"grad_sync": "step"},
+                                    train={"microbatches": 2, "global_batch": 16}),
+    # the passes under shard_map, each batch shard folding in its index
+    "grad_bfloat16": lambda: with_(lora_config(init_std=0.3, mesh=(8, 1, 1)), optim={"grad_dtype": "bfloat16"},
+                                   train={"microbatches": 2, "global_batch": 16}),
+    # 4 stages x 2 repeats x 1 layer, 4 micro-batches in flight, over data 2: each layer's key sliced with its weights
+    # (models/pipeline.py)
+    "pipeline": lambda: dataclasses.replace(lora_config(init_std=0.3, mesh=(2, 1, 1, 4), num_layers=8,
+                                                        pipeline=PipelineConfig(microbatches=4, repeats=2)), rules="pp_dp"),
+}
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_dropout_changes_the_training_losses_and_resumes_exactly(setup, corpus, tmp_path):
+    """However the passes are split, the dropout key reaches the layers: from the second step (the first update
+    makes B non-zero) the train step's loss differs from the undropped loss of the same parameters and batch; at
+    the first (B = 0: dropout cannot act) the two agree, which checks the comparison. A resumed run redraws the
+    same masks (keys from the run's seed and the step)."""
+    cfg = with_dropout(SETUPS[setup]())
+    run_dir = tmp_path / "run"
+    final, reported, undropped = _train_beside_undropped_losses(cfg, corpus, run_dir)
+    assert len(reported) == len(undropped) == 4
+    np.testing.assert_allclose(reported[0], undropped[0], rtol=1e-5)
+    assert all(abs(r - u) > 1e-3 * u for r, u in zip(reported[1:], undropped[1:])), (reported, undropped)
+
     shutil.rmtree(run_dir / "checkpoints" / "4")
-    resumed = train(c, run_dir, build(c, corpus))
+    resumed = train(cfg, run_dir, build(cfg, corpus))  # steps 3 and 4 again, after a restart (a new compiled step)
     assert _tree_equal(resumed.params, final.params) and _tree_equal(resumed.opt_state, final.opt_state)
+    if setup == "one_pass":
+        out = tmp_path / "adapter"
+        assert cli.main(["export-hf", str(run_dir), "--out", str(out), "--adapter-only", "--mesh", "cpu8"]) == 0
+        assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == DROPOUT
