@@ -1,12 +1,17 @@
-"""Every validation error: exit status 2, one line on stderr, no traceback, no run directory."""
+"""Every validation error: exit status 2, one line on stderr, no traceback, no run directory. The cases run
+`jaxtrain train` in the test's process (an interpreter and jax's import saved per case); the last three run the
+command's entry point in a process of their own."""
 
+import os
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import yaml
 
 from conftest import REPO, run_cli
+from jaxtrain import cli
 
 FAST = ["train.steps=1", "log.progress=false"]
 PIPELINE = ["--rules", "pp_fsdp_tp", "mesh.ici.data=1", "mesh.ici.stage=2"]  # stage 2 x fsdp 2 x tensor 2
@@ -37,8 +42,6 @@ def _random_bytes(path: Path) -> Path:
 
 
 CASES = {
-    "mesh size differs from device count": (lambda t: ["--devices", "4"],
-                                            "the mesh has 8 devices (data 2 x fsdp 2 x tensor 2) but 4 device(s) are present"),
     "rule names a missing mesh axis": (lambda t: ["--rules", _rules_file(t, embed="pipeline")],
                                        "'embed' maps to mesh axis 'pipeline', which the mesh does not have"),
     "parameter axis without rule": (lambda t: ["--rules", _rules_file(t, mlp=...)],
@@ -89,28 +92,47 @@ CASES = {
 }
 
 
+def _one_line_error(status, stderr: str) -> str:
+    """The error line of a command that must fail with exit status 2 and that one line."""
+    assert status == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxtrain: error: "), stderr
+    return lines[0]
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_validation_error(case, tmp_path):
+def test_validation_error(case, tmp_path, monkeypatch, capsys):
     make_args, message = CASES[case]
     run_dir = tmp_path / "run"
-    result = run_cli("train", "tiny", "--run-dir", str(run_dir), *FAST, *make_args(tmp_path), cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("jaxtrain: error: ") and message in lines[0], lines[0]
+    monkeypatch.chdir(tmp_path)
+    jax.devices()  # the test's 8 devices started, whatever device count the command asks XLA for
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # which it writes there
+    try:
+        status = cli.main(["train", "tiny", "--run-dir", str(run_dir), *FAST, *make_args(tmp_path)])
+    except SystemExit as e:  # argparse's errors
+        status = e.code
+    assert message in _one_line_error(status, capsys.readouterr().err)
     assert not run_dir.exists()
+
+
+def test_mesh_size_differs_from_the_device_count(tmp_path):
+    """In a process of its own: --devices sets how many devices jax starts with, once a process."""
+    result = run_cli("train", "tiny", "--run-dir", str(tmp_path / "run"), *FAST, "--devices", "4", cwd=tmp_path)
+    assert "the mesh has 8 devices (data 2 x fsdp 2 x tensor 2) but 4 device(s) are present" in \
+        _one_line_error(result.returncode, result.stderr)
+    assert not (tmp_path / "run").exists()
 
 
 def test_unknown_experiment(tmp_path):
     result = run_cli("train", "nonexistent", cwd=tmp_path)
-    assert result.returncode == 2 and "unknown experiment 'nonexistent'; available: " in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
+    assert "unknown experiment 'nonexistent'; available: " in _one_line_error(result.returncode, result.stderr)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_run_dir_that_is_a_file(tmp_path):
     not_a_dir = tmp_path / "run"
     not_a_dir.write_text("notes")
     result = run_cli("train", "tiny", "--run-dir", str(not_a_dir), *FAST, cwd=tmp_path)
-    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        f"jaxtrain: error: --run-dir {not_a_dir} is an existing file, not a directory; give a new or existing run directory"]
+    assert _one_line_error(result.returncode, result.stderr) == \
+        f"jaxtrain: error: --run-dir {not_a_dir} is an existing file, not a directory; give a new or existing run directory"
     assert not_a_dir.read_text() == "notes" and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
