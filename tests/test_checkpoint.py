@@ -1,5 +1,6 @@
-"""Checkpoints with real processes and real files: exact resume after SIGTERM, SIGKILL during an
-async save, a corrupted checkpoint, a full disk, resharding onto other meshes, --init-from."""
+"""Checkpoints with real processes and real files: exact resume after SIGTERM, on one process and on two (gloo,
+coordinator on 127.0.0.1), SIGKILL during an async save, a corrupted checkpoint, a full disk, resharding onto other
+meshes, --init-from."""
 
 import dataclasses
 import json
@@ -23,7 +24,8 @@ from jaxtrain.train import build, train
 
 STEPS = 16
 ARGS = [f"train.steps={STEPS}", "log.every=1", "train.eval_batches=1", "train.global_batch=8", "data.seq_len=32",
-        "model.num_layers=2", "model.d_model=64", "model.num_kv_heads=4", "log.progress=false", "checkpoint.every=2", "checkpoint.keep=3"]
+        "model.num_layers=2", "model.d_model=64", "model.num_kv_heads=4", "log.progress=false", "checkpoint.every=2", "checkpoint.keep=3",
+        "log.peak_tflops=1"]  # no CPU matmul benchmark at each start: MFU is not what these runs test
 
 
 def _start(run_dir, *extra, limit_file_size=None):
@@ -101,6 +103,31 @@ def test_sigterm_at_several_steps_then_resume_is_bit_identical(reference, tmp_pa
     assert _start(run_dir).wait(timeout=300) == 0, _stderr(run_dir)[-3000:]
     assert _losses(run_dir) == _losses(ref_dir)  # every step once, same float32 bits
     _assert_identical(_state(run_dir, cfg)[0], _state(ref_dir, cfg)[0])
+
+
+def _launch_two_processes(run_dir):
+    """The reference run's command on 2 processes x 4 simulated CPU devices: the same 8-device mesh (cpu2x4: data
+    across the processes)."""
+    return subprocess.Popen([sys.executable, str(REPO / "scripts" / "launch_local.py"), "--num-processes", "2", "--devices", "4",
+                             "--", sys.executable, "-m", "jaxtrain.cli", "train", "tiny", "--mesh", "cpu2x4",
+                             "--run-dir", str(run_dir), *ARGS],
+                            cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=open(f"{run_dir}.stderr", "a"))
+
+
+def test_two_processes_match_one_process_through_preemption(reference, tmp_path):
+    """SIGTERM to the launcher reaches both processes, which agree on the step to stop at (jax's preemption sync
+    point), save and exit 143; the same command resumes, and the losses are one process's."""
+    run_dir = tmp_path / "multi"
+    status = _signal_after_step(_launch_two_processes(run_dir), run_dir, 2)
+    assert status == checkpoint_lib.PREEMPTED_EXIT_STATUS, _stderr(run_dir)[-3000:]
+    stopped = _losses(run_dir)[-1][0]
+    assert stopped < STEPS
+    assert _launch_two_processes(run_dir).wait(timeout=300) == 0, _stderr(run_dir)[-3000:]
+    assert f"resuming from checkpoint step {stopped}" in _stderr(run_dir)
+    multi, single = _losses(run_dir), _losses(reference[0])
+    assert [s for s, _ in multi] == [s for s, _ in single] == list(range(1, STEPS + 1))
+    # gloo sums across processes in another order than one process does: equal to float32 rounding
+    assert all(abs(m - s) <= 1e-6 * abs(s) for (_, m), (_, s) in zip(multi, single))
 
 
 def test_sigkill_during_async_save_resumes_from_previous_complete(reference, tmp_path):

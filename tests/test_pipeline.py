@@ -59,7 +59,7 @@ def test_stage2_fsdp2_tensor2_matches_one_device_and_its_checkpoint_moves_to_a_p
     plain = with_(_config("fsdp_tp", (2, 2, 2, 1)), train={"microbatches": 2})
     run_dir = tmp_path / "moved"
     for cfg, steps in ((pipelined, 5), (plain, 6), (pipelined, 7)):
-        cfg = with_(cfg, train={"steps": steps}, checkpoint={"every": 1})
+        cfg = with_(cfg, train={"steps": steps})  # each leg saves its last step
         train(cfg, run_dir, build(cfg, corpus))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
