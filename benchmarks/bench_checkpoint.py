@@ -8,6 +8,9 @@
   ``checkpoint_no_save_loop_s``: that loop's wall time with and without the background write (on a
   few CPU cores the write also competes with the steps for cores).
 - ``checkpoint_restore_s``: restore onto the state's shardings.
+- ``small_replicated_save_s``: saves of a state of small replicated arrays (norm-scale sized, on every device),
+  first and second, with jaxtrain's ``REPLICA_SLICE_MIN_BYTES`` and with Orbax's default (every replicated array
+  sliced between its replicas), side by side; ``small_replicated_first_save_ratio`` = Orbax's default / ours.
 
 Writes under runs/ (next to real run directories); deletes what it wrote.
 """
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.checkpoint import RunCheckpoints
 from jaxtrain.config import CheckpointConfig
 from jaxtrain.state import TrainState
@@ -34,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 STATE_BYTES = 1 << 30
 ARRAYS = 16
 LOOP_STEPS = 20
+SMALL_ARRAYS = 64  # of 4 KiB each
 
 
 def _position():
@@ -82,6 +87,31 @@ def _loop_s(step, state, checkpoints: RunCheckpoints | None) -> tuple[float, flo
     return elapsed, blocked
 
 
+def _small_replicated_save_s(directory: Path, meta: dict) -> dict:
+    """First and second save of SMALL_ARRAYS replicated arrays: jaxtrain's threshold, then Orbax's default (its
+    slicing programs compile on its own first save, so the order does not favour ours)."""
+    replicated = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec())
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    times, ours = {}, checkpoint_lib.REPLICA_SLICE_MIN_BYTES
+    for name, min_bytes in (("jaxtrain", ours), ("orbax_default", None)):
+        state = TrainState(step, {f"norm{i}": jax.device_put(np.full(1024, i, np.float32), replicated) for i in range(SMALL_ARRAYS)},
+                           opt_state=())
+        checkpoint_lib.REPLICA_SLICE_MIN_BYTES = min_bytes  # read when a manager is made
+        try:
+            checkpoints = RunCheckpoints(directory / f"small_{name}", CheckpointConfig(async_save=False), 2, meta)
+            saves = []
+            for saved_step in (1, 2):
+                start = time.perf_counter()
+                checkpoints.save(saved_step, state, _position(), force=True)
+                saves.append(time.perf_counter() - start)
+            checkpoints.close()
+        finally:
+            checkpoint_lib.REPLICA_SLICE_MIN_BYTES = ours
+        times[name] = saves
+    return {"small_replicated_save_s": times,
+            "small_replicated_first_save_ratio": times["orbax_default"][0] / times["jaxtrain"][0]}
+
+
 def run() -> dict:
     (REPO / "runs").mkdir(exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix="bench_checkpoint_", dir=REPO / "runs"))
@@ -91,6 +121,7 @@ def run() -> dict:
         disk_s = _disk_write_s(directory)
 
         meta = {"mesh": {"fsdp": jax.device_count()}, "rules": "benchmark", "processes": 1}
+        small = _small_replicated_save_s(directory, meta)
         sync = RunCheckpoints(directory / "sync", CheckpointConfig(async_save=False), 1, meta)
         start = time.perf_counter()
         sync.save(1, state, _position(), force=True)
@@ -119,6 +150,6 @@ def run() -> dict:
             "checkpoint_async_loop_s": async_s,
             "checkpoint_no_save_loop_s": base_s,
             "checkpoint_restore_s": restore_s,
-        }
+        } | small
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -64,3 +64,6 @@ def test_checkpoint_benchmark_runs_at_a_small_size(tmp_path, monkeypatch):
     assert results["checkpoint_state_bytes"] == (16 << 20) + 4  # the arrays and the int32 step
     assert all(results[key] > 0 for key in ("checkpoint_sync_save_s", "checkpoint_restore_s", "checkpoint_async_loop_s"))
     assert list((tmp_path / "runs").iterdir()) == []  # it deletes what it wrote
+    # small replicated arrays: Orbax's default slicing side by side with jaxtrain's threshold, which it puts back
+    assert results["small_replicated_first_save_ratio"] > 1, results["small_replicated_save_s"]
+    assert bench_checkpoint.checkpoint_lib.REPLICA_SLICE_MIN_BYTES == 1 << 20
