@@ -119,6 +119,9 @@ ROWS = (
                                                "mesh.ici.data=2", "mesh.ici.fsdp=-1"), 60, min_devices=2,
           tiny_overrides=("train.global_batch=32", "train.microbatches=4"))
       for sync in ("step", "microbatch")),
+    # a 1 GiB state split over the GPUs saved (device to host to disk), restored, and saved in the background under a
+    # loop of steps (benchmarks/bench_checkpoint.py; on one GPU its small replicated arrays have no replicas to share)
+    Row("checkpoint_1gib", "tiny", (), 60, script="bench_checkpoint.py"),
     # not the GPU: the machine's own cores (16) training the torch peer's step on the CPU with glibc's malloc keeping
     # freed memory (JAXTRAIN_HOST_MALLOC), and jemalloc where the image has it, against the system's: does one malloc
     # arena cost anything on many cores? (benchmarks/bench_host_malloc.py: 1.18-1.34x, jemalloc 1.57x, on 2 cores)
