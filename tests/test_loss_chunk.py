@@ -2,7 +2,6 @@
 one, with a smaller compiled working set, and a chunk that does not divide the sequence is a UserError;
 jaxtrain.step.cross_entropy equals optax's with a backward that scatters nothing."""
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -55,5 +54,6 @@ def test_cross_entropy_equals_optax_and_its_backward_scatters_nothing():
     np.testing.assert_allclose(ours(logits, targets), theirs(logits, targets), rtol=1e-6)
     grad = {f: jax.jit(jax.grad(lambda x, f=f: (f(x, targets) * weights).sum())) for f in (ours, theirs)}
     np.testing.assert_allclose(grad[ours](logits), grad[theirs](logits), atol=1e-6)
-    scatters = {f: bool(re.search(r" scatter\(", g.lower(logits).compile().as_text())) for f, g in grad.items()}
+    # in the program jax hands XLA: XLA:CPU's older code generator (the tests' conftest) compiles a scatter to a loop
+    scatters = {f: "stablehlo.scatter" in g.lower(logits).as_text() for f, g in grad.items()}
     assert scatters == {ours: False, theirs: True}

@@ -105,8 +105,10 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     assert summary["params"] == num_params and summary["devices"] == 8 and summary["processes"] == 1
     assert summary["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1} and summary["rules"] == "fsdp_tp"
     assert summary["attention"] == "chunked"  # model.attention=auto on CPUs
-    # model.scan_layers=auto on CPUs: the compiled step has no loop (no micro-batches either here)
-    assert summary["layers"] == "unrolled" and " while(" not in trainer.train_step.as_text()
+    # model.scan_layers=auto on CPUs: the compiled step has no loop (no micro-batches either here) but those of the
+    # embedding gradient's scatter, where XLA:CPU's older code generator (the tests' conftest) compiles it to one
+    loops = [op for op in trainer.train_step.as_text().splitlines() if " while(" in op and "scatter" not in op]
+    assert summary["layers"] == "unrolled" and not loops
     assert summary["global_batch_tokens"] == 128 and summary["flops_per_token"] == hand_flops
     assert summary["grad_sync"] == "microbatch"  # one micro-batch: GSPMD's sums, overlapped with the backward
     synced = lambda sync: format_summary(summary | {"microbatches": 4, "grad_sync": sync})  # noqa: E731
