@@ -2,7 +2,6 @@
 one, with a smaller compiled working set, and a chunk that does not divide the sequence is a UserError;
 jaxtrain.step.cross_entropy equals optax's with a backward that scatters nothing."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
