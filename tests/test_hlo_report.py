@@ -149,7 +149,8 @@ ENTRY %main (x: bf16[2,5], y: bf16[5,7]) -> bf16[2,7] {
 
 def test_kernel_bytes_count_slices_and_in_place_updates_times_trip_counts():
     """Each top-level kernel's bytes read and written, by kind: a fusion that only slices a parameter reads the
-    slice; a dynamic-update-slice root writes the update in place (the layer scan's stacks); loops multiply."""
+    slice, also through a bitcast (the loss's pick of each target's logit); a dynamic-update-slice root writes the
+    update in place (the layer scan's stacks); loops multiply."""
     module = """HloModule m, is_scheduled=true
 
 %elementwise (p0: f32[256]) -> f32[256] {
@@ -172,6 +173,13 @@ def test_kernel_bytes_count_slices_and_in_place_updates_times_trip_counts():
   ROOT %s = f32[1,64]{1,0} dynamic-slice(%p0, %i, %z), dynamic_slice_sizes={1,64}
 }
 
+%pick (p0: f32[8,256], t: s32[8,1]) -> f32[8] {
+  %p0 = f32[8,256]{1,0} parameter(0)
+  %flat = f32[2048]{0} bitcast(%p0)
+  %t = s32[8,1]{1,0} parameter(1)
+  ROOT %g = f32[8]{0} gather(%flat, %t), offset_dims={}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1}
+}
+
 %gemm (p0: bf16[8,16], p1: bf16[16,4]) -> bf16[8,4] {
   %p0 = bf16[8,16]{1,0} parameter(0)
   %p1 = bf16[16,4]{1,0} parameter(1)
@@ -186,12 +194,15 @@ def test_kernel_bytes_count_slices_and_in_place_updates_times_trip_counts():
   ROOT %loaded = f32[1,64]{1,0} fusion(%saved, %i), kind=kLoop, calls=%load, metadata={op_name="jit(f)/load"}
 }
 
-ENTRY %main (x: f32[256], a: bf16[8,16], b: bf16[16,4], q: bf16[2,8]) -> bf16[8,4] {
+ENTRY %main (x: f32[256], a: bf16[8,16], b: bf16[16,4], q: bf16[2,8], l: f32[8,256], t: s32[8,1]) -> bf16[8,4] {
   %x = f32[256]{0} parameter(0)
   %a = bf16[8,16]{1,0} parameter(1)
   %b = bf16[16,4]{1,0} parameter(2)
   %q = bf16[2,8]{1,0} parameter(3)
+  %l = f32[8,256]{1,0} parameter(4)
+  %t = s32[8,1]{1,0} parameter(5)
   %e = f32[256]{0} fusion(%x), kind=kLoop, calls=%elementwise, metadata={op_name="jit(f)/exp"}
+  %picked = f32[8]{0} fusion(%l, %t), kind=kLoop, calls=%pick, metadata={op_name="jit(f)/pick"}
   %w = f32[4,64]{1,0} while(%x), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
   %o = bf16[2,8]{1,0} custom-call(%q, %q), custom_call_target="__cudnn$fmhaSoftmax"
   ROOT %g = bf16[8,4]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm
@@ -199,10 +210,11 @@ ENTRY %main (x: f32[256], a: bf16[8,16], b: bf16[16,4], q: bf16[2,8]) -> bf16[8,
 """
     hlo = hlo_report.report(module, {"data": 1})
     # exp: 1 KiB in, 1 KiB out; each of 4 iterations: save reads the row (256 B) and index (4 B) and writes the row
-    # in place, load reads the row it slices and the index and writes it
-    assert hlo.kernel_bytes == {"other": 2048 + 4 * (256 + 4 + 256) * 2, "matmul": 2 * (8 * 16 + 16 * 4 + 8 * 4),
+    # in place, load reads the row it slices and the index and writes it; pick reads 8 logits and 8 indices, writes 8
+    assert hlo.kernel_bytes == {"other": 2048 + 4 * (256 + 4 + 256) * 2 + 3 * 32, "matmul": 2 * (8 * 16 + 16 * 4 + 8 * 4),
                                 "attention": 3 * 2 * 2 * 8}
-    assert hlo.largest_other_kernels == (("jit(f)/save", 4 * 516), ("jit(f)/load", 4 * 516), ("jit(f)/exp", 2048))
+    assert hlo.largest_other_kernels == (("jit(f)/save", 4 * 516), ("jit(f)/load", 4 * 516), ("jit(f)/exp", 2048),
+                                        ("jit(f)/pick", 3 * 32))
 
 
 def test_cli_plan_json_has_the_hlo_report():

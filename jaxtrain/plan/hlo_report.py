@@ -316,8 +316,9 @@ def kernel_kinds(hlo_text: str) -> dict[str, tuple[str, str]]:
 
 def _kernel(computations: dict[str, list[Instruction]], ins: Instruction, types: dict[str, str]) -> tuple[str, int]:
     """(kind, bytes read and written) of one top-level kernel. A fusion reads each parameter whole unless it only
-    slices it (then the slices), and a dynamic-update-slice at its root writes only the update, in place (the
-    layer scan reads and writes one layer of its stacks so)."""
+    slices it, directly or through bitcasts (then the slices: the loss picking each target's logit reads one a
+    token), and a dynamic-update-slice at its root writes only the update, in place (the layer scan reads and
+    writes one layer of its stacks so)."""
     kind, body = _kernel_kind(computations, ins), _fusion_body(computations, ins)
     if not body:
         return kind, sum(sum(_array_bytes(types.get(o, ""))) for o in ins.operands) + sum(_array_bytes(ins.type))
@@ -326,13 +327,19 @@ def _kernel(computations: dict[str, list[Instruction]], ins: Instruction, types:
     for i in body:
         for o in i.operands:
             users.setdefault(o, []).append(i)
+
+    def through_bitcasts(name: str) -> list[tuple[str, Instruction]]:
+        """(the operand's name, its user) for each instruction that reads ``name``, looking past bitcasts."""
+        return [pair for u in users.get(name, []) for pair in (through_bitcasts(u.name) if u.opcode == "bitcast" else [(name, u)])]
+
     moved = 0
     for i in body:
         if i.opcode != "parameter":
             continue
         uses = users.get(i.name, [])
-        if uses and all(u.opcode in _SLICING and u.operands[0] == i.name for u in uses):
-            moved += sum(sum(_array_bytes(u.type)) for u in uses)
+        reads = through_bitcasts(i.name)
+        if reads and all(u.opcode in _SLICING and u.operands[0] == read for read, u in reads):
+            moved += sum(sum(_array_bytes(u.type)) for _, u in reads)
         elif not (uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == i.name for u in uses)):
             moved += sum(_array_bytes(i.type))
     root = body[-1]
