@@ -86,6 +86,16 @@ def test_hlo_report_names_cudnn_fused_attention():
     assert plan.compiled.hlo.attention == "cudnn" and plan.compiled.hlo.attention_calls >= 2  # forward and backward
 
 
+@pytest.mark.parametrize("remat,calls", [("save_dots", 2), ("save_qkv_out", 2), ("full", 3)])
+def test_saving_policies_run_the_fused_attention_forward_once(remat, calls):
+    """cuDNN's calls in the layer loops: the forward's, the backward's, and with full remat the forward again. The
+    save_ policies keep its output and statistics (models/llama.py); left to their dots or names they ran the
+    forward again too (llama3_1b at seq 4096: 8.8e12 FLOPs a step) to spare 2.1 GiB."""
+    cfg = with_(small_config(rules="fsdp", mesh=(1, 8, 1), dtype="bfloat16"), model={"remat": remat, "scan_layers": True})
+    plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
+    assert (plan.compiled.hlo.attention, plan.compiled.hlo.attention_calls) == ("cudnn", calls)
+
+
 def test_hlo_report_finds_no_float32_matmul_in_a_bfloat16_step():
     """Every matmul of a bfloat16 step, the output projection's backward included (models/llama.py casts the
     logits' gradient to bfloat16; left to autodiff, llama3_1b's two were float32 gemms, 14% of its matmul FLOPs)."""

@@ -79,3 +79,14 @@ def test_pipeline_adds_its_bubble_and_activation_shifts():
     nvlink, _ = LINK_BYTES_PER_S["h100"]
     assert piped.communication_s["pipeline"] == pytest.approx(2 * iterations * 2 * 512 * 256 * 2 / nvlink)
     assert piped.total_s >= piped.compute_s + piped.communication_s["pipeline"] and "pipeline" not in plain.communication_s
+
+
+def test_policies_that_save_keep_flash_attention_and_recompute_no_attention_forward():
+    """The save_ policies keep cuDNN's fused attention output (models/llama.py): its forward runs once a step; with
+    XLA attention, and when offloading, the attention core is recomputed in the backward."""
+    factor = {(remat, attention): step_cost.recompute_factor(with_(medium_config("fsdp", remat), model={"attention": attention}))
+              for remat in ("save_dots", "save_qkv_out", "offload_dots", "full") for attention in ("cudnn", "xla")}
+    assert factor["save_dots", "cudnn"] == 1.0 < factor["save_dots", "xla"]
+    assert factor["offload_dots", "cudnn"] == factor["offload_dots", "xla"] == factor["save_dots", "xla"]
+    assert factor["save_qkv_out", "xla"] - factor["save_qkv_out", "cudnn"] == pytest.approx(factor["save_dots", "xla"] - 1)
+    assert factor["full", "cudnn"] == factor["full", "xla"]  # everything recomputed either way

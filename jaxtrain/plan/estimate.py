@@ -91,6 +91,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # a pipeline's stage works on one of its micro-batches at a time and keeps, for the backward, what each of
     # the schedule's iterations saved: its layers of one repeat on one micro-batch (the bubble's too)
     pipe = schedule(cfg, layout.rules, layout.mesh)
+    # the save_ policies also keep cuDNN's fused attention output and its float32 softmax statistics (per query and
+    # head; models/llama.py), stages or not
+    keeps_fused_attention = m.remat.startswith("save_") and m.attention == "cudnn"
     if pipe.stages > 1 and remat.endswith("_dots"):  # vmapped over stages every dot has a batch dimension: none is saved
         remat = "full"
     tokens = b / pipe.microbatches * seq
@@ -102,7 +105,8 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     stack = 4 if on_cpu else act
     hd = m.resolved_head_dim
     embed = tokens * m.d_model  # elements of one residual-stream tensor (the embed axis is never sharded)
-    qkv = tokens * hd * (m.num_heads / _ways(layout, "activation_heads") + 2 * m.num_kv_heads / _ways(layout, "activation_kv_heads"))
+    heads = m.num_heads / _ways(layout, "activation_heads")
+    qkv = tokens * hd * (heads + 2 * m.num_kv_heads / _ways(layout, "activation_kv_heads"))
     # a mixture of experts: each token's hidden states in its top_k experts (capacity_factor x that many slots on
     # the capacity path) and the shared experts
     moe = m.moe
@@ -111,8 +115,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # attention through XLA materialises a score for every (query, key) pair and head; flash attention (cudnn)
     # keeps only blocks of them; chunked attention the pairs of each query chunk with the keys up to its end
     scored = {"cudnn": 0.0, "chunked": scored_fraction(seq)}.get(m.attention, 1.0)
-    scores = scored * b / pipe.microbatches * m.num_heads / _ways(layout, "activation_heads") * seq**2
-    saved_per_layer = {
+    scores = scored * b / pipe.microbatches * heads * seq**2
+    fused_attention = keeps_fused_attention * tokens * heads * (hd * act + 4)  # output, float32 statistics
+    saved_per_layer = fused_attention + {
         # float32 norm inputs, the projections and 4 MLP intermediates (gate, up and their SwiGLU product among them:
         # models/llama.py recomputes the SwiGLU's own), float32 and compute-dtype probabilities
         "none": 16 * embed + stack * (2 * embed + qkv + 4 * mlp) + (4 + stack) * scores,

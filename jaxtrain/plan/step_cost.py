@@ -70,6 +70,8 @@ def recompute_factor(cfg: Config) -> float:
     layer_matmuls = 2 * m.num_layers * m.d_model * m.resolved_head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + mlp_matmuls
     extra = {"none": 0, "save_dots": attention_core, "save_qkv_out": attention_core + mlp_matmuls,
              "full": attention_core + layer_matmuls}[m.remat.replace("offload_", "save_")]  # offloading recomputes as saving
+    if m.remat.startswith("save_") and m.attention == "cudnn":  # they keep flash attention's output (models/llama.py)
+        extra -= attention_core
     return 1 + extra / total
 
 
