@@ -30,11 +30,13 @@ from jaxtrain import compile_cache
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # instructions that do work on the device: scheduled between an async start and its done, they overlap it
-COMPUTE_OPCODES = {"fusion", "custom-call", "dot", "convolution", "while", "call", "conditional"}
+COMPUTE_OPCODES = {"fusion", "fusion-start", "custom-call", "dot", "convolution", "while", "call", "conditional"}
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+# a fusion, and the start of one run asynchronously (jax 0.11's XLA; its done only waits for it)
+FUSION_OPCODES = {"fusion", "fusion-start"}
 # top-level instructions that run as kernels and move their operands and results through device memory
-KERNEL_OPCODES = {"fusion", "custom-call", "copy", "transpose", "reduce", "scatter", "gather", "concatenate", "pad",
+KERNEL_OPCODES = FUSION_OPCODES | {"custom-call", "copy", "transpose", "reduce", "scatter", "gather", "concatenate", "pad",
                   "convert", "select-and-scatter", "sort", "dot", "convolution", "dynamic-slice", "dynamic-update-slice"}
 _SLICING = {"dynamic-slice", "slice", "gather"}
 LARGEST_KERNELS = 5  # the "other" kernels (by XLA's op name) the report lists, most bytes first
@@ -134,6 +136,23 @@ def _array_bytes(type_text: str) -> list[int]:
     return [DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in _ARRAY.findall(type_text)]
 
 
+def _type_of(types: dict[str, str], operand: str) -> str:
+    """The type of an operand: an instruction's name, or ``name#i``, element i of a tuple (jax 0.11's XLA writes
+    that where 0.10's had a get-tuple-element)."""
+    name, _, index = operand.partition("#")
+    type_text = types.get(name, "")
+    if not index or not type_text.startswith("("):
+        return type_text
+    inner, elements, depth, start = re.sub(r"/\*.*?\*/", "", type_text)[1:-1], [], 0, 0
+    for i, ch in enumerate(inner):
+        depth += {"(": 1, "{": 1, "[": 1, ")": -1, "}": -1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            elements.append(inner[start:i])
+            start = i + 1
+    elements.append(inner[start:])
+    return elements[int(index)].strip() if int(index) < len(elements) else ""
+
+
 def _split_instruction(rest: str) -> tuple[str, str, str]:
     """``TYPE opcode(operands), attributes`` -> (type, opcode, after the opening parenthesis); the type may be a
     tuple with spaces and comments in it."""
@@ -156,7 +175,7 @@ def _operands_and_attributes(rest: str) -> tuple[tuple[str, ...], str]:
         depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(ch, 0)
         if depth == 0:
             break
-    return tuple(re.findall(r"%([\w.\-]+)", rest[:i])), rest[i + 1:]
+    return tuple(re.findall(r"%([\w.\-]+(?:#\d+)?)", rest[:i])), rest[i + 1:]
 
 
 def parse_computations(text: str) -> dict[str, list[Instruction]]:
@@ -241,7 +260,7 @@ def _multipliers(computations: dict[str, list[Instruction]], entry: str) -> dict
         for ins in computations.get(name, []):
             trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attributes)
             for key, callee in re.findall(r"\b(body|calls|to_apply|condition|branch_computations)=\{?%([\w.\-]+)", ins.attributes):
-                if callee in out or callee not in computations or ins.opcode == "fusion":
+                if callee in out or callee not in computations or ins.opcode in FUSION_OPCODES:
                     continue
                 looped = key in ("body", "condition")
                 factor = int(trip.group(1)) if looped and trip else 1
@@ -266,14 +285,14 @@ def _dots(computations: dict[str, list[Instruction]], name: str) -> Iterator[tup
     instructions = computations.get(name, [])
     types = {ins.name: ins.type for ins in instructions}
     for ins in instructions:
-        if ins.opcode == "fusion":
+        if ins.opcode in FUSION_OPCODES:
             callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes)
             if callee:
                 yield from _dots(computations, callee.group(1))
             continue
         if ins.opcode != "dot" or len(ins.operands) < 2:
             continue
-        (lhs, lhs_dims), (rhs, _) = (match.groups() if (match := _ARRAY.search(types.get(o, ""))) else ("?", "")
+        (lhs, lhs_dims), (rhs, _) = (match.groups() if (match := _ARRAY.search(_type_of(types, o))) else ("?", "")
                                      for o in ins.operands[:2])
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attributes)
         shape = [int(d) for d in lhs_dims.split(",") if d]
@@ -283,7 +302,7 @@ def _dots(computations: dict[str, list[Instruction]], name: str) -> Iterator[tup
 
 
 def _fusion_body(computations: dict[str, list[Instruction]], ins: Instruction) -> list[Instruction]:
-    callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes) if ins.opcode == "fusion" else None
+    callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes) if ins.opcode in FUSION_OPCODES else None
     return computations.get(callee.group(1), []) if callee else []
 
 
@@ -316,12 +335,12 @@ def kernel_kinds(hlo_text: str) -> dict[str, tuple[str, str]]:
 
 def _kernel(computations: dict[str, list[Instruction]], ins: Instruction, types: dict[str, str]) -> tuple[str, int]:
     """(kind, bytes read and written) of one top-level kernel. A fusion reads each parameter whole unless it only
-    slices it, directly or through bitcasts (then the slices: the loss picking each target's logit reads one a
-    token), and a dynamic-update-slice at its root writes only the update, in place (the layer scan reads and
-    writes one layer of its stacks so)."""
+    slices it (then the slices: the loss picking each target's logit reads one a token) or only updates a slice of
+    it in place, at its root, writing only the update (the layer scan reads and writes one layer of its stacks
+    so); either directly or through bitcasts (jax 0.11's XLA bitcasts the stack before updating it)."""
     kind, body = _kernel_kind(computations, ins), _fusion_body(computations, ins)
     if not body:
-        return kind, sum(sum(_array_bytes(types.get(o, ""))) for o in ins.operands) + sum(_array_bytes(ins.type))
+        return kind, sum(sum(_array_bytes(_type_of(types, o))) for o in ins.operands) + sum(_array_bytes(ins.type))
     local = {i.name: i for i in body}
     users: dict[str, list[Instruction]] = {}
     for i in body:
@@ -336,16 +355,18 @@ def _kernel(computations: dict[str, list[Instruction]], ins: Instruction, types:
     for i in body:
         if i.opcode != "parameter":
             continue
-        uses = users.get(i.name, [])
         reads = through_bitcasts(i.name)
         if reads and all(u.opcode in _SLICING and u.operands[0] == read for read, u in reads):
             moved += sum(sum(_array_bytes(u.type)) for _, u in reads)
-        elif not (uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == i.name for u in uses)):
+        elif not (reads and all(u.opcode == "dynamic-update-slice" and u.operands[0] == read for read, u in reads)):
             moved += sum(_array_bytes(i.type))
     root = body[-1]
     for result in ([local[o] for o in root.operands if o in local] if root.opcode == "tuple" else [root]):
-        in_place = result.opcode == "dynamic-update-slice" and result.operands[1] in local
-        moved += sum(_array_bytes(local[result.operands[1]].type if in_place else result.type))
+        written = result
+        while written.opcode == "bitcast" and written.operands[0] in local:
+            written = local[written.operands[0]]
+        in_place = written.opcode == "dynamic-update-slice" and written.operands[1] in local
+        moved += sum(_array_bytes(local[written.operands[1]].type if in_place else result.type))
     return kind, moved
 
 
@@ -368,7 +389,7 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
         for operand_types, flops in _dots(computations, comp):
             matmul_flops[operand_types] = matmul_flops.get(operand_types, 0.0) + times * flops
         for ins in computations[comp]:
-            fusions += ins.opcode == "fusion"
+            fusions += ins.opcode in FUSION_OPCODES
             if ins.opcode in KERNEL_OPCODES:
                 kernel_kind, moved = _kernel(computations, ins, types)
                 kernel_bytes[kernel_kind] += times * moved
@@ -381,7 +402,7 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
             kind = ins.opcode.removesuffix("-start")
             if kind not in COLLECTIVES:
                 continue
-            operand_bytes = sum(sum(_array_bytes(types.get(o, ""))) for o in ins.operands)
+            operand_bytes = sum(sum(_array_bytes(_type_of(types, o))) for o in ins.operands)
             if ins.opcode.endswith("-start"):  # its done holds the results
                 done, overlapped = _done(computations[comp], ins.name)
                 is_async, result = done is not None, _array_bytes(done.type if done else ins.type)
