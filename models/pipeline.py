@@ -63,9 +63,12 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
     def run_stage(stage_params, h, repeat):  # one stage: its layers of this repeat, in order
         # each layer takes its weights from the stage's (repeats, layers per stage) stack inside the remat: taken
         # outside, the slice of this iteration's repeat would be saved for the backward of every iteration
-        # (iterations x the stage's weights of one repeat); inside, only the indices are, and the backward re-slices
+        # (iterations x the stage's weights of one repeat); inside, only the indices are, and the backward re-slices.
+        # A select over the repeats, not p[repeat, j]: vmapped, that gather's gradient is a batched scatter that XLA's
+        # GPU compiler of jax 0.10.2 rejects ("Repeated dimensions not allowed in scatter_dims_to_operand_dims"); that of
+        # 0.11.2 compiles either to the same peak
         def layer_at(h, j):
-            return layer(h, jax.tree.map(lambda p: p[repeat, j], stage_params))
+            return layer(h, jax.tree.map(lambda p: jax.lax.select_n(repeat, *p[:, j]), stage_params))
 
         return jax.lax.scan(remat(layer_at), h, jnp.arange(per_stage))[0]
 

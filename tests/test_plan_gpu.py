@@ -14,6 +14,7 @@ from test_plan import medium_config
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax's CUDA plugin is not installed (make test-gpu-plan)")
 
 from jaxtrain.config import AxisSizes  # noqa: E402
+from models.config import PipelineConfig  # noqa: E402
 from jaxtrain.plan import gpu_targets  # noqa: E402
 from jaxtrain.plan import estimate as plan_lib  # noqa: E402
 from jaxtrain.layout import compile_train_step, make_layout  # noqa: E402
@@ -39,6 +40,17 @@ def test_gpu_compile_and_the_gpu_estimate_agree(rules, mesh, remat, attention):
     compiled = plan_lib.compile_truth(layout)
     assert (compiled.platform, compiled.attention) == ("gpu", attention)  # cuDNN attention compiles for the GPU
     assert plan_lib.accelerator_total(layout, compiled) == compiled.total  # nothing to take out
+    assert abs(plan_lib.estimate_total(plan_lib.estimate(layout)) / compiled.total - 1) < 0.15
+
+
+def test_a_circular_pipeline_compiles_for_the_gpu():
+    """2 stages x 2 repeats over fsdp 4, as the GPU runner's pipeline_1b row: each stage takes its repeat's weights by
+    a select (models/pipeline.py). Taken by indexing, the gradient of that vmapped gather was a batched scatter XLA's
+    GPU compiler rejected ("Repeated dimensions not allowed in scatter_dims_to_operand_dims")."""
+    cfg = with_(medium_config("pp_fsdp", "full", mesh=(1, 4, 1, 2)), model={"pipeline": PipelineConfig(microbatches=2, repeats=2)})
+    layout = make_layout(cfg, gpu_targets.compile_only_devices("h100", 8))
+    compiled = plan_lib.compile_truth(layout)
+    assert compiled.platform == "gpu"
     assert abs(plan_lib.estimate_total(plan_lib.estimate(layout)) / compiled.total - 1) < 0.15
 
 

@@ -148,7 +148,12 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # held from the loss to the lookup (with accumulators and copies on the CPU compile); the layer's gathered
     # weights and their gradient
     attention_backward = (12 + act if on_cpu else 8 + 2 * act) * scores
-    layer_backward = attention_backward + 16 * embed + (16 + act if on_cpu else 4) * vocab_table + (4 + act) * layer_weights + frozen_layer
+    # a circular schedule's layer takes its repeat's weights from the stage's stack by a select over every repeat
+    # (models/pipeline.py), whose backward holds a gradient of the device's share of that layer for each repeat (the
+    # CPU compile does; jax 0.11's GPU compile has the peak of a gather): the stage's stack over its layers per repeat
+    circular_selection = bytes_per_device(state.params["layers"]) / per_stage if pipe.repeats > 1 else 0
+    layer_backward = attention_backward + 16 * embed + (16 + act if on_cpu else 4) * vocab_table + (4 + act) * layer_weights + frozen_layer \
+        + circular_selection
     logit_tokens = b * (cfg.train.loss_chunk or seq)  # train.loss_chunk: one chunk's logits live at a time
     # float32 logits and their gradient in the compute dtype (jaxtrain.step.cross_entropy's backward, cast by the
     # output projection's; float32 on the CPU compile); the output table's float32 gradient, gathered over fsdp (the
