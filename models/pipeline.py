@@ -6,11 +6,14 @@ holds layers r * stages * layers_per_stage + s * layers_per_stage + j for every 
 circular, interleaved schedule). The batch is cut into micro-batches; every iteration of a ``lax.scan`` runs
 each stage on the activations it holds (``vmap`` over the stage dimension, which SPMD partitions so each device
 computes its own stage only), then shifts the outputs one stage on (``jnp.roll`` along the split dimension:
-a collective permute). Stage 0 reads its next input from a buffer of micro-batches that the last stage writes
-its outputs back into, so after repeats * microbatches + stages - 1 iterations the buffer holds the output.
+a collective permute). Stage 0 reads its next input from a buffer of micro-batches, and writes back into it the
+last stage's outputs the shift brings it, so after repeats * microbatches + stages - 1 iterations the buffer
+holds the output.
 
 The stored parameters keep their (num_layers, ...) shape: only the view inside the step depends on the stage
-split, so checkpoints move freely between pipelined and plain meshes. Same scheme as MaxText's
+split, so checkpoints move freely between pipelined and plain meshes. With repeats > 1 the view is a re-layout
+(the layers are stored split contiguously over the stages): an all-to-all of them, and of their gradients, in
+every pass. Same scheme as MaxText's
 ``layers/pipeline.py`` (vmapped stages, rotated state, circular repeats), written for NNX pure dicts.
 """
 
@@ -76,27 +79,33 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
     all_stages = jax.vmap(run_stage, in_axes=(1, 0, 0), spmd_axis_name=mesh_axes_of(STAGES))
     in_flight = (STAGES,) + activation_axes  # (stages, micro-batch, length, embed)
     batch = x.shape[0]
-    # micro-batch j takes rows j, j + num_micro, ...: each batch shard keeps its rows (no data moves)
-    buffer = constrain(jnp.swapaxes(x.reshape(batch // num_micro, num_micro, *x.shape[1:]), 0, 1), (None,) + activation_axes)
-    stage_ids = jnp.arange(num_stages)
+    # micro-batch j takes rows j, j + num_micro, ...: each batch shard keeps its rows (no data moves). The buffer
+    # stays (rows, micro-batch, ...): swapped to (micro-batch, rows, ...), XLA's GPU compiler all-gathered all of it
+    # over the batch axes in every iteration. Each stage holds a copy; only stage 0's is read and written, in place,
+    # with what the shift brought it. Replicated over the stages instead, it cost a broadcast of the last stage's
+    # output and a sum of the fed micro-batch's gradient over the stages in every iteration
+    buffer_axes = (STAGES,) + activation_axes[:1] + (None,) + activation_axes[1:]  # (stages, rows, micro-batch, ...)
+    buffer = constrain(jnp.broadcast_to(x.reshape(batch // num_micro, num_micro, *x.shape[1:]),
+                                        (num_stages, batch // num_micro, num_micro, *x.shape[1:])), buffer_axes)
+    first_stage = (jnp.arange(num_stages) == 0)[:, None, None, None]
 
     def iteration(carry, t):
-        outputs, buffer = carry
+        shifted, buffer = carry
         # stage 0 takes micro-batch t mod M (fresh on the first repeat, the last stage's output after);
         # stage s takes what stage s - 1 made one iteration before
-        fed = jax.lax.dynamic_index_in_dim(buffer, t % num_micro, 0, keepdims=False)
-        shifted = jnp.roll(outputs, 1, axis=0)
-        inputs = constrain(jnp.where((stage_ids == 0)[:, None, None, None], fed[None], shifted), in_flight)
+        fed = jax.lax.dynamic_index_in_dim(buffer, t % num_micro, 2, keepdims=False)
+        inputs = constrain(jnp.where(first_stage, fed, shifted), in_flight)
         # stage s works on repeat (t - s) // M; outside 0 .. repeats - 1 it idles (the bubble) on values never used
-        repeat = jnp.clip((t - stage_ids) // num_micro, 0, repeats - 1)
-        outputs = constrain(all_stages(params, inputs, repeat), in_flight)
+        repeat = jnp.clip((t - jnp.arange(num_stages)) // num_micro, 0, repeats - 1)
+        # each stage's output on to the next stage (a collective permute): the last stage's to stage 0
+        shifted = constrain(jnp.roll(constrain(all_stages(params, inputs, repeat), in_flight), 1, axis=0), in_flight)
         done = t - (num_stages - 1)  # the micro-batch (counted over repeats) the last stage finished
         slot = done % num_micro
-        kept = jax.lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
-        buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(done >= 0, outputs[-1], kept), slot, 0)
-        return (outputs, constrain(buffer, (None,) + activation_axes)), None
+        kept = jax.lax.dynamic_index_in_dim(buffer, slot, 2, keepdims=False)
+        buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(done >= 0, shifted, kept), slot, 2)
+        return (shifted, constrain(buffer, buffer_axes)), None
 
-    outputs = constrain(jnp.zeros((num_stages,) + buffer.shape[1:], x.dtype), in_flight)
+    shifted = constrain(jnp.zeros((num_stages, batch // num_micro) + x.shape[1:], x.dtype), in_flight)
     iterations = repeats * num_micro + num_stages - 1
-    (_, buffer), _ = jax.lax.scan(iteration, (outputs, buffer), jnp.arange(iterations))
-    return constrain(jnp.swapaxes(buffer, 0, 1).reshape(x.shape), activation_axes), None
+    (_, buffer), _ = jax.lax.scan(iteration, (shifted, buffer), jnp.arange(iterations))
+    return constrain(buffer[0].reshape(x.shape), activation_axes), None

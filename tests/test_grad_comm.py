@@ -17,7 +17,7 @@ from jaxtrain.plan import step_cost
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.train import build, train
 from test_memory import _run
-from models.config import MoEConfig
+from models.config import MoEConfig, PipelineConfig
 
 STEPS = 6
 
@@ -124,6 +124,9 @@ def test_grad_sync_auto_sums_once_per_step_only_where_that_moves_fewer_bytes():
     assert summed("auto", microbatches=2) and not summed("auto", microbatches=2, dtype="bfloat16")
     assert summed("auto", microbatches=4, dtype="bfloat16") and summed("step", microbatches=2, dtype="bfloat16")
     assert not summed("auto", microbatches=1) and not summed("step", microbatches=1) and not summed("microbatch")
+    # pipeline stages: GSPMD sums a stage's gradients in every iteration, (2 repeats x 2 + 2 - 1) / 2 a pass
+    piped = {"rules": "pp_fsdp", "mesh": (2, 2, 1, 2), "num_layers": 4, "pipeline": PipelineConfig(microbatches=2, repeats=2)}
+    assert summed("auto", microbatches=1, dtype="bfloat16", **piped) and not summed("microbatch", **piped)
     # FSDP over every batch axis: each weight is split over them, nothing to sum once (ZeRO-3 reduce-scatters per pass)
     assert not summed("step", rules="fsdp", mesh=(1, 8, 1))
     # pure data parallelism: every axis manual (shard_map), the bfloat16 path's

@@ -6,11 +6,13 @@ import os
 
 import jax
 import numpy as np
-from conftest import REPO, run_cli, small_config
+import pytest
+from conftest import REPO, run_cli, small_config, with_
 
 from jaxtrain.plan import hlo_report
 from jaxtrain.plan import estimate as plan_lib
 from jaxtrain.train import make_layout
+from models.config import PipelineConfig
 
 
 def _bytes(tree) -> int:
@@ -85,6 +87,41 @@ ENTRY %main (p: f32[8]) -> f32[64] {
     assert (gather.kind, gather.bytes, gather.is_async, gather.overlapped) == ("all-gather", 256, True, True)
     assert (reduce.kind, reduce.bytes, reduce.is_async, reduce.overlapped) == ("all-reduce", 256, True, False)
     assert reduce.traffic == 2 * 256 * 7 / 8 and report.fusions == 1
+
+
+def test_a_permute_counts_the_bytes_of_the_devices_that_send_and_stage_axes_are_the_pipelines():
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[16]) -> f32[16] {
+  %p = f32[16]{0} parameter(0)
+  %roll = f32[16]{0} collective-permute(%p), source_target_pairs={{0,1},{1,0},{2,3},{3,2}}
+  %half = f32[16]{0} collective-permute(%roll), source_target_pairs={{1,0},{3,2}}
+  ROOT %ar = f32[16]{0} all-reduce(%half), replica_groups={{0,2},{1,3}}, to_apply=%add
+}
+"""
+    report = hlo_report.report(text, {"fsdp": 2, "stage": 2})
+    roll, half, summed = report.collectives
+    # every device sends its 64 bytes in the roll; half of them in the other (a transposed roll's halves)
+    assert (roll.axes, roll.traffic, half.traffic) == (("stage",), 64, 32)
+    assert summed.axes == ("fsdp",)
+    assert report.traffic_by_step_cost_kind(("fsdp",), ("stage",)) == {"fsdp": 0.0, "data": 64.0, "tensor": 0.0, "pipeline": 96.0}
+    assert report.traffic_by_step_cost_kind(("fsdp",)) == {"fsdp": 0.0, "data": 64.0, "tensor": 96.0}
+
+
+def test_a_pipeline_moves_what_step_cost_predicts():
+    """Per iteration one shift of the micro-batches in flight, forward and back; once a pass the output from stage 0 to
+    every stage and the input's gradient summed over them; the circular schedule's weights and their gradients over
+    the stages (models/pipeline.py). The micro-batch buffer replicated over the stages cost a broadcast and a sum in
+    every iteration. Data parallelism: GSPMD sums a stage's gradients over data in every iteration that runs it
+    (optim.grad_sync=microbatch; auto sums them once per step, tests/test_grad_comm.py)."""
+    piped = {"pipeline": PipelineConfig(microbatches=2, repeats=2)}
+    for rules, mesh in (("pp_fsdp", (1, 4, 1, 2)), ("pp_dp", (4, 1, 1, 2))):
+        cfg = with_(small_config(rules, mesh, num_layers=4), model=piped, optim={"grad_sync": "microbatch"})
+        plan = plan_lib.make_plan(cfg, hlo_report=True)
+        predicted, compiled = plan.step_time.traffic_bytes, plan.compiled_traffic
+        assert compiled["pipeline"] == pytest.approx(predicted["pipeline"], rel=0.01), rules  # and metrics' scalars
+    # (FSDP's traffic: tests/test_plan_gpu.py; XLA:CPU all-reduces where a GPU reduce-scatters)
+    assert compiled["data"] == pytest.approx(predicted["data"], rel=0.01)
 
 
 def test_xla_log_lines_are_captured_as_warnings_and_still_printed(capfd):

@@ -136,7 +136,9 @@ def test_per_stage_memory_counts_a_stage_of_layers_and_the_whole_embedding_and_o
 def test_planner_suggests_pipeline_stages_when_fsdp_gathers_cross_the_network():
     across = dataclasses.replace(medium_config("fsdp", "full"), mesh=MeshConfig(ici=AxisSizes(1, 2, 1), dcn=AxisSizes(1, 4, 1)))
     best = plan_lib.suggest(across, 1e12, gpu="h100")[0]
-    assert best.changes == {"rules": "pp_fsdp", "mesh.dcn.fsdp": 1, "mesh.dcn.stage": 4, "model.pipeline.microbatches": 8}
+    # with memory to spare the best also drops remat; the stages are what takes the gathers off the network
+    staged = {"rules": "pp_fsdp", "mesh.dcn.fsdp": 1, "mesh.dcn.stage": 4, "model.pipeline.microbatches": 8}
+    assert best.changes.items() >= staged.items()
     assert best.relative_step_time < 1
     # fsdp inside one node: no network axis to turn into stages
     assert not any("rules" in s.changes and s.changes["rules"].startswith("pp_")

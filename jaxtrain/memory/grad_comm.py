@@ -42,6 +42,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.partitioning import Rules, flax_rules, spec_axes
+from jaxtrain.stages import schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,13 +117,15 @@ class GradReduction:
                              in_specs=(whole, whole, PartitionSpec(self.axes), whole, whole, whole))
 
 
-def summed_once_per_step(grad_sync: str, microbatches: int, compute_dtype: str) -> bool:
-    """Whether ``optim.grad_sync`` sums the gradients once per step. ``auto``: when that moves fewer bytes than one sum per
-    micro-batch: the accumulated gradients are float32 (4 bytes), GSPMD's per-pass sums in the compute dtype, so from 2
-    micro-batches in float32, 3 in bfloat16. One micro-batch: GSPMD's sums, which overlap the backward pass."""
-    if microbatches == 1 or grad_sync == "microbatch":
+def summed_once_per_step(grad_sync: str, sums_per_step: float, compute_dtype: str) -> bool:
+    """Whether ``optim.grad_sync`` sums the gradients once per step. ``sums_per_step``: how often GSPMD would sum a
+    layer's gradient in a step: once per micro-batch, and with pipeline stages in every iteration that runs the layer
+    (iterations / repeats per micro-batch). ``auto``: when once moves fewer bytes: the accumulated gradients are
+    float32 (4 bytes), GSPMD's sums in the compute dtype, so from 2 sums in float32, 3 in bfloat16. One sum: GSPMD's,
+    which overlaps the backward pass."""
+    if sums_per_step <= 1 or grad_sync == "microbatch":
         return False
-    return grad_sync == "step" or microbatches * jnp.dtype(compute_dtype).itemsize > 4
+    return grad_sync == "step" or sums_per_step * jnp.dtype(compute_dtype).itemsize > 4
 
 
 def grad_reduction(cfg: Config, rules: Rules, mesh: Mesh, param_shardings: dict, frozen_shardings: dict | None,
@@ -143,7 +146,9 @@ def grad_reduction(cfg: Config, rules: Rules, mesh: Mesh, param_shardings: dict,
                             f"over {', '.join(sorted(split)) or 'no axis'} and has other axes {', '.join(other) or 'none'}; use rules=dp, "
                             f"zero1 or zero2 with a data-only mesh, or optim.grad_dtype=float32")
         return GradReduction(mesh, batch_axes, jnp.dtype(grad_dtype), specs)
-    if not summed or not summed_once_per_step(cfg.optim.grad_sync, cfg.train.microbatches, cfg.model.dtype):
+    pipe = schedule(cfg, rules, mesh)
+    sums_per_step = cfg.train.microbatches * (pipe.iterations / pipe.repeats if pipe.stages > 1 else 1)
+    if not summed or not summed_once_per_step(cfg.optim.grad_sync, sums_per_step, cfg.model.dtype):
         return None
     # every axis of more than one device summed: all manual, as bfloat16 sums need; else the others stay GSPMD's
     pure = not (set(a for a in mesh.axis_names if mesh.shape[a] > 1) - set(summed))

@@ -42,6 +42,7 @@ from jaxtrain.memory.offload import offloads_master_weights
 from jaxtrain.plan.step_cost import StepTime, step_time
 from jaxtrain.layout import Layout, lower_steps, make_layout, peak_bytes
 from models.attention import scored_fraction
+from models.pipeline import STAGES
 from models.config import REMAT_POLICIES
 
 GIB = 2**30
@@ -160,6 +161,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # CPU compile also keeps the float32 value and compute copy of each gathered table)
     loss = logit_tokens * m.vocab_size / _ways(layout, "activation_vocab") * (8 if on_cpu else 4 + act) + \
         ((1 if m.tie_embeddings else 2) * 3 if on_cpu else 1) * vocab_table * 4
+    grouped_sum = layout.grad_reduction is not None and layout.grad_reduction.rules is not None  # jaxtrain/memory/grad_comm.py
     items = {
         "parameters": params,
         "optimizer state": optimizer,
@@ -170,7 +172,8 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
         # parameters split as the optimizer_state: section says, ZeRO-1/2): counted with the gradients there, it
         # keeps the CPU estimate within 15% of that compile (tests/test_plan.py)
         "gradients": grads + (updates if on_cpu else 0),
-        "gradient accumulator": grads if k > 1 else 0,
+        # (or, summed once per step over groups vmapped on the summed axes, the groups' gradients before their sum)
+        "gradient accumulator": grads if k > 1 or grouped_sum else 0,
         # with a pipeline, also the micro-batch buffer the stages read and write, and its gradient; and, in the
         # backward of each iteration, two copies of what that iteration saved (its stage's layers of one repeat)
         "activations": int(layers_saved * saved_per_layer + (pipe.stages > 1) * (2 * b * seq * m.d_model * act + 2 * per_stage * saved_per_layer)),
@@ -583,7 +586,8 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     cfg = layout.cfg
     suggestions = [] if usable is None or predicted <= usable else \
         compile_suggestions(suggest(cfg, usable, devices, gpu), usable, devices)
-    traffic = None if compiled.hlo is None else compiled.hlo.traffic_by_step_cost_kind(tuple(layout.rules.get("activation_batch") or ()))
+    traffic = None if compiled.hlo is None else compiled.hlo.traffic_by_step_cost_kind(
+        tuple(layout.rules.get("activation_batch") or ()), tuple(layout.rules.get(STAGES) or ()))
     accelerator_estimate = estimate(layout, ACCELERATOR)
     per_stage = stage_memory(layout, accelerator_estimate) if schedule(cfg, layout.rules, layout.mesh).stages > 1 else None
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, estimate_as_compiled(layout, compiled),

@@ -69,11 +69,15 @@ class Collective:
     is_async: bool
     overlapped: bool  # compute scheduled between its start and its done
     dtypes: tuple[str, ...] = ()  # element type of each array it carries (XLA's names: f32, bf16, ...)
+    senders: float = 1.0  # a collective permute: the share of the devices that send
 
     @property
     def traffic(self) -> float:
         """Bytes each device sends per step with ring algorithms, as step_cost counts them: an all-gather or
-        reduce-scatter of N bytes over n devices N (n-1)/n, an all-reduce twice that."""
+        reduce-scatter of N bytes over n devices N (n-1)/n, an all-reduce twice that; a collective permute N from
+        each device that sends (averaged over the devices: a permute between half of them, N / 2)."""
+        if self.kind == "collective-permute":
+            return self.executions * self.bytes * self.senders
         n = self.group_size
         share = (n - 1) / n if n > 1 else 0.0
         return self.executions * self.bytes * share * (2 if self.kind == "all-reduce" else 1)
@@ -112,16 +116,18 @@ class HloReport:
             row["executions_known"] &= c.executions_known
         return sorted(out.values(), key=lambda r: (COLLECTIVES.index(r["kind"]), r["axes"] or []))
 
-    def traffic_by_step_cost_kind(self, batch_axes: tuple[str, ...]) -> dict[str, float]:
-        """Traffic in step_cost's terms: all-gathers and reduce-scatters over batch axes are FSDP's, all-reduces
-        over batch axes data parallelism's, all-to-alls expert parallelism's, collectives over other axes tensor
-        parallelism's."""
+    def traffic_by_step_cost_kind(self, batch_axes: tuple[str, ...], stage_axes: tuple[str, ...] = ()) -> dict[str, float]:
+        """Traffic in step_cost's terms: collectives over pipeline stage axes are the pipeline's, all-gathers and
+        reduce-scatters over batch axes FSDP's, all-reduces over batch axes data parallelism's, other all-to-alls
+        expert parallelism's, collectives over other axes tensor parallelism's."""
         out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0}
         for c in self.collectives:
             on_batch = c.axes is not None and set(c.axes) <= set(batch_axes)
             kind = ("fsdp" if c.kind in ("all-gather", "reduce-scatter") else "data") if on_batch else "tensor"
             if c.kind == "all-to-all":  # mixture-of-experts tokens moving to and from their experts
                 kind = "expert"
+            if stage_axes and c.axes and set(c.axes) <= set(stage_axes):  # shifts, and the circular schedule's weights
+                kind = "pipeline"
             out[kind] = out.get(kind, 0.0) + c.traffic
         return out
 
@@ -412,8 +418,9 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
             full = operand_bytes if kind == "reduce-scatter" else sum(result)
             groups = device_groups(ins.attributes, devices)
             dtypes = tuple(dtype for dtype, _ in _ARRAY.findall(done.type if is_async and ins.opcode.endswith("-start") else ins.type))
+            senders = len({pair[0] for pair in groups}) / devices if kind == "collective-permute" and groups else 1.0
             collectives.append(Collective(kind, mesh_axes(groups, mesh_shape), len(groups[0]) if groups else 0, len(result),
-                                          full, times, known, is_async, overlapped, dtypes))
+                                          full, times, known, is_async, overlapped, dtypes, senders))
     warnings = tuple(dict.fromkeys(line.strip() for line in log.splitlines() if WARNING_LINE.search(line)))
     largest = tuple(sorted(other_kernels.items(), key=lambda item: -item[1])[:LARGEST_KERNELS])
     return HloReport(tuple(collectives), fusions, "cudnn" if attention_calls else "xla", attention_calls, warnings,

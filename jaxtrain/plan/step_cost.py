@@ -21,8 +21,13 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
   in the forward and the backward, and again for each of those the remat policy recomputes;
 - pipeline (models/pipeline.py): per micro-batch pass, every iteration shifts each stage's micro-batch of
   activations to the next stage in the forward and back in the backward (point to point, on the critical
-  path); each stage idles the bubble share (stages - 1) / (repeats * microbatches + stages - 1) of the pass,
-  and FSDP gathers a stage's weights in every iteration (iterations / repeats times its weights per pass);
+  path), and once a pass the output goes from stage 0 to every stage and the input's gradient is summed over
+  them (all-reduces of the pass's activations); each stage idles the bubble share
+  (stages - 1) / (repeats * microbatches + stages - 1) of the pass; FSDP gathers a stage's layers, and GSPMD
+  sums their gradients over the data axes, in every iteration (iterations / repeats times per pass). The
+  circular schedule (repeats > 1) also views the layers, stored split contiguously over the stages, per stage
+  and repeat in every pass: an all-to-all over the stages of each device's layers (stored dtype) in the
+  forward and of their gradients in the backward;
 - expert parallel (mixture of experts, capacity dispatch): per micro-batch and layer, the dispatch buffer
   (top_k x capacity_factor tokens' residual streams) all-to-all to the experts and back, in the forward and
   the backward, and again in a recomputed forward (remat full); an all-to-all of N bytes over n devices moves
@@ -138,10 +143,13 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         split = gathered // local
         replicated = batch_ways // (split * (expert_ways if own else 1))
         grad = 4 if "norm" in axes else act
-        fsdp += k * gathered * (2 * act + grad) * (split - 1) / split
+        # with stages, a layer's weights are gathered, and GSPMD sums their gradient over the data axes, in every
+        # iteration that runs them: iterations / repeats per pass
+        passes = k * (pipe.iterations / pipe.repeats if pipe.stages > 1 and "layers" in axes else 1)
+        fsdp += passes * gathered * (2 * act + grad) * (split - 1) / split
         reductions = 1 if ways(x, grad_sharding) > split else 2  # reduce-scatter (ZeRO-2) or all-reduce
         per_pass = replicated // summed_ways  # the replicas summed in every pass's backward, the rest once a step
-        data += k * reductions * local * grad * (per_pass - 1) / per_pass
+        data += passes * reductions * local * grad * (per_pass - 1) / per_pass
         if reduction is not None:
             after_backward += reductions * local * reduction.dtype.itemsize * (summed_ways - 1) / summed_ways
         optimizer_split = ways(x, moment_sharding) // split
@@ -149,13 +157,18 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         used = spec_axes(x.sharding.spec)
         fsdp_axes.update(a for a in batch_axes if a in used and a not in own)
         data_axes.update(a for a in batch_axes if a not in used)
-    fsdp *= pipe.iterations / pipe.repeats
     tensor_ways = logical_ways(layout.rules, layout.mesh, "activation_mlp")
     sequences = cfg.train.global_batch / k / batch_shards(layout.rules, layout.mesh)
     all_reduces = k * m.num_layers * (4 + RECOMPUTED_ALL_REDUCES[m.remat])
     tensor = all_reduces * sequences * seq * m.d_model * act * 2 * (tensor_ways - 1) / tensor_ways
     shifts = 0 if pipe.stages == 1 else 2 * k * pipe.iterations  # forward and backward, every iteration of each pass
     pipeline = shifts * sequences / pipe.microbatches * seq * m.d_model * act
+    # once a pass the output, held by stage 0, all-reduced to every stage, and the input's gradient summed over them
+    pipeline += (pipe.stages > 1) * k * 2 * 2 * (pipe.stages - 1) / pipe.stages * sequences * seq * m.d_model * act
+    if pipe.repeats > 1:  # the circular schedule's view of the layers (stored split contiguously over the stages)
+        state = layout.abstract_state()  # moves (stages - 1) / stages of a device's layers in, and their gradients back
+        moved = 2 * bytes_per_device(state.params.get("layers", {})) + bytes_per_device((state.frozen or {}).get("layers", {}))
+        pipeline += k * moved * (pipe.stages - 1) / pipe.stages
 
     def seconds(traffic: float, axes) -> float:
         nvlink, network = LINK_BYTES_PER_S[name]
