@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: train test bench finetune-demo test-gpu-plan gpu-wheels gpu-dry-run test-jax-next
+.PHONY: train test bench finetune-demo test-gpu-plan test-gpu-plan-next gpu-wheels gpu-dry-run test-jax-next
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,17 @@ $(GPU_PLAN_VENV)/.installed: pyproject.toml
 
 test-gpu-plan: $(GPU_PLAN_VENV)/.installed
 	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 $(GPU_PLAN_VENV)/bin/python -m pytest -n 2 tests/test_plan_gpu.py
+
+# The same with the GPU image's compiler: the next jax (JAX_NEXT, Python 3.12) and its CUDA 13 plugin (about 4.7 GB).
+GPU_PLAN_NEXT_VENV := .venv-gpu-plan-next
+$(GPU_PLAN_NEXT_VENV)/.installed: pyproject.toml
+	test -x $(GPU_PLAN_NEXT_VENV)/bin/python || $(JAX_NEXT_PYTHON) -m venv $(GPU_PLAN_NEXT_VENV)
+	$(GPU_PLAN_NEXT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GPU_PLAN_NEXT_VENV)/bin/python -m pip install --quiet -e . "jax[cuda13]==$(JAX_NEXT)" pytest pytest-xdist
+	touch $@
+
+test-gpu-plan-next: $(GPU_PLAN_NEXT_VENV)/.installed
+	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 $(GPU_PLAN_NEXT_VENV)/bin/python -m pytest -n 2 tests/test_plan_gpu.py
 
 # A lent GPU machine starts bare from its own image (Python 3.12, jax with its CUDA plugin, most of our
 # dependencies) with no network: what it lacks (benchmarks/gpu_wheels.txt) travels as wheels in .whl/
