@@ -13,8 +13,8 @@ holds the output.
 The stored parameters keep their (num_layers, ...) shape: only the view inside the step depends on the stage
 split, so checkpoints move freely between pipelined and plain meshes. With repeats > 1 the view is a re-layout
 (the layers are stored split contiguously over the stages): an all-to-all of them, and of their gradients, in
-every pass. Same scheme as MaxText's
-``layers/pipeline.py`` (vmapped stages, rotated state, circular repeats), written for NNX pure dicts.
+every pass. Same scheme as MaxText's ``layers/pipeline.py`` (vmapped stages, rotated state, circular repeats),
+written for NNX pure dicts.
 """
 
 from __future__ import annotations
