@@ -285,6 +285,53 @@ ENTRY %main (t: (f32[4,64], f32[64], /*index=2*/s32[])) -> f32[64] {
     assert hlo.largest_other_kernels == (("jit(f)/save", 256 + 4 + 256), ("jit(f)/copy", 2 * 256))
 
 
+GEMM_CONFIG = ('backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":[],'
+               '"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]}}}')
+
+
+def test_library_gemms_count_as_matmuls_and_a_product_computed_twice_is_reported():
+    """cuBLAS gemms (custom calls; XLA's choice where its autotuner finds them faster, or with Triton gemms off)
+    count in the matmul FLOPs and kernels, without their workspace; XLA's dynamic-slice fusion that writes a gemm's
+    result into a stack counts as a matmul kernel. jax 0.11's XLA computes such a gemm twice, for the stack and for
+    its other users (llama3_1b on one H200 with cuBLAS gemms: 44 of 287 TFLOPs a step): the report names it."""
+    module = f"""HloModule m, is_scheduled=true
+
+%save (p0: bf16[8,16], p1: bf16[16,4], p2: bf16[3,8,4], p3: s32[]) -> (bf16[3,8,4], s8[64]) {{
+  %p2 = bf16[3,8,4]{{2,1,0}} parameter(2)
+  %p0 = bf16[8,16]{{1,0}} parameter(0)
+  %rows = bf16[8,16]{{1,0}} bitcast(%p0)
+  %p1 = bf16[16,4]{{1,0}} parameter(1)
+  %g = (bf16[8,4]{{1,0}}, s8[64]{{0}}) custom-call(%rows, %p1), custom_call_target="__cublas$lt$matmul", {GEMM_CONFIG}
+  %r = bf16[8,4]{{1,0}} get-tuple-element(%g), index=0
+  %b = bf16[1,8,4]{{2,1,0}} bitcast(%r)
+  %ws = s8[64]{{0}} get-tuple-element(%g), index=1
+  %p3 = s32[] parameter(3)
+  %z = s32[] constant(0)
+  %u = bf16[3,8,4]{{2,1,0}} dynamic-update-slice(%p2, %b, %p3, %z, %z)
+  ROOT %t = (bf16[3,8,4]{{2,1,0}}, s8[64]{{0}}) tuple(%u, %ws)
+}}
+
+ENTRY %main (a: bf16[8,16], w: bf16[16,4], v: bf16[16,4], stack: bf16[3,8,4], i: s32[]) -> bf16[3,8,4] {{
+  %a = bf16[8,16]{{1,0}} parameter(0)
+  %w = bf16[16,4]{{1,0}} parameter(1)
+  %v = bf16[16,4]{{1,0}} parameter(2)
+  %stack = bf16[3,8,4]{{2,1,0}} parameter(3)
+  %i = s32[] parameter(4)
+  %y = (bf16[8,4]{{1,0}}, s8[64]{{0}}) custom-call(%a, %w), custom_call_target="__cublas$lt$matmul", {GEMM_CONFIG}
+  %x = (bf16[8,4]{{1,0}}, s8[64]{{0}}) custom-call(%a, %v), custom_call_target="__cublas$lt$matmul", {GEMM_CONFIG}
+  %saved = (bf16[3,8,4]{{2,1,0}}, s8[64]{{0}}) fusion(%a, %w, %stack, %i), kind=kCustom, calls=%save
+  ROOT %s = bf16[3,8,4]{{2,1,0}} get-tuple-element(%saved), index=0
+}}
+"""
+    hlo = hlo_report.report(module, {"data": 1})
+    one = 2 * 8 * 4 * 16  # a (8 x 4) product over depth 16
+    assert hlo.matmul_flops == {"bf16 x bf16": 3 * one} and hlo.library_matmul_flops == 3 * one
+    assert hlo.duplicated_matmul_flops == one  # %saved's gemm multiplies %a by %w again; %x multiplies %a by %v
+    # the calls read both operands (256 + 128 B) and write the product (64 B), not their 64 B workspaces; the fusion
+    # reads them and the index (4 B) and writes the product into the stack in place
+    assert hlo.kernel_bytes == {"matmul": 2 * (256 + 128 + 64) + (256 + 128 + 4 + 64), "attention": 0, "other": 0}
+
+
 def test_cli_plan_json_has_the_hlo_report():
     result = run_cli("plan", "tiny", "--rules", "fsdp", "--json", "--hlo-report", "train.global_batch=8", cwd=REPO)
     assert result.returncode == 0, result.stderr

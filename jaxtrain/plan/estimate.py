@@ -678,7 +678,12 @@ def render_hlo(plan: Plan) -> list[str]:
                  + ", ".join(f"{kind} {_size(predicted[kind])} / {_size(compiled.get(kind, 0))}" for kind in predicted))
     total = sum(hlo.matmul_flops.values())
     lines.append(f"matmuls per step: {total:.3g} FLOPs per device" + "".join(
-        f"{', ' if i else ': '}{types} {100 * flops / total:.1f}%" for i, (types, flops) in enumerate(hlo.matmul_flops.items())))
+        f"{', ' if i else ': '}{types} {100 * flops / total:.1f}%" for i, (types, flops) in enumerate(hlo.matmul_flops.items()))
+        + (f"; cuBLAS {100 * hlo.library_matmul_flops / total:.1f}%" if hlo.library_matmul_flops else ""))
+    if hlo.duplicated_matmul_flops:
+        lines.append(f"  computed twice: {hlo.duplicated_matmul_flops:.3g} FLOPs ({100 * hlo.duplicated_matmul_flops / total:.1f}%), "
+                     "the same two arrays multiplied again (jax 0.11's dynamic-slice fusion of a cuBLAS gemm whose result "
+                     "the layer scan saves: XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false, jaxtrain's default)")
     moved = hlo.kernel_bytes
     bandwidth = next((g.memory_bandwidth for g in GPU_MODELS.values() if g.description == c.device_kind), None)
     at_bandwidth = f" (at least {1e3 * moved['other'] / bandwidth:.0f} ms at {bandwidth / 1e12:.2g} TB/s)" if bandwidth else ""

@@ -39,6 +39,8 @@ FUSION_OPCODES = {"fusion", "fusion-start"}
 KERNEL_OPCODES = FUSION_OPCODES | {"custom-call", "copy", "transpose", "reduce", "scatter", "gather", "concatenate", "pad",
                   "convert", "select-and-scatter", "sort", "dot", "convolution", "dynamic-slice", "dynamic-update-slice"}
 _SLICING = {"dynamic-slice", "slice", "gather"}
+# the scratch a library call (cuBLAS, cuDNN) returns last in its result tuple: a byte array it need not write whole
+_WORKSPACE = re.compile(r"\b[su]8\[\d*\](?:\{[^}]*\})?\)?$")
 LARGEST_KERNELS = 5  # the "other" kernels (by XLA's op name) the report lists, most bytes first
 # XLA's C++ log lines of severity warning or error start W or E and the date (absl's format)
 WARNING_LINE = re.compile(r"^\s*[WE]\d{4} \d\d:\d\d|Involuntary full rematerialization|\bWARNING\b")
@@ -55,6 +57,7 @@ class Instruction:
     opcode: str
     operands: tuple[str, ...]
     attributes: str
+    parameter_number: int | None = None  # a parameter's: the operand of its fusion (or caller) it stands for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +99,10 @@ class HloReport:
     # "other" kernels: (XLA's op name of the kernel's root, bytes per step)
     kernel_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     largest_other_kernels: tuple[tuple[str, float], ...] = ()
+    # of matmul_flops: those run by a gemm library (cuBLAS) rather than XLA's own kernels, and those of products
+    # computed a second time (the same two arrays multiplied again in the same computation)
+    library_matmul_flops: float = 0.0
+    duplicated_matmul_flops: float = 0.0
 
     def groups(self) -> list[dict]:
         """The collectives by (kind, mesh axes): instructions, executions, bytes and traffic per step, async and
@@ -134,7 +141,8 @@ class HloReport:
     def to_json(self) -> dict:
         return {"collectives": self.groups(), "fusions": self.fusions, "attention": self.attention,
                 "attention_calls": self.attention_calls, "xla_warnings": list(self.warnings),
-                "matmul_flops_by_operand_types": self.matmul_flops, "kernel_bytes_per_step": self.kernel_bytes,
+                "matmul_flops_by_operand_types": self.matmul_flops, "library_matmul_flops": self.library_matmul_flops,
+                "duplicated_matmul_flops": self.duplicated_matmul_flops, "kernel_bytes_per_step": self.kernel_bytes,
                 "largest_other_kernels": [{"op_name": name, "bytes": b} for name, b in self.largest_other_kernels]}
 
 
@@ -202,7 +210,9 @@ def parse_computations(text: str) -> dict[str, list[Instruction]]:
         if match:
             type_text, opcode, rest = _split_instruction(match.group(2))
             operands, attributes = _operands_and_attributes(rest)
-            current.append(Instruction(match.group(1), type_text, opcode, operands, attributes))
+            number = re.match(r"\s*(\d+)", rest) if opcode == "parameter" else None
+            current.append(Instruction(match.group(1), type_text, opcode, operands, attributes,
+                                       int(number.group(1)) if number else None))
     return computations
 
 
@@ -286,40 +296,88 @@ def _done(computation: list[Instruction], start: str) -> tuple[Instruction | Non
     return None, False
 
 
-def _dots(computations: dict[str, list[Instruction]], name: str) -> Iterator[tuple[str, float]]:
-    """("LHS x RHS" element types, FLOPs) of each dot in computation ``name`` and in the fusions it calls."""
+def _library_call(ins: Instruction) -> str:
+    """The target of a custom call (cuBLAS's ``__cublas$lt$matmul``, cuDNN's ``__cudnn$fmhaSoftmax``...), else ""."""
+    target = re.search(r'custom_call_target="([^"]+)"', ins.attributes) if ins.opcode == "custom-call" else None
+    return target.group(1) if target else ""
+
+
+def _is_gemm(ins: Instruction) -> bool:
+    """A dot or convolution, or a call of a gemm library (cuBLAS: XLA's choice for a dot where its autotuner finds
+    it faster than its own kernel, and always with ``--xla_gpu_enable_triton_gemm=false``)."""
+    return ins.opcode in ("dot", "convolution") or bool(re.search(r"gemm|matmul", _library_call(ins)))
+
+
+def _gemm_flops(ins: Instruction, types: dict[str, str]) -> tuple[str, float]:
+    """("LHS x RHS" element types, FLOPs) of one dot or library gemm."""
+    (lhs, lhs_dims), (rhs, _) = (match.groups() if (match := _ARRAY.search(_type_of(types, o))) else ("?", "")
+                                 for o in ins.operands[:2])
+    # a dot's attribute, or a library gemm's backend config (JSON: "lhs_contracting_dimensions":["1"])
+    contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}|"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attributes)
+    shape = [int(d) for d in lhs_dims.split(",") if d]
+    depth = math.prod(shape[int(i)] for i in re.findall(r"\d+", (contracting.group(1) or contracting.group(2)) if contracting else ""))
+    # a library gemm returns (result, workspace): the result is the first array
+    outputs = math.prod(int(d) for d in _ARRAY.search(ins.type).group(2).split(",") if d)
+    return f"{lhs} x {rhs}", 2.0 * outputs * depth
+
+
+def _callee(ins: Instruction) -> str:
+    """The computation a fusion runs, else ""."""
+    callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes) if ins.opcode in FUSION_OPCODES else None
+    return callee.group(1) if callee else ""
+
+
+def _gemms(computations: dict[str, list[Instruction]], name: str) -> Iterator[tuple[Instruction, str, float]]:
+    """(the instruction, "LHS x RHS" element types, FLOPs) of each dot and library gemm in computation ``name`` and
+    in the fusions it calls."""
     instructions = computations.get(name, [])
     types = {ins.name: ins.type for ins in instructions}
     for ins in instructions:
         if ins.opcode in FUSION_OPCODES:
-            callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes)
-            if callee:
-                yield from _dots(computations, callee.group(1))
-            continue
-        if ins.opcode != "dot" or len(ins.operands) < 2:
-            continue
-        (lhs, lhs_dims), (rhs, _) = (match.groups() if (match := _ARRAY.search(_type_of(types, o))) else ("?", "")
-                                     for o in ins.operands[:2])
-        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attributes)
-        shape = [int(d) for d in lhs_dims.split(",") if d]
-        depth = math.prod(shape[int(i)] for i in contracting.group(1).split(",") if i) if contracting else 1
-        outputs = math.prod(int(d) for d in _ARRAY.search(ins.type).group(2).split(",") if d)
-        yield f"{lhs} x {rhs}", 2.0 * outputs * depth
+            yield from _gemms(computations, _callee(ins))
+        elif ins.opcode != "convolution" and _is_gemm(ins) and len(ins.operands) >= 2:
+            yield ins, *_gemm_flops(ins, types)
+
+
+def _duplicated_flops(computations: dict[str, list[Instruction]], name: str) -> float:
+    """FLOPs of the gemms in computation ``name`` that multiply the same two arrays as another one there, directly
+    or inside a fusion (whose parameters stand for its operands; bitcasts looked through): the same product computed
+    twice. jax 0.11's XLA does this where a cuBLAS gemm's result is also saved into the layer scan's stacks: its
+    dynamic-slice fusion computes the gemm again to write into the stack."""
+    seen: set[tuple] = set()
+    duplicated = 0.0
+    gemms = {g.name: flops for g, _, flops in _gemms(computations, name)}  # top-level ones and those in fusions
+    for ins in computations.get(name, []):
+        body = _fusion_body(computations, ins)
+        local = {i.name: i for i in body}
+
+        def outer(operand: str) -> str | None:
+            """What a gemm in the fusion reads, as the fusion's operand (None: computed inside the fusion)."""
+            while operand in local and local[operand].opcode == "bitcast":
+                operand = local[operand].operands[0]
+            number = local[operand].parameter_number if operand in local else None
+            return ins.operands[number] if number is not None and number < len(ins.operands) else None
+
+        products = [(tuple(map(outer, g.operands[:2])), gemms[g.name]) for g in body if g.name in gemms] if body else \
+            [(ins.operands[:2], gemms[ins.name])] if ins.name in gemms else []
+        for inputs, flops in products:
+            if None not in inputs:
+                duplicated += flops if (inputs, flops) in seen else 0.0
+                seen.add((inputs, flops))
+    return duplicated
 
 
 def _fusion_body(computations: dict[str, list[Instruction]], ins: Instruction) -> list[Instruction]:
-    callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes) if ins.opcode in FUSION_OPCODES else None
-    return computations.get(callee.group(1), []) if callee else []
+    return computations.get(_callee(ins), [])
 
 
 def _kernel_kind(computations: dict[str, list[Instruction]], ins: Instruction) -> str:
-    """"matmul" (a dot or convolution, fused or not, or a library gemm), "attention" (cuDNN's fused attention) or
-    "other" (elementwise, reductions, copies) for one top-level kernel."""
-    target = re.search(r'custom_call_target="([^"]+)"', ins.attributes)
-    if ins.opcode in ("dot", "convolution") or any(i.opcode in ("dot", "convolution") for i in _fusion_body(computations, ins)) \
-            or (target and re.search(r"gemm|matmul", target.group(1))):
+    """"matmul" (a dot or convolution, fused or not, or a library gemm, also inside XLA's dynamic-slice fusion, which
+    lets cuBLAS write into a slice of the layer scan's stacks), "attention" (cuDNN's fused attention) or "other"
+    (elementwise, reductions, copies) for one top-level kernel."""
+    if _is_gemm(ins) or any(_is_gemm(i) for i in _fusion_body(computations, ins)):
         return "matmul"
-    return "attention" if target and "fmha" in target.group(1) else "other"
+    return "attention" if "fmha" in _library_call(ins) else "other"
 
 
 def kernel_kinds(hlo_text: str) -> dict[str, tuple[str, str]]:
@@ -346,7 +404,10 @@ def _kernel(computations: dict[str, list[Instruction]], ins: Instruction, types:
     so); either directly or through bitcasts (jax 0.11's XLA bitcasts the stack before updating it)."""
     kind, body = _kernel_kind(computations, ins), _fusion_body(computations, ins)
     if not body:
-        return kind, sum(sum(_array_bytes(_type_of(types, o))) for o in ins.operands) + sum(_array_bytes(ins.type))
+        written = _array_bytes(ins.type)
+        if _library_call(ins) and _WORKSPACE.search(ins.type):
+            written = written[:-1]
+        return kind, sum(sum(_array_bytes(_type_of(types, o))) for o in ins.operands) + sum(written)
     local = {i.name: i for i in body}
     users: dict[str, list[Instruction]] = {}
     for i in body:
@@ -368,6 +429,9 @@ def _kernel(computations: dict[str, list[Instruction]], ins: Instruction, types:
             moved += sum(_array_bytes(i.type))
     root = body[-1]
     for result in ([local[o] for o in root.operands if o in local] if root.opcode == "tuple" else [root]):
+        if result.opcode == "get-tuple-element" and result.operands[0] in local and _library_call(local[result.operands[0]]) \
+                and _WORKSPACE.search(result.type):
+            continue
         written = result
         while written.opcode == "bitcast" and written.operands[0] in local:
             written = local[written.operands[0]]
@@ -389,11 +453,14 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
     collectives = []
     fusions = attention_calls = 0
     matmul_flops: dict[str, float] = {}
+    library_flops = duplicated_flops = 0.0
     kernel_bytes = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     other_kernels: dict[str, float] = {}
     for comp, (times, known, async_start) in reached.items():
-        for operand_types, flops in _dots(computations, comp):
+        for gemm, operand_types, flops in _gemms(computations, comp):
             matmul_flops[operand_types] = matmul_flops.get(operand_types, 0.0) + times * flops
+            library_flops += times * flops if _library_call(gemm) else 0.0
+        duplicated_flops += times * _duplicated_flops(computations, comp)
         for ins in computations[comp]:
             fusions += ins.opcode in FUSION_OPCODES
             if ins.opcode in KERNEL_OPCODES:
@@ -403,8 +470,7 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
                     name = re.search(r'op_name="([^"]*)"', ins.attributes)
                     key = name.group(1) if name else ins.name
                     other_kernels[key] = other_kernels.get(key, 0.0) + times * moved
-            target = re.search(r'custom_call_target="([^"]+)"', ins.attributes) if ins.opcode == "custom-call" else None
-            attention_calls += bool(target and "fmha" in target.group(1))
+            attention_calls += "fmha" in _library_call(ins)
             kind = ins.opcode.removesuffix("-start")
             if kind not in COLLECTIVES:
                 continue
@@ -424,7 +490,8 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
     warnings = tuple(dict.fromkeys(line.strip() for line in log.splitlines() if WARNING_LINE.search(line)))
     largest = tuple(sorted(other_kernels.items(), key=lambda item: -item[1])[:LARGEST_KERNELS])
     return HloReport(tuple(collectives), fusions, "cudnn" if attention_calls else "xla", attention_calls, warnings,
-                     dict(sorted(matmul_flops.items(), key=lambda item: -item[1])), kernel_bytes, largest)
+                     dict(sorted(matmul_flops.items(), key=lambda item: -item[1])), kernel_bytes, largest, library_flops,
+                     duplicated_flops)
 
 
 def partitioned_hlo(lowered) -> str:
