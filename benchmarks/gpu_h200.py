@@ -46,6 +46,7 @@ class Row:
     tiny_options: tuple[str, ...] = ()  # flags that replace them with --tiny (later flags win)
     min_devices: int = 1  # skipped, saying so, with fewer devices visible; --tiny gives it 8 simulated CPU devices
     tiny_overrides: tuple[str, ...] = ()  # key=value after the tiny shape (for sizes the row needs, e.g. divisible layers)
+    xla_flags: str = ""  # added to XLA_FLAGS for the row's process (after jaxtrain's defaults' check: the row's win)
 
     def argv(self, python: str, steps: int, tiny: bool, cache: str) -> list[str]:
         """``cache``: the runner's compilation cache folder, new each run, for options that name ``{cache}``."""
@@ -54,6 +55,12 @@ class Row:
         # later overrides win: the tiny shape replaces the GPU one and the row's sizes
         return [python, str(BENCH_DIR / self.script), self.experiment, "--mesh", "gpu1", "--rules", "fsdp", *timed,
                 *options, *GPU_SHAPE, *self.overrides, *((*TINY_SHAPE, *self.tiny_overrides) if tiny else ())]
+
+    def env(self, tiny: bool) -> dict[str, str]:
+        """The row's environment: XLA_FLAGS with the row's flags, and 8 simulated CPU devices for a tiny row that
+        needs several devices."""
+        simulated = "--xla_force_host_platform_device_count=8" if tiny and self.min_devices > 1 else ""
+        return os.environ | {"XLA_FLAGS": " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), self.xla_flags, simulated) if f)}
 
 
 # Most wanted first: MFU of the 1B and 3B (goal >= 55%), cuDNN vs XLA attention, scan vs unrolled layers, the
@@ -66,9 +73,13 @@ PROFILED = ("--profile-steps", "3")
 ROWS = (
     Row("mfu_1b", "llama3_1b", MFU_1B, 60, options=PROFILED),
     Row("mfu_3b", "llama3_3b", ("train.global_batch=4", "model.remat=full", "model.attention=auto"), 75, options=PROFILED),
-    Row("attention_xla_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=xla"), 60),
+    # mfu_1b with XLA's dynamic-slice fusion on (XLA's default; jaxtrain turns it off with jaxlib >= 0.11,
+    # jaxtrain/xla_flags.py): compare step_s, and the records' duplicated_matmul_flops_per_step (what the autotuner
+    # gave cuBLAS decides whether jax 0.11's XLA computes the scan's saved gemms twice)
+    Row("dynamic_slice_fusion_1b", "llama3_1b", MFU_1B, 60, xla_flags="--xla_gpu_enable_dynamic_slice_fusion=true"),
     # scan vs unrolled layers on the GPU: step time and compile time beside mfu_1b (same shape, scanned)
     Row("unrolled_1b", "llama3_1b", (*MFU_1B, "model.scan_layers=false"), 75, options=PROFILED),
+    Row("attention_xla_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=xla"), 60),
     # chunked causal attention (what auto picks on CPUs) on a GPU: does scoring only the keys up to each query chunk
     # pay there too, against attention_xla_1b and cuDNN (mfu_1b)
     Row("attention_chunked_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=chunked"), 60),
@@ -145,7 +156,7 @@ def environment(python: str) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def run_row(row: Row, argv: list[str], timeout_s: float, env: dict | None = None) -> dict:
+def run_row(row: Row, argv: list[str], timeout_s: float, env: dict) -> dict:
     start = time.perf_counter()
     try:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -198,10 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             write({"row": row.name, "status": "skipped",
                    "reason": f"needs {row.min_devices} or more devices, {env.get('devices', 0)} visible"})
             continue
-        simulated = args.tiny and row.min_devices > 1
-        row_env = os.environ | {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"} if simulated else None
         print(f"== {row.name} ({left:.0f} s of the budget left)", file=sys.stderr, flush=True)
-        record = {"row": row.name} | run_row(row, row.argv(sys.executable, args.steps, args.tiny, cache), left, row_env)
+        record = {"row": row.name} | run_row(row, row.argv(sys.executable, args.steps, args.tiny, cache), left, row.env(args.tiny))
         failed |= record["status"] != "ok"
         write(record)
     shutil.rmtree(cache, ignore_errors=True)

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 
 from jaxtrain.cli import resolve_config
+from jaxtrain import xla_flags
 from jaxtrain.errors import UserError
 from jaxtrain.memory import host_malloc
 
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         host_malloc.reexec_with_jemalloc()  # as the jaxtrain command does, before jax starts
         host_malloc.configure()
+        xla_flags.set_defaults()  # as the jaxtrain command does
         cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
     except UserError as e:
         print(f"throughput: error: {e}", file=sys.stderr)
@@ -56,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_perf import fixed_batch, random_corpus
     from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak
     from jaxtrain.layout import peak_bytes
+    from jaxtrain.plan import hlo_report
     from jaxtrain.plan.estimate import estimate, estimate_total
     from jaxtrain import compile_cache
     from jaxtrain.train import build
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     peak = measure_matmul_peak(list(trainer.mesh.devices.flat)) / devices if on_cpu else args.peak_tflops * 1e12
     model_flops = flops_per_token(cfg.model, cfg.data.seq_len) * trainer.tokens_per_step / step_s / devices
     memory = trainer.train_step.memory_analysis()
+    # the program as XLA compiled it for these devices (on a GPU after autotuning: which gemms went to cuBLAS)
+    compiled = hlo_report.report(trainer.train_step.as_text(), dict(trainer.mesh.shape))
     measured = (trainer.mesh.devices.flat[0].memory_stats() or {}).get("peak_bytes_in_use")
     print(json.dumps({
         "experiment": args.experiment, "overrides": args.overrides, "mesh": args.mesh, "rules": args.rules,
@@ -92,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         "compiled_gib_per_device": peak_bytes(memory) / 2**30,
         "measured_peak_gib_per_device": None if measured is None else measured / 2**30,
         "loss": float(metrics["loss"]),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "compiled_matmul_flops_per_step": sum(compiled.matmul_flops.values()),
+        "library_matmul_flops_per_step": compiled.library_matmul_flops,
+        "duplicated_matmul_flops_per_step": compiled.duplicated_matmul_flops,
     } | ({"profile": profile} if profile else {})), flush=True)
     return 0
 

@@ -64,3 +64,17 @@ def test_tiny_rows_of_each_benchmark_script_run_and_the_warm_row_reads_the_cold_
     cold, warm = records["compile_cache_cold_1b"]["compile_cache"], records["compile_cache_warm_1b"]["compile_cache"]
     assert cold["folder"] == warm["folder"] and cold["read_back"] == 0 and warm["read_back"] == warm["programs"] >= 2
     assert not Path(cold["folder"]).exists()  # the runner removes its folder
+
+
+def test_a_row_adds_its_xla_flags_to_the_callers(monkeypatch):
+    """dynamic_slice_fusion_1b turns XLA's fusion back on over jaxtrain's default (its record's xla_flags shows what
+    the row ran with); a tiny row that needs several devices gets 8 simulated CPUs."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_h200
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    rows = {row.name: row for row in gpu_h200.ROWS}
+    assert rows["dynamic_slice_fusion_1b"].env(tiny=False)["XLA_FLAGS"] == \
+        "--xla_dump_to=/tmp/d --xla_gpu_enable_dynamic_slice_fusion=true"
+    assert rows["mfu_1b"].env(tiny=False)["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
+    assert rows["pipeline_1b"].env(tiny=True)["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8"

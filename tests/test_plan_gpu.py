@@ -5,7 +5,10 @@ test_plan.py with stand-in devices)."""
 
 import importlib
 import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -123,6 +126,27 @@ def test_grad_sync_step_sums_over_data_once_on_the_gpu_as_the_planner_predicts()
     assert max(c.executions for c in every.compiled.hlo.collectives if c.axes == ("data",)) == 8
     assert every.compiled_traffic["data"] > 1.5 * once.compiled_traffic["data"]
     assert once.compiled.total == pytest.approx(every.compiled.total, rel=0.05)
+
+
+@pytest.mark.parametrize("fusion", [None, "true"])
+def test_a_cublas_gemm_the_layer_scan_saves_is_computed_once_with_jaxtrains_default_flags(fusion):
+    """With cuBLAS gemms (Triton's are off here; on a device XLA's autotuner picks cuBLAS where it is faster),
+    jax 0.11's dynamic-slice fusion computes a gemm whose result the layer scan saves a second time, for the stack.
+    jaxtrain turns that fusion off from jaxlib 0.11 (jaxtrain/xla_flags.py), unless XLA_FLAGS sets it: `jaxtrain
+    plan` then compiles each gemm once. 0.10's XLA computes each once (and fails to compile with the fusion forced
+    on: "BufferAllocation::Slice not assigned")."""
+    before_0_11 = tuple(map(int, jax.__version__.split(".")[:2])) < (0, 11)
+    if fusion == "true" and before_0_11:
+        pytest.skip("jax 0.10's XLA does not compile cuBLAS gemms with the dynamic-slice fusion forced on")
+    flags = "--xla_gpu_enable_triton_gemm=false" + (f" --xla_gpu_enable_dynamic_slice_fusion={fusion}" if fusion else "")
+    result = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "plan", "tiny", "--mesh", "gpu1", "--rules", "fsdp",
+                             "--gpu", "h200", "--hlo-report", "--json", "model.remat=save_dots", "model.dtype=bfloat16",
+                             "train.global_batch=8"], cwd=REPO, env=os.environ | {"XLA_FLAGS": flags},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    hlo = json.loads(result.stdout)["hlo_report"]
+    assert hlo["library_matmul_flops"] == sum(hlo["matmul_flops_by_operand_types"].values()) > 0
+    assert (hlo["duplicated_matmul_flops"] > 0) == (fusion == "true"), hlo["duplicated_matmul_flops"]
 
 
 def test_hlo_report_names_cudnn_fused_attention():
