@@ -57,7 +57,7 @@ class Instruction:
     opcode: str
     operands: tuple[str, ...]
     attributes: str
-    parameter_number: int | None = None  # a parameter's: the operand of its fusion (or caller) it stands for
+    literal: str = ""  # a parameter's number (the operand of its fusion it stands for), a constant's value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,9 +210,8 @@ def parse_computations(text: str) -> dict[str, list[Instruction]]:
         if match:
             type_text, opcode, rest = _split_instruction(match.group(2))
             operands, attributes = _operands_and_attributes(rest)
-            number = re.match(r"\s*(\d+)", rest) if opcode == "parameter" else None
-            current.append(Instruction(match.group(1), type_text, opcode, operands, attributes,
-                                       int(number.group(1)) if number else None))
+            literal = rest[:rest.index(")")] if opcode in ("parameter", "constant") and ")" in rest else ""
+            current.append(Instruction(match.group(1), type_text, opcode, operands, attributes, literal))
     return computations
 
 
@@ -339,31 +338,61 @@ def _gemms(computations: dict[str, list[Instruction]], name: str) -> Iterator[tu
             yield ins, *_gemm_flops(ins, types)
 
 
+def _operand_form(computations: dict[str, list[Instruction]], operand: str, local: dict[str, Instruction],
+                  outer: list[str] | None = None, scope: str = "") -> str:
+    """What ``operand`` is, written so that two reads of the same data compare equal: looking through bitcasts, a
+    fusion's parameters (as ``outer``, the forms of the fusion's operands), constants (their value), dynamic slices
+    (of what, where) and fusions that only slice or bitcast their operands. Anything computed is its own name, inside
+    a fusion prefixed by ``scope`` (the fusion's name: fusions may share one body)."""
+    name = operand.partition("#")[0]
+    ins = local.get(name)
+    if ins is None or (ins.opcode == "parameter" and outer is None):
+        return operand
+    if ins.opcode == "parameter":
+        return outer[int(ins.literal)] if ins.literal.isdigit() and int(ins.literal) < len(outer) else scope + operand
+    if ins.opcode == "constant":
+        return f"{ins.type.partition('{')[0]} {ins.literal}"
+    if ins.opcode == "bitcast":
+        return _operand_form(computations, ins.operands[0], local, outer, scope)
+    if ins.opcode == "dynamic-slice":
+        sizes = re.search(r"dynamic_slice_sizes=\{([\d,]*)\}", ins.attributes)
+        starts = ", ".join(_operand_form(computations, o, local, outer, scope) for o in ins.operands)
+        return f"ds({starts}; {sizes and sizes.group(1)})"
+    if ins.opcode in ("async-done", "fusion-done") and ins.operands and ins.operands[0] in local:
+        ins = local[ins.operands[0]]  # jax 0.11's asynchronous kernels: the start runs the computation
+    callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes) if ins.opcode in FUSION_OPCODES | {"async-start"} else None
+    body = computations.get(callee.group(1), []) if callee else []
+    if body and "#" not in operand:
+        inner = f"{scope}{ins.name}/"
+        form = _operand_form(computations, body[-1].name, {i.name: i for i in body},
+                             [_operand_form(computations, o, local, outer, scope) for o in ins.operands], inner)
+        if not form.startswith(inner):  # the fusion only slices or bitcasts its operands
+            return form
+    return scope + operand
+
+
 def _duplicated_flops(computations: dict[str, list[Instruction]], name: str) -> float:
-    """FLOPs of the gemms in computation ``name`` that multiply the same two arrays as another one there, directly
-    or inside a fusion (whose parameters stand for its operands; bitcasts looked through): the same product computed
-    twice. jax 0.11's XLA does this where a cuBLAS gemm's result is also saved into the layer scan's stacks: its
-    dynamic-slice fusion computes the gemm again to write into the stack."""
+    """FLOPs of the gemms in computation ``name`` that multiply the same data as another one there (``_operand_form``),
+    directly or inside a fusion: the same product computed twice. jax 0.11's XLA does this where a cuBLAS gemm's
+    result is also saved into the layer scan's stacks: its dynamic-slice fusion computes the gemm again to write into
+    the stack."""
     seen: set[tuple] = set()
     duplicated = 0.0
     gemms = {g.name: flops for g, _, flops in _gemms(computations, name)}  # top-level ones and those in fusions
+    top = {i.name: i for i in computations.get(name, [])}
     for ins in computations.get(name, []):
         body = _fusion_body(computations, ins)
-        local = {i.name: i for i in body}
-
-        def outer(operand: str) -> str | None:
-            """What a gemm in the fusion reads, as the fusion's operand (None: computed inside the fusion)."""
-            while operand in local and local[operand].opcode == "bitcast":
-                operand = local[operand].operands[0]
-            number = local[operand].parameter_number if operand in local else None
-            return ins.operands[number] if number is not None and number < len(ins.operands) else None
-
-        products = [(tuple(map(outer, g.operands[:2])), gemms[g.name]) for g in body if g.name in gemms] if body else \
-            [(ins.operands[:2], gemms[ins.name])] if ins.name in gemms else []
-        for inputs, flops in products:
-            if None not in inputs:
-                duplicated += flops if (inputs, flops) in seen else 0.0
-                seen.add((inputs, flops))
+        if body:
+            outer = [_operand_form(computations, o, top) for o in ins.operands]
+            local = {i.name: i for i in body}
+            products = [(tuple(_operand_form(computations, o, local, outer, f"{ins.name}/") for o in g.operands[:2]),
+                         gemms[g.name]) for g in body if g.name in gemms]
+        else:
+            products = [(tuple(_operand_form(computations, o, top) for o in ins.operands[:2]), gemms[ins.name])] \
+                if ins.name in gemms else []
+        for product in products:
+            duplicated += product[1] if product in seen else 0.0
+            seen.add(product)
     return duplicated
 
 
