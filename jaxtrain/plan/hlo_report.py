@@ -22,7 +22,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -320,9 +320,9 @@ def _gemm_flops(ins: Instruction, types: dict[str, str]) -> tuple[str, float]:
     return f"{lhs} x {rhs}", 2.0 * outputs * depth
 
 
-def _callee(ins: Instruction) -> str:
-    """The computation a fusion runs, else ""."""
-    callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes) if ins.opcode in FUSION_OPCODES else None
+def _callee(ins: Instruction, opcodes: set[str] = FUSION_OPCODES) -> str:
+    """The computation a fusion (or another of ``opcodes``) runs, else ""."""
+    callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes) if ins.opcode in opcodes else None
     return callee.group(1) if callee else ""
 
 
@@ -339,17 +339,18 @@ def _gemms(computations: dict[str, list[Instruction]], name: str) -> Iterator[tu
 
 
 def _operand_form(computations: dict[str, list[Instruction]], operand: str, local: dict[str, Instruction],
-                  outer: list[str] | None = None, scope: str = "") -> str:
+                  outer: Callable[[int], str] | None = None, scope: str = "") -> str:
     """What ``operand`` is, written so that two reads of the same data compare equal: looking through bitcasts, a
-    fusion's parameters (as ``outer``, the forms of the fusion's operands), constants (their value), dynamic slices
+    fusion's parameters (``outer(i)``: the form of the fusion's operand i), constants (their value), dynamic slices
     (of what, where) and fusions that only slice or bitcast their operands. Anything computed is its own name, inside
-    a fusion prefixed by ``scope`` (the fusion's name: fusions may share one body)."""
+    a fusion prefixed by ``scope`` (the fusion's name: fusions may share one body). Operands are resolved only as far
+    as a form needs them: a step's program is a deep graph of fusions."""
     name = operand.partition("#")[0]
     ins = local.get(name)
     if ins is None or (ins.opcode == "parameter" and outer is None):
         return operand
     if ins.opcode == "parameter":
-        return outer[int(ins.literal)] if ins.literal.isdigit() and int(ins.literal) < len(outer) else scope + operand
+        return outer(int(ins.literal)) if ins.literal.isdigit() else scope + operand
     if ins.opcode == "constant":
         return f"{ins.type.partition('{')[0]} {ins.literal}"
     if ins.opcode == "bitcast":
@@ -360,15 +361,21 @@ def _operand_form(computations: dict[str, list[Instruction]], operand: str, loca
         return f"ds({starts}; {sizes and sizes.group(1)})"
     if ins.opcode in ("async-done", "fusion-done") and ins.operands and ins.operands[0] in local:
         ins = local[ins.operands[0]]  # jax 0.11's asynchronous kernels: the start runs the computation
-    callee = re.search(r"calls=%?([\w.\-]+)", ins.attributes) if ins.opcode in FUSION_OPCODES | {"async-start"} else None
-    body = computations.get(callee.group(1), []) if callee else []
+    body = computations.get(_callee(ins, FUSION_OPCODES | {"async-start"}), [])
     if body and "#" not in operand:
         inner = f"{scope}{ins.name}/"
         form = _operand_form(computations, body[-1].name, {i.name: i for i in body},
-                             [_operand_form(computations, o, local, outer, scope) for o in ins.operands], inner)
+                             _operands_of(computations, ins, local, outer, scope), inner)
         if not form.startswith(inner):  # the fusion only slices or bitcasts its operands
             return form
     return scope + operand
+
+
+def _operands_of(computations: dict[str, list[Instruction]], ins: Instruction, local: dict[str, Instruction],
+                 outer: Callable[[int], str] | None, scope: str) -> Callable[[int], str]:
+    """``outer`` for the body of fusion ``ins``: the form of its operand i, or its own name past the last one."""
+    return lambda i: _operand_form(computations, ins.operands[i], local, outer, scope) if i < len(ins.operands) \
+        else f"{scope}{ins.name}/{i}"
 
 
 def _duplicated_flops(computations: dict[str, list[Instruction]], name: str) -> float:
@@ -383,8 +390,7 @@ def _duplicated_flops(computations: dict[str, list[Instruction]], name: str) -> 
     for ins in computations.get(name, []):
         body = _fusion_body(computations, ins)
         if body:
-            outer = [_operand_form(computations, o, top) for o in ins.operands]
-            local = {i.name: i for i in body}
+            outer, local = _operands_of(computations, ins, top, None, ""), {i.name: i for i in body}
             products = [(tuple(_operand_form(computations, o, local, outer, f"{ins.name}/") for o in g.operands[:2]),
                          gemms[g.name]) for g in body if g.name in gemms]
         else:
