@@ -3,6 +3,7 @@ checked against the rule set on the CPU compile (the GPU compile: tests/test_pla
 
 import json
 import os
+import time
 
 import jax
 import numpy as np
@@ -389,6 +390,32 @@ ENTRY %main (a: bf16[8,16], stack: bf16[2,16,4], i: s32[], j: s32[], x: f32[8,16
     hlo = hlo_report.report(module, {"data": 1})
     one = 2 * 8 * 4 * 16
     assert hlo.matmul_flops == {"bf16 x bf16": 5 * one} and hlo.duplicated_matmul_flops == one
+
+
+def test_a_deep_graph_of_fusions_is_read_in_linear_time():
+    """Each fusion here reads the one before twice: resolving every operand's form eagerly takes 2^depth steps (a
+    tiny train step's program hung the benchmark runner so); read as far as a form needs, it is immediate."""
+    depth = 24
+    chain = "\n".join(f"  %f{k} = f32[4,4]{{1,0}} fusion(%f{k - 1}, %f{k - 1}), kind=kLoop, calls=%add" for k in range(1, depth))
+    module = f"""HloModule m, is_scheduled=true
+
+%add (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {{
+  %p0 = f32[4,4]{{1,0}} parameter(0)
+  %p1 = f32[4,4]{{1,0}} parameter(1)
+  ROOT %s = f32[4,4]{{1,0}} add(%p0, %p1)
+}}
+
+ENTRY %main (x: f32[4,4]) -> f32[4,4] {{
+  %x = f32[4,4]{{1,0}} parameter(0)
+  %f0 = f32[4,4]{{1,0}} fusion(%x, %x), kind=kLoop, calls=%add
+{chain}
+  ROOT %d = f32[4,4]{{1,0}} dot(%f{depth - 1}, %x), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+"""
+    start = time.perf_counter()
+    hlo = hlo_report.report(module, {"data": 1})
+    assert time.perf_counter() - start < 2.0
+    assert hlo.matmul_flops == {"f32 x f32": 2 * 4 * 4 * 4} and hlo.duplicated_matmul_flops == 0
 
 
 def test_cli_plan_json_has_the_hlo_report():
