@@ -46,7 +46,7 @@ class Row:
     tiny_options: tuple[str, ...] = ()  # flags that replace them with --tiny (later flags win)
     min_devices: int = 1  # skipped, saying so, with fewer devices visible; --tiny gives it 8 simulated CPU devices
     tiny_overrides: tuple[str, ...] = ()  # key=value after the tiny shape (for sizes the row needs, e.g. divisible layers)
-    xla_flags: str = ""  # added to XLA_FLAGS for the row's process (after jaxtrain's defaults' check: the row's win)
+    xla_flags: str = ""  # added to XLA_FLAGS for the row's process; jaxtrain's defaults never override a flag set here
 
     def argv(self, python: str, steps: int, tiny: bool, cache: str) -> list[str]:
         """``cache``: the runner's compilation cache folder, new each run, for options that name ``{cache}``."""
