@@ -74,7 +74,7 @@ ROWS = (
     Row("mfu_1b", "llama3_1b", MFU_1B, 60, options=PROFILED),
     Row("mfu_3b", "llama3_3b", ("train.global_batch=4", "model.remat=full", "model.attention=auto"), 75, options=PROFILED),
     # mfu_1b with XLA's dynamic-slice fusion on (XLA's default; jaxtrain turns it off with jaxlib >= 0.11,
-    # jaxtrain/xla_flags.py): compare step_s, and the records' duplicated_matmul_flops_per_step (what the autotuner
+    # jaxtrain/xla_env.py): compare step_s, and the records' duplicated_matmul_flops_per_step (what the autotuner
     # gave cuBLAS decides whether jax 0.11's XLA computes the scan's saved gemms twice)
     Row("dynamic_slice_fusion_1b", "llama3_1b", MFU_1B, 60, xla_flags="--xla_gpu_enable_dynamic_slice_fusion=true"),
     # scan vs unrolled layers on the GPU: step time and compile time beside mfu_1b (same shape, scanned)

@@ -30,7 +30,5 @@ d = jax.devices()
 if d[0].platform != "gpu":
     sys.exit(f"gpu_h200.sh: jax sees no GPU (devices: {d}); stopping rather than measuring the CPU")
 print(f"gpu_h200.sh: {len(d)} x {d[0].device_kind}, jax {jax.__version__}", file=sys.stderr)' || exit 3
-  # most of the memory for the step (jax takes 75% by default)
-  export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 fi
 exec "$PY" benchmarks/gpu_h200.py "${args[@]}" "$@"

@@ -20,7 +20,7 @@ import tempfile
 import time
 
 from jaxtrain.cli import resolve_config
-from jaxtrain import xla_flags
+from jaxtrain import xla_env
 from jaxtrain.errors import UserError
 from jaxtrain.memory import host_malloc
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         host_malloc.reexec_with_jemalloc()  # as the jaxtrain command does, before jax starts
         host_malloc.configure()
-        xla_flags.set_defaults()  # as the jaxtrain command does
+        xla_env.set_defaults()  # as the jaxtrain command does
         cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
     except UserError as e:
         print(f"throughput: error: {e}", file=sys.stderr)
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "measured_peak_gib_per_device": None if measured is None else measured / 2**30,
         "loss": float(metrics["loss"]),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "memory_fraction": xla_env.memory_fraction(),  # jax's allocator pool, the share of device memory XLA may take
         "compiled_matmul_flops_per_step": sum(compiled.matmul_flops.values()),
         "library_matmul_flops_per_step": compiled.library_matmul_flops,
         "duplicated_matmul_flops_per_step": compiled.duplicated_matmul_flops,

@@ -2,7 +2,7 @@
 and ``plan``, ``checkpoints``, ``adapters``, ``plot``, ``tokenize``, ``train-tokenizer``, ``export-hf``; ``jaxtrain generate RUN_DIR|HF_DIR --prompt TEXT``.
 
 jax is imported only after the arguments are read, because the simulated CPU device count and jaxtrain's default
-XLA flags (xla_flags.py) must be in XLA_FLAGS, and glibc's malloc set to keep freed memory on CPUs
+XLA settings (xla_env.py) must be in the environment, and glibc's malloc set to keep freed memory on CPUs
 (memory/host_malloc.py), before jax starts.
 """
 
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from jaxtrain import config as config_lib
-from jaxtrain import distributed, xla_flags
+from jaxtrain import distributed, xla_env
 from jaxtrain.config import SamplingConfig
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_weights
@@ -341,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = [*getattr(args, "overrides", []), *extras]
     if args.func not in (cmd_train, cmd_generate, cmd_export_hf):  # theirs follows the mesh they run on
         simulate_cpu_devices(getattr(args, "devices", None))
-    xla_flags.set_defaults()
     try:
+        xla_env.set_defaults()
         host_malloc.configure()  # before jax starts its threads
         return args.func(args)
     except UserError as e:

@@ -163,6 +163,35 @@ def test_trainer_resolves_auto_with_its_compiled_step_against_the_device_limit(m
     assert peak_bytes(trainer.train_step.memory_analysis()) <= limit
 
 
+def test_usable_memory_is_at_most_jaxs_allocator_pool_in_the_plan_and_in_the_trainer(monkeypatch):
+    """jax's GPU allocator takes only its memory fraction of a device for XLA's buffers (jax's default 0.75;
+    jaxtrain sets 0.92): the plan's verdict and the trainer's limit for train.microbatches=auto count no more."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from jaxtrain import xla_env
+
+    for name in xla_env.MEMORY_FRACTION_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    plan = plan_lib.make_plan(small_config(dtype="bfloat16"), gpu="h100")
+    assert plan.allocator_fraction == xla_env.MEMORY_FRACTION == 0.92  # what `jaxtrain train` will run with
+    memory = int(plan.accelerator_total / 0.82)  # fits in 90% of it, not in 75%
+    plan = dataclasses.replace(plan, device_memory=memory)
+    assert plan.fits and plan.usable == int(0.9 * memory) and "10% headroom" in plan_lib.render(plan)
+    pool_bound = dataclasses.replace(plan, allocator_fraction=0.75)
+    assert not pool_bound.fits and pool_bound.usable == int(0.75 * memory)
+    assert "verdict: DOES NOT FIT" in plan_lib.render(pool_bound)
+    assert "jax's allocator takes 75% of it" in plan_lib.render(pool_bound) and pool_bound.to_json()["allocator_fraction"] == 0.75
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")  # the user's, under jax's older name
+    assert plan_lib.make_plan(small_config(dtype="bfloat16"), gpu="h100").allocator_fraction == 0.75
+    # the trainer reads the pool from the device, a plan computes it: the same usable bytes
+    device_memory = 80e9
+    for fraction in (0.75, 0.92):
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", str(fraction))
+        gpu = SimpleNamespace(memory_stats=lambda: {"bytes_limit": fraction * device_memory})
+        assert plan_lib.memory_limit([gpu]) == pytest.approx(min(fraction, 0.9) * device_memory)
+
+
 def test_target_devices_are_the_accelerators_when_there_are_enough(monkeypatch):
     import jax
 

@@ -132,7 +132,7 @@ def test_grad_sync_step_sums_over_data_once_on_the_gpu_as_the_planner_predicts()
 def test_a_cublas_gemm_the_layer_scan_saves_is_computed_once_with_jaxtrains_default_flags(fusion):
     """With cuBLAS gemms (Triton's are off here; on a device XLA's autotuner picks cuBLAS where it is faster),
     jax 0.11's dynamic-slice fusion computes a gemm whose result the layer scan saves a second time, for the stack.
-    jaxtrain turns that fusion off from jaxlib 0.11 (jaxtrain/xla_flags.py), unless XLA_FLAGS sets it: `jaxtrain
+    jaxtrain turns that fusion off from jaxlib 0.11 (jaxtrain/xla_env.py), unless XLA_FLAGS sets it: `jaxtrain
     plan` then compiles each gemm once. 0.10's XLA computes each once (and fails to compile with the fusion forced
     on: "BufferAllocation::Slice not assigned")."""
     before_0_11 = tuple(map(int, jax.__version__.split(".")[:2])) < (0, 11)

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxtrain import compile_cache
+from jaxtrain import compile_cache, xla_env
 from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.config import Config, flatten, resolve_for_devices, to_dict
 from jaxtrain.errors import UserError
@@ -371,10 +371,19 @@ def fit_microbatches(cfg: Config, limit_bytes: float, devices, compile_fn: Calla
 
 
 def memory_limit(devices=None) -> float | None:
-    """Usable bytes on the first device: the limit it reports less the default headroom; None where devices
-    report none (CPU)."""
-    limit = ((devices or jax.devices())[0].memory_stats() or {}).get("bytes_limit")
-    return None if limit is None else limit * (1 - DEFAULT_HEADROOM)
+    """Usable bytes on the first device, as a plan counts them (``usable_bytes``): the device memory less the
+    default headroom, at most jax's allocator pool. None where devices report no limit (CPU)."""
+    pool = ((devices or jax.devices())[0].memory_stats() or {}).get("bytes_limit")
+    if pool is None:
+        return None
+    fraction = xla_env.memory_fraction()  # the pool's share of the device's memory, which devices do not report
+    return usable_bytes(pool / fraction, DEFAULT_HEADROOM, fraction)
+
+
+def usable_bytes(device_memory: float, headroom: float, allocator_fraction: float) -> float:
+    """What XLA's buffers may take: the device memory less the headroom (the CUDA context, NCCL buffers and
+    fragmentation), and no more than jax's allocator pool (``allocator_fraction`` of the device)."""
+    return device_memory * min(1 - headroom, allocator_fraction)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,6 +497,7 @@ class Plan:
     mesh: dict
     device_memory: int | None
     headroom: float
+    allocator_fraction: float  # jax's GPU allocator's share of device memory in the run planned (jaxtrain/xla_env.py)
     estimate: dict  # for what was compiled: its platform and attention (compared with the compiled total)
     accelerator_estimate: dict  # for the accelerator (the suggestions' figures)
     compiled: Compiled
@@ -505,7 +515,15 @@ class Plan:
 
     @property
     def usable(self) -> int | None:
-        return None if self.device_memory is None else int(self.device_memory * (1 - self.headroom))
+        return None if self.device_memory is None else int(usable_bytes(self.device_memory, self.headroom, self.allocator_fraction))
+
+    @property
+    def usable_because(self) -> str:
+        """What sets the usable memory: the headroom, or jax's allocator pool where that is smaller."""
+        if self.allocator_fraction >= 1 - self.headroom:
+            return f"{100 * self.headroom:.0f}% headroom"
+        return (f"jax's allocator takes {100 * self.allocator_fraction:.0f}% of it, its memory fraction "
+                f"{self.allocator_fraction:g}; jaxtrain sets {xla_env.MEMORY_FRACTION} unless {xla_env.MEMORY_FRACTION_NAMES[0]} is set")
 
     @property
     def estimate_total(self) -> int:
@@ -535,7 +553,8 @@ class Plan:
                            "microbatches": self.cfg.train.microbatches,
                            "global_batch": self.cfg.train.global_batch, "seq_len": self.cfg.data.seq_len},
             "mesh": self.mesh, "devices": self.devices, "gpu": self.gpu,
-            "device_memory_bytes": self.device_memory, "headroom": self.headroom, "usable_bytes": self.usable,
+            "device_memory_bytes": self.device_memory, "headroom": self.headroom,
+            "allocator_fraction": self.allocator_fraction, "usable_bytes": self.usable,
             "estimate_bytes": self.estimate | {"total": self.estimate_total},
             "compiled_platform": c.platform, "compiled_device_kind": c.device_kind, "compiled_attention": c.attention,
             "compiled_bytes": {"argument": c.argument, "output": c.output, "alias": c.alias, "temp": c.temp, "total": c.total},
@@ -563,17 +582,22 @@ def _compile_and_predict(layout: Layout, hlo_report: bool = False) -> tuple[tupl
 
 
 def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None = None, headroom: float = DEFAULT_HEADROOM,
-              tokens_per_s: float | None = None, devices=None, hlo_report: bool = False) -> Plan:
+              tokens_per_s: float | None = None, devices=None, hlo_report: bool = False,
+              allocator_fraction: float | None = None) -> Plan:
     """Plan ``cfg`` on ``devices`` (default: all, i.e. the simulated target mesh). ``train.microbatches=auto`` is
     resolved against the usable memory, checked with the compiled step (1 when no memory size is given).
-    ``hlo_report``: also read the compiled program (``Plan.compiled.hlo``)."""
+    ``hlo_report``: also read the compiled program (``Plan.compiled.hlo``). ``allocator_fraction``: jax's GPU
+    allocator's share of device memory in the run planned (default: this environment's, else what ``jaxtrain train``
+    sets)."""
     if device_memory is None and gpu is not None:
         device_memory = gpu_memory_bytes(gpu)
     if device_memory is not None and device_memory <= 0:
         raise UserError(f"device memory must be positive, got {device_memory / GIB:g} GiB; give --device-memory GiB or --gpu NAME")
     if not 0 <= headroom < 1:
         raise UserError(f"headroom={headroom} must be in [0, 1), e.g. 0.1 to keep 10% of device memory free")
-    usable = None if device_memory is None else device_memory * (1 - headroom)
+    if allocator_fraction is None:
+        allocator_fraction = xla_env.memory_fraction(default=xla_env.MEMORY_FRACTION)
+    usable = None if device_memory is None else usable_bytes(device_memory, headroom, allocator_fraction)
     if gpu is not None:  # a plan for a GPU gets its attention and layer scan even when compiled on CPUs; every GPU known is NVIDIA's
         cfg = resolve_for_devices(cfg, gpu.lower() in GPU_MEMORY_MIB)
     elif cfg.model.scan_layers == "auto":  # the estimate models the scanned program, as accelerators run it
@@ -590,7 +614,7 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
         tuple(layout.rules.get("activation_batch") or ()), tuple(layout.rules.get(STAGES) or ()))
     accelerator_estimate = estimate(layout, ACCELERATOR)
     per_stage = stage_memory(layout, accelerator_estimate) if schedule(cfg, layout.rules, layout.mesh).stages > 1 else None
-    return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, estimate_as_compiled(layout, compiled),
+    return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, allocator_fraction, estimate_as_compiled(layout, compiled),
                 accelerator_estimate, compiled, predicted, step_time(layout, gpu), flops_per_token(cfg.model, cfg.data.seq_len),
                 cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic, tuple(technique_effects(layout, gpu)), per_stage)
 
@@ -628,7 +652,7 @@ def render(plan: Plan) -> str:
     else:
         verdict = "fits" if plan.fits else "DOES NOT FIT"
         lines.append(f"verdict: {verdict}: {plan.accelerator_total / GIB:.1f} GiB of {plan.usable / GIB:.1f} GiB usable "
-                     f"({plan.device_memory / GIB:.1f} GiB, {100 * plan.headroom:.0f}% headroom)")
+                     f"({plan.device_memory / GIB:.1f} GiB, {plan.usable_because})")
     for i, s in enumerate(plan.suggestions, 1):
         lines.append(f"  {i}. {s.describe(plan.usable)}")
     own = estimate_total(plan.accelerator_estimate)
@@ -718,7 +742,7 @@ def plot(plan: Plan, path: str) -> None:
     ax.set_xticks(range(len(bars) + 1), [name for name, _ in bars] + ["plan (compiled)"], rotation=20, ha="right", fontsize=8)
     if plan.device_memory is not None:
         ax.axhline(plan.device_memory / GIB, color="k", label="device memory")
-        ax.axhline(plan.usable / GIB, color="k", linestyle="--", label=f"usable ({100 * plan.headroom:.0f}% headroom)")
+        ax.axhline(plan.usable / GIB, color="k", linestyle="--", label=f"usable ({plan.usable_because})")
     ax.set_ylabel("GiB per device on the accelerator")
     ax.set_title(f"{plan.devices} devices, rules {plan.cfg.rules}, remat {plan.cfg.model.remat}, {plan.cfg.train.microbatches} micro-batch(es)")
     ax.legend(fontsize=8)
