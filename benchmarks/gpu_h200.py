@@ -7,7 +7,7 @@
 Started by ``benchmarks/gpu_h200.sh`` (the one command for a lent GPU: wheels, path, GPU check, then this).
 Each row is a separate process (``benchmarks/throughput.py``, ``bench_generate.py``, ``bench_hf.py``), so an out-of-memory row fails alone; rows
 run in ROWS order (most wanted first), a row starts only while at least its ``min_s`` of the budget is
-left and is killed when the budget runs out. Every row writes one line: the throughput record (MFU, step
+left and is killed when the budget runs out, or when the runner itself dies (on Linux). Every row writes one line: the throughput record (MFU, step
 time, memory estimated / compiled / measured) with ``row`` added, or ``{"row", "status": "failed" |
 "timeout" | "skipped", ...}``. The first line describes the environment (versions, device).
 """
@@ -15,10 +15,12 @@ time, memory estimated / compiled / measured) with ``row`` added, or ``{"row", "
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -156,10 +158,25 @@ def environment(python: str) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when the thread that started it ends
+
+
+def _die_with_runner(runner: int):
+    """A row's process is killed with the runner: a runner killed from outside (the device tool's time limit, a
+    test's timeout: SIGKILL, which it cannot pass on) would otherwise leave its row computing for as long as the
+    row runs, on a device or a CI machine that has moved on."""
+    def preexec() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != runner:  # the runner died before the line above
+            os._exit(1)
+    return preexec
+
+
 def run_row(row: Row, argv: list[str], timeout_s: float, env: dict) -> dict:
     start = time.perf_counter()
     try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env,
+                                preexec_fn=_die_with_runner(os.getpid()) if sys.platform == "linux" else None)
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr or b"")[-2000:]
         return {"status": "timeout", "seconds": round(time.perf_counter() - start, 1),

@@ -78,3 +78,44 @@ def test_a_row_adds_its_xla_flags_to_the_callers(monkeypatch):
         "--xla_dump_to=/tmp/d --xla_gpu_enable_dynamic_slice_fusion=true"
     assert rows["mfu_1b"].env(tiny=False)["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
     assert rows["pipeline_1b"].env(tiny=True)["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8"
+
+
+def test_a_row_dies_with_the_runner(tmp_path):
+    """A runner killed from outside (SIGKILL: the device tool's limit, a test's timeout) takes its row along:
+    once, an orphaned tiny row kept a CI machine's core busy for an hour."""
+    import os
+    import signal
+    import time
+
+    runner = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "gpu_h200.py"), "--tiny", "--only", "mfu_1b",
+                               "--out", str(tmp_path / "rows.jsonl")],
+                              env=subprocess_env() | {"JAX_PLATFORMS": "cpu"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children = Path(f"/proc/{runner.pid}/task/{runner.pid}/children")
+    deadline = time.monotonic() + 60
+    while not (rows := [int(pid) for pid in children.read_text().split() if "throughput.py" in _cmdline(pid)]) \
+            and time.monotonic() < deadline:  # the environment probe, a short process, comes first
+        time.sleep(0.05)
+    assert rows, "the runner started no row within 60 s"
+    runner.send_signal(signal.SIGKILL)
+    runner.wait()
+    deadline = time.monotonic() + 10
+    while (alive := [pid for pid in rows if _state(pid) not in ("gone", "Z")]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in alive:  # leave no process behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"row process(es) {alive} outlived the runner"
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (Z: a zombie, dead but not yet reaped), or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
