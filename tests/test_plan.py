@@ -181,6 +181,7 @@ def test_usable_memory_is_at_most_jaxs_allocator_pool_in_the_plan_and_in_the_tra
     pool_bound = dataclasses.replace(plan, allocator_fraction=0.75)
     assert not pool_bound.fits and pool_bound.usable == int(0.75 * memory)
     assert "verdict: DOES NOT FIT" in plan_lib.render(pool_bound)
+    assert "0. a larger allocator pool: " in plan_lib.render(pool_bound) and "allocator pool" not in plan_lib.render(plan)
     assert "jax's allocator takes 75% of it" in plan_lib.render(pool_bound) and pool_bound.to_json()["allocator_fraction"] == 0.75
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")  # the user's, under jax's older name
     assert plan_lib.make_plan(small_config(dtype="bfloat16"), gpu="h100").allocator_fraction == 0.75

@@ -653,6 +653,11 @@ def render(plan: Plan) -> str:
         verdict = "fits" if plan.fits else "DOES NOT FIT"
         lines.append(f"verdict: {verdict}: {plan.accelerator_total / GIB:.1f} GiB of {plan.usable / GIB:.1f} GiB usable "
                      f"({plan.device_memory / GIB:.1f} GiB, {plan.usable_because})")
+        with_headroom = plan.device_memory * (1 - plan.headroom)
+        if not plan.fits and plan.accelerator_total <= with_headroom:  # only the allocator's pool is too small
+            lines.append(f"  0. a larger allocator pool: {plan.accelerator_total / GIB:.1f} GiB fits in {with_headroom / GIB:.1f} GiB "
+                         f"with {xla_env.MEMORY_FRACTION_NAMES[0]}={1 - plan.headroom:.2f} or more, or with it unset (jaxtrain then sets "
+                         f"{xla_env.MEMORY_FRACTION}); the same step time")
     for i, s in enumerate(plan.suggestions, 1):
         lines.append(f"  {i}. {s.describe(plan.usable)}")
     own = estimate_total(plan.accelerator_estimate)
