@@ -28,6 +28,7 @@ from models.quant import weight
 from models.sharding import constrain
 
 BATCH, LENGTH = "activation_batch", "activation_length"
+EMBEDDING_AXES = ("vocab", "embed")  # the token embedding table's (the planner prices its lookup's gradient apart)
 EMBED_ACT = (BATCH, LENGTH, "activation_embed")
 # one layer's cached keys or values: (batch, cache length, kv_heads, head_dim)
 LAYER_CACHE = (BATCH, "cache_length", "activation_kv_heads", "activation_head_dim")
@@ -298,11 +299,38 @@ def _project_to_vocab_bwd(equation, residuals, grad):
 _project_to_vocab.defvjp(_project_to_vocab_fwd, _project_to_vocab_bwd)
 
 
+# The embedding lookup. The table's embed dimension is laid out as the activations' before the lookup (FSDP
+# all-gathers it): rows gathered from a table split on embed come out split on embed, and SPMD can move that to the
+# batch split only by replicating the whole activation. Left to autodiff, that gather ran in the table's float32, and
+# its transpose kept the gradient's scatter-add replicated: every device built the whole float32 table's gradient in
+# every micro-batch and GSPMD summed it over them (llama3_8b on 8 H100s: a 2 GiB reduce-scatter; smaller models: an
+# all-reduce). Here the table is gathered in the compute dtype (the rows were cast after the lookup: the same values,
+# half the bytes) and its gradient laid out as the table is: GSPMD sends the rows' gradient to the devices holding
+# their columns (an all-to-all the size of the device's residual stream) and each adds its own columns. The
+# scatter-add stays float32: a frequent token's row sums thousands of terms.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _lookup_rows(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
+    return jnp.take(constrain(table.astype(dtype), ("vocab", "activation_embed")), ids, axis=0)
+
+
+def _lookup_rows_fwd(table, ids, dtype):
+    return _lookup_rows(table, ids, dtype), (table, ids)
+
+
+def _lookup_rows_bwd(dtype, residuals, grad):
+    table, ids = residuals
+    rows = jnp.zeros(table.shape, jnp.float32).at[ids].add(grad.astype(jnp.float32))
+    return constrain(rows.astype(table.dtype), EMBEDDING_AXES), None
+
+
+_lookup_rows.defvjp(_lookup_rows_fwd, _lookup_rows_bwd)
+
+
 class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         pd = jnp.dtype(cfg.param_dtype)
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, pd)
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), EMBEDDING_AXES, cfg.init_std, pd)
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -361,11 +389,7 @@ class Llama(nnx.Module):
 
     def _embed_tokens(self, tokens: jax.Array) -> jax.Array:
         tokens = constrain(tokens, (BATCH, LENGTH))
-        # the table's embed dimension laid out as the activations' before the lookup (FSDP all-gathers
-        # it): rows gathered from a table split on embed come out split on embed, and SPMD can move
-        # that to the batch split only by replicating the whole activation
-        table = constrain(self.embed[...], ("vocab", "activation_embed"))
-        return constrain(jnp.take(table, tokens, axis=0).astype(jnp.dtype(self.cfg.dtype)), EMBED_ACT)
+        return constrain(_lookup_rows(self.embed[...], tokens, jnp.dtype(self.cfg.dtype)), EMBED_ACT)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Hidden states (batch, length, d_model) -> logits (batch, length, vocab) float32; any length,

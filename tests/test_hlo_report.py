@@ -30,19 +30,24 @@ def check_fsdp_collectives(plan, layout):
     per_layer_weights = _bytes({k: v for k, v in layers.items() if "norm" not in k}) // cfg.model.num_layers
     tables = _bytes(params["embed"]) + _bytes(params["lm_head"])
     gathers = [c for c in hlo.collectives if c.kind == "all-gather"]
+    tokens = cfg.train.global_batch * cfg.data.seq_len
     # every weight split on fsdp (norm scales are replicated) gathered once in the forward and once in the
-    # backward layer loop; the two vocabulary tables once, their gathered copies kept for the backward
+    # backward layer loop; the two vocabulary tables once, their gathered copies kept for the backward; the
+    # token ids, for the embedding lookup's gradient
     assert {c.axes for c in hlo.collectives} == {("fsdp",)}
-    assert sum(c.bytes * c.executions for c in gathers) == 2 * cfg.model.num_layers * per_layer_weights + tables
+    assert sum(c.bytes * c.executions for c in gathers) == 2 * cfg.model.num_layers * per_layer_weights + tables + 4 * tokens
     # wq wk wv wo, gate up down (XLA may combine several into one collective)
-    assert sum(c.tensors * c.executions for c in gathers) == 2 * cfg.model.num_layers * 7 + 2
+    assert sum(c.tensors * c.executions for c in gathers) == 2 * cfg.model.num_layers * 7 + 2 + 1
     # each gradient reduced once over fsdp (XLA:CPU reduces with all-reduces, a GPU with reduce-scatters); the
-    # rest are the step's scalar metrics
+    # rest are the step's scalar metrics. But the embedding's: no device holds its whole gradient, the rows'
+    # gradient (this device's tokens' residual stream) goes to the devices holding their columns (models/llama.py)
     reductions = [c for c in hlo.collectives if c.kind in ("all-reduce", "reduce-scatter")]
-    extra = sum(c.bytes * c.executions for c in reductions) - _bytes(params)
+    extra = sum(c.bytes * c.executions for c in reductions) - (_bytes(params) - _bytes(params["embed"]))
     assert 0 <= extra < 1024
+    (rows,) = [c for c in hlo.collectives if c.kind == "all-to-all"]
+    assert rows.bytes * rows.executions == tokens // 8 * cfg.model.d_model * np.dtype(cfg.model.dtype).itemsize
     assert hlo.attention == "xla" and hlo.attention_calls == 0 and hlo.fusions > 0
-    assert plan.compiled_traffic["fsdp"] == sum(c.traffic for c in hlo.collectives if c.kind in ("all-gather", "reduce-scatter"))
+    assert plan.compiled_traffic["fsdp"] == sum(c.traffic for c in hlo.collectives if c.kind in ("all-gather", "reduce-scatter", "all-to-all"))
     return hlo
 
 
@@ -107,6 +112,23 @@ ENTRY %main (p: f32[16]) -> f32[16] {
     assert summed.axes == ("fsdp",)
     assert report.traffic_by_step_cost_kind(("fsdp",), ("stage",)) == {"fsdp": 0.0, "data": 64.0, "tensor": 0.0, "pipeline": 96.0}
     assert report.traffic_by_step_cost_kind(("fsdp",)) == {"fsdp": 0.0, "data": 64.0, "tensor": 96.0}
+
+
+def test_an_all_to_all_over_batch_axes_is_fsdps_and_over_an_expert_axis_expert_parallelisms():
+    """The embedding lookup's gradient rows go to the table's columns in an all-to-all over fsdp (models/llama.py);
+    a mixture of experts' tokens to their experts in one over the expert axis."""
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[16]) -> f32[16] {
+  %p = f32[16]{0} parameter(0)
+  %rows = f32[16]{0} all-to-all(%p), replica_groups={{0,2},{1,3}}, dimensions={0}
+  ROOT %tokens = f32[16]{0} all-to-all(%rows), replica_groups={{0,1},{2,3}}, dimensions={0}
+}
+"""
+    report = hlo_report.report(text, {"fsdp": 2, "expert": 2})
+    assert [c.axes for c in report.collectives] == [("fsdp",), ("expert",)]
+    assert report.traffic_by_step_cost_kind(("fsdp", "expert"), (), ("expert",)) == \
+        {"fsdp": 32.0, "data": 0.0, "tensor": 0.0, "expert": 32.0}
 
 
 def test_a_pipeline_moves_what_step_cost_predicts():

@@ -137,6 +137,29 @@ def test_output_projection_backward_runs_in_the_compute_dtype(tie_embeddings):
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.02, atol=0.01 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_embedding_lookup_adds_its_rows_gradient_in_float32(dtype):
+    """models/llama.py's lookup: the rows in the compute dtype (the table cast before the lookup: the same values
+    as a cast after it), and a table gradient that adds every occurrence's row in float32, as autodiff of a
+    float32 lookup does: a frequent token's row sums many terms (here 512), which bfloat16 would round away."""
+    from models.llama import _lookup_rows
+
+    compute = jnp.dtype(dtype)
+    table = jax.random.normal(jax.random.key(4), (64, 32))
+    ids = jnp.concatenate([jnp.full((1, 512), 3), jax.random.randint(jax.random.key(5), (1, 64), 0, 64)], axis=1)
+    np.testing.assert_array_equal(_lookup_rows(table, ids, compute), jnp.take(table, ids, axis=0).astype(compute))
+    weights = jax.random.normal(jax.random.key(6), (1, ids.shape[1], 32)).astype(compute)
+
+    def loss(table):
+        return jnp.sum((_lookup_rows(table, ids, compute) * weights).astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss))(table)
+    want = np.zeros(table.shape, np.float32)
+    np.add.at(want, np.asarray(ids[0]), np.asarray(weights[0], np.float32))
+    assert grad.dtype == jnp.float32
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
+
+
 def test_models_name_no_mesh_axes():
     for path in (Path(__file__).parent.parent / "models").glob("*.py"):
         text = path.read_text()

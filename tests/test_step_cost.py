@@ -22,11 +22,16 @@ def test_fsdp_traffic_compute_and_data_traffic_are_counted_exactly(microbatches)
     layout = make_layout(cfg)
     timed = step_cost.step_time(layout, "h100")
     norms = (2 * 4 + 1) * 256  # replicated over fsdp: their gradients are all-reduced, not reduce-scattered
-    split = layout.spec.num_params - norms
+    table = 4096 * 256  # the embedding's and the output layer's each
+    layers = layout.spec.num_params - norms - 2 * table
     nvlink, _ = LINK_BYTES_PER_S["h100"]
-    # per micro-batch: bf16 weights gathered for forward and backward, float32 gradients reduce-scattered
-    # bfloat16 gathers (forward, backward) and gradients, per micro-batch
-    assert timed.communication_s["fsdp"] == pytest.approx(microbatches * split * (2 * 2 + 2) * 7 / 8 / nvlink)
+    # per micro-batch, in bfloat16: a layer's weights gathered for the forward and the backward, its gradient
+    # reduce-scattered; the output layer's gathered once (kept for the backward), its gradient reduce-scattered;
+    # the embedding's gathered once, its lookup's gradient rows (the micro-batch's residual stream on this
+    # device) sent to the devices holding their columns, with the token ids gathered
+    tokens = 16 * 512 / 8 / microbatches
+    per_microbatch = (layers * (2 * 2 + 2) + table * (2 + 2) + table * 2) * 7 / 8 + tokens * (256 * 2 * 7 / 8 + 4 * 7)
+    assert timed.communication_s["fsdp"] == pytest.approx(microbatches * per_microbatch / nvlink)
     # float32 norm-scale gradients, all-reduced per micro-batch
     assert timed.communication_s["data"] == pytest.approx(microbatches * 2 * norms * 4 * 7 / 8 / nvlink)
     assert timed.communication_s["tensor"] == 0  # no tensor axis in use

@@ -143,17 +143,19 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # of its weights: nf4 codes hold two per byte), no gradient
     frozen_layer = act * per_layer(state.frozen, frozen_axes) * (2 if m.base_quant == "nf4" else 1) if state.frozen else 0
     vocab_table = m.d_model * m.vocab_size / _ways(layout, "vocab")  # elements, gathered over fsdp
+    # the embedding lookup's gradient: the columns the device holds (models/llama.py). Where the vocabulary is split
+    # too (fsdp_tp), the compiled programs hold what they did when it was the gathered table's
+    lookup_gradient = vocab_table / (1 if _ways(layout, "vocab") > 1 else _ways(layout, "embed"))
     # backward of one layer: XLA attention's score arrays (probabilities, their gradient, the scores' gradient:
     # two in float32 and two in the compute dtype on a GPU; three in float32 and one in the compute dtype on the
-    # CPU compile); the residual stream's float32 gradients; the gathered vocabulary table's float32 gradient,
-    # held from the loss to the lookup (with accumulators and copies on the CPU compile); the layer's gathered
-    # weights and their gradient
+    # CPU compile); the residual stream's float32 gradients; the embedding lookup's float32 gradient, split as the
+    # table is (with accumulators and copies on the CPU compile); the layer's gathered weights and their gradient
     attention_backward = (12 + act if on_cpu else 8 + 2 * act) * scores
     # a circular schedule's layer takes its repeat's weights from the stage's stack by a select over every repeat
     # (models/pipeline.py), whose backward holds a gradient of the device's share of that layer for each repeat (the
     # CPU compile does; jax 0.11's GPU compile has the peak of a gather): the stage's stack over its layers per repeat
     circular_selection = bytes_per_device(state.params["layers"]) / per_stage if pipe.repeats > 1 else 0
-    layer_backward = attention_backward + 16 * embed + (16 + act if on_cpu else 4) * vocab_table + (4 + act) * layer_weights + frozen_layer \
+    layer_backward = attention_backward + 16 * embed + (16 + act if on_cpu else 4) * lookup_gradient + (4 + act) * layer_weights + frozen_layer \
         + circular_selection
     logit_tokens = b * (cfg.train.loss_chunk or seq)  # train.loss_chunk: one chunk's logits live at a time
     # float32 logits and their gradient in the compute dtype (jaxtrain.step.cross_entropy's backward, cast by the
@@ -611,7 +613,8 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     suggestions = [] if usable is None or predicted <= usable else \
         compile_suggestions(suggest(cfg, usable, devices, gpu), usable, devices)
     traffic = None if compiled.hlo is None else compiled.hlo.traffic_by_step_cost_kind(
-        tuple(layout.rules.get("activation_batch") or ()), tuple(layout.rules.get(STAGES) or ()))
+        tuple(layout.rules.get("activation_batch") or ()), tuple(layout.rules.get(STAGES) or ()),
+        tuple(layout.rules.get("experts") or ()))
     accelerator_estimate = estimate(layout, ACCELERATOR)
     per_stage = stage_memory(layout, accelerator_estimate) if schedule(cfg, layout.rules, layout.mesh).stages > 1 else None
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, allocator_fraction, estimate_as_compiled(layout, compiled),

@@ -123,16 +123,18 @@ class HloReport:
             row["executions_known"] &= c.executions_known
         return sorted(out.values(), key=lambda r: (COLLECTIVES.index(r["kind"]), r["axes"] or []))
 
-    def traffic_by_step_cost_kind(self, batch_axes: tuple[str, ...], stage_axes: tuple[str, ...] = ()) -> dict[str, float]:
-        """Traffic in step_cost's terms: collectives over pipeline stage axes are the pipeline's, all-gathers and
-        reduce-scatters over batch axes FSDP's, all-reduces over batch axes data parallelism's, other all-to-alls
+    def traffic_by_step_cost_kind(self, batch_axes: tuple[str, ...], stage_axes: tuple[str, ...] = (),
+                                  expert_axes: tuple[str, ...] = ()) -> dict[str, float]:
+        """Traffic in step_cost's terms: collectives over pipeline stage axes are the pipeline's, all-gathers,
+        reduce-scatters and all-to-alls over batch axes but no expert axis FSDP's (an all-to-all there: the embedding
+        lookup's gradient to the table's columns), all-reduces over batch axes data parallelism's, other all-to-alls
         expert parallelism's, collectives over other axes tensor parallelism's."""
         out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0}
         for c in self.collectives:
             on_batch = c.axes is not None and set(c.axes) <= set(batch_axes)
             kind = ("fsdp" if c.kind in ("all-gather", "reduce-scatter") else "data") if on_batch else "tensor"
-            if c.kind == "all-to-all":  # mixture-of-experts tokens moving to and from their experts
-                kind = "expert"
+            if c.kind == "all-to-all":  # mixture-of-experts tokens moving to and from their experts, or the lookup's
+                kind = "fsdp" if on_batch and not set(c.axes) & set(expert_axes) else "expert"
             if stage_axes and c.axes and set(c.axes) <= set(stage_axes):  # shifts, and the circular schedule's weights
                 kind = "pipeline"
             out[kind] = out.get(kind, 0.0) + c.traffic

@@ -4,8 +4,12 @@ Compute: the PaLM FLOPs plus what the remat policy recomputes, at ASSUMED_MFU of
 Communication: the collectives the rule set implies, with ring algorithms (an all-gather or
 reduce-scatter of N bytes over n devices moves N (n-1)/n per device, an all-reduce twice that), each over
 NVLink when all its mesh axes sit inside a node and over the network otherwise:
-- FSDP: per micro-batch, each weight all-gathered over the batch axes it is split on, for the forward and
-  again for the backward (compute dtype), and its gradient reduce-scattered;
+- FSDP: per micro-batch, each weight all-gathered over the batch axes it is split on (compute dtype): a layer's
+  for the forward and again for the backward, the vocabulary tables once (their gathered copies kept for the
+  backward; a tied table for the lookup and for the output layer apart); each gradient reduce-scattered, but the
+  embedding lookup's (models/llama.py): its rows' gradient goes to the devices that hold the table's columns (an
+  all-to-all of the pass's residual-stream gradient, with the token ids all-gathered), and each adds its columns;
+  with pipeline stages GSPMD also splits that gradient over the stages and sums it over them once a pass;
 - data parallel: each gradient all-reduced over the batch axes its weight is replicated on. Over the batch axes
   no weight is split on, once per step after the last micro-batch when optim.grad_sync sums there
   (jaxtrain/memory/grad_comm.py: float32, or optim.grad_dtype; not overlapped with compute); otherwise per
@@ -56,6 +60,7 @@ from jaxtrain.memory.offload import offloads_master_weights
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways, spec_axes
 from jaxtrain.stages import schedule
 from jaxtrain.state import bytes_per_device, elements_per_device, gathered_elements
+from models.llama import EMBEDDING_AXES
 from models.pipeline import STAGES
 
 ASSUMED_MFU = 0.45  # share of the datasheet peak a well-tuned step reaches (MaxText reports 45-55% on H100)
@@ -118,6 +123,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     compute /= 1 - pipe.bubble  # the stages idle that share of the pass
 
     batch_axes = layout.rules.get("activation_batch") or ()
+    sequences = cfg.train.global_batch / k / batch_shards(layout.rules, layout.mesh)  # per device and micro-batch
     batch_ways = math.prod(layout.mesh.shape[a] for a in batch_axes)
     fsdp = data = 0.0
     fsdp_axes, data_axes = set(), set()
@@ -135,6 +141,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     reduction = layout.grad_reduction  # the sums once per step, over its axes (optim.grad_sync, grad_dtype)
     summed_ways = 1 if reduction is None else reduction.ways
     after_backward = 0.0
+    lookup_gradient = 0  # bytes per device of the embedding's gradient, where its columns are split
     for x, axes, grad_sharding, moment_sharding in zip(jax.tree.leaves(params), logical, jax.tree.leaves(layout.gradient_shardings()),
                                                         jax.tree.leaves(layout.optimizer_shardings())):
         # an expert's weights live on its own devices: no gather or gradient reduction over the expert axes
@@ -146,7 +153,14 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         # with stages, a layer's weights are gathered, and GSPMD sums their gradient over the data axes, in every
         # iteration that runs them: iterations / repeats per pass
         passes = k * (pipe.iterations / pipe.repeats if pipe.stages > 1 and "layers" in axes else 1)
-        fsdp += passes * gathered * (2 * act + grad) * (split - 1) / split
+        lookup = tuple(axes) == EMBEDDING_AXES
+        tied = lookup and m.tie_embeddings  # also the output layer's: gathered for it apart, its gradient reduced
+        gathers = 2 if "layers" in axes or tied else 1  # a layer's weights again for its recomputed backward
+        reduced = 0 if lookup and not tied else grad
+        fsdp += passes * gathered * (gathers * act + reduced) * (split - 1) / split
+        if lookup and split > 1:  # the rows' gradient (batch, length, d_model) to the table's columns, and the ids
+            fsdp += k * sequences * seq * (m.d_model * act * (split - 1) / split + 4 * (split - 1))
+            lookup_gradient = local * x.dtype.itemsize
         reductions = 1 if ways(x, grad_sharding) > split else 2  # reduce-scatter (ZeRO-2) or all-reduce
         per_pass = replicated // summed_ways  # the replicas summed in every pass's backward, the rest once a step
         data += passes * reductions * local * grad * (per_pass - 1) / per_pass
@@ -158,13 +172,15 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         fsdp_axes.update(a for a in batch_axes if a in used and a not in own)
         data_axes.update(a for a in batch_axes if a not in used)
     tensor_ways = logical_ways(layout.rules, layout.mesh, "activation_mlp")
-    sequences = cfg.train.global_batch / k / batch_shards(layout.rules, layout.mesh)
     all_reduces = k * m.num_layers * (4 + RECOMPUTED_ALL_REDUCES[m.remat])
     tensor = all_reduces * sequences * seq * m.d_model * act * 2 * (tensor_ways - 1) / tensor_ways
     shifts = 0 if pipe.stages == 1 else 2 * k * pipe.iterations  # forward and backward, every iteration of each pass
     pipeline = shifts * sequences / pipe.microbatches * seq * m.d_model * act
     # once a pass the output, held by stage 0, all-reduced to every stage, and the input's gradient summed over them
     pipeline += (pipe.stages > 1) * k * 2 * 2 * (pipe.stages - 1) / pipe.stages * sequences * seq * m.d_model * act
+    # every stage holds the embedding; where its columns are split, GSPMD splits the lookup's gradient over the
+    # stages too and sums it over them
+    pipeline += (pipe.stages > 1) * k * 2 * lookup_gradient * (pipe.stages - 1) / pipe.stages
     if pipe.repeats > 1:  # the circular schedule's view of the layers (stored split contiguously over the stages)
         state = layout.abstract_state()  # moves (stages - 1) / stages of a device's layers in, and their gradients back
         moved = 2 * bytes_per_device(state.params.get("layers", {})) + bytes_per_device((state.frozen or {}).get("layers", {}))
