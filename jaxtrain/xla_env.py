@@ -54,6 +54,9 @@ def set_defaults(jaxlib_version: str | None = None) -> list[str]:
 def memory_fraction(default: float = JAX_MEMORY_FRACTION) -> float:
     """The share of each GPU's memory jax's allocator takes in this environment: the value set under either name,
     else ``default`` (jax's own where nothing set one; a plan passes jaxtrain's, which ``jaxtrain train`` sets)."""
+    if all(os.environ.get(name) for name in MEMORY_FRACTION_NAMES):
+        raise UserError(f"both {' and '.join(MEMORY_FRACTION_NAMES)} are set, which jax refuses; "
+                        f"unset {MEMORY_FRACTION_NAMES[1]}, the older name")
     for name in MEMORY_FRACTION_NAMES:
         text = os.environ.get(name)
         if text:

@@ -25,7 +25,7 @@ from models.attention import chunked_causal_attention
 from models.config import LlamaConfig, RopeScaling
 from models.lora import adapt_block, adapter_delta, layer_inputs, layer_scope
 from models.quant import weight
-from models.sharding import constrain
+from models.sharding import constrain, split_axes
 
 BATCH, LENGTH = "activation_batch", "activation_length"
 EMBEDDING_AXES = ("vocab", "embed")  # the token embedding table's (the planner prices its lookup's gradient apart)
@@ -299,7 +299,7 @@ def _project_to_vocab_bwd(equation, residuals, grad):
 _project_to_vocab.defvjp(_project_to_vocab_fwd, _project_to_vocab_bwd)
 
 
-# The embedding lookup. The table's embed dimension is laid out as the activations' before the lookup (FSDP
+# The embedding lookup, where the batch is split exactly as the table's columns (Llama._embed_tokens). The table's embed dimension is laid out as the activations' before the lookup (FSDP
 # all-gathers it): rows gathered from a table split on embed come out split on embed, and SPMD can move that to the
 # batch split only by replicating the whole activation. Left to autodiff, that gather ran in the table's float32, and
 # its transpose kept the gradient's scatter-add replicated: every device built the whole float32 table's gradient in
@@ -389,7 +389,14 @@ class Llama(nnx.Module):
 
     def _embed_tokens(self, tokens: jax.Array) -> jax.Array:
         tokens = constrain(tokens, (BATCH, LENGTH))
-        return constrain(_lookup_rows(self.embed[...], tokens, jnp.dtype(self.cfg.dtype)), EMBED_ACT)
+        dtype = jnp.dtype(self.cfg.dtype)
+        if split_axes("vocab") or split_axes(BATCH) != split_axes("embed"):
+            # the table's rows split too (fsdp_tp, tp), or the batch over more axes than its columns (data x fsdp):
+            # GSPMD reaches the table's layout for the rows' gradient only by replicating it whole ("Involuntary
+            # full rematerialization"), so autodiff's lookup
+            table = constrain(self.embed[...], ("vocab", "activation_embed"))
+            return constrain(jnp.take(table, tokens, axis=0).astype(dtype), EMBED_ACT)
+        return constrain(_lookup_rows(self.embed[...], tokens, dtype), EMBED_ACT)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Hidden states (batch, length, d_model) -> logits (batch, length, vocab) float32; any length,

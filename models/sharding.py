@@ -40,6 +40,12 @@ def mesh_axes_of(logical_axis: str) -> tuple[str, ...]:
     return () if target is None else (target,) if isinstance(target, str) else tuple(target)
 
 
+def split_axes(logical_axis: str) -> frozenset[str]:
+    """The mesh axes of more than one device the active rule set splits ``logical_axis`` over (none outside a context)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return frozenset(a for a in mesh_axes_of(logical_axis) if mesh.axis_names and mesh.shape[a] > 1)
+
+
 def logical_ways(logical_axis: str) -> int:
     """How many ways the active rule set and mesh split a dimension with ``logical_axis`` (1 outside a context)."""
     mesh = jax.sharding.get_abstract_mesh()

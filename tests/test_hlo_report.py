@@ -131,6 +131,15 @@ ENTRY %main (p: f32[16]) -> f32[16] {
         {"fsdp": 32.0, "data": 0.0, "tensor": 0.0, "expert": 32.0}
 
 
+def test_no_rule_set_makes_spmd_replicate_a_tensor_whole():
+    """GSPMD's "Involuntary full rematerialization" warning: a layout it could reach only by replicating a tensor.
+    The embedding lookup's gradient laid out as a table split over its rows too (fsdp_tp on data x fsdp x tensor,
+    as `jaxtrain plan tiny`) raised it; such tables keep autodiff's lookup (models/llama.py)."""
+    for rules in ("fsdp_tp", "fsdp", "tp"):
+        plan = plan_lib.make_plan(small_config(rules, (2, 2, 2)), hlo_report=True)
+        assert not [w for w in plan.compiled.hlo.warnings if "Involuntary full rematerialization" in w], rules
+
+
 def test_a_pipeline_moves_what_step_cost_predicts():
     """Per iteration one shift of the micro-batches in flight, forward and back; once a pass the output from stage 0 to
     every stage and the input's gradient summed over them; the circular schedule's weights and their gradients over

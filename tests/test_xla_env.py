@@ -39,8 +39,16 @@ def test_the_allocators_share_is_jaxtrains_unless_either_of_jaxs_names_sets_it(m
     assert xla_env.memory_fraction() == 0.8
 
 
+def test_both_of_jaxs_names_set_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    with pytest.raises(UserError, match="unset XLA_PYTHON_CLIENT_MEM_FRACTION, the older name"):
+        xla_env.memory_fraction()
+
+
 @pytest.mark.parametrize("value", ["1.5", "0", "-0.2", "most", "nan"])
 def test_a_memory_fraction_outside_0_1_is_one_clear_error(monkeypatch, value):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", value)
     with pytest.raises(UserError, match=rf"XLA_CLIENT_MEM_FRACTION='{value}' is not a share of GPU memory in \(0, 1\]"):
         xla_env.set_defaults("0.10.2")
@@ -49,6 +57,7 @@ def test_a_memory_fraction_outside_0_1_is_one_clear_error(monkeypatch, value):
 def test_the_command_stops_on_a_bad_memory_fraction_before_jax_starts(monkeypatch, tmp_path):
     from conftest import run_cli
 
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "")  # in-process runs of the command in other tests set it
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "92%")
     result = run_cli("plan", "tiny", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr

@@ -9,7 +9,9 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
   backward; a tied table for the lookup and for the output layer apart); each gradient reduce-scattered, but the
   embedding lookup's (models/llama.py): its rows' gradient goes to the devices that hold the table's columns (an
   all-to-all of the pass's residual-stream gradient, with the token ids all-gathered), and each adds its columns;
-  with pipeline stages GSPMD also splits that gradient over the stages and sums it over them once a pass;
+  with pipeline stages GSPMD also splits that gradient over the stages and sums it over them once a pass. Where the
+  batch is not split exactly as the table's columns (its rows split too, fsdp_tp and tp, or data x fsdp) the
+  lookup is autodiff's: the table gathered once and its gradient reduce-scattered, both in float32;
 - data parallel: each gradient all-reduced over the batch axes its weight is replicated on. Over the batch axes
   no weight is split on, once per step after the last micro-batch when optim.grad_sync sums there
   (jaxtrain/memory/grad_comm.py: float32, or optim.grad_dtype; not overlapped with compute); otherwise per
@@ -113,6 +115,15 @@ class StepTime:
                 + (f"; gradients summed in {self.gradients}" if self.gradients else "") + ")")
 
 
+def embedding_columns_follow_batch(layout: Layout) -> bool:
+    """Whether the batch is split over exactly the mesh axes the embedding's columns are, and its rows over none."""
+    def split(logical: str) -> set[str]:
+        axes = layout.rules.get(logical) or ()
+        return {a for a in ((axes,) if isinstance(axes, str) else axes) if layout.mesh.shape[a] > 1}
+
+    return not split("vocab") and split("activation_batch") == split("embed")
+
+
 def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     cfg, m = layout.cfg, layout.cfg.model
     name = (gpu or DEFAULT_GPU).lower()
@@ -154,11 +165,14 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         # iteration that runs them: iterations / repeats per pass
         passes = k * (pipe.iterations / pipe.repeats if pipe.stages > 1 and "layers" in axes else 1)
         lookup = tuple(axes) == EMBEDDING_AXES
+        # autodiff's lookup where the batch is not split exactly as the table's columns (models/llama.py): the table
+        # gathered and its gradient summed in float32
+        whole = lookup and not embedding_columns_follow_batch(layout)
         tied = lookup and m.tie_embeddings  # also the output layer's: gathered for it apart, its gradient reduced
         gathers = 2 if "layers" in axes or tied else 1  # a layer's weights again for its recomputed backward
-        reduced = 0 if lookup and not tied else grad
-        fsdp += passes * gathered * (gathers * act + reduced) * (split - 1) / split
-        if lookup and split > 1:  # the rows' gradient (batch, length, d_model) to the table's columns, and the ids
+        reduced = x.dtype.itemsize if whole else 0 if lookup and not tied else grad
+        fsdp += passes * gathered * (gathers * (x.dtype.itemsize if whole else act) + reduced) * (split - 1) / split
+        if lookup and not whole and split > 1:  # the rows' gradient (batch, length, d_model) to the table's columns, and the ids
             fsdp += k * sequences * seq * (m.d_model * act * (split - 1) / split + 4 * (split - 1))
             lookup_gradient = local * x.dtype.itemsize
         reductions = 1 if ways(x, grad_sharding) > split else 2  # reduce-scatter (ZeRO-2) or all-reduce
