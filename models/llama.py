@@ -299,9 +299,10 @@ def _project_to_vocab_bwd(equation, residuals, grad):
 _project_to_vocab.defvjp(_project_to_vocab_fwd, _project_to_vocab_bwd)
 
 
-# The embedding lookup, where the batch is split exactly as the table's columns (Llama._embed_tokens). The table's embed dimension is laid out as the activations' before the lookup (FSDP
-# all-gathers it): rows gathered from a table split on embed come out split on embed, and SPMD can move that to the
-# batch split only by replicating the whole activation. Left to autodiff, that gather ran in the table's float32, and
+# The embedding lookup, where the batch is split exactly as the table's columns (Llama._embed_tokens). The table's
+# embed dimension is laid out as the activations' before the lookup (FSDP all-gathers it): rows gathered from a table
+# split on embed come out split on embed, and SPMD can move that to the batch split only by replicating the whole
+# activation. Left to autodiff, that gather ran in the table's float32, and
 # its transpose kept the gradient's scatter-add replicated: every device built the whole float32 table's gradient in
 # every micro-batch and GSPMD summed it over them (llama3_8b on 8 H100s: a 2 GiB reduce-scatter; smaller models: an
 # all-reduce). Here the table is gathered in the compute dtype (the rows were cast after the lookup: the same values,
