@@ -25,7 +25,7 @@ from models.attention import chunked_causal_attention
 from models.config import LlamaConfig, RopeScaling
 from models.lora import adapt_block, adapter_delta, layer_inputs, layer_scope
 from models.quant import weight
-from models.sharding import constrain, split_axes
+from models.sharding import constrain, constrain_mesh_axes, mesh_axes_of, split_axes
 
 BATCH, LENGTH = "activation_batch", "activation_length"
 EMBEDDING_AXES = ("vocab", "embed")  # the token embedding table's (the planner prices its lookup's gradient apart)
@@ -299,16 +299,18 @@ def _project_to_vocab_bwd(equation, residuals, grad):
 _project_to_vocab.defvjp(_project_to_vocab_fwd, _project_to_vocab_bwd)
 
 
-# The embedding lookup, where the batch is split exactly as the table's columns (Llama._embed_tokens). The table's
-# embed dimension is laid out as the activations' before the lookup (FSDP all-gathers it): rows gathered from a table
-# split on embed come out split on embed, and SPMD can move that to the batch split only by replicating the whole
-# activation. Left to autodiff, that gather ran in the table's float32, and
-# its transpose kept the gradient's scatter-add replicated: every device built the whole float32 table's gradient in
-# every micro-batch and GSPMD summed it over them (llama3_8b on 8 H100s: a 2 GiB reduce-scatter; smaller models: an
-# all-reduce). Here the table is gathered in the compute dtype (the rows were cast after the lookup: the same values,
-# half the bytes) and its gradient laid out as the table is: GSPMD sends the rows' gradient to the devices holding
-# their columns (an all-to-all the size of the device's residual stream) and each adds its own columns. The
-# scatter-add stays float32: a frequent token's row sums thousands of terms.
+# The embedding lookup, where the batch is split over (at least) the mesh axes the table's columns are
+# (Llama._embed_tokens). The table's embed dimension is laid out as the activations' before the lookup
+# (FSDP all-gathers it): rows gathered from a table split on embed come out split on embed, and SPMD can move that to
+# the batch split only by replicating the whole activation. Left to autodiff, that gather ran in the table's float32,
+# and its transpose kept the gradient's scatter-add replicated: every device built the whole float32 table's gradient
+# in every micro-batch and GSPMD summed it over them (llama3_8b on 8 H100s: a 2 GiB reduce-scatter; data x fsdp: an
+# all-reduce over both). Here the table is gathered in the compute dtype (the rows were cast after the lookup: the
+# same values, half the bytes) and its gradient laid out as the table is: the rows' gradient goes to the devices
+# holding their columns (an all-to-all the size of the device's residual stream), each adds its own columns, and
+# GSPMD sums those over the batch's other axes (data); with the vocabulary split over tensor (fsdp_tp, tp) each
+# device adds the rows its shard holds, and the forward sums the looked-up rows over the shards in the compute dtype
+# (autodiff's: float32, twice the bytes). The scatter-add stays float32: a frequent token's row sums thousands of terms.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _lookup_rows(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
     return jnp.take(constrain(table.astype(dtype), ("vocab", "activation_embed")), ids, axis=0)
@@ -320,6 +322,11 @@ def _lookup_rows_fwd(table, ids, dtype):
 
 def _lookup_rows_bwd(dtype, residuals, grad):
     table, ids = residuals
+    # the rows' gradient to the devices holding their columns, still split over the batch's other axes (data x fsdp:
+    # data), whose partial sums of the table's gradient GSPMD then adds
+    columns = mesh_axes_of("embed")
+    batch = tuple(a for a in mesh_axes_of(BATCH) if a not in columns)
+    grad, ids = constrain_mesh_axes(grad, (batch, (), columns)), constrain_mesh_axes(ids, (batch, ()))
     rows = jnp.zeros(table.shape, jnp.float32).at[ids].add(grad.astype(jnp.float32))
     return constrain(rows.astype(table.dtype), EMBEDDING_AXES), None
 
@@ -391,10 +398,9 @@ class Llama(nnx.Module):
     def _embed_tokens(self, tokens: jax.Array) -> jax.Array:
         tokens = constrain(tokens, (BATCH, LENGTH))
         dtype = jnp.dtype(self.cfg.dtype)
-        if split_axes("vocab") or split_axes(BATCH) != split_axes("embed"):
-            # the table's rows split too (fsdp_tp, tp), or the batch over more axes than its columns (data x fsdp):
-            # GSPMD reaches the table's layout for the rows' gradient only by replicating it whole ("Involuntary
-            # full rematerialization"), so autodiff's lookup
+        if not split_axes("embed") <= split_axes(BATCH):
+            # the table's columns split over an axis the batch is not (no shipped rule set): the rows' gradient cannot
+            # be sent to the devices holding its columns by splitting the batch, so autodiff's lookup
             table = constrain(self.embed[...], ("vocab", "activation_embed"))
             return constrain(jnp.take(table, tokens, axis=0).astype(dtype), EMBED_ACT)
         return constrain(_lookup_rows(self.embed[...], tokens, dtype), EMBED_ACT)

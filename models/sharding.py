@@ -33,6 +33,14 @@ def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*(table[a] for a in logical_axes)))
 
 
+def constrain_mesh_axes(x: jax.Array, axes: tuple[tuple[str, ...], ...]) -> jax.Array:
+    """``x`` laid out over mesh axes derived from the active rule set (``mesh_axes_of``), a tuple per dimension (empty:
+    never split): a layout no logical name gives, such as a batch split over the axes another dimension is not."""
+    if not spmd.get_logical_axis_rules():
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*(a or None for a in axes)))
+
+
 def mesh_axes_of(logical_axis: str) -> tuple[str, ...]:
     """The mesh axes the active rule set maps ``logical_axis`` to (none without a rule or a context), so a
     model can name them to jax (e.g. ``vmap``'s ``spmd_axis_name``) without knowing them."""

@@ -133,8 +133,9 @@ ENTRY %main (p: f32[16]) -> f32[16] {
 
 def test_no_rule_set_makes_spmd_replicate_a_tensor_whole():
     """GSPMD's "Involuntary full rematerialization" warning: a layout it could reach only by replicating a tensor.
-    The embedding lookup's gradient laid out as a table split over its rows too (fsdp_tp on data x fsdp x tensor,
-    as `jaxtrain plan tiny`) raised it; such tables keep autodiff's lookup (models/llama.py)."""
+    The embedding lookup's gradient laid out as the table with no layout for the rows' gradient before its scatter-add
+    raised it (fsdp_tp on data x fsdp x tensor, as `jaxtrain plan tiny`); models/llama.py sends those rows split over
+    the batch's axes but the columns' and over the columns' axes."""
     for rules in ("fsdp_tp", "fsdp", "tp"):
         plan = plan_lib.make_plan(small_config(rules, (2, 2, 2)), hlo_report=True)
         assert not [w for w in plan.compiled.hlo.warnings if "Involuntary full rematerialization" in w], rules

@@ -72,10 +72,9 @@ def test_a_circular_pipeline_compiles_for_the_gpu_and_moves_what_the_planner_pre
     assert plan.compiled.platform == "gpu"
     assert abs(plan.estimate_total / plan.compiled.total - 1) < 0.15
     predicted, compiled = plan.step_time.traffic_bytes, plan.compiled_traffic
-    # step_cost counts the embedding lookup's gradient split over the stages and summed over them, as jax 0.10's
-    # compiler does (models/llama.py); jax 0.11's does not split it over the stages: 10% under the prediction
-    close = 1e-3 if jax.__version__.startswith("0.10.") else 0.11
-    assert compiled["pipeline"] == pytest.approx(predicted["pipeline"], rel=close)
+    # the embedding lookup's gradient laid out before its scatter-add (models/llama.py): neither jax's compiler splits
+    # it over the stages (0.10's did without that layout, and summed it over them once a pass)
+    assert compiled["pipeline"] == pytest.approx(predicted["pipeline"], rel=1e-3)
     assert compiled["fsdp"] <= predicted["fsdp"]  # the weights' gathers and gradients' reduce-scatters only
 
 
@@ -103,21 +102,26 @@ def test_hlo_report_of_the_gpu_compile_follows_the_fsdp_rules_with_overlapped_as
     assert len(scattered) >= 3 and all(c.is_async and c.overlapped for c in scattered)
 
 
-@pytest.mark.parametrize("tie_embeddings", [False, True])
-def test_fsdp_moves_what_step_cost_predicts_and_the_embeddings_gradient_is_never_summed_whole(tie_embeddings):
+@pytest.mark.parametrize("rules,mesh,tie_embeddings", [
+    ("fsdp", (1, 8, 1), False), ("fsdp", (1, 8, 1), True), ("fsdp", (2, 4, 1), False), ("fsdp", (2, 4, 1), True),
+    ("fsdp_tp", (1, 4, 2), False), ("tp", (2, 1, 4), False),
+])
+def test_the_step_moves_what_step_cost_predicts_and_the_embeddings_gradient_is_never_summed_whole(rules, mesh, tie_embeddings):
     """The embedding lookup (models/llama.py): its table gathered in bfloat16, its gradient rows sent to the devices
-    holding their columns. Left to autodiff, the table was gathered in float32 and its whole float32 gradient
-    all-reduced over fsdp on this model (llama3_8b on 8 H100s: reduce-scattered; 51.3 GiB compiled instead of
-    53.0, 295 GiB of fsdp traffic a step instead of 314). step_cost's FSDP bytes equal the compiled program's."""
-    cfg = with_(medium_config("fsdp", "full", mesh=(1, 8, 1)), model={"tie_embeddings": tie_embeddings})
+    holding their columns. Left to autodiff, the table was gathered in float32 and every device built its whole
+    float32 gradient, summed over fsdp (llama3_8b on 8 H100s: reduce-scattered; 51.3 GiB compiled instead of 53.0,
+    295 GiB of fsdp traffic a step instead of 314), over data x fsdp where the batch was split over both (an
+    all-reduce), and its looked-up rows were summed over a vocabulary split over tensor in float32. step_cost's
+    bytes equal the compiled program's."""
+    cfg = with_(medium_config(rules, "full", mesh=mesh), model={"tie_embeddings": tie_embeddings})
     plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
     collectives = plan.compiled.hlo.collectives
     table = 4096 * 256
-    assert max(c.bytes for c in collectives if c.kind == "all-reduce") < 16 * 1024  # norm scales and metrics only
-    assert not any("f32" in c.dtypes and c.bytes >= 4 * table for c in collectives)  # nor gathers a float32 table
-    assert any(c.kind == "all-to-all" for c in collectives)
-    assert plan.compiled_traffic["fsdp"] == plan.step_time.traffic_bytes["fsdp"]
-    assert plan.compiled_traffic["data"] == pytest.approx(plan.step_time.traffic_bytes["data"], rel=0.05)
+    # float32: at most the columns of the table's gradient a device holds (a quarter here or less), summed over data
+    assert not any("f32" in c.dtypes and c.bytes > 4 * table / 4 + 16 * 1024 for c in collectives)
+    assert any(c.kind == "all-to-all" for c in collectives) == (cfg.mesh.ici.fsdp > 1)
+    for kind in ("fsdp", "data", "tensor"):  # but metrics' and the loss's scalars
+        assert plan.compiled_traffic[kind] == pytest.approx(plan.step_time.traffic_bytes[kind], rel=0.005, abs=1024), kind
 
 
 def test_grad_sync_step_sums_over_data_once_on_the_gpu_as_the_planner_predicts():

@@ -39,7 +39,7 @@ from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
 from jaxtrain.stages import pipelined_variants, schedule, stage_memory
 from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.memory.offload import offloads_master_weights
-from jaxtrain.plan.step_cost import StepTime, embedding_columns_follow_batch, step_time
+from jaxtrain.plan.step_cost import StepTime, embedding_gradient_by_columns, step_time
 from jaxtrain.layout import Layout, lower_steps, make_layout, peak_bytes
 from models.attention import scored_fraction
 from models.pipeline import STAGES
@@ -143,9 +143,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # of its weights: nf4 codes hold two per byte), no gradient
     frozen_layer = act * per_layer(state.frozen, frozen_axes) * (2 if m.base_quant == "nf4" else 1) if state.frozen else 0
     vocab_table = m.d_model * m.vocab_size / _ways(layout, "vocab")  # elements, gathered over fsdp
-    # the embedding lookup's gradient: the columns the device holds (models/llama.py), or where the batch is not
-    # split exactly as those, autodiff's lookup: the whole gathered table's
-    lookup_gradient = vocab_table / (_ways(layout, "embed") if embedding_columns_follow_batch(layout) else 1)
+    # the embedding lookup's gradient: the columns the device holds (models/llama.py), or where those are split over
+    # an axis the batch is not, autodiff's lookup: the whole gathered table's
+    lookup_gradient = vocab_table / (_ways(layout, "embed") if embedding_gradient_by_columns(layout) else 1)
     # backward of one layer: XLA attention's score arrays (probabilities, their gradient, the scores' gradient:
     # two in float32 and two in the compute dtype on a GPU; three in float32 and one in the compute dtype on the
     # CPU compile); the residual stream's float32 gradients; the embedding lookup's float32 gradient, split as the

@@ -8,10 +8,10 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
   for the forward and again for the backward, the vocabulary tables once (their gathered copies kept for the
   backward; a tied table for the lookup and for the output layer apart); each gradient reduce-scattered, but the
   embedding lookup's (models/llama.py): its rows' gradient goes to the devices that hold the table's columns (an
-  all-to-all of the pass's residual-stream gradient, with the token ids all-gathered), and each adds its columns;
-  with pipeline stages GSPMD also splits that gradient over the stages and sums it over them once a pass. Where the
-  batch is not split exactly as the table's columns (its rows split too, fsdp_tp and tp, or data x fsdp) the
-  lookup is autodiff's: the table gathered once and its gradient reduce-scattered, both in float32;
+  all-to-all of the pass's residual-stream gradient, with the token ids all-gathered), and each adds its columns,
+  summed over the batch's other axes (data) as a data-parallel gradient, in float32. Where the
+  table's columns are split over an axis the batch is not (no shipped rule set) the lookup is autodiff's: the
+  table gathered once and its gradient reduce-scattered, both in float32;
 - data parallel: each gradient all-reduced over the batch axes its weight is replicated on. Over the batch axes
   no weight is split on, once per step after the last micro-batch when optim.grad_sync sums there
   (jaxtrain/memory/grad_comm.py: float32, or optim.grad_dtype; not overlapped with compute); otherwise per
@@ -24,7 +24,8 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
 - optim.offload: the optimizer state (and the float32 master weights under narrower compute) copied from host
   memory to the device and back once per step over PCIe (not overlapped);
 - tensor parallel: per micro-batch and layer, the residual stream all-reduced after attention and the MLP
-  in the forward and the backward, and again for each of those the remat policy recomputes;
+  in the forward and the backward, and again for each of those the remat policy recomputes; a vocabulary split
+  over tensor, per micro-batch the looked-up rows and the output layer's input gradient;
 - pipeline (models/pipeline.py): per micro-batch pass, every iteration shifts each stage's micro-batch of
   activations to the next stage in the forward and back in the backward (point to point, on the critical
   path), and once a pass the output goes from stage 0 to every stage and the input's gradient is summed over
@@ -67,10 +68,12 @@ from models.pipeline import STAGES
 
 ASSUMED_MFU = 0.45  # share of the datasheet peak a well-tuned step reaches (MaxText reports 45-55% on H100)
 DEFAULT_GPU = "h100"  # what a step is timed on when no GPU is named
-# forward all-reduces of the tensor-parallel residual stream that each policy recomputes in the backward
 # host <-> device bandwidth per direction (PCIe Gen5 x16 on H100 / H200, Gen4 on A100 and L4)
 PCIE_BYTES_PER_S = {"h100": 64e9, "h200": 64e9, "a100": 32e9, "a100-40gb": 32e9, "l4": 32e9}
-RECOMPUTED_ALL_REDUCES = {"none": 0, "save_dots": 0, "save_qkv_out": 1, "full": 2, "offload_dots": 0, "offload_qkv_out": 1}
+# forward all-reduces of the tensor-parallel residual stream that each policy recomputes in the backward: remat full
+# the attention's, which the MLP's input needs (the MLP's own feeds only the layer's output, which the backward does
+# not use); save_qkv_out saves the attention's output after its all-reduce (the compiled GPU program shows these)
+RECOMPUTED_ALL_REDUCES = {"none": 0, "save_dots": 0, "save_qkv_out": 0, "full": 1, "offload_dots": 0, "offload_qkv_out": 0}
 
 
 def recompute_factor(cfg: Config) -> float:
@@ -115,13 +118,14 @@ class StepTime:
                 + (f"; gradients summed in {self.gradients}" if self.gradients else "") + ")")
 
 
-def embedding_columns_follow_batch(layout: Layout) -> bool:
-    """Whether the batch is split over exactly the mesh axes the embedding's columns are, and its rows over none."""
+def embedding_gradient_by_columns(layout: Layout) -> bool:
+    """Whether the embedding lookup's gradient is built by the table's columns (models/llama.py): the batch split over
+    (at least) the mesh axes its columns are."""
     def split(logical: str) -> set[str]:
         axes = layout.rules.get(logical) or ()
         return {a for a in ((axes,) if isinstance(axes, str) else axes) if layout.mesh.shape[a] > 1}
 
-    return not split("vocab") and split("activation_batch") == split("embed")
+    return split("embed") <= split("activation_batch")
 
 
 def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
@@ -152,7 +156,6 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     reduction = layout.grad_reduction  # the sums once per step, over its axes (optim.grad_sync, grad_dtype)
     summed_ways = 1 if reduction is None else reduction.ways
     after_backward = 0.0
-    lookup_gradient = 0  # bytes per device of the embedding's gradient, where its columns are split
     for x, axes, grad_sharding, moment_sharding in zip(jax.tree.leaves(params), logical, jax.tree.leaves(layout.gradient_shardings()),
                                                         jax.tree.leaves(layout.optimizer_shardings())):
         # an expert's weights live on its own devices: no gather or gradient reduction over the expert axes
@@ -165,19 +168,20 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         # iteration that runs them: iterations / repeats per pass
         passes = k * (pipe.iterations / pipe.repeats if pipe.stages > 1 and "layers" in axes else 1)
         lookup = tuple(axes) == EMBEDDING_AXES
-        # autodiff's lookup where the batch is not split exactly as the table's columns (models/llama.py): the table
-        # gathered and its gradient summed in float32
-        whole = lookup and not embedding_columns_follow_batch(layout)
+        # autodiff's lookup where the table's columns are split over an axis the batch is not (models/llama.py): the
+        # table gathered and its gradient summed in float32
+        whole = lookup and not embedding_gradient_by_columns(layout)
         tied = lookup and m.tie_embeddings  # also the output layer's: gathered for it apart, its gradient reduced
         gathers = 2 if "layers" in axes or tied else 1  # a layer's weights again for its recomputed backward
         reduced = x.dtype.itemsize if whole else 0 if lookup and not tied else grad
         fsdp += passes * gathered * (gathers * (x.dtype.itemsize if whole else act) + reduced) * (split - 1) / split
         if lookup and not whole and split > 1:  # the rows' gradient (batch, length, d_model) to the table's columns, and the ids
             fsdp += k * sequences * seq * (m.d_model * act * (split - 1) / split + 4 * (split - 1))
-            lookup_gradient = local * x.dtype.itemsize
         reductions = 1 if ways(x, grad_sharding) > split else 2  # reduce-scatter (ZeRO-2) or all-reduce
         per_pass = replicated // summed_ways  # the replicas summed in every pass's backward, the rest once a step
-        data += passes * reductions * local * grad * (per_pass - 1) / per_pass
+        # the lookup's gradient summed over the data axes in the table's dtype, its float32 scatter-add's
+        summed = x.dtype.itemsize if lookup and not whole else grad
+        data += passes * reductions * local * summed * (per_pass - 1) / per_pass
         if reduction is not None:
             after_backward += reductions * local * reduction.dtype.itemsize * (summed_ways - 1) / summed_ways
         optimizer_split = ways(x, moment_sharding) // split
@@ -188,13 +192,14 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     tensor_ways = logical_ways(layout.rules, layout.mesh, "activation_mlp")
     all_reduces = k * m.num_layers * (4 + RECOMPUTED_ALL_REDUCES[m.remat])
     tensor = all_reduces * sequences * seq * m.d_model * act * 2 * (tensor_ways - 1) / tensor_ways
+    # a vocabulary split over tensor: per micro-batch the looked-up rows summed over the table's shards, and the output
+    # layer's input gradient
+    vocab_ways = logical_ways(layout.rules, layout.mesh, "vocab")
+    tensor += k * 2 * sequences * seq * m.d_model * act * 2 * (vocab_ways - 1) / vocab_ways
     shifts = 0 if pipe.stages == 1 else 2 * k * pipe.iterations  # forward and backward, every iteration of each pass
     pipeline = shifts * sequences / pipe.microbatches * seq * m.d_model * act
     # once a pass the output, held by stage 0, all-reduced to every stage, and the input's gradient summed over them
     pipeline += (pipe.stages > 1) * k * 2 * 2 * (pipe.stages - 1) / pipe.stages * sequences * seq * m.d_model * act
-    # every stage holds the embedding; where its columns are split, GSPMD splits the lookup's gradient over the
-    # stages too and sums it over them
-    pipeline += (pipe.stages > 1) * k * 2 * lookup_gradient * (pipe.stages - 1) / pipe.stages
     if pipe.repeats > 1:  # the circular schedule's view of the layers (stored split contiguously over the stages)
         state = layout.abstract_state()  # moves (stages - 1) / stages of a device's layers in, and their gradients back
         moved = 2 * bytes_per_device(state.params.get("layers", {})) + bytes_per_device((state.frozen or {}).get("layers", {}))
