@@ -167,6 +167,20 @@ def test_xla_log_lines_are_captured_as_warnings_and_still_printed(capfd):
     assert len(report.warnings) == 2 and "Involuntary" in report.warnings[0] and "Can't reduce" in report.warnings[1]
 
 
+def test_known_xla_warnings_are_explained_in_a_line():
+    """What a replicated tensor and a step above XLA's scheduling limit mean, in the report and its JSON."""
+    replicated = "W0000 spmd_partitioner.cc:652] [SPMD] Involuntary full rematerialization. The compiler was not able"
+    above = ("W1203 19:02:10.274645 5571 hlo_rematerialization.cc:3231] Can't reduce memory use below 61.76GiB "
+             "(66315479664 bytes) by rematerialization; only reduced to 66.93GiB (71866844824 bytes), down from 67.04GiB")
+    assert "replicating a tensor whole on every device" in hlo_report.warning_meaning(replicated)
+    meaning = hlo_report.warning_meaning(above)
+    assert meaning.startswith("the step needs 66.93 GiB at its peak, above the 61.76 GiB XLA's GPU compiler schedules for")
+    other = "W1203 19:02:11.000001 5571 other.cc:1] something else"
+    assert hlo_report.warning_meaning(other) is None
+    report = hlo_report.report("ENTRY %e () -> f32[] {\n}\n", {"data": 8}, "\n".join((replicated, above, other)))
+    assert report.to_json()["xla_warning_meanings"] == [hlo_report.warning_meaning(replicated), meaning, None]
+
+
 def test_runs_multiply_by_known_trip_counts_and_are_lower_bounds_without_one():
     def module(trip: str) -> str:
         return f"""HloModule m, is_scheduled=true

@@ -33,7 +33,7 @@ from jaxtrain.config import Config, flatten, resolve_for_devices, to_dict
 from jaxtrain.errors import UserError
 from jaxtrain.observe.flops import flops_per_token, peak_flops
 from jaxtrain.plan.gpu_targets import GPU_MEMORY_MIB, GPU_MODELS, compile_only_devices, gpu_memory_bytes
-from jaxtrain.plan.hlo_report import HloReport, captured_stderr, report
+from jaxtrain.plan.hlo_report import HloReport, captured_stderr, report, warning_meaning
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
 from jaxtrain.stages import pipelined_variants, schedule, stage_memory
@@ -723,7 +723,9 @@ def render_hlo(plan: Plan) -> list[str]:
                  f"matmuls {_size(moved['matmul'])}, attention {_size(moved['attention'])}; largest elementwise and reductions:")
     lines += [f"  {_size(b):>10}  {name}" for name, b in hlo.largest_other_kernels]
     lines.append("XLA warnings: " + ("none" if not hlo.warnings else f"{len(hlo.warnings)}"))
-    lines += [f"  {w}" for w in hlo.warnings]
+    for warning in hlo.warnings:
+        meaning = warning_meaning(warning)
+        lines += [f"  {warning}"] + ([f"    means: {meaning}"] if meaning else [])
     return lines
 
 

@@ -44,6 +44,22 @@ _WORKSPACE = re.compile(r"\b[su]8\[\d*\](?:\{[^}]*\})?\)?$")
 LARGEST_KERNELS = 5  # the "other" kernels (by XLA's op name) the report lists, most bytes first
 # XLA's C++ log lines of severity warning or error start W or E and the date (absl's format)
 WARNING_LINE = re.compile(r"^\s*[WE]\d{4} \d\d:\d\d|Involuntary full rematerialization|\bWARNING\b")
+_BELOW_SCHEDULING_LIMIT = re.compile(r"Can't reduce memory use below ([\d.]+)GiB .*only reduced to ([\d.]+)GiB")
+
+
+def warning_meaning(warning: str) -> str | None:
+    """What an XLA warning the report knows means for the step, in a line; None for others."""
+    if "Involuntary full rematerialization" in warning:
+        return ("GSPMD reached a layout only by replicating a tensor whole on every device (its memory and traffic "
+                "unsplit); the warning names the operation: a layout constraint before it, or another rule set, avoids it")
+    if below := _BELOW_SCHEDULING_LIMIT.search(warning):
+        return (f"the step needs {below[2]} GiB at its peak, above the {below[1]} GiB XLA's GPU compiler schedules for "
+                "(its limit from the device's memory less the step's arguments and outputs, not jax's allocator pool): "
+                "XLA recomputed what it could and ordered the step for memory before overlap (jax 0.11.2 also left "
+                "collectives synchronous for llama3_70b on h100x64). It still runs where the pool holds the peak; more "
+                "micro-batches or a stronger remat policy bring the peak under the limit")
+    return None
+
 
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
@@ -143,6 +159,7 @@ class HloReport:
     def to_json(self) -> dict:
         return {"collectives": self.groups(), "fusions": self.fusions, "attention": self.attention,
                 "attention_calls": self.attention_calls, "xla_warnings": list(self.warnings),
+                "xla_warning_meanings": [warning_meaning(w) for w in self.warnings],
                 "matmul_flops_by_operand_types": self.matmul_flops, "library_matmul_flops": self.library_matmul_flops,
                 "duplicated_matmul_flops": self.duplicated_matmul_flops, "kernel_bytes_per_step": self.kernel_bytes,
                 "largest_other_kernels": [{"op_name": name, "bytes": b} for name, b in self.largest_other_kernels]}
