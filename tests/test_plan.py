@@ -28,10 +28,10 @@ def total(cfg, for_platform=None) -> int:
 
 
 @pytest.mark.parametrize("rules,mesh,remat,seq_len,attention,within", [
-    # auto: chunked attention on these CPU devices. The estimate is 21% under this CPU compile (its peak: the
-    # output projection's backward, XLA:CPU converting the logits' bfloat16 gradient to float32 for each of its
-    # matmuls); the lookup's whole float32 gradient, counted until that lookup split it (models/llama.py), had made
-    # up for it. The GPU compile: tests/test_plan_gpu.py
+    # auto: chunked attention on these CPU devices. The estimate is 21% under this CPU compile, whose arena packs
+    # the layer backward's buffers above the output projection's (three float32 arrays of the logits' size: XLA:CPU
+    # converts their bfloat16 gradient to float32 for each matmul); the lookup's whole float32 gradient, counted
+    # until that lookup split it (models/llama.py), had made up for it. The GPU compile: tests/test_plan_gpu.py
     ("fsdp_tp", (1, 4, 2), "full", 512, "auto", 0.22),
     ("fsdp", (1, 4, 2), "save_dots", 512, "auto", 0.15),
     ("fsdp", (1, 4, 2), "none", 512, "auto", 0.15),  # every layer's intermediates saved
