@@ -4,7 +4,11 @@ A float32 router picks ``top_k`` SwiGLU experts per token; their outputs are mix
 weights (renormalised over the chosen k). Two ways to bring tokens to their experts:
 
 - ``dropless``: assignments sorted by expert and multiplied as one grouped matmul (``jax.lax.ragged_dot``);
-  no token is ever dropped.
+  no token is ever dropped. On a mesh the sort is each device's own (``jax.shard_map``): a global sort of a batch
+  split over devices made GSPMD gather every token to every device. With the experts split over an axis, a device
+  first gathers the tokens of its expert group (all-gather over that axis), multiplies those assigned to its own
+  experts, and the partial outputs are summed back to the tokens' devices (reduce-scatter): Megatron's all-gather
+  dispatcher, fixed shapes (XLA:CPU has no ragged all-to-all).
 - ``capacity``: each sequence fills a fixed (experts, capacity, d_model) buffer per expert (first choices
   before second choices, GShard); assignments past an expert's capacity are dropped and counted. The buffer
   is laid out by sequence and then by expert: with an ``expert`` mesh axis the change of layout between the
@@ -22,10 +26,11 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from models.config import LlamaConfig
 from models.llama import BATCH, EMBED_ACT, MLP, _param
-from models.sharding import constrain
+from models.sharding import constrain, mesh_axes_of, split_axes
 
 # a dispatched buffer (batch, experts, capacity, d_model) before and after the all-to-all: first split by
 # sequence like every activation, then by expert on the expert axis (the batch keeps the other batch axes)
@@ -78,21 +83,33 @@ class MoE(nnx.Module):
         self.router_stats = nnx.Intermediate(stats)
         return constrain(y, EMBED_ACT)
 
-    def _experts_swiglu(self, x, matmul, hidden_layout=lambda h: h):
-        """The experts' SwiGLU with ``matmul(x, w)`` multiplying by each expert's weights."""
-        gate, up = (hidden_layout(matmul(x, w[...].astype(self.dtype))) for w in (self.w_gate, self.w_up))
-        return matmul(jax.nn.silu(gate) * up, self.w_down[...].astype(self.dtype))
+    def _expert_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
 
     def _dropless(self, x, weights, experts):
-        b, t, d = x.shape
-        k = experts.shape[-1]
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
-        sizes = jnp.bincount(flat, length=self.moe.num_experts).astype(jnp.int32)
-        rows = x.reshape(b * t, d)[order // k]
-        out = self._experts_swiglu(rows, lambda lhs, w: jax.lax.ragged_dot(lhs, w, sizes))
-        out = jnp.zeros_like(out).at[order].set(out).reshape(b, t, k, d)  # back to token order
-        return jnp.einsum("btkd,btk->btd", out, weights.astype(out.dtype))
+        axes = dropless_axes(x.shape[0])
+        if axes is None:  # one device, or a layout the per-device sort does not cover: GSPMD partitions the global one
+            return _own_experts_output(x, weights, experts, self._expert_weights())
+        batch, by_expert, embed, mlp = axes
+        own = self.moe.num_experts // math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in by_expert)
+
+        def per_device(x, weights, experts, w_gate, w_up, w_down):
+            if by_expert:  # the tokens of this device's expert group (its batch shard and theirs)
+                x, weights, experts = (jax.lax.all_gather(a, by_expert, axis=0, tiled=True) for a in (x, weights, experts))
+            if embed:  # FSDP: the weights' embed dimension gathered (its transpose reduce-scatters their gradients)
+                w_gate, w_up, w_down = (jax.lax.all_gather(w, embed, axis=dim, tiled=True)
+                                        for w, dim in ((w_gate, 1), (w_up, 1), (w_down, 2)))
+            first = jax.lax.axis_index(by_expert) * own if by_expert else None
+            y = _own_experts_output(x, weights, experts, (w_gate, w_up, w_down), first)
+            if by_expert:  # every expert's part of a token's output summed on the token's own device
+                y = jax.lax.psum_scatter(y, by_expert, scatter_dimension=0, tiled=True)
+            return jax.lax.psum(y, mlp) if mlp else y  # the experts' hidden dimension split (tensor parallel)
+
+        tokens = PartitionSpec(batch)
+        up = PartitionSpec(by_expert or None, embed or None, mlp or None)
+        down = PartitionSpec(by_expert or None, mlp or None, embed or None)
+        return jax.shard_map(per_device, mesh=jax.sharding.get_abstract_mesh(), in_specs=(tokens, tokens, tokens, up, up, down),
+                             out_specs=tokens)(x, weights, experts, *self._expert_weights())
 
     def _capacity(self, x, weights, experts):
         b, t, d = x.shape
@@ -109,11 +126,57 @@ class MoE(nnx.Module):
 
         buffer = constrain(constrain(jax.vmap(dispatch)(x, experts, slot), BY_SEQUENCE), BY_EXPERT)
         # each expert's slots by its own weights: (batch, experts, capacity, in) x (experts, in, out)
-        out = self._experts_swiglu(buffer, lambda slots, w: jnp.einsum("beci,eio->beco", slots, w),
-                                   lambda h: constrain(h, HIDDEN_BY_EXPERT))
+        out = _experts_swiglu(buffer, lambda slots, w: jnp.einsum("beci,eio->beco", slots, w), self._expert_weights(),
+                              lambda h: constrain(h, HIDDEN_BY_EXPERT))
         out = constrain(constrain(out, BY_EXPERT), BY_SEQUENCE)
         gathered = jax.vmap(lambda o, expert, slot: o.at[expert, slot].get(mode="fill", fill_value=0))(out, experts, slot)
         return jnp.einsum("btkd,btk->btd", gathered, (weights * kept).astype(gathered.dtype)), kept
+
+
+def _experts_swiglu(x, matmul, expert_weights, hidden_layout=lambda h: h):
+    """The experts' SwiGLU with ``matmul(x, w)`` multiplying by each expert's weights (gate, up, down)."""
+    w_gate, w_up, w_down = expert_weights
+    gate, up = (hidden_layout(matmul(x, w)) for w in (w_gate, w_up))
+    return matmul(jax.nn.silu(gate) * up, w_down)
+
+
+def _own_experts_output(x, weights, experts, expert_weights, first=None):
+    """x (batch, length, d_model) -> the part of the output from the experts whose weights ``expert_weights`` are,
+    numbered from ``first`` (None: every expert's): their assignments sorted by expert and multiplied as one grouped
+    matmul."""
+    b, t, d = x.shape
+    k, count = experts.shape[-1], expert_weights[0].shape[0]
+    group = experts.reshape(-1)
+    if first is not None:  # other experts' assignments sorted last, outside every group
+        mine = (group >= first) & (group < first + count)
+        group = jnp.where(mine, group - first, count)
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.bincount(group, length=count + (first is not None))[:count].astype(jnp.int32)
+    rows = x.reshape(b * t, d)[order // k]
+    # rows past the groups are zeroed in and out: ragged_dot leaves them unspecified, and so their gradients
+    kept = None if first is None else mine[order][:, None]
+    out = _experts_swiglu(rows if kept is None else jnp.where(kept, rows, 0),
+                          lambda lhs, w: jax.lax.ragged_dot(lhs, w, sizes), expert_weights)
+    out = out if kept is None else jnp.where(kept, out, 0)
+    out = jnp.zeros_like(out).at[order].set(out).reshape(b, t, k, d)  # back to token order
+    return jnp.einsum("btkd,btk->btd", out, weights.astype(out.dtype))
+
+
+def dropless_axes(batch_size: int) -> tuple[tuple[str, ...], ...] | None:
+    """The mesh axes of the per-device dropless dispatch under the active rule set and mesh: (batch, experts, the
+    weights' embed, the experts' hidden), each those of more than one device; None where it does not apply: no
+    sharding context, a batch not split or not divisible by its split, experts split over an axis the batch is
+    not, or the hidden dimension over a batch axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    batch = split_axes(BATCH)
+    if not batch or batch_size % math.prod(mesh.shape[a] for a in batch):
+        return None
+    by_expert, embed, mlp = split_axes("experts"), split_axes("embed"), split_axes("mlp")
+    if not by_expert <= batch or mlp & batch or by_expert & embed:
+        return None
+    # in the rule set's order: a spec's axes order the devices' blocks
+    return tuple(tuple(a for a in mesh_axes_of(name) if a in split)
+                 for name, split in ((BATCH, batch), ("experts", by_expert), ("embed", embed), ("mlp", mlp)))
 
 
 def router_stats(logits, probs, experts, kept) -> dict:

@@ -13,7 +13,7 @@ from conftest import REPO, run_cli, small_config, with_
 from jaxtrain.plan import hlo_report
 from jaxtrain.plan import estimate as plan_lib
 from jaxtrain.train import make_layout
-from models.config import PipelineConfig
+from models.config import MoEConfig, PipelineConfig
 
 
 def _bytes(tree) -> int:
@@ -116,28 +116,35 @@ ENTRY %main (p: f32[16]) -> f32[16] {
 
 def test_an_all_to_all_over_batch_axes_is_fsdps_and_over_an_expert_axis_expert_parallelisms():
     """The embedding lookup's gradient rows go to the table's columns in an all-to-all over fsdp (models/llama.py);
-    a mixture of experts' tokens to their experts in one over the expert axis."""
+    a mixture of experts' tokens to their experts in one over the expert axis (capacity dispatch), or gathered over
+    it and their outputs reduce-scattered back (dropless); FSDP gathers weights over fsdp."""
     text = """HloModule m, is_scheduled=true
 
 ENTRY %main (p: f32[16]) -> f32[16] {
   %p = f32[16]{0} parameter(0)
   %rows = f32[16]{0} all-to-all(%p), replica_groups={{0,2},{1,3}}, dimensions={0}
-  ROOT %tokens = f32[16]{0} all-to-all(%rows), replica_groups={{0,1},{2,3}}, dimensions={0}
+  %tokens = f32[16]{0} all-to-all(%rows), replica_groups={{0,1},{2,3}}, dimensions={0}
+  %group = f32[32]{0} all-gather(%tokens), replica_groups={{0,1},{2,3}}, dimensions={0}
+  %weights = f32[32]{0} all-gather(%tokens), replica_groups={{0,2},{1,3}}, dimensions={0}
+  ROOT %back = f32[16]{0} reduce-scatter(%group), replica_groups={{0,1},{2,3}}, dimensions={0}, to_apply=%add
 }
 """
     report = hlo_report.report(text, {"fsdp": 2, "expert": 2})
-    assert [c.axes for c in report.collectives] == [("fsdp",), ("expert",)]
+    assert [c.axes for c in report.collectives] == [("fsdp",), ("expert",), ("expert",), ("fsdp",), ("expert",)]
     assert report.traffic_by_step_cost_kind(("fsdp", "expert"), (), ("expert",)) == \
-        {"fsdp": 32.0, "data": 0.0, "tensor": 0.0, "expert": 32.0}
+        {"fsdp": 32.0 + 64.0, "data": 0.0, "tensor": 0.0, "expert": 32.0 + 64.0 + 64.0}
 
 
 def test_no_rule_set_makes_spmd_replicate_a_tensor_whole():
     """GSPMD's "Involuntary full rematerialization" warning: a layout it could reach only by replicating a tensor.
     The embedding lookup's gradient laid out as the table with no layout for the rows' gradient before its scatter-add
     raised it (fsdp_tp on data x fsdp x tensor, as `jaxtrain plan tiny`); models/llama.py sends those rows split over
-    the batch's axes but the columns' and over the columns' axes."""
-    for rules in ("fsdp_tp", "fsdp", "tp"):
-        plan = plan_lib.make_plan(small_config(rules, (2, 2, 2)), hlo_report=True)
+    the batch's axes but the columns' and over the columns' axes. Dropless expert dispatch sorted over the whole batch
+    raised it on fsdp_ep with data 2 and on fsdp_tp_ep; models/moe.py sorts per device."""
+    experts = {"mlp_dim": 16, "moe": MoEConfig(num_experts=4, top_k=2, dispatch="dropless")}
+    for rules, mesh, model in (("fsdp_tp", (2, 2, 2), {}), ("fsdp", (2, 2, 2), {}), ("tp", (2, 2, 2), {}),
+                               ("fsdp_ep", (2, 2, 1, 1, 2), experts), ("fsdp_tp_ep", (1, 2, 2, 1, 2), experts)):
+        plan = plan_lib.make_plan(small_config(rules, mesh, **model), hlo_report=True)
         assert not [w for w in plan.compiled.hlo.warnings if "Involuntary full rematerialization" in w], rules
 
 

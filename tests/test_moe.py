@@ -238,7 +238,7 @@ def test_planner_counts_expert_weights_by_the_expert_axis_and_all_to_all_traffic
     from jaxtrain.state import bytes_per_device
     from jaxtrain.plan.step_cost import step_time
 
-    layout = make_layout(load_experiment("tiny_moe"))  # fsdp 2 x tensor 2 x expert 2, capacity 1.25, float32, no remat
+    layout = make_layout(load_experiment("tiny_moe"))  # fsdp 2 x tensor 2 x expert 2, capacity 1.25, float32, save_qkv_out
     m = layout.cfg.model
     w_gate = layout.abstract_state().params["layers"]["mlp"]["w_gate"]
     assert bytes_per_device(w_gate) == m.num_layers * 8 * m.d_model * m.mlp_dim * 4 // 8  # split 8 ways, experts 2 of them
@@ -246,8 +246,40 @@ def test_planner_counts_expert_weights_by_the_expert_axis_and_all_to_all_traffic
     # 4 layers x (dispatch + combine) x (forward + backward), 8 sequences per device (the batch split over fsdp and
     # expert) of 256 tokens, 2 x 1.25 slots each, half of it leaving the device
     assert timed.traffic_bytes["expert"] == pytest.approx(4 * 4 * 8 * 256 * 2.5 * m.d_model * 4 / 2)
+    # dropless: per layer and token, forward the token (and its 2 float32 router weights and int32 choices) gathered
+    # from the other expert shard and its output sent back; backward the output's gradient in and the token's and
+    # weights' out; the recomputed forward (save_qkv_out recomputes the MLP block) the token and one router array
+    # again; each moves 1 of 2 shards
+    dropless = with_(layout.cfg, model={"moe": dataclasses.replace(m.moe, dispatch="dropless")})
+    per_token = (m.d_model * 4 + 2 * 8) + m.d_model * 4 + (2 * m.d_model * 4 + 2 * 4) + (m.d_model * 4 + 2 * 4)
+    assert step_time(make_layout(dropless)).traffic_bytes["expert"] == pytest.approx(4 * 8 * 256 * per_token)
     assert timed.total_s >= timed.compute_s + timed.communication_s["expert"] > timed.compute_s
     assert estimate(layout)["dispatch buffers"] == 4 * 4 * 2 * (8 * 256 * m.d_model) * 2.5
     # FLOPs per token count the 2 chosen experts, not all 8
     dense_mlp = dataclasses.replace(m, moe=MoEConfig(), mlp_dim=2 * m.mlp_dim)
     assert matmul_params(m) == matmul_params(dense_mlp) + m.num_layers * m.d_model * 8
+
+
+@pytest.mark.parametrize("rules, ici", [("fsdp_ep", (2, 2, 1, 1, 2)), ("fsdp_tp_ep", (1, 2, 2, 1, 2)), ("dp_ep", (2, 1, 1, 1, 4)),
+                                        ("fsdp", (2, 4, 1, 1, 1))])
+def test_dropless_sorts_per_device_and_matches_one_device(rules, ici):
+    """Dropless dispatch on a mesh: each device sorts its own tokens (those of its expert group, gathered over the
+    expert axis) for its own experts, summed back to the tokens' devices; the objective and every gradient equal
+    one device's. A global sort made GSPMD gather every token to every device (and replicate dispatch tensors whole
+    on fsdp_ep with data 2 and on fsdp_tp_ep)."""
+    from jaxtrain.partitioning import model_tracing
+
+    cfg = with_(_moe_config(rules, ici), train={"global_batch": 16})
+    layout = make_layout(cfg)
+    graphdef = model_spec(cfg.model).graphdef
+    params = nnx.to_pure_dict(nnx.state(Llama(cfg.model, rngs=nnx.Rngs(0))))
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (16, 16)), jnp.int32)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
+    objective = jax.value_and_grad(lambda p: training_objective(graphdef, p, batch)[0])
+    (expected, expected_grads) = jax.jit(objective)(params)
+    with model_tracing(layout.mesh, layout.rules, cfg.rules):
+        assert "shard_map" in str(jax.make_jaxpr(objective)(params))
+        value, grads = jax.jit(objective)(jax.device_put(params, layout.shardings.params))
+    np.testing.assert_allclose(value, expected, rtol=1e-6)
+    for path, g, want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path[0]))

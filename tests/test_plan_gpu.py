@@ -31,7 +31,7 @@ if not any(_installed(f"jax_plugins.xla_cuda{cuda}") for cuda in (12, 13)):
     pytest.skip("jax's CUDA plugin is not installed (make test-gpu-plan)", allow_module_level=True)
 
 from jaxtrain.config import AxisSizes  # noqa: E402
-from models.config import PipelineConfig  # noqa: E402
+from models.config import MoEConfig, PipelineConfig  # noqa: E402
 from jaxtrain.plan import gpu_targets  # noqa: E402
 from jaxtrain.plan import estimate as plan_lib  # noqa: E402
 from jaxtrain.layout import compile_train_step, make_layout  # noqa: E402
@@ -239,3 +239,20 @@ def test_compile_and_estimate_match_the_h200_measurements(row):
     compiled = plan_lib.compile_truth(layout)
     assert compiled.attention == record["attention"] == "cudnn"
     assert abs(plan_lib.estimate_total(plan_lib.estimate(layout)) / compiled.total - 1) < 0.05
+
+
+@pytest.mark.parametrize("dispatch, remat, estimated_over_compiled", [
+    ("dropless", "none", (0.70, 0.80)), ("dropless", "full", (0.80, 0.95)), ("capacity", "full", (0.95, 1.1))])
+def test_expert_parallel_dispatch_moves_what_step_cost_predicts(dispatch, remat, estimated_over_compiled):
+    """8 experts over expert 4 x data 2 (dp_ep). Dropless: each device gathers its expert group's tokens (with their
+    router weights and choices) and reduce-scatters its experts' outputs back, forward and backward, and gathers again
+    in a recomputed forward (models/moe.py); a global sort made GSPMD gather the whole batch to every device. Capacity:
+    all-to-alls of capacity-sized buffers. The estimate counts the gathered rows (4x the routed tokens) and their
+    hidden states in the backward; measured here: dropless 0.76 (remat none) and 0.86 (full), capacity 1.02 (full)."""
+    cfg = with_(medium_config("dp_ep", remat, mesh=(2, 1, 1, 1, 4)),
+                model={"moe": MoEConfig(num_experts=8, top_k=2, dispatch=dispatch), "mlp_dim": 512})
+    plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
+    assert not [w for w in plan.compiled.hlo.warnings if "Involuntary full rematerialization" in w]
+    assert plan.compiled_traffic["expert"] == pytest.approx(plan.step_time.traffic_bytes["expert"], rel=0.005)
+    low, high = estimated_over_compiled
+    assert low < plan_lib.estimate_total(plan.estimate) / plan.compiled.total < high

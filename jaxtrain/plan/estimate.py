@@ -109,9 +109,10 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     heads = m.num_heads / _ways(layout, "activation_heads")
     qkv = tokens * hd * (heads + 2 * m.num_kv_heads / _ways(layout, "activation_kv_heads"))
     # a mixture of experts: each token's hidden states in its top_k experts (capacity_factor x that many slots on
-    # the capacity path) and the shared experts
+    # the capacity path; dropless: the tokens of the device's whole expert group, gathered over the expert axes)
+    # and the shared experts
     moe = m.moe
-    routed = moe.top_k * (moe.capacity_factor if moe.dispatch == "capacity" else 1) if moe.num_experts else 0
+    routed = moe.top_k * (moe.capacity_factor if moe.dispatch == "capacity" else _ways(layout, "experts")) if moe.num_experts else 0
     mlp = tokens * m.mlp_dim * (routed + moe.num_shared_experts if moe.num_experts else 1) / _ways(layout, "activation_mlp")
     # attention through XLA materialises a score for every (query, key) pair and head; flash attention (cudnn)
     # keeps only blocks of them; chunked attention the pairs of each query chunk with the keys up to its end
@@ -155,8 +156,11 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # (models/pipeline.py), whose backward holds a gradient of the device's share of that layer for each repeat (the
     # CPU compile does; jax 0.11's GPU compile has the peak of a gather): the stage's stack over its layers per repeat
     circular_selection = bytes_per_device(state.params["layers"]) / per_stage if pipe.repeats > 1 else 0
+    # a mixture of experts' routed rows in the backward: their hidden states (gate, up, their product) recomputed or
+    # read and the gradients of those, the rows in and out and theirs, in the compute dtype
+    routed_backward = act * tokens * routed * (6 * m.mlp_dim / _ways(layout, "activation_mlp") + 4 * m.d_model)
     layer_backward = attention_backward + 16 * embed + (16 + act if on_cpu else 4) * lookup_gradient + (4 + act) * layer_weights + frozen_layer \
-        + circular_selection
+        + circular_selection + routed_backward
     logit_tokens = b * (cfg.train.loss_chunk or seq)  # train.loss_chunk: one chunk's logits live at a time
     # float32 logits and their gradient in the compute dtype (jaxtrain.step.cross_entropy's backward, cast by the
     # output projection's; float32 on the CPU compile); the output table's float32 gradient, gathered over fsdp (the

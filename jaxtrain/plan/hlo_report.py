@@ -144,13 +144,15 @@ class HloReport:
         """Traffic in step_cost's terms: collectives over pipeline stage axes are the pipeline's, all-gathers,
         reduce-scatters and all-to-alls over batch axes but no expert axis FSDP's (an all-to-all there: the embedding
         lookup's gradient to the table's columns), all-reduces over batch axes data parallelism's, other all-to-alls
-        expert parallelism's, collectives over other axes tensor parallelism's."""
+        and all-gathers and reduce-scatters over an expert axis expert parallelism's (tokens to their experts and
+        back: models/moe.py), collectives over other axes tensor parallelism's."""
         out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0}
         for c in self.collectives:
             on_batch = c.axes is not None and set(c.axes) <= set(batch_axes)
             kind = ("fsdp" if c.kind in ("all-gather", "reduce-scatter") else "data") if on_batch else "tensor"
-            if c.kind == "all-to-all":  # mixture-of-experts tokens moving to and from their experts, or the lookup's
-                kind = "fsdp" if on_batch and not set(c.axes) & set(expert_axes) else "expert"
+            by_expert = bool(set(c.axes or ()) & set(expert_axes))
+            if c.kind == "all-to-all" or by_expert and c.kind in ("all-gather", "reduce-scatter"):
+                kind = "fsdp" if on_batch and not by_expert else "expert"
             if stage_axes and c.axes and set(c.axes) <= set(stage_axes):  # shifts, and the circular schedule's weights
                 kind = "pipeline"
             out[kind] = out.get(kind, 0.0) + c.traffic

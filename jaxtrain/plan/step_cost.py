@@ -38,7 +38,11 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
 - expert parallel (mixture of experts, capacity dispatch): per micro-batch and layer, the dispatch buffer
   (top_k x capacity_factor tokens' residual streams) all-to-all to the experts and back, in the forward and
   the backward, and again in a recomputed forward (remat full); an all-to-all of N bytes over n devices moves
-  N (n-1)/n per device. Expert weights are neither gathered nor gradient-reduced over the expert axis.
+  N (n-1)/n per device. Dropless dispatch: per micro-batch and layer the expert group's tokens (the batch
+  shards over the expert axes) gathered with their router weights and choices, and the outputs reduce-scattered
+  back, in the forward; in the backward the outputs' gradient gathered and the tokens' and router weights'
+  gradients reduce-scattered; the gathers again in a recomputed forward (any remat policy); each moves (n - 1) x
+  a device's share. Expert weights are neither gathered nor gradient-reduced over the expert axis.
 Tensor-parallel all-reduces, pipeline shifts and expert all-to-alls sit on the critical path (each layer waits for them) and add to the compute;
 weight gathers and gradient reductions do not depend on the layer being computed, so XLA's latency-hiding
 scheduler overlaps them with it and only what exceeds the compute shows. A ranking heuristic, not a
@@ -63,6 +67,7 @@ from jaxtrain.memory.offload import offloads_master_weights
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways, spec_axes
 from jaxtrain.stages import schedule
 from jaxtrain.state import bytes_per_device, elements_per_device, gathered_elements
+from models.config import LlamaConfig
 from models.llama import EMBEDDING_AXES
 from models.pipeline import STAGES
 
@@ -74,6 +79,19 @@ PCIE_BYTES_PER_S = {"h100": 64e9, "h200": 64e9, "a100": 32e9, "a100-40gb": 32e9,
 # the attention's, which the MLP's input needs (the MLP's own feeds only the layer's output, which the backward does
 # not use); save_qkv_out saves the attention's output after its all-reduce (the compiled GPU program shows these)
 RECOMPUTED_ALL_REDUCES = {"none": 0, "save_dots": 0, "save_qkv_out": 0, "full": 1, "offload_dots": 0, "offload_qkv_out": 0}
+
+
+def expert_bytes_per_token(m: LlamaConfig, expert_ways: int) -> float:
+    """Expert-parallel bytes a device moves per token of its share, layer and micro-batch (the module docstring)."""
+    act, moe = np.dtype(m.dtype).itemsize, m.moe
+    if moe.dispatch == "capacity":  # dispatch and combine, forward and backward, plus a recomputed forward under remat full
+        all_to_alls = 4 + 2 * (m.remat == "full")
+        return all_to_alls * moe.top_k * moe.capacity_factor * m.d_model * act * (expert_ways - 1) / expert_ways
+    gathers = m.d_model * act + moe.top_k * 8  # the tokens, their float32 router weights and int32 expert choices
+    recomputed = m.d_model * act + moe.top_k * 4  # the tokens and one k-wide router array (XLA keeps the other)
+    forward = gathers + m.d_model * act  # and the outputs back
+    backward = 2 * m.d_model * act + moe.top_k * 4  # the outputs' gradient in, the tokens' and weights' back
+    return (forward + backward + recomputed * (m.remat != "none")) * (expert_ways - 1)
 
 
 def recompute_factor(cfg: Config) -> float:
@@ -220,11 +238,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         traffic["pipeline"] = pipeline
         communication["pipeline"] = seconds(pipeline, layout.rules.get(STAGES) or ())
     if m.moe.num_experts:
-        moe = m.moe
-        routed = moe.top_k * (moe.capacity_factor if moe.dispatch == "capacity" else 1)
-        # dispatch and combine, forward and backward, plus a recomputed forward under remat full
-        all_to_alls = k * m.num_layers * (4 + 2 * (m.remat == "full"))
-        traffic["expert"] = all_to_alls * sequences * seq * routed * m.d_model * act * (expert_ways - 1) / expert_ways
+        traffic["expert"] = k * m.num_layers * sequences * seq * expert_bytes_per_token(m, expert_ways)
         communication["expert"] = seconds(traffic["expert"], expert_axes)
     if reduction is None:
         gradients = m.dtype + (" (norm scales float32)" if m.dtype != "float32" else "") + (" in every micro-batch" if k > 1 else "")
