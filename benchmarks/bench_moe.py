@@ -3,7 +3,10 @@ device, d_model 64, float32, interleaved repetitions in one run, so a noisy shar
 
 - ``moe_vs_dense_ratio``: step time of 8 and 64 experts (top-2, each expert half the dense MLP, so a token's two
   experts hold as many weights as the dense MLP), dropless and capacity 1.25, over the dense model's;
-- ``moe_dropless_over_capacity``: the dropless path's step time over the capacity path's, per expert count.
+- ``moe_dropless_over_capacity``: the dropless path's step time over the capacity path's, per expert count;
+- ``moe_expert_parallel``: on the 8 CPU devices, 8 experts over expert 4 x data 2 (``dp_ep``): dropless (each device
+  gathers its expert group's tokens and reduce-scatters its experts' outputs back) against capacity (all-to-alls),
+  step times, their ratio and step_cost's expert-parallel bytes per device and step for each.
 
 On CPUs ``jax.lax.ragged_dot`` runs as a dense product masked per group (every expert's weights against every
 row), so the dropless path's cost grows with the expert count here; GPUs have grouped-matmul kernels.
@@ -16,6 +19,8 @@ import dataclasses
 import jax
 
 from bench_perf import ONE_DEVICE, STEP_MODEL, _timed, config, fixed_batch, interleaved_medians, random_corpus
+from jaxtrain.config import AxisSizes, MeshConfig
+from jaxtrain.plan.step_cost import step_time
 from jaxtrain.train import build
 from models.config import MoEConfig
 
@@ -30,15 +35,36 @@ CONTENDERS = {"dense": None} | {
     for experts in (8, 64) for dispatch in ("dropless", "capacity")}
 
 
+EXPERT_PARALLEL = MeshConfig(ici=AxisSizes(data=2, expert=4))
+
+
+def _contender(cfg, corpus, devices):
+    trainer = build(cfg, corpus, devices)
+    return trainer, (lambda state, b, step=trainer.train_step: step(state, b)[0], trainer.init_state())
+
+
 def step_times() -> dict[str, float]:
     corpus = random_corpus(MODEL.vocab_size)
     contenders, batch = {}, None
     for name, moe in CONTENDERS.items():
         model = MODEL if moe is None else dataclasses.replace(MODEL, mlp_dim=EXPERT_MLP, moe=moe)
-        trainer = build(config(model, mesh=ONE_DEVICE, rules="dp"), corpus, jax.devices()[:1])
+        trainer, contenders[name] = _contender(config(model, mesh=ONE_DEVICE, rules="dp"), corpus, jax.devices()[:1])
         batch = batch or fixed_batch(trainer)
-        contenders[name] = (lambda state, b, step=trainer.train_step: step(state, b)[0], trainer.init_state())
     return interleaved_medians(contenders, batch, REPEATS)
+
+
+def expert_parallel() -> dict:
+    corpus = random_corpus(MODEL.vocab_size)
+    contenders, traffic, batch = {}, {}, None
+    for dispatch in ("dropless", "capacity"):
+        moe = MoEConfig(num_experts=8, top_k=TOP_K, dispatch=dispatch, capacity_factor=1.25)
+        cfg = config(dataclasses.replace(MODEL, mlp_dim=EXPERT_MLP, moe=moe), mesh=EXPERT_PARALLEL, rules="dp_ep")
+        trainer, contenders[dispatch] = _contender(cfg, corpus, None)
+        traffic[dispatch] = step_time(trainer.layout).traffic_bytes["expert"]
+        batch = batch or fixed_batch(trainer)
+    times = interleaved_medians(contenders, batch, REPEATS)
+    return {"step_s": times, "dropless_over_capacity": times["dropless"] / times["capacity"],
+            "predicted_expert_bytes_per_step": traffic}
 
 
 def run() -> dict:
@@ -47,4 +73,5 @@ def run() -> dict:
         "moe_step_s": times,
         "moe_vs_dense_ratio": {name: t / times["dense"] for name, t in times.items() if name != "dense"},
         "moe_dropless_over_capacity": {str(e): times[f"{e}_dropless"] / times[f"{e}_capacity"] for e in (8, 64)},
+        "moe_expert_parallel": _timed("moe_expert_parallel", expert_parallel),
     }

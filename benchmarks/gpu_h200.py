@@ -107,6 +107,14 @@ ROWS = (
                                                         "model.attention=auto", "model.moe.dispatch=capacity"), 75),
     Row("moe_mixtral_layers_dropless", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2", "model.remat=full",
                                                         "model.attention=auto", "model.moe.dispatch=dropless"), 75),
+    # expert parallelism on 2+ GPUs (rules fsdp_ep: experts over expert 2, the rest fsdp): dropless gathers each expert
+    # group's tokens and reduce-scatters the outputs back (models/moe.py), capacity moves its buffers by all-to-all;
+    # compare step_s, and the expert bytes with `jaxtrain plan mixtral_8x7b --hlo-report` on the same overrides
+    *(Row(f"moe_expert_parallel_{dispatch}", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=8", "model.remat=full",
+                                                             "model.attention=auto", f"model.moe.dispatch={dispatch}",
+                                                             "mesh.ici.expert=2", "mesh.ici.fsdp=-1"), 75,
+          options=("--rules", "fsdp_ep"), min_devices=2, tiny_overrides=("train.global_batch=8",))
+      for dispatch in ("dropless", "capacity")),
     # memory techniques beside mfu_1b (bf16, same shape): quantized training's speed-up, offload's memory and
     # step time, float16 with loss scaling (benchmarks/bench_memory.py measures them all on CPU)
     Row("quant_fp8_1b", "llama3_1b", (*MFU_1B, "model.quant=fp8"), 60),
