@@ -256,3 +256,23 @@ def test_expert_parallel_dispatch_moves_what_step_cost_predicts(dispatch, remat,
     assert plan.compiled_traffic["expert"] == pytest.approx(plan.step_time.traffic_bytes["expert"], rel=0.005)
     low, high = estimated_over_compiled
     assert low < plan_lib.estimate_total(plan.estimate) / plan.compiled.total < high
+
+
+def test_a_plan_with_optimizer_offload_compiles_on_cpus_where_the_gpu_has_no_host_memory():
+    """Compile-only GPU devices have no host memory: the offloaded optimizer state would be compiled into device
+    memory (the same total as without offload), and the layout refused optim.offload outright (jaxtrain plan ...
+    --gpu h100 optim.offload=true exited 2 telling the user to drop it, and so did a plan whose suggestions to
+    compile included it). Such a config compiles on simulated CPUs, whose plan takes the offloaded state out."""
+    from jaxtrain.state import bytes_per_device
+
+    devices = gpu_targets.compile_only_devices("h100", 8)
+    cfg = medium_config("fsdp", "full", mesh=(1, 8, 1))
+    offloaded = with_(cfg, optim={"offload": True})
+    plans = {offload: plan_lib.make_plan(c, gpu="h100", devices=devices) for offload, c in ((False, cfg), (True, offloaded))}
+    assert (plans[False].compiled.platform, plans[True].compiled.platform) == ("gpu", "cpu")
+    moments = bytes_per_device(make_layout(cfg, devices).abstract_state().opt_state)
+    assert plans[True].accelerator_estimate["optimizer state"] == 0 < moments
+    assert plans[True].accelerator_total < plans[False].accelerator_total - 0.9 * moments
+    suggestion = plan_lib.Suggestion(plans[True].cfg, {"optim.offload": True}, 0, {}, 1.0)  # as resolved for the GPU
+    compiled, = plan_lib.compile_suggestions([suggestion], 80 * 2**30, devices)
+    assert compiled.compiled == pytest.approx(plans[True].accelerator_total)

@@ -38,7 +38,7 @@ from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
 from jaxtrain.stages import pipelined_variants, schedule, stage_memory
 from jaxtrain.state import bytes_per_device, gathered_elements
-from jaxtrain.memory.offload import offloads_master_weights
+from jaxtrain.memory.offload import HOST, offloads_master_weights
 from jaxtrain.plan.step_cost import StepTime, embedding_gradient_by_columns, step_time
 from jaxtrain.layout import Layout, lower_steps, make_layout, peak_bytes
 from models.attention import scored_fraction
@@ -286,6 +286,15 @@ def target_devices(count: int, gpu: str | None = None) -> list:
     return compile_only_devices(gpu, count) or jax.devices("cpu")[:count]
 
 
+def compile_devices(cfg: Config, devices):
+    """``devices``, or for a config with optim.offload on compile-only GPU devices, which have no host memory (XLA
+    would compile its host arrays into device memory), as many simulated CPU devices: their one memory takes the
+    host kinds, and ``accelerator_total`` takes the offloaded arrays out, as for any CPU plan."""
+    if not cfg.optim.offload or devices is None or HOST in {m.kind for m in devices[0].addressable_memories()}:
+        return devices
+    return jax.devices("cpu")[:len(devices)]
+
+
 def accelerator_total(layout: Layout, compiled: Compiled) -> int:
     """Per-device peak on the accelerator: the compiled total, less the estimated difference between what was
     compiled and the accelerator. On simulated CPU devices that is what only the CPU compile holds (float32
@@ -485,7 +494,7 @@ def compile_suggestions(suggestions: list[Suggestion], limit_bytes: float, devic
     the remat policy."""
     out = list(suggestions)
     for i, suggestion in enumerate(out[:AUTO_COMPILES]):
-        layout = make_layout(suggestion.cfg, devices)
+        layout = make_layout(suggestion.cfg, compile_devices(suggestion.cfg, devices))
         out[i] = dataclasses.replace(suggestion, compiled=accelerator_total(layout, compile_truth(layout)))
         if out[i].compiled <= limit_bytes:
             break
@@ -608,6 +617,7 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
         cfg = resolve_for_devices(cfg, gpu.lower() in GPU_MEMORY_MIB)
     elif cfg.model.scan_layers == "auto":  # the estimate models the scanned program, as accelerators run it
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
+    devices = compile_devices(cfg, devices)
     if cfg.train.microbatches == "auto" and usable is not None:
         layout, (compiled, predicted) = fit_microbatches(cfg, usable, devices, functools.partial(_compile_and_predict, hlo_report=hlo_report))
     else:
