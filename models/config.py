@@ -190,6 +190,13 @@ class LlamaConfig:
             out.append(f"model.base_quant={self.base_quant!r} is unknown; choose one of {', '.join(BASE_QUANTS)}")
         elif self.base_quant != "none" and self.lora.rank <= 0:
             out.append(f"model.base_quant={self.base_quant} stores a frozen base: it needs adapters to train, set model.lora.rank > 0")
+        if self.moe.num_experts and self.base_quant != "none":  # models/moe.py reads its expert weights unquantized
+            out.append(f"model.base_quant={self.base_quant} with a mixture of experts (model.moe.num_experts={self.moe.num_experts}): "
+                       "expert weights are not stored quantized yet; use model.base_quant=none (adapters over the base in its dtype)")
+        expert_targets = [t for t in self.lora.target_names() if LORA_TARGETS[t][0] == "mlp"] if self.lora.rank > 0 else []
+        if self.moe.num_experts and expert_targets:  # models/moe.py applies no adapter to its experts
+            out.append(f"model.lora.targets includes {', '.join(expert_targets)}, the MLP's projections, which a mixture-of-experts "
+                       f"model's experts take no adapters on yet; set model.lora.targets=q,k,v,o")
         shapes = self.weight_shapes()
         if out or min(min(s) for s in shapes.values()) <= 0:
             return out

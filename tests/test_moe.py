@@ -211,6 +211,11 @@ BAD_INPUT = {
                                                  "model.moe.num_experts=5 is not divisible by the 2 ways rule set fsdp_tp_ep splits the experts over"),
     "capacity factor not positive": (["model.moe.capacity_factor=0"],
                                      "model.moe.capacity_factor=0.0 must be positive with model.moe.dispatch=capacity"),
+    # the experts took adapters that nothing applied (dead parameters), and a quantized base failed with a traceback
+    "adapters on the experts": (["model.lora.rank=4"], "model.lora.targets includes gate, up, down, the MLP's projections, "
+                                "which a mixture-of-experts model's experts take no adapters on yet; set model.lora.targets=q,k,v,o"),
+    "quantized experts": (["model.lora.rank=4", "model.lora.targets=q,k,v,o", "model.base_quant=nf4"],
+                          "model.base_quant=nf4 with a mixture of experts (model.moe.num_experts=8): expert weights are not stored quantized yet"),
 }
 
 
