@@ -17,6 +17,7 @@ from jaxtrain.generate import Loaded, generate, nucleus, sample
 from jaxtrain.partitioning import model_tracing
 from jaxtrain.state import init_state, model_spec
 from jaxtrain.layout import make_layout
+from models.config import MoEConfig
 from models.llama import KVCache
 
 NEW_TOKENS = 32
@@ -25,9 +26,11 @@ MODEL = {"init_std": 0.3, "vocab_size": 64}
 
 
 @functools.lru_cache
-def _loaded(rules, mesh, devices: int) -> Loaded:
-    """A random model placed with the rule set's shardings (built once per module)."""
-    cfg = small_config(rules, mesh, **MODEL)
+def _loaded(rules, mesh, devices: int, experts: int = 0) -> Loaded:
+    """A random model placed with the rule set's shardings (built once per module); ``experts``: a mixture of that
+    many experts (top-2, dropless) in place of each MLP."""
+    moe = {"moe": MoEConfig(num_experts=experts, top_k=2), "mlp_dim": 16} if experts else {}
+    cfg = small_config(rules, mesh, **MODEL, **moe)
     layout = make_layout(cfg, jax.devices()[:devices])
     params = init_state(cfg.model, layout.tx, 0, layout.shardings).params
     return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode=None, decode=None)
@@ -51,9 +54,12 @@ def _greedy_without_cache(loaded: Loaded, prompts: np.ndarray) -> np.ndarray:
     return sequence[:, length:]
 
 
-@pytest.mark.parametrize("rules, mesh, devices, batch", [("dp", (1, 1, 1), 1, 2), ("fsdp_tp", (2, 2, 2), 8, 4)])
-def test_greedy_with_cache_equals_full_forward(rules, mesh, devices, batch):
-    loaded = _loaded(rules, mesh, devices)
+# the mixture of experts: 4 prompts fill the batch's fsdp x expert shards, so prefill and each decoding step take
+# dropless dispatch's per-device path (models/moe.py)
+@pytest.mark.parametrize("rules, mesh, devices, batch, experts", [
+    ("dp", (1, 1, 1), 1, 2, 0), ("fsdp_tp", (2, 2, 2), 8, 4, 0), ("fsdp_tp_ep", (1, 2, 2, 1, 2), 8, 4, 4)])
+def test_greedy_with_cache_equals_full_forward(rules, mesh, devices, batch, experts):
+    loaded = _loaded(rules, mesh, devices, experts)
     prompts = _prompts(batch)
     out = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS))
     assert out.tokens.shape == (batch, NEW_TOKENS)
