@@ -152,13 +152,13 @@ def _own_experts_output(x, weights, experts, expert_weights, first=None):
         group = jnp.where(mine, group - first, count)
     order = jnp.argsort(group, stable=True)
     sizes = jnp.bincount(group, length=count + (first is not None))[:count].astype(jnp.int32)
-    rows = x.reshape(b * t, d)[order // k]
-    # rows past the groups are zeroed in and out: ragged_dot leaves them unspecified, and so their gradients
-    kept = None if first is None else mine[order][:, None]
-    out = _experts_swiglu(rows if kept is None else jnp.where(kept, rows, 0),
-                          lambda lhs, w: jax.lax.ragged_dot(lhs, w, sizes), expert_weights)
-    out = out if kept is None else jnp.where(kept, out, 0)
-    out = jnp.zeros_like(out).at[order].set(out).reshape(b, t, k, d)  # back to token order
+    # rows past the groups read zeros and are dropped on the way back (ragged_dot leaves them unspecified), by
+    # indices out of range rather than masks, which would copy the rows
+    source, target = (order // k, order) if first is None else \
+        (jnp.where(mine[order], index, b * t * k) for index in (order // k, order))
+    rows = x.reshape(b * t, d).at[source].get(mode="fill", fill_value=0)
+    out = _experts_swiglu(rows, lambda lhs, w: jax.lax.ragged_dot(lhs, w, sizes), expert_weights)
+    out = jnp.zeros_like(out).at[target].set(out, mode="drop").reshape(b, t, k, d)  # back to token order
     return jnp.einsum("btkd,btk->btd", out, weights.astype(out.dtype))
 
 
