@@ -65,7 +65,7 @@ class MoE(nnx.Module):
         """x (batch, length, d_model) -> (batch, length, d_model)."""
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
         probs = jax.nn.softmax(logits, axis=-1)
-        weights, experts = jax.lax.top_k(probs, self.moe.top_k)
+        weights, experts = _top_k(probs, self.moe.top_k)
         if self.moe.normalize_top_k:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         if self.moe.dispatch == "dropless":
@@ -162,21 +162,36 @@ def _own_experts_output(x, weights, experts, expert_weights, first=None):
     return jnp.einsum("btkd,btk->btd", out, weights.astype(out.dtype))
 
 
+def _top_k(probs, k: int):
+    """``jax.lax.top_k`` of each device's tokens: with a tensor axis GSPMD gathered the probabilities of every batch
+    shard to each device for it (XLA's GPU TopK; fsdp_tp, tp, fsdp_tp_ep)."""
+    batch = _split_batch(probs.shape[0])
+    if batch is None:
+        return jax.lax.top_k(probs, k)
+    tokens = PartitionSpec(batch)
+    return jax.shard_map(lambda p: tuple(jax.lax.top_k(p, k)), mesh=jax.sharding.get_abstract_mesh(), in_specs=tokens,
+                         out_specs=(tokens, tokens))(probs)
+
+
+def _split_batch(batch_size: int) -> tuple[str, ...] | None:
+    """The mesh axes of more than one device the active rule set splits the batch over, in its order (a spec's axes
+    order the devices' blocks); None outside a sharding context, or where they are none or do not divide the batch."""
+    mesh = jax.sharding.get_abstract_mesh()
+    batch = tuple(a for a in mesh_axes_of(BATCH) if a in split_axes(BATCH))
+    return batch if batch and batch_size % math.prod(mesh.shape[a] for a in batch) == 0 else None
+
+
 def dropless_axes(batch_size: int) -> tuple[tuple[str, ...], ...] | None:
     """The mesh axes of the per-device dropless dispatch under the active rule set and mesh: (batch, experts, the
     weights' embed, the experts' hidden), each those of more than one device; None where it does not apply: no
     sharding context, a batch not split or not divisible by its split, experts split over an axis the batch is
     not, or the hidden dimension over a batch axis."""
-    mesh = jax.sharding.get_abstract_mesh()
-    batch = split_axes(BATCH)
-    if not batch or batch_size % math.prod(mesh.shape[a] for a in batch):
-        return None
+    batch = _split_batch(batch_size)
     by_expert, embed, mlp = split_axes("experts"), split_axes("embed"), split_axes("mlp")
-    if not by_expert <= batch or mlp & batch or by_expert & embed:
+    if batch is None or not by_expert <= set(batch) or mlp & set(batch) or by_expert & embed:
         return None
-    # in the rule set's order: a spec's axes order the devices' blocks
-    return tuple(tuple(a for a in mesh_axes_of(name) if a in split)
-                 for name, split in ((BATCH, batch), ("experts", by_expert), ("embed", embed), ("mlp", mlp)))
+    return (batch, *(tuple(a for a in mesh_axes_of(name) if a in split) for name, split in
+                     (("experts", by_expert), ("embed", embed), ("mlp", mlp))))
 
 
 def router_stats(logits, probs, experts, kept) -> dict:

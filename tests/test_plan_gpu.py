@@ -276,3 +276,15 @@ def test_a_plan_with_optimizer_offload_compiles_on_cpus_where_the_gpu_has_no_hos
     suggestion = plan_lib.Suggestion(plans[True].cfg, {"optim.offload": True}, 0, {}, 1.0)  # as resolved for the GPU
     compiled, = plan_lib.compile_suggestions([suggestion], 80 * 2**30, devices)
     assert compiled.compiled == pytest.approx(plans[True].accelerator_total)
+
+
+@pytest.mark.parametrize("rules, mesh", [("fsdp_tp_ep", (1, 2, 2, 1, 2)), ("tp", (4, 1, 2))])
+def test_the_router_picks_the_experts_of_each_devices_tokens_on_that_device(rules, mesh):
+    """XLA's GPU TopK with a tensor axis: GSPMD gathered the float32 router probabilities of every batch shard to each
+    device for top_k, in every layer (models/moe.py now takes top_k per device)."""
+    cfg = with_(small_config(rules, mesh, mlp_dim=64, d_model=64, dtype="bfloat16", scan_layers=True,
+                             moe=MoEConfig(num_experts=4, top_k=2)), train={"global_batch": 16}, data={"seq_len": 64})
+    plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
+    probabilities = 16 * 64 * 4 * 4  # the whole batch's
+    gathered = [c for c in plan.compiled.hlo.collectives if c.kind == "all-gather" and c.dtypes == ("f32",)]
+    assert all(c.bytes < probabilities / 4 for c in gathered)  # fsdp_tp_ep: the router's weights, gathered as FSDP's
