@@ -94,6 +94,9 @@ class MoE(nnx.Module):
         own = self.moe.num_experts // math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in by_expert)
 
         def per_device(x, weights, experts, w_gate, w_up, w_down):
+            if mlp:  # varying over tensor before the gather: the backward sums the tokens' gradient over tensor after
+                # reducing it to the device's own tokens (autodiff would sum the expert group's, before)
+                x, weights = (jax.lax.pcast(a, mlp, to="varying") for a in (x, weights))
             if by_expert:  # the tokens of this device's expert group (its batch shard and theirs)
                 x, weights, experts = (jax.lax.all_gather(a, by_expert, axis=0, tiled=True) for a in (x, weights, experts))
             if embed:  # FSDP: the weights' embed dimension gathered (its transpose reduce-scatters their gradients)

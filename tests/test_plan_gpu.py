@@ -288,3 +288,13 @@ def test_the_router_picks_the_experts_of_each_devices_tokens_on_that_device(rule
     probabilities = 16 * 64 * 4 * 4  # the whole batch's
     gathered = [c for c in plan.compiled.hlo.collectives if c.kind == "all-gather" and c.dtypes == ("f32",)]
     assert all(c.bytes < probabilities / 4 for c in gathered)  # fsdp_tp_ep: the router's weights, gathered as FSDP's
+
+
+def test_dropless_dispatch_sums_the_tokens_gradient_over_tensor_after_reducing_it_to_the_devices_own():
+    """fsdp_tp_ep: autodiff summed the gathered tokens' gradient over tensor for the whole expert group, then reduced
+    it to each device's tokens (1.6x step_cost's tensor bytes on this config); models/moe.py makes the tokens vary
+    over tensor before the gather, so the sum follows the reduce-scatter."""
+    cfg = with_(small_config("fsdp_tp_ep", (1, 2, 2, 1, 2), mlp_dim=64, d_model=64, dtype="bfloat16", scan_layers=True,
+                             moe=MoEConfig(num_experts=4, top_k=2)), train={"global_batch": 16}, data={"seq_len": 64})
+    plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
+    assert plan.compiled_traffic["tensor"] == pytest.approx(plan.step_time.traffic_bytes["tensor"], rel=0.05)
