@@ -41,8 +41,8 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
   N (n-1)/n per device. Dropless dispatch: per micro-batch and layer the expert group's tokens (the batch
   shards over the expert axes) gathered with their router weights and choices, and the outputs reduce-scattered
   back, in the forward; in the backward the outputs' gradient gathered and the tokens' and router weights'
-  gradients reduce-scattered; the gathers again in a recomputed forward (any remat policy); each moves (n - 1) x
-  a device's share. Expert weights are neither gathered nor gradient-reduced over the expert axis.
+  gradients reduce-scattered; the tokens and one of the two router arrays gathered again in a recomputed forward
+  (any remat policy; XLA keeps the other); each moves (n - 1) x a device's share. Expert weights are neither gathered nor gradient-reduced over the expert axis.
 Tensor-parallel all-reduces, pipeline shifts and expert all-to-alls sit on the critical path (each layer waits for them) and add to the compute;
 weight gathers and gradient reductions do not depend on the layer being computed, so XLA's latency-hiding
 scheduler overlaps them with it and only what exceeds the compute shows. A ranking heuristic, not a
