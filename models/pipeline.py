@@ -57,9 +57,13 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
     num_layers = jax.tree.leaves(params)[0].shape[0]
     per_stage = num_layers // (num_stages * repeats)
 
-    def stage_view(v: nnx.Variable):  # (layers, ...) -> (repeats, stages, per_stage, ...), stage dimension split
-        p = v[...].reshape(repeats, num_stages, per_stage, *v.shape[1:])
-        return v.replace(constrain(p, (None, STAGES, None) + tuple(v.get_metadata()["out_sharding"][1:])))
+    # (layers, ...) -> (repeats, stages, per_stage, ...), stage dimension split. The reshape is first held in the
+    # stored layout so the gradient's way back is a constraint-to-constraint all-to-all: reshaped straight from the
+    # stage split, jax 0.11.2's partitioner replicated it whole (repeats > 1)
+    def stage_view(v: nnx.Variable):
+        stored = tuple(v.get_metadata()["out_sharding"])
+        p = constrain(v[...].reshape(repeats, num_stages, per_stage, *v.shape[1:]), stored[:1] + (None, None) + stored[1:])
+        return v.replace(constrain(p, (None, STAGES, None) + stored[1:]))
 
     params = jax.tree.map(stage_view, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
