@@ -195,14 +195,17 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         fsdp += passes * gathered * (gathers * (x.dtype.itemsize if whole else act) + reduced) * (split - 1) / split
         if lookup and not whole and split > 1:  # the rows' gradient (batch, length, d_model) to the table's columns, and the ids
             fsdp += k * sequences * seq * (m.d_model * act * (split - 1) / split + 4 * (split - 1))
-        reductions = 1 if ways(x, grad_sharding) > split else 2  # reduce-scatter (ZeRO-2) or all-reduce
+        # split further than the weight over the batch axes (an expert's weights: also over the expert axes, which
+        # are batch axes but not gathered): reduce-scatter (ZeRO-2), else all-reduce
+        stored_ways = ways(x, x.sharding)
+        reductions = 1 if ways(x, grad_sharding) > stored_ways else 2
         per_pass = replicated // summed_ways  # the replicas summed in every pass's backward, the rest once a step
         # the lookup's gradient summed over the data axes in the table's dtype, its float32 scatter-add's
         summed = x.dtype.itemsize if lookup and not whole else grad
         data += passes * reductions * local * summed * (per_pass - 1) / per_pass
         if reduction is not None:
             after_backward += reductions * local * reduction.dtype.itemsize * (summed_ways - 1) / summed_ways
-        optimizer_split = ways(x, moment_sharding) // split
+        optimizer_split = ways(x, moment_sharding) // stored_ways
         data += local * x.dtype.itemsize * (optimizer_split - 1) / optimizer_split  # ZeRO-1/2: the updated weights gathered
         used = spec_axes(x.sharding.spec)
         fsdp_axes.update(a for a in batch_axes if a in used and a not in own)
