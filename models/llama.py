@@ -323,14 +323,20 @@ def _lookup_rows_fwd(table, ids, dtype):
 def _lookup_rows_bwd(dtype, residuals, grad):
     table, ids = residuals
     # the rows' gradient to the devices holding their columns, still split over the batch's other axes (data x fsdp:
-    # data), whose partial sums of the table's gradient GSPMD then adds. The batch is viewed as a dimension per batch
-    # axis, so that move is one all-to-all over the columns' axes wherever they come in the batch's order: kept as one
-    # dimension, a batch axis after them (fsdp_ep: data, fsdp, expert) cost a collective permute over both first
-    columns, batch = mesh_axes_of("embed"), mesh_axes_of(BATCH)
-    per_axis = tuple(jax.sharding.get_abstract_mesh().shape[a] for a in batch)
-    kept = tuple(() if a in columns else (a,) for a in batch) + ((), ())
-    grad = constrain_mesh_axes(grad.reshape(*per_axis, -1, *grad.shape[1:]), kept + (columns,))
-    ids = constrain_mesh_axes(ids.reshape(*per_axis, -1, ids.shape[1]), kept)
+    # data), whose partial sums of the table's gradient GSPMD then adds. That move is one all-to-all over the columns'
+    # axes where they come last in the batch's order; a batch axis after them (fsdp_ep: data, fsdp, expert) cost a
+    # collective permute over both first, so there the batch is viewed as a dimension per run of axes ending with
+    # them. Only there: jax 0.11.2's partitioner replicated the gradient whole to reshape it on fsdp_tp
+    columns, groups = mesh_axes_of("embed"), [[]]
+    for axis in mesh_axes_of(BATCH):
+        if axis not in columns and groups[-1] and groups[-1][-1] in columns:
+            groups.append([])
+        groups[-1].append(axis)
+    mesh = jax.sharding.get_abstract_mesh()
+    view = tuple(math.prod(mesh.shape[a] for a in group) for group in groups[:-1]) + (-1,)
+    kept = tuple(tuple(a for a in group if a not in columns) for group in groups) + ((),)
+    grad = constrain_mesh_axes(grad.reshape(*view, *grad.shape[1:]), kept + (columns,))
+    ids = constrain_mesh_axes(ids.reshape(*view, ids.shape[1]), kept)
     rows = jnp.zeros(table.shape, jnp.float32).at[ids].add(grad.astype(jnp.float32))
     return constrain(rows.astype(table.dtype), EMBEDDING_AXES), None
 
