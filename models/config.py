@@ -17,6 +17,11 @@ ROPE_SCALING_TYPES = ("none", "llama3")
 # LoRA target name -> (module in the block, its weight, how many leading weight dimensions are inputs)
 LORA_TARGETS = {"q": ("attn", "wq", 1), "k": ("attn", "wk", 1), "v": ("attn", "wv", 1), "o": ("attn", "wo", 2),
                 "gate": ("mlp", "w_gate", 1), "up": ("mlp", "w_up", 1), "down": ("mlp", "w_down", 1)}
+# A mixture of experts' adapters (models/lora.py ExpertLoRA), as PEFT puts them on Hugging Face's fused expert
+# parameters: adapter name -> (the MLP targets it serves, the expert weights it updates). gate_up is one adapter on
+# the gate and up weights together: one A per expert, its B's columns the gate's then the up's (PEFT's
+# experts.gate_up_proj); down is the down weight's (experts.down_proj).
+EXPERT_LORA = {"gate_up": (("gate", "up"), ("w_gate", "w_up")), "down": (("down",), ("w_down",))}
 BASE_QUANTS = ("none", "int8", "nf4")  # how the frozen base of a LoRA run is stored (nf4: QLoRA)
 
 
@@ -179,6 +184,11 @@ class LlamaConfig:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
 
+    def expert_adapters(self) -> list[str]:
+        """The names (EXPERT_LORA) of the adapters on a mixture of experts' expert weights; [] for a dense model."""
+        targets = self.lora.target_names() if self.lora.rank > 0 and self.moe.num_experts else []
+        return [name for name, (served, _) in EXPERT_LORA.items() if set(served) & set(targets)]
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape of one layer's weight of each LoRA target."""
         d, h, k, hd, m = self.d_model, self.num_heads, self.num_kv_heads, self.resolved_head_dim, self.mlp_dim
@@ -193,10 +203,14 @@ class LlamaConfig:
         if self.moe.num_experts and self.base_quant != "none":  # models/moe.py reads its expert weights unquantized
             out.append(f"model.base_quant={self.base_quant} with a mixture of experts (model.moe.num_experts={self.moe.num_experts}): "
                        "expert weights are not stored quantized yet; use model.base_quant=none (adapters over the base in its dtype)")
-        expert_targets = [t for t in self.lora.target_names() if LORA_TARGETS[t][0] == "mlp"] if self.lora.rank > 0 else []
-        if self.moe.num_experts and expert_targets:  # models/moe.py applies no adapter to its experts
-            out.append(f"model.lora.targets includes {', '.join(expert_targets)}, the MLP's projections, which a mixture-of-experts "
-                       f"model's experts take no adapters on yet; set model.lora.targets=q,k,v,o")
+        expert_targets = [t for t in self.lora.target_names() if LORA_TARGETS[t][0] == "mlp"] if self.moe.num_experts and self.lora.rank > 0 else []
+        if ("gate" in expert_targets) != ("up" in expert_targets):
+            out.append(f"model.lora.targets names {'gate' if 'gate' in expert_targets else 'up'} without "
+                       f"{'up' if 'gate' in expert_targets else 'gate'}: a mixture of experts takes one adapter on its experts' gate and up "
+                       "weights together (PEFT's experts.gate_up_proj); name both, or neither")
+        if expert_targets and self.lora.dropout:  # PEFT refuses lora_dropout on parameter targets (its ParamWrapper)
+            out.append(f"model.lora.dropout={self.lora.dropout} with adapters on the experts ({', '.join(expert_targets)}): PEFT's expert "
+                       "adapters take no dropout; set model.lora.dropout=0 or model.lora.targets=q,k,v,o")
         shapes = self.weight_shapes()
         if out or min(min(s) for s in shapes.values()) <= 0:
             return out

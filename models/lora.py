@@ -8,6 +8,11 @@ only inside ``dropout_key(key)``, which the train step sets around its forward p
 merging never do, so they see no dropout. The model gives each layer its own key (``layer_inputs``), each adapter
 folds in its target's number: every adapter of every layer draws its own mask.
 
+A mixture of experts' expert weights (experts, in, out) take ``ExpertLoRA`` adapters, in PEFT's form for Hugging
+Face's fused expert parameters (``target_parameters``): per expert an A and a B, one adapter on the gate and up
+weights together (one A, B's outputs the gate's then the up's) and one on the down weight; no dropout (PEFT has
+none there). models/moe.py multiplies the routed rows by them as by the weights (``expert_deltas``).
+
 ``adapt_block`` runs at the end of a block's construction: adapters are drawn after every base weight of the
 layer, so a base initialised from a seed is the same with or without adapters; with ``base_quant`` the
 projection weights are then replaced by their quantized storage.
@@ -22,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import LORA_TARGETS, LlamaConfig
+from models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig
 from models.quant import QuantizedWeight
 
 
@@ -91,6 +96,32 @@ class LoRA(nnx.Module):
         return _unsaved_up_projection(low, self.b[...].astype(x.dtype)) * jnp.asarray(self.scale, x.dtype)
 
 
+class ExpertLoRA(nnx.Module):
+    """The adapter of ``weights``, expert weights (experts, in, out) sharing their input: a (experts, in, rank) and
+    b (experts, rank, len(weights), out), with the weights' logical axes (rank and the weights' index unsplit)."""
+
+    def __init__(self, weights: list[nnx.Param], rank: int, alpha: float, rngs: nnx.Rngs):
+        (experts, inputs, outputs), axes = weights[0].shape, weights[0].get_metadata()["out_sharding"]
+        bound = inputs ** -0.5  # PEFT's kaiming_uniform(a=sqrt(5)) on lora_A (in features: the expert's input)
+        self.a = nnx.LoRAParam(jax.random.uniform(rngs.params(), (experts, inputs, rank), weights[0].dtype, -bound, bound),
+                               out_sharding=(axes[0], axes[1], None), eager_sharding=False)
+        self.b = nnx.LoRAParam(jnp.zeros((experts, rank, len(weights), outputs), weights[0].dtype),
+                               out_sharding=(axes[0], None, None, axes[2]), eager_sharding=False)
+        self.scale = alpha / rank
+
+    def factors(self, dtype) -> tuple[jax.Array, jax.Array]:
+        """(a, b x alpha / rank) in ``dtype``: what ``expert_deltas`` multiplies by (scaled here, a float would not
+        pass through models/moe.py's shard_map)."""
+        return self.a[...].astype(dtype), (self.b[...] * self.scale).astype(dtype)
+
+
+def expert_deltas(x: jax.Array, matmul, a: jax.Array, b: jax.Array) -> list[jax.Array]:
+    """The updates of an ``ExpertLoRA``'s weights for routed rows ``x``, ``matmul(rows, w)`` multiplying each row by
+    its expert's ``w`` (experts, in, out) as models/moe.py does by the weights: (x @ A) @ B, one per weight."""
+    low = matmul(x, a)
+    return [matmul(low, b[:, :, i]) for i in range(b.shape[2])]
+
+
 def _unsaved_up_projection(low: jax.Array, b: jax.Array) -> jax.Array:
     """``low @ b`` (low (..., rank), b (rank, outputs...)) written with a unit batch dimension, so the dot-saving remat
     policies (``save_dots``, ``offload_dots``: dots *without* batch dimensions) recompute it in the backward instead
@@ -111,9 +142,14 @@ def adapt_block(block: nnx.Module, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
     if lora.rank:
         for target in lora.target_names():
             module_name, weight_name, inputs = LORA_TARGETS[target]
+            if module_name == "mlp" and cfg.moe.num_experts:  # the experts' adapters, below
+                continue
             module = getattr(block, module_name)
             salt = list(LORA_TARGETS).index(target)
             setattr(module, adapter_name(target), LoRA(getattr(module, weight_name), inputs, lora.rank, lora.alpha, rngs, lora.dropout, salt))
+        for name in cfg.expert_adapters():
+            weights = [getattr(block.mlp, weight) for weight in EXPERT_LORA[name][1]]
+            setattr(block.mlp, adapter_name(name), ExpertLoRA(weights, lora.rank, lora.alpha, rngs))
     if cfg.base_quant != "none":
         for module_name, weight_name, _ in LORA_TARGETS.values():
             module = getattr(block, module_name)

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from models.config import LlamaConfig
+from models.config import EXPERT_LORA, LlamaConfig
 from models.llama import BATCH, EMBED_ACT, MLP, _param
+from models.lora import adapter_name, expert_deltas
 from models.sharding import constrain, mesh_axes_of, split_axes
 
 # a dispatched buffer (batch, experts, capacity, d_model) before and after the all-to-all: first split by
@@ -83,36 +85,49 @@ class MoE(nnx.Module):
         self.router_stats = nnx.Intermediate(stats)
         return constrain(y, EMBED_ACT)
 
-    def _expert_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+    def _expert_params(self) -> tuple[tuple[jax.Array, jax.Array, jax.Array], dict]:
+        """The expert weights (gate, up, down) and the adapters' factors by name (models/lora.py ExpertLoRA), in the
+        compute dtype."""
+        adapters = {name: getattr(self, adapter_name(name)) for name in EXPERT_LORA if hasattr(self, adapter_name(name))}
+        return (tuple(w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down)),
+                {name: adapter.factors(self.dtype) for name, adapter in adapters.items()})
 
     def _dropless(self, x, weights, experts):
         axes = dropless_axes(x.shape[0])
         if axes is None:  # one device, or a layout the per-device sort does not cover: GSPMD partitions the global one
-            return _own_experts_output(x, weights, experts, self._expert_weights())
+            return _own_experts_output(x, weights, experts, self._expert_params())
         batch, by_expert, embed, mlp = axes
         own = self.moe.num_experts // math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in by_expert)
+        # how each array is split: the weights (gate, up, down), then the adapters' (a, b) by their logical axes
+        # (models/lora.py ExpertLoRA)
+        expert_weights, adapters = self._expert_params()
+        up, down = _Split((by_expert, embed, mlp), 1), _Split((by_expert, mlp, embed), 2)
+        adapter_splits = {"gate_up": (_Split((by_expert, embed, ()), 1), _Split((by_expert, (), (), mlp))),
+                          "down": (_Split((by_expert, mlp, ())), _Split((by_expert, (), (), embed), 3))}
+        splits = ((up, up, down), {name: adapter_splits[name] for name in adapters})
+        is_split = lambda node: isinstance(node, _Split)  # noqa: E731
 
-        def per_device(x, weights, experts, w_gate, w_up, w_down):
+        def per_device(x, weights, experts, params):
             if mlp:  # varying over tensor before the gather: the backward sums the tokens' gradient over tensor after
                 # reducing it to the device's own tokens (autodiff would sum the expert group's, before)
                 x, weights = (jax.lax.pcast(a, mlp, to="varying") for a in (x, weights))
             if by_expert:  # the tokens of this device's expert group (its batch shard and theirs)
                 x, weights, experts = (jax.lax.all_gather(a, by_expert, axis=0, tiled=True) for a in (x, weights, experts))
-            if embed:  # FSDP: the weights' embed dimension gathered (its transpose reduce-scatters their gradients)
-                w_gate, w_up, w_down = (jax.lax.all_gather(w, embed, axis=dim, tiled=True)
-                                        for w, dim in ((w_gate, 1), (w_up, 1), (w_down, 2)))
+            if embed:  # FSDP: the embed dimension gathered (its transpose reduce-scatters the gradients)
+                params = jax.tree.map(lambda split, w: w if split.embed_dim is None else
+                                      jax.lax.all_gather(w, embed, axis=split.embed_dim, tiled=True), splits, params, is_leaf=is_split)
             first = jax.lax.axis_index(by_expert) * own if by_expert else None
-            y = _own_experts_output(x, weights, experts, (w_gate, w_up, w_down), first)
+            y = _own_experts_output(x, weights, experts, params, first)
             if by_expert:  # every expert's part of a token's output summed on the token's own device
                 y = jax.lax.psum_scatter(y, by_expert, scatter_dimension=0, tiled=True)
-            return jax.lax.psum(y, mlp) if mlp else y  # the experts' hidden dimension split (tensor parallel)
+            # the experts' hidden dimension split (tensor parallel): partial sums, the down adapter's too (its A
+            # contracts the hidden dimension)
+            return jax.lax.psum(y, mlp) if mlp else y
 
         tokens = PartitionSpec(batch)
-        up = PartitionSpec(by_expert or None, embed or None, mlp or None)
-        down = PartitionSpec(by_expert or None, mlp or None, embed or None)
-        return jax.shard_map(per_device, mesh=jax.sharding.get_abstract_mesh(), in_specs=(tokens, tokens, tokens, up, up, down),
-                             out_specs=tokens)(x, weights, experts, *self._expert_weights())
+        specs = jax.tree.map(lambda split: PartitionSpec(*(axes or None for axes in split.axes)), splits, is_leaf=is_split)
+        return jax.shard_map(per_device, mesh=jax.sharding.get_abstract_mesh(), in_specs=(tokens, tokens, tokens, specs),
+                             out_specs=tokens)(x, weights, experts, (expert_weights, adapters))
 
     def _capacity(self, x, weights, experts):
         b, t, d = x.shape
@@ -129,26 +144,39 @@ class MoE(nnx.Module):
 
         buffer = constrain(constrain(jax.vmap(dispatch)(x, experts, slot), BY_SEQUENCE), BY_EXPERT)
         # each expert's slots by its own weights: (batch, experts, capacity, in) x (experts, in, out)
-        out = _experts_swiglu(buffer, lambda slots, w: jnp.einsum("beci,eio->beco", slots, w), self._expert_weights(),
+        out = _experts_swiglu(buffer, lambda slots, w: jnp.einsum("beci,eio->beco", slots, w), self._expert_params(),
                               lambda h: constrain(h, HIDDEN_BY_EXPERT))
         out = constrain(constrain(out, BY_EXPERT), BY_SEQUENCE)
         gathered = jax.vmap(lambda o, expert, slot: o.at[expert, slot].get(mode="fill", fill_value=0))(out, experts, slot)
         return jnp.einsum("btkd,btk->btd", gathered, (weights * kept).astype(gathered.dtype)), kept
 
 
-def _experts_swiglu(x, matmul, expert_weights, hidden_layout=lambda h: h):
-    """The experts' SwiGLU with ``matmul(x, w)`` multiplying by each expert's weights (gate, up, down)."""
-    w_gate, w_up, w_down = expert_weights
-    gate, up = (hidden_layout(matmul(x, w)) for w in (w_gate, w_up))
-    return matmul(jax.nn.silu(gate) * up, w_down)
+class _Split(NamedTuple):
+    """How the dropless dispatch's shard_map takes an expert array: its dimensions' mesh axes, and which dimension
+    is the embed one (FSDP, gathered inside), if any."""
+
+    axes: tuple[tuple[str, ...], ...]
+    embed_dim: int | None = None
 
 
-def _own_experts_output(x, weights, experts, expert_weights, first=None):
-    """x (batch, length, d_model) -> the part of the output from the experts whose weights ``expert_weights`` are,
-    numbered from ``first`` (None: every expert's): their assignments sorted by expert and multiplied as one grouped
-    matmul."""
+def _experts_swiglu(x, matmul, expert_params, hidden_layout=lambda h: h):
+    """The experts' SwiGLU with ``matmul(x, w)`` multiplying by each expert's weights (gate, up, down), plus the
+    updates of their adapters (``MoE._expert_params``)."""
+    (w_gate, w_up, w_down), adapters = expert_params
+    gate, up = matmul(x, w_gate), matmul(x, w_up)
+    if "gate_up" in adapters:
+        gate, up = (projection + delta for projection, delta in zip((gate, up), expert_deltas(x, matmul, *adapters["gate_up"])))
+    hidden = jax.nn.silu(hidden_layout(gate)) * hidden_layout(up)
+    out = matmul(hidden, w_down)
+    return out + expert_deltas(hidden, matmul, *adapters["down"])[0] if "down" in adapters else out
+
+
+def _own_experts_output(x, weights, experts, expert_params, first=None):
+    """x (batch, length, d_model) -> the part of the output from the experts whose weights (and adapters)
+    ``expert_params`` are, numbered from ``first`` (None: every expert's): their assignments sorted by expert and
+    multiplied as one grouped matmul."""
     b, t, d = x.shape
-    k, count = experts.shape[-1], expert_weights[0].shape[0]
+    k, count = experts.shape[-1], expert_params[0][0].shape[0]
     group = experts.reshape(-1)
     if first is not None:  # other experts' assignments sorted last, outside every group
         mine = (group >= first) & (group < first + count)
@@ -160,7 +188,7 @@ def _own_experts_output(x, weights, experts, expert_weights, first=None):
     source, target = (order // k, order) if first is None else \
         (jnp.where(mine[order], index, b * t * k) for index in (order // k, order))
     rows = x.reshape(b * t, d).at[source].get(mode="fill", fill_value=0)
-    out = _experts_swiglu(rows, lambda lhs, w: jax.lax.ragged_dot(lhs, w, sizes), expert_weights)
+    out = _experts_swiglu(rows, lambda lhs, w: jax.lax.ragged_dot(lhs, w, sizes), expert_params)
     out = jnp.zeros_like(out).at[target].set(out, mode="drop").reshape(b, t, k, d)  # back to token order
     return jnp.einsum("btkd,btk->btd", out, weights.astype(out.dtype))
 

@@ -13,23 +13,31 @@ from flax import nnx
 
 from conftest import run_cli, small_config, with_
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain.adapt.adapters import join_frozen
 from jaxtrain.config import AxisSizes, MeshConfig, load_experiment
 from jaxtrain.observe.flops import matmul_params
 from jaxtrain.layout import make_layout
 from jaxtrain.state import model_spec
 from jaxtrain.step import router_metrics, token_nll_and_router_stats, training_objective
 from jaxtrain.train import build, train
-from models.config import LlamaConfig, MoEConfig
+from models.config import EXPERT_LORA, LlamaConfig, LoraConfig, MoEConfig
 from models.llama import Llama
+from models.lora import ExpertLoRA, adapter_name
 from models.moe import MoE, capacity, dropless_axes
 
 E, K, T = 8, 2, 16
 
 
-def _block(**moe) -> tuple[MoE, LlamaConfig]:
-    cfg = LlamaConfig(d_model=32, mlp_dim=16, num_layers=2, dtype="float32",
-                      moe=MoEConfig(**{"num_experts": E, "top_k": K} | moe))
-    return MoE(cfg, nnx.Rngs(0)), cfg
+def _block(adapters: bool = False, **moe) -> tuple[MoE, LlamaConfig]:
+    """A MoE block; with ``adapters`` also rank-2 adapters on its experts (models/lora.py ExpertLoRA), their B random."""
+    cfg = LlamaConfig(d_model=32, mlp_dim=16, num_layers=2, dtype="float32", moe=MoEConfig(**{"num_experts": E, "top_k": K} | moe),
+                      lora=LoraConfig(rank=2, alpha=3.0, targets="gate,up,down") if adapters else LoraConfig())
+    block = MoE(cfg, nnx.Rngs(0))
+    for name in cfg.expert_adapters():
+        adapter = ExpertLoRA([getattr(block, w) for w in EXPERT_LORA[name][1]], 2, 3.0, nnx.Rngs(1))
+        adapter.b[...] = jax.random.normal(jax.random.key(2), adapter.b.shape)
+        setattr(block, adapter_name(name), adapter)
+    return block, cfg
 
 
 @nnx.jit
@@ -46,6 +54,11 @@ def _reference(block: MoE, x: np.ndarray, slots: int | None = None):
     added; with ``slots`` an assignment is dropped when its expert already took that many of the sequence's
     assignments, first choices of every position before second choices. (output, dropped share)."""
     p = {k: np.asarray(v, np.float64) for k, v in nnx.to_pure_dict(nnx.state(block)).items() if not isinstance(v, dict)}
+    for name, (_, weights) in EXPERT_LORA.items():  # an adapter's update added to each of its weights, per expert
+        adapter = getattr(block, adapter_name(name), None)
+        for i, weight in enumerate(weights if adapter is not None else ()):
+            p[weight] = p[weight] + adapter.scale * np.einsum("eir,ero->eio", np.asarray(adapter.a[...], np.float64),
+                                                              np.asarray(adapter.b[...][:, :, i], np.float64))
     logits = x @ p["router"]
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -70,10 +83,12 @@ def _reference(block: MoE, x: np.ndarray, slots: int | None = None):
     return out, dropped / (x.shape[0] * x.shape[1] * K)
 
 
+@pytest.mark.parametrize("adapters", [False, True])
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
-def test_dispatch_matches_per_token_reference(dispatch):
-    # capacity factor num_experts / top_k: every expert can take every position, nothing is dropped
-    block, _ = _block(dispatch=dispatch, capacity_factor=E / K, num_shared_experts=2, shared_expert_gate=True)
+def test_dispatch_matches_per_token_reference(dispatch, adapters):
+    # capacity factor num_experts / top_k: every expert can take every position, nothing is dropped; the reference
+    # adds the adapters' updates to the weights (PEFT's merge)
+    block, _ = _block(adapters, dispatch=dispatch, capacity_factor=E / K, num_shared_experts=2, shared_expert_gate=True)
     x = np.random.default_rng(0).normal(size=(3, T, 32)).astype(np.float32)
     expected, _ = _reference(block, x.astype(np.float64))
     np.testing.assert_allclose(_apply(block, jnp.asarray(x)), expected, rtol=1e-5, atol=1e-5)
@@ -211,9 +226,12 @@ BAD_INPUT = {
                                                  "model.moe.num_experts=5 is not divisible by the 2 ways rule set fsdp_tp_ep splits the experts over"),
     "capacity factor not positive": (["model.moe.capacity_factor=0"],
                                      "model.moe.capacity_factor=0.0 must be positive with model.moe.dispatch=capacity"),
-    # the experts took adapters that nothing applied (dead parameters), and a quantized base failed with a traceback
-    "adapters on the experts": (["model.lora.rank=4"], "model.lora.targets includes gate, up, down, the MLP's projections, "
-                                "which a mixture-of-experts model's experts take no adapters on yet; set model.lora.targets=q,k,v,o"),
+    # PEFT's experts.gate_up_proj: one adapter on both; and PEFT has no dropout on parameter targets
+    "the experts' gate without up": (["model.lora.rank=4", "model.lora.targets=q,gate,down"],
+                                     "model.lora.targets names gate without up: a mixture of experts takes one adapter on its experts' gate and up"),
+    "dropout on the experts' adapters": (["model.lora.rank=4", "model.lora.dropout=0.1"],
+                                         "model.lora.dropout=0.1 with adapters on the experts (gate, up, down): PEFT's expert adapters take no dropout"),
+    # a quantized base failed with a traceback
     "quantized experts": (["model.lora.rank=4", "model.lora.targets=q,k,v,o", "model.base_quant=nf4"],
                           "model.base_quant=nf4 with a mixture of experts (model.moe.num_experts=8): expert weights are not stored quantized yet"),
 }
@@ -271,20 +289,25 @@ def test_dropless_sorts_per_device_and_matches_one_device(rules, ici):
     """Dropless dispatch on a mesh: each device sorts its own tokens (those of its expert group, gathered over the
     expert axis) for its own experts, summed back to the tokens' devices; the objective and every gradient equal
     one device's. A global sort made GSPMD gather every token to every device (and replicate dispatch tensors whole
-    on fsdp_ep with data 2 and on fsdp_tp_ep)."""
+    on fsdp_ep with data 2 and on fsdp_tp_ep). With adapters on the experts (B random), theirs too: A's embed
+    dimension gathered with the weights', the down adapter's partial sums over tensor summed with the output's."""
     from jaxtrain.partitioning import model_tracing
 
-    cfg = with_(_moe_config(rules, ici), train={"global_batch": 16})
+    cfg = with_(_moe_config(rules, ici), train={"global_batch": 16},
+                model={"lora": LoraConfig(rank=2, alpha=3.0, targets="q,gate,up,down")})
     layout = make_layout(cfg)
     graphdef = model_spec(cfg.model).graphdef
     params = nnx.to_pure_dict(nnx.state(Llama(cfg.model, rngs=nnx.Rngs(0))))
+    for adapter in params["layers"]["mlp"].values():
+        if isinstance(adapter, dict):
+            adapter["b"] = jax.random.normal(jax.random.key(5), adapter["b"].shape)
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (16, 16)), jnp.int32)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
     objective = jax.value_and_grad(lambda p: training_objective(graphdef, p, batch)[0])
     expected, expected_grads = jax.jit(objective)(params)
     with model_tracing(layout.mesh, layout.rules, cfg.rules):
         assert dropless_axes(16) is not None  # the per-device path, not GSPMD's global sort
-        value, grads = jax.jit(objective)(jax.device_put(params, layout.shardings.params))
+        value, grads = jax.jit(objective)(jax.device_put(params, join_frozen(layout.shardings.frozen, layout.shardings.params)))
     np.testing.assert_allclose(value, expected, rtol=1e-6)
     for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(expected_grads)):
         np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path))

@@ -6,6 +6,8 @@ import dataclasses
 import json
 
 import jax
+import numpy as np
+import peft
 import pytest
 import torch
 import transformers
@@ -49,3 +51,54 @@ def test_moe_import_equals_transformers_and_export_loads_back(name, tmp_path):
     assert type(reloaded).__name__ == json.loads((hf_dir / "config.json").read_text())["architectures"][0]
     _assert_close(_hf_logits(reloaded), ours)
     assert jax.tree.structure(params) == jax.tree.structure(layout.abstract_state().params)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_expert_adapters_equal_peft_on_the_fused_expert_parameters_both_ways(name, tmp_path):
+    """PEFT's LoRA on transformers' fused expert parameters (target_parameters experts.gate_up_proj / down_proj, one
+    A per expert shared by gate and up) beside attention adapters: read into our adapters, the LoRA model on the
+    expert-parallel mesh (dropless, fsdp x tensor x expert) gives PEFT's logits, merged too; written back, the
+    tensors are PEFT's own, name for name, and PEFT loads them to the same logits."""
+    from safetensors.numpy import load_file
+
+    from jaxtrain.adapt import lora as lora_lib
+    from jaxtrain.adapt.adapters import join_frozen
+    from jaxtrain.interop import peft as peft_io
+    from models.config import LoraConfig
+
+    model_cls, hf_cfg = MODELS[name]
+    torch.manual_seed(0)
+    reference = model_cls(hf_cfg).eval()
+    with torch.no_grad():
+        for pname, p in reference.named_parameters():
+            p.copy_((1.0 if "norm" in pname else 0.0) + 0.2 * torch.randn_like(p))
+    hf_dir, adapter_dir, exported = tmp_path / "hf", tmp_path / "adapter", tmp_path / "exported"
+    reference.save_pretrained(hf_dir)
+    adapted = peft.get_peft_model(reference, peft.LoraConfig(
+        r=2, lora_alpha=6, target_modules=["q_proj", "v_proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+        init_lora_weights=False)).eval()  # random A and B
+    adapted.save_pretrained(adapter_dir)
+    expected = _hf_logits(adapted)
+    assert np.max(np.abs(expected - _hf_logits(model_cls.from_pretrained(hf_dir)))) > 1e-2  # the adapters matter
+
+    config, tensors, _ = peft_io.read_adapter(adapter_dir)
+    cfg = small_config("fsdp_tp_ep", (1, 2, 2, 1, 2))
+    base_model = hf_config.model_config(hf_dir, cfg.model, set(), SEQ)
+    targets = peft_io.targets_of(config, adapter_dir, base_model)
+    assert targets == "q,v,gate,up,down"
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(base_model, lora=LoraConfig(rank=2, alpha=6.0, targets=targets)))
+    assert cfg.model.expert_adapters() == ["gate_up", "down"]
+    layout = make_layout(cfg)
+    adapters = {"layers": peft_io.from_peft(tensors, cfg.model, adapter_dir)}
+    params = join_frozen(lora_lib.load_base(layout, hf_dir).frozen, adapters)
+    ours = _our_logits(layout, params)
+    _assert_close(ours, expected)
+    plain = make_layout(dataclasses.replace(cfg, model=lora_lib.plain_config(cfg.model)))
+    _assert_close(_our_logits(plain, jax.jit(lambda p: lora_lib.merged(p, cfg.model))(params)), expected)
+
+    peft_io.write_adapter(adapters["layers"], cfg.model, exported, str(hf_dir), {})
+    theirs, written = load_file(str(adapter_dir / peft_io.WEIGHTS_FILE)), load_file(str(exported / peft_io.WEIGHTS_FILE))
+    assert sorted(written) == sorted(theirs)
+    assert all(np.array_equal(written[k], theirs[k]) for k in theirs)
+    reloaded = peft.PeftModel.from_pretrained(model_cls.from_pretrained(hf_dir), exported).eval()
+    _assert_close(_hf_logits(reloaded), expected)

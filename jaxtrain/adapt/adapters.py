@@ -87,7 +87,8 @@ def pool(directory: Path) -> list[dict]:
             else:  # exported elsewhere: PEFT's own fields only
                 config = json.loads((path / peft.CONFIG_FILE).read_text())
                 rows.append({"adapter": str(path), "kind": "peft", "hash": None, "path": config.get("base_model_name_or_path"),
-                             "rank": config.get("r"), "targets": config.get("target_modules"), "steps": None, "eval_loss": None})
+                             "rank": config.get("r"), "steps": None,
+                             "targets": (config.get("target_modules") or []) + (config.get("target_parameters") or []), "eval_loss": None})
     return sorted(rows, key=lambda r: (r["hash"] or "", r["adapter"]))
 
 

@@ -28,7 +28,7 @@ from jaxtrain.interop import hf_config, hf_export, hf_import, peft
 from jaxtrain.layout import Layout, make_layout
 from jaxtrain.partitioning import param_shardings
 from jaxtrain.state import TrainState, fresh_state, model_spec
-from models.config import LORA_TARGETS, LlamaConfig, LoraConfig
+from models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig, LoraConfig
 from models.llama import Llama
 from models.lora import adapter_name
 from models.quant import dequantize, quantize
@@ -95,16 +95,24 @@ def to_storage(plain: dict, model_cfg: LlamaConfig) -> dict:
 def merged(model_params: dict, model_cfg: LlamaConfig) -> dict:
     """Every parameter of a LoRA model -> the base model's float parameters with each adapter's update
     ``(alpha / rank) * A @ B`` added to its weight (and a quantized weight dequantized first)."""
-    dtype = jnp.dtype(model_cfg.param_dtype)
+    dtype, scale = jnp.dtype(model_cfg.param_dtype), model_cfg.lora.alpha / model_cfg.lora.rank if model_cfg.lora.rank else 0.0
     layers = {name: dict(module) for name, module in model_params["layers"].items()}
+    updates = {}  # (module, weight) -> float32 update, stacked on the layers axis
+    for name in model_cfg.expert_adapters():  # per expert a @ b[:, :, i] on the adapter's i-th weight
+        adapter = layers["mlp"].pop(adapter_name(name))
+        a, b = adapter["a"].astype(jnp.float32), adapter["b"].astype(jnp.float32)
+        for i, weight in enumerate(EXPERT_LORA[name][1]):
+            updates["mlp", weight] = jnp.einsum("leir,lero->leio", a, b[:, :, :, i])
     for target, (module, weight, _) in LORA_TARGETS.items():
+        adapter = layers[module].pop(adapter_name(target), None)  # the experts' were taken above
+        if adapter is not None:
+            updates[module, weight] = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1))(adapter["a"].astype(jnp.float32), adapter["b"].astype(jnp.float32))
+    for module, weight, _ in LORA_TARGETS.values():
         w = layers[module][weight]
         if isinstance(w, dict):
             w = jax.vmap(lambda c, s: dequantize(c, s, dtype))(w["codes"], w["scale"])
-        adapter = layers[module].pop(adapter_name(target), None)
-        if adapter is not None:
-            update = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1))(adapter["a"].astype(jnp.float32), adapter["b"].astype(jnp.float32))
-            w = (w.astype(jnp.float32) + model_cfg.lora.alpha / model_cfg.lora.rank * update).astype(dtype)
+        if (module, weight) in updates:
+            w = (w.astype(jnp.float32) + scale * updates[module, weight]).astype(dtype)
         layers[module][weight] = w
     return model_params | {"layers": layers}
 
@@ -205,7 +213,7 @@ def with_adapter(loaded, adapter: Path):
     run directory or a PEFT adapter directory merged into its weights; an adapter trained on another base is a UserError."""
     if peft.is_adapter_dir(adapter):
         config, tensors, record = peft.read_adapter(adapter)
-        lora = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=peft.targets_of(config, adapter))
+        lora = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=peft.targets_of(config, adapter, loaded.model_cfg))
         model_cfg = dataclasses.replace(loaded.model_cfg, lora=lora)
         adapters = {"layers": peft.from_peft(tensors, model_cfg, adapter)}
     elif (adapter / "config.yaml").is_file():

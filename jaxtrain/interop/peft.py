@@ -5,6 +5,12 @@ PEFT names one layer's adapter of a projection ``base_model.model.<module>.lora_
 ``lora_B.weight`` (out, rank), where <module> is the projection's Hugging Face name without ``.weight`` (from
 hf_weights' tensor maps); ours are A (layers, inputs..., rank) and B (layers, rank, outputs...), the heads
 and head dimension in Hugging Face's order, so each converts by a reshape and a transpose.
+
+A mixture of experts' adapters (models/lora.py ExpertLoRA) are PEFT's on Hugging Face's fused expert parameters
+(transformers >= 5: ``mlp.experts.gate_up_proj`` (experts, 2 x hidden, d_model), ``mlp.experts.down_proj``), named
+in ``target_parameters``: lora_A (experts x rank, in) with the experts outermost, lora_B (out, rank x experts)
+with the experts innermost (PEFT's ParamWrapper). PEFT wraps a module's targeted parameters one inside the other
+in the module's order, so the first of two is ``experts.base_layer.lora_A``, the last ``experts.lora_A``.
 No jax import: the arrays are numpy.
 """
 
@@ -21,12 +27,15 @@ from safetensors.numpy import load_file, save_file
 
 from jaxtrain.errors import UserError
 from jaxtrain.interop.hf_weights import tensor_maps
-from models.config import LORA_TARGETS, LlamaConfig
+from models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig
 from models.lora import adapter_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 JAXTRAIN_FILE = "jaxtrain_adapter.json"  # our record beside PEFT's files: the base's content hash, steps, eval loss
+EXPERTS_MODULE = "model.layers.{layer}.mlp.experts"  # Mixtral's and Qwen2-MoE's, transformers >= 5
+# our expert adapter -> the fused parameter it adapts, in the module's order (which decides PEFT's nesting)
+EXPERT_PARAMETERS = {"gate_up": "gate_up_proj", "down": "down_proj"}
 
 
 def is_adapter_dir(path: Path) -> bool:
@@ -39,10 +48,25 @@ def _modules(model_cfg: LlamaConfig) -> dict[str, str]:
     return {target: by_path[("layers", module, weight)] for target, (module, weight, _) in LORA_TARGETS.items()}
 
 
+def _expert_prefixes(model_cfg: LlamaConfig) -> dict[str, str]:
+    """Our expert adapter -> the start of its PEFT tensors' names, with '{layer}'."""
+    names = [name for name in EXPERT_PARAMETERS if name in model_cfg.expert_adapters()]
+    return {name: f"base_model.model.{EXPERTS_MODULE}." + "base_layer." * (len(names) - 1 - i) for i, name in enumerate(names)}
+
+
 def to_peft(adapters: dict, model_cfg: LlamaConfig) -> dict[str, np.ndarray]:
     """Our adapters (numpy, the params tree's ``layers`` subtree) -> PEFT tensors by name."""
     out = {}
+    for name, prefix in _expert_prefixes(model_cfg).items():  # a (experts, in, rank), b (experts, rank, weights, out)
+        a, b = adapters["mlp"][adapter_name(name)]["a"], adapters["mlp"][adapter_name(name)]["b"]
+        for layer in range(model_cfg.num_layers):
+            experts, _, rank = a[layer].shape
+            out[f"{prefix.format(layer=layer)}lora_A.weight"] = np.ascontiguousarray(a[layer].transpose(0, 2, 1).reshape(experts * rank, -1))
+            out[f"{prefix.format(layer=layer)}lora_B.weight"] = np.ascontiguousarray(
+                b[layer].reshape(experts, rank, -1).transpose(2, 1, 0).reshape(-1, rank * experts))
     for target, module in _modules(model_cfg).items():
+        if LORA_TARGETS[target][0] == "mlp" and model_cfg.moe.num_experts:  # the experts', above
+            continue
         name, (module_name, _, _) = adapter_name(target), LORA_TARGETS[target]
         if name not in adapters[module_name]:
             continue
@@ -56,12 +80,29 @@ def to_peft(adapters: dict, model_cfg: LlamaConfig) -> dict[str, np.ndarray]:
 
 def from_peft(tensors: dict[str, np.ndarray], model_cfg: LlamaConfig, where: Path) -> dict:
     """PEFT tensors -> our adapters (the ``layers`` subtree), shaped for ``model_cfg``."""
-    shapes = model_cfg.weight_shapes()
+    shapes, rank = model_cfg.weight_shapes(), model_cfg.lora.rank
     out = {}
+    for name, prefix in _expert_prefixes(model_cfg).items():
+        weights = EXPERT_LORA[name][1]
+        inputs, outputs = shapes[EXPERT_LORA[name][0][0]]
+        experts = model_cfg.moe.num_experts
+        a_layers, b_layers = [], []
+        for layer in range(model_cfg.num_layers):
+            at = prefix.format(layer=layer)
+            a, b = tensors.get(f"{at}lora_A.weight"), tensors.get(f"{at}lora_B.weight")
+            want_a, want_b = (experts * rank, inputs), (len(weights) * outputs, rank * experts)
+            if a is None or b is None or a.shape != want_a or b.shape != want_b:
+                raise UserError(f"{where / WEIGHTS_FILE}: {at}lora_A/lora_B are {None if a is None else a.shape} / "
+                                f"{None if b is None else b.shape}, this base needs {want_a} / {want_b}; the adapter was made for another base")
+            a_layers.append(a.reshape(experts, rank, inputs).transpose(0, 2, 1))
+            b_layers.append(b.reshape(-1, rank, experts).transpose(2, 1, 0).reshape(experts, rank, len(weights), outputs))
+        out.setdefault("mlp", {})[adapter_name(name)] = {"a": np.stack(a_layers), "b": np.stack(b_layers)}
     for target in model_cfg.lora.target_names():
+        if LORA_TARGETS[target][0] == "mlp" and model_cfg.moe.num_experts:  # the experts', above
+            continue
         module = _modules(model_cfg)[target]
         module_name, _, inputs = LORA_TARGETS[target]
-        rank, shape = model_cfg.lora.rank, shapes[target]
+        shape = shapes[target]
         a_layers, b_layers = [], []
         for layer in range(model_cfg.num_layers):
             prefix = f"base_model.model.{module.format(layer=layer)}"
@@ -76,24 +117,38 @@ def from_peft(tensors: dict[str, np.ndarray], model_cfg: LlamaConfig, where: Pat
     return out
 
 
-def targets_of(config: dict, where: Path) -> str:
-    """adapter_config.json's target_modules (e.g. q_proj, v_proj) -> our model.lora.targets (q,v)."""
+def targets_of(config: dict, where: Path, model_cfg: LlamaConfig) -> str:
+    """adapter_config.json's target_modules (e.g. q_proj, v_proj) and target_parameters (a mixture of experts':
+    experts.gate_up_proj, experts.down_proj) -> our model.lora.targets for the base ``model_cfg`` (q,v)."""
     ours = {module.rsplit(".", 1)[-1]: target for target, module in _modules(LlamaConfig()).items()}
     modules = config.get("target_modules") or []
     modules = [modules] if isinstance(modules, str) else modules
+    parameters = config.get("target_parameters") or []
     unknown = [m for m in modules if m not in ours]
-    if unknown or not modules:
+    if unknown or not modules + parameters:
         raise UserError(f"{where / CONFIG_FILE}: target_modules {modules} are not all Llama projections ({', '.join(ours)})")
-    return ",".join(ours[m] for m in modules)
+    mlp = [m for m in modules if LORA_TARGETS[ours[m]][0] == "mlp"]
+    if model_cfg.moe.num_experts and mlp:
+        raise UserError(f"{where / CONFIG_FILE}: target_modules {', '.join(mlp)} on a mixture of experts name the shared expert's "
+                        f"projections, which jaxtrain takes no adapters on; the experts' are target_parameters "
+                        f"{', '.join('experts.' + p for p in EXPERT_PARAMETERS.values())}")
+    experts = {f"experts.{parameter}": name for name, parameter in EXPERT_PARAMETERS.items()}
+    named = [next((name for key, name in experts.items() if p == key or p.endswith(f".{key}")), None) for p in parameters]
+    if parameters and (not model_cfg.moe.num_experts or None in named):
+        raise UserError(f"{where / CONFIG_FILE}: target_parameters {parameters} are not this base's expert parameters "
+                        f"({', '.join(experts) if model_cfg.moe.num_experts else 'a dense model has none'})")
+    return ",".join([ours[m] for m in modules] + [t for name in named for t in EXPERT_LORA[name][0]])
 
 
 def adapter_config(model_cfg: LlamaConfig, base_path: str | None) -> dict:
     lora = model_cfg.lora
-    modules = sorted({_modules(model_cfg)[t].rsplit(".", 1)[-1] for t in lora.target_names()})
+    modules = sorted({_modules(model_cfg)[t].rsplit(".", 1)[-1] for t in lora.target_names()
+                      if not (LORA_TARGETS[t][0] == "mlp" and model_cfg.moe.num_experts)})
+    parameters = [f"experts.{EXPERT_PARAMETERS[name]}" for name in _expert_prefixes(model_cfg)]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path, "r": lora.rank,
-            "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none",
-            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
-            "use_dora": False, "modules_to_save": None}
+            "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules or None,
+            "target_parameters": parameters or None, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
 
 
 def write_adapter(adapters: dict, model_cfg: LlamaConfig, out: Path, base_path: str | None, record: dict) -> None:
