@@ -6,7 +6,10 @@ device, d_model 64, float32, interleaved repetitions in one run, so a noisy shar
 - ``moe_dropless_over_capacity``: the dropless path's step time over the capacity path's, per expert count;
 - ``moe_expert_parallel``: on the 8 CPU devices, 8 experts over expert 4 x data 2 (``dp_ep``): dropless (each device
   gathers its expert group's tokens and reduce-scatters its experts' outputs back) against capacity (all-to-alls),
-  step times, their ratio and step_cost's expert-parallel bytes per device and step for each.
+  step times, their ratio and step_cost's expert-parallel bytes per device and step for each;
+- ``moe_lora``: 8 experts, dropless, one device: LoRA (rank 8) on attention and every expert (PEFT's
+  target_parameters) and on attention alone, beside training every weight: step times and the expert adapters'
+  cost over attention-only adapters.
 
 On CPUs ``jax.lax.ragged_dot`` runs as a dense product masked per group (every expert's weights against every
 row), so the dropless path's cost grows with the expert count here; GPUs have grouped-matmul kernels.
@@ -22,7 +25,7 @@ from bench_perf import ONE_DEVICE, STEP_MODEL, _timed, config, fixed_batch, inte
 from jaxtrain.config import AxisSizes, MeshConfig
 from jaxtrain.plan.step_cost import step_time
 from jaxtrain.train import build
-from models.config import MoEConfig
+from models.config import LoraConfig, MoEConfig
 
 # a quarter of bench_perf's model width: 64 experts through CPU ragged_dot (every expert against every row) stay
 # within seconds a step
@@ -67,6 +70,19 @@ def expert_parallel() -> dict:
             "predicted_expert_bytes_per_step": traffic}
 
 
+def expert_adapters() -> dict:
+    corpus = random_corpus(MODEL.vocab_size)
+    contenders, batch = {}, None
+    moe_model = dataclasses.replace(MODEL, mlp_dim=EXPERT_MLP, moe=MoEConfig(num_experts=8, top_k=TOP_K))
+    for name, lora in (("full", LoraConfig()), ("lora_attention", LoraConfig(rank=8, targets="q,k,v,o")),
+                       ("lora_attention_and_experts", LoraConfig(rank=8))):
+        cfg = config(dataclasses.replace(moe_model, lora=lora), mesh=ONE_DEVICE, rules="dp")
+        trainer, contenders[name] = _contender(cfg, corpus, jax.devices()[:1])
+        batch = batch or fixed_batch(trainer)
+    times = interleaved_medians(contenders, batch, REPEATS)
+    return {"step_s": times, "experts_over_attention_only": times["lora_attention_and_experts"] / times["lora_attention"]}
+
+
 def run() -> dict:
     times = _timed("moe_step_times", step_times)
     return {
@@ -74,4 +90,5 @@ def run() -> dict:
         "moe_vs_dense_ratio": {name: t / times["dense"] for name, t in times.items() if name != "dense"},
         "moe_dropless_over_capacity": {str(e): times[f"{e}_dropless"] / times[f"{e}_capacity"] for e in (8, 64)},
         "moe_expert_parallel": _timed("moe_expert_parallel", expert_parallel),
+        "moe_lora": _timed("moe_lora", expert_adapters),
     }

@@ -102,11 +102,14 @@ ROWS = (
     # host RSS growth beside the safetensors library's whole read and save (benchmarks/bench_hf.py)
     Row("hf_import_export_1b", "llama3_1b", (), 90, script="bench_hf.py"),
     # two Mixtral 8x7B layers (8 experts of MLP 14336, top-2, d 4096) on one H200: capacity dispatch (fixed-shape
-    # buffers) and dropless (ragged_dot grouped matmul); MFU counts the active parameters
+    # buffers) and dropless (jax.lax.ragged_dot, which the GPU compiler expands over every expert: tokamax's kernels,
+    # model.moe.grouped_matmul=auto elsewhere, do not run on the image's jax 0.11); MFU counts the active parameters;
+    # and LoRA on the experts (rank 16 on attention and every expert, bf16 frozen base: PEFT's target_parameters)
     Row("moe_mixtral_layers_capacity", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2", "model.remat=full",
                                                         "model.attention=auto", "model.moe.dispatch=capacity"), 75),
-    Row("moe_mixtral_layers_dropless", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2", "model.remat=full",
-                                                        "model.attention=auto", "model.moe.dispatch=dropless"), 75),
+    *(Row(f"moe_mixtral_layers_dropless{suffix}", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2", "model.remat=full",
+                                                                  "model.attention=auto", "model.moe.dispatch=dropless", *extra), 75)
+      for suffix, extra in (("", ()), ("_lora", ("model.param_dtype=bfloat16", "model.lora.rank=16", "model.lora.alpha=32")))),
     # expert parallelism on 2+ GPUs (rules fsdp_ep: experts over expert 2, the rest fsdp): dropless gathers each expert
     # group's tokens and reduce-scatters the outputs back (models/moe.py), capacity moves its buffers by all-to-all;
     # compare step_s, and the expert bytes with `jaxtrain plan mixtral_8x7b --hlo-report` on the same overrides

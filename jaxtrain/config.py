@@ -19,7 +19,7 @@ import yaml
 
 import experiments
 from jaxtrain.errors import UserError
-from models.config import LlamaConfig
+from models.config import LlamaConfig, tokamax_problem
 
 MESH_AXES = ("data", "fsdp", "tensor", "stage", "expert")  # stage: pipeline stages (models/pipeline.py)
 DATA_FORMATS = ("text", "sft")
@@ -356,8 +356,15 @@ def resolve_for_devices(cfg: Config, nvidia_gpu: bool, cpu: bool = False) -> Con
     ``model.scan_layers``: unrolled on CPUs, scanned elsewhere. On XLA:CPU the layer scan stacks what each layer
     saves and slices it back, and unrolled steps measured 1.12-1.22x faster at 2 to 32 layers for about 0.4 s of
     compile per layer (README, "Benchmarks and performance"); on GPUs the scan keeps compile time flat and memory
-    lower (the unrolled program holds 13% more on an H200), and the memory planner models the scanned program."""
+    lower (the unrolled program holds 13% more on an H200), and the memory planner models the scanned program.
+
+    ``model.moe.grouped_matmul``: tokamax's ragged dot on NVIDIA GPUs where it can run (installed, and a jax its
+    kernels run on: ``tokamax_problem``; XLA's GPU compiler expands jax.lax.ragged_dot into a dense matmul over every
+    expert), jax.lax.ragged_dot elsewhere."""
     m = cfg.model
+    if m.moe.grouped_matmul == "auto":
+        tokamax = nvidia_gpu and tokamax_problem() is None
+        m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, grouped_matmul="tokamax" if tokamax else "xla"))
     if m.attention == "auto":
         cudnn = nvidia_gpu and m.dtype in ("bfloat16", "float16") and m.resolved_head_dim % 8 == 0 and m.resolved_head_dim <= 128
         m = dataclasses.replace(m, attention="cudnn" if cudnn else "chunked" if cpu else "xla")

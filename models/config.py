@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import math
 import re
 
@@ -68,6 +69,10 @@ def _matches(pattern: str, text: str) -> bool:
 # dropless: every token reaches its experts (grouped matmul, jax.lax.ragged_dot); capacity: each expert takes at most
 # capacity_factor x its fair share of a sequence's tokens, the rest skip the block (fixed shapes: expert parallel everywhere)
 MOE_DISPATCH = ("dropless", "capacity")
+# the dropless dispatch's grouped matmul: xla: jax.lax.ragged_dot, which XLA's GPU compiler expands into a dense
+# matmul over every expert (experts x the FLOPs and memory); tokamax: its ragged dot (its Triton kernel on NVIDIA
+# GPUs, XLA's product elsewhere); auto: the trainer picks tokamax on NVIDIA GPUs where it can run (tokamax_problem)
+GROUPED_MATMULS = ("auto", "xla", "tokamax")
 # quantized training of the layers' matmuls (jaxtrain/memory/quant.py, qwix): int8, or fp8 (e4m3 forward, e5m2 gradients)
 QUANT_TYPES = ("none", "int8", "fp8")
 
@@ -113,6 +118,23 @@ class PipelineConfig:
         return out
 
 
+def tokamax_problem() -> str | None:
+    """Why tokamax's grouped matmul (model.moe.grouped_matmul=tokamax) cannot run here, or None. Read from the
+    installed packages' versions, without importing them."""
+    try:
+        tokamax, jax = importlib.metadata.version("tokamax"), importlib.metadata.version("jax")
+    except importlib.metadata.PackageNotFoundError:
+        return "it needs the tokamax package; pip install 'jaxtrain[moe-gpu]'"
+    if _release(tokamax) <= (0, 0, 12) and _release(jax) >= (0, 11):  # checked with tokamax 0.0.12 and jax 0.11.2
+        return (f"tokamax {tokamax}'s kernels do not run on jax {jax} (they call Pallas APIs that jax 0.11 removed or "
+                "changed); use jax 0.10, or a tokamax release for jax 0.11")
+    return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Sparse mixture-of-experts feed-forward blocks (models/moe.py) in every layer; num_experts=0 keeps the dense
@@ -125,6 +147,7 @@ class MoEConfig:
     num_shared_experts: int = 0
     shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(x . w) (Qwen2-MoE)
     dispatch: str = "dropless"
+    grouped_matmul: str = "auto"  # GROUPED_MATMULS
     capacity_factor: float = 1.25  # capacity dispatch: slots per expert = ceil(capacity_factor * seq_len * top_k / num_experts)
     aux_loss_weight: float = 0.01  # load-balancing loss (Switch Transformer), mean over layers
     router_z_loss_weight: float = 0.001  # mean squared log-sum-exp of the router logits (ST-MoE), mean over layers
@@ -139,6 +162,10 @@ class MoEConfig:
             out.append(f"model.moe.top_k={self.top_k} must be between 1 and model.moe.num_experts={self.num_experts}")
         if self.num_shared_experts < 0:
             out.append(f"model.moe.num_shared_experts={self.num_shared_experts} must be 0 or positive")
+        if self.grouped_matmul not in GROUPED_MATMULS:
+            out.append(f"model.moe.grouped_matmul={self.grouped_matmul!r} is unknown; choose one of {', '.join(GROUPED_MATMULS)}")
+        elif self.grouped_matmul == "tokamax" and tokamax_problem():
+            out.append(f"model.moe.grouped_matmul=tokamax: {tokamax_problem()}; or set model.moe.grouped_matmul=xla")
         if self.dispatch not in MOE_DISPATCH:
             out.append(f"model.moe.dispatch={self.dispatch!r} is unknown; choose one of {', '.join(MOE_DISPATCH)}")
         elif self.dispatch == "capacity" and not self.capacity_factor > 0:

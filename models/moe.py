@@ -3,7 +3,8 @@
 A float32 router picks ``top_k`` SwiGLU experts per token; their outputs are mixed by the router's softmax
 weights (renormalised over the chosen k). Two ways to bring tokens to their experts:
 
-- ``dropless``: assignments sorted by expert and multiplied as one grouped matmul (``jax.lax.ragged_dot``);
+- ``dropless``: assignments sorted by expert and multiplied as one grouped matmul (``model.moe.grouped_matmul``:
+  ``jax.lax.ragged_dot``, or tokamax's kernel where XLA's GPU compiler would expand the former over every expert);
   no token is ever dropped. On a mesh the sort is each device's own (``jax.shard_map``): a global sort of a batch
   split over devices made GSPMD gather every token to every device. With the experts split over an axis, a device
   first gathers the tokens of its expert group (all-gather over that axis), multiplies those assigned to its own
@@ -21,6 +22,7 @@ Router statistics (load-balancing loss, z-loss, expert load, dropped share) are 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -95,7 +97,7 @@ class MoE(nnx.Module):
     def _dropless(self, x, weights, experts):
         axes = dropless_axes(x.shape[0])
         if axes is None:  # one device, or a layout the per-device sort does not cover: GSPMD partitions the global one
-            return _own_experts_output(x, weights, experts, self._expert_params())
+            return _own_experts_output(x, weights, experts, self._expert_params(), self.moe.grouped_matmul)
         batch, by_expert, embed, mlp = axes
         own = self.moe.num_experts // math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in by_expert)
         # how each array is split: the weights (gate, up, down), then the adapters' (a, b) by their logical axes
@@ -108,26 +110,26 @@ class MoE(nnx.Module):
         is_split = lambda node: isinstance(node, _Split)  # noqa: E731
 
         def per_device(x, weights, experts, params):
-            if mlp:  # varying over tensor before the gather: the backward sums the tokens' gradient over tensor after
-                # reducing it to the device's own tokens (autodiff would sum the expert group's, before)
-                x, weights = (jax.lax.pcast(a, mlp, to="varying") for a in (x, weights))
             if by_expert:  # the tokens of this device's expert group (its batch shard and theirs)
                 x, weights, experts = (jax.lax.all_gather(a, by_expert, axis=0, tiled=True) for a in (x, weights, experts))
             if embed:  # FSDP: the embed dimension gathered (its transpose reduce-scatters the gradients)
                 params = jax.tree.map(lambda split, w: w if split.embed_dim is None else
                                       jax.lax.all_gather(w, embed, axis=split.embed_dim, tiled=True), splits, params, is_leaf=is_split)
             first = jax.lax.axis_index(by_expert) * own if by_expert else None
-            y = _own_experts_output(x, weights, experts, params, first)
+            y = _own_experts_output(x, weights, experts, params, self.moe.grouped_matmul, first)
             if by_expert:  # every expert's part of a token's output summed on the token's own device
                 y = jax.lax.psum_scatter(y, by_expert, scatter_dimension=0, tiled=True)
             # the experts' hidden dimension split (tensor parallel): partial sums, the down adapter's too (its A
             # contracts the hidden dimension)
-            return jax.lax.psum(y, mlp) if mlp else y
+            return _sum_over(y, mlp) if mlp else y
 
         tokens = PartitionSpec(batch)
         specs = jax.tree.map(lambda split: PartitionSpec(*(axes or None for axes in split.axes)), splits, is_leaf=is_split)
+        # check_vma=False: tokamax's kernels (model.moe.grouped_matmul) declare no varying mesh axes for their outputs.
+        # Autodiff sums the tokens' gradient over tensor at the boundary, after reducing it to the device's own tokens
+        # (with the check, tokens not cast to vary over tensor had it summed for the whole expert group, before)
         return jax.shard_map(per_device, mesh=jax.sharding.get_abstract_mesh(), in_specs=(tokens, tokens, tokens, specs),
-                             out_specs=tokens)(x, weights, experts, (expert_weights, adapters))
+                             out_specs=tokens, check_vma=False)(x, weights, experts, (expert_weights, adapters))
 
     def _capacity(self, x, weights, experts):
         b, t, d = x.shape
@@ -151,6 +153,18 @@ class MoE(nnx.Module):
         return jnp.einsum("btkd,btk->btd", gathered, (weights * kept).astype(gathered.dtype)), kept
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _sum_over(x, axes):
+    """``psum`` over ``axes`` for a shard_map without vma checks, whose output is replicated over ``axes``: there
+    autodiff hands each device 1 / (devices over ``axes``) of the output's gradient and transposes psum to another
+    psum (an all-reduce of the gradient over tensor in every layer's backward); the gradient of each partial sum is
+    the output's whole gradient, so this scales it back instead (numerically equal: tests/test_moe.py)."""
+    return jax.lax.psum(x, axes)
+
+
+_sum_over.defvjp(lambda x, axes: (jax.lax.psum(x, axes), None), lambda axes, _, g: (g * jax.lax.psum(1, axes),))
+
+
 class _Split(NamedTuple):
     """How the dropless dispatch's shard_map takes an expert array: its dimensions' mesh axes, and which dimension
     is the embed one (FSDP, gathered inside), if any."""
@@ -159,22 +173,40 @@ class _Split(NamedTuple):
     embed_dim: int | None = None
 
 
-def _experts_swiglu(x, matmul, expert_params, hidden_layout=lambda h: h):
+def _experts_swiglu(x, matmul, expert_params, hidden_layout=lambda h: h, adapter_matmul=None):
     """The experts' SwiGLU with ``matmul(x, w)`` multiplying by each expert's weights (gate, up, down), plus the
-    updates of their adapters (``MoE._expert_params``)."""
+    updates of their adapters (``MoE._expert_params``) by ``adapter_matmul`` (default: ``matmul``)."""
     (w_gate, w_up, w_down), adapters = expert_params
+    adapter_matmul = adapter_matmul or matmul
     gate, up = matmul(x, w_gate), matmul(x, w_up)
     if "gate_up" in adapters:
-        gate, up = (projection + delta for projection, delta in zip((gate, up), expert_deltas(x, matmul, *adapters["gate_up"])))
+        gate, up = (projection + delta for projection, delta in
+                    zip((gate, up), expert_deltas(x, adapter_matmul, *adapters["gate_up"])))
     hidden = jax.nn.silu(hidden_layout(gate)) * hidden_layout(up)
     out = matmul(hidden, w_down)
-    return out + expert_deltas(hidden, matmul, *adapters["down"])[0] if "down" in adapters else out
+    return out + expert_deltas(hidden, adapter_matmul, *adapters["down"])[0] if "down" in adapters else out
 
 
-def _own_experts_output(x, weights, experts, expert_params, first=None):
+def _grouped_matmul(kind: str):
+    """``ragged_dot(lhs, rhs, group_sizes)`` of model.moe.grouped_matmul; ``auto``, as a model built directly has it
+    (not resolved by the trainer), is jax's."""
+    if kind == "tokamax":
+        import tokamax  # optional (jaxtrain[moe-gpu]); models/config.py checks that it is installed
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # else tokamax parses the command line as its absl flags and stops on ours
+            flags.FLAGS.mark_as_parsed()
+        # its Triton kernel on GPUs, XLA's elsewhere; not its Hopper (Mosaic GPU) kernel, the first it would pick
+        # there: it failed to compile sides under 128 (a 64-wide expert split over tensor 2, "WGMMA rhs swizzle must
+        # match lhs swizzle"), which no fallback catches, as the failure comes when XLA compiles
+        return functools.partial(tokamax.ragged_dot, implementation=("triton", "xla"))
+    return jax.lax.ragged_dot
+
+
+def _own_experts_output(x, weights, experts, expert_params, grouped_matmul: str, first=None):
     """x (batch, length, d_model) -> the part of the output from the experts whose weights (and adapters)
     ``expert_params`` are, numbered from ``first`` (None: every expert's): their assignments sorted by expert and
-    multiplied as one grouped matmul."""
+    multiplied as one grouped matmul (``_grouped_matmul``)."""
     b, t, d = x.shape
     k, count = experts.shape[-1], expert_params[0][0].shape[0]
     group = experts.reshape(-1)
@@ -188,9 +220,28 @@ def _own_experts_output(x, weights, experts, expert_params, first=None):
     source, target = (order // k, order) if first is None else \
         (jnp.where(mine[order], index, b * t * k) for index in (order // k, order))
     rows = x.reshape(b * t, d).at[source].get(mode="fill", fill_value=0)
-    out = _experts_swiglu(rows, lambda lhs, w: jax.lax.ragged_dot(lhs, w, sizes), expert_params)
+    ragged_dot = _grouped_matmul(grouped_matmul)
+    row_expert = jax.nn.one_hot(group[order], count, dtype=x.dtype)  # other experts' rows: all zeros
+    out = _experts_swiglu(rows, lambda lhs, w: ragged_dot(lhs, w, sizes), expert_params,
+                          adapter_matmul=lambda lhs, w: _rank_sized_matmul(lhs, w, row_expert))
     out = jnp.zeros_like(out).at[target].set(out, mode="drop").reshape(b, t, k, d)  # back to token order
     return jnp.einsum("btkd,btk->btd", out, weights.astype(out.dtype))
+
+
+def _rank_sized_matmul(lhs, w, row_expert):
+    """Each row of ``lhs`` (rows, in) by its expert's ``w`` (experts, in, out), one of whose sides is an adapter's rank,
+    as dense matmuls over all the experts' ``w`` side by side: where ``out`` is the smaller side, every expert's
+    product (rows x experts x out) and then the row's own kept (``row_expert``: one-hot, rows x experts); else the
+    row spread to its expert's place (rows x experts x in, zeros elsewhere) and one product. Either costs experts x
+    the smaller side per row and element of the other, a few percent of the weights' products for rank 16. A ragged
+    dot does not suit them: XLA's GPU compiler expands it over every expert as wide as its output (experts x rows x
+    the hidden dimension for B), and a grouped-matmul kernel's tiles are wider than a rank."""
+    experts, inputs, outputs = w.shape
+    if outputs <= inputs:
+        every = jnp.einsum("ri,eio->reo", lhs, w)
+        return jnp.einsum("reo,re->ro", every, row_expert)
+    spread = (row_expert[:, :, None] * lhs[:, None, :]).reshape(lhs.shape[0], experts * inputs)
+    return spread @ w.reshape(experts * inputs, outputs)
 
 
 def _top_k(probs, k: int):

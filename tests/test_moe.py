@@ -20,12 +20,14 @@ from jaxtrain.layout import make_layout
 from jaxtrain.state import model_spec
 from jaxtrain.step import router_metrics, token_nll_and_router_stats, training_objective
 from jaxtrain.train import build, train
-from models.config import EXPERT_LORA, LlamaConfig, LoraConfig, MoEConfig
+from models.config import EXPERT_LORA, LlamaConfig, LoraConfig, MoEConfig, tokamax_problem
 from models.llama import Llama
 from models.lora import ExpertLoRA, adapter_name
 from models.moe import MoE, capacity, dropless_axes
 
 E, K, T = 8, 2, 16
+# tokamax's grouped matmul (model.moe.grouped_matmul=tokamax): installed with the test extra; its kernels need jax 0.10
+needs_tokamax = pytest.mark.skipif(tokamax_problem() is not None, reason=f"model.moe.grouped_matmul=tokamax: {tokamax_problem()}")
 
 
 def _block(adapters: bool = False, **moe) -> tuple[MoE, LlamaConfig]:
@@ -84,11 +86,13 @@ def _reference(block: MoE, x: np.ndarray, slots: int | None = None):
 
 
 @pytest.mark.parametrize("adapters", [False, True])
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
-def test_dispatch_matches_per_token_reference(dispatch, adapters):
+@pytest.mark.parametrize("dispatch, grouped_matmul", [("dropless", "xla"), pytest.param("dropless", "tokamax", marks=needs_tokamax),
+                                                      ("capacity", "xla")])
+def test_dispatch_matches_per_token_reference(dispatch, grouped_matmul, adapters):
     # capacity factor num_experts / top_k: every expert can take every position, nothing is dropped; the reference
-    # adds the adapters' updates to the weights (PEFT's merge)
-    block, _ = _block(adapters, dispatch=dispatch, capacity_factor=E / K, num_shared_experts=2, shared_expert_gate=True)
+    # adds the adapters' updates to the weights (PEFT's merge). tokamax on CPUs: its XLA implementation
+    block, _ = _block(adapters, dispatch=dispatch, grouped_matmul=grouped_matmul, capacity_factor=E / K, num_shared_experts=2,
+                      shared_expert_gate=True)
     x = np.random.default_rng(0).normal(size=(3, T, 32)).astype(np.float32)
     expected, _ = _reference(block, x.astype(np.float64))
     np.testing.assert_allclose(_apply(block, jnp.asarray(x)), expected, rtol=1e-5, atol=1e-5)
@@ -231,6 +235,8 @@ BAD_INPUT = {
                                      "model.lora.targets names gate without up: a mixture of experts takes one adapter on its experts' gate and up"),
     "dropout on the experts' adapters": (["model.lora.rank=4", "model.lora.dropout=0.1"],
                                          "model.lora.dropout=0.1 with adapters on the experts (gate, up, down): PEFT's expert adapters take no dropout"),
+    "unknown grouped matmul": (["model.moe.grouped_matmul=cutlass"],
+                               "model.moe.grouped_matmul='cutlass' is unknown; choose one of auto, xla, tokamax"),
     # a quantized base failed with a traceback
     "quantized experts": (["model.lora.rank=4", "model.lora.targets=q,k,v,o", "model.base_quant=nf4"],
                           "model.base_quant=nf4 with a mixture of experts (model.moe.num_experts=8): expert weights are not stored quantized yet"),
@@ -283,17 +289,20 @@ def test_planner_counts_expert_weights_by_the_expert_axis_and_all_to_all_traffic
     assert matmul_params(m) == matmul_params(dense_mlp) + m.num_layers * m.d_model * 8
 
 
-@pytest.mark.parametrize("rules, ici", [("fsdp_ep", (2, 2, 1, 1, 2)), ("fsdp_tp_ep", (1, 2, 2, 1, 2)), ("dp_ep", (2, 1, 1, 1, 4)),
-                                        ("fsdp", (2, 4, 1, 1, 1))])
-def test_dropless_sorts_per_device_and_matches_one_device(rules, ici):
+@pytest.mark.parametrize("rules, ici, grouped_matmul", [
+    ("fsdp_ep", (2, 2, 1, 1, 2), "xla"), ("fsdp_tp_ep", (1, 2, 2, 1, 2), "xla"), ("dp_ep", (2, 1, 1, 1, 4), "xla"),
+    ("fsdp", (2, 4, 1, 1, 1), "xla"), pytest.param("fsdp_tp_ep", (1, 2, 2, 1, 2), "tokamax", marks=needs_tokamax)])
+def test_dropless_sorts_per_device_and_matches_one_device(rules, ici, grouped_matmul):
     """Dropless dispatch on a mesh: each device sorts its own tokens (those of its expert group, gathered over the
     expert axis) for its own experts, summed back to the tokens' devices; the objective and every gradient equal
     one device's. A global sort made GSPMD gather every token to every device (and replicate dispatch tensors whole
     on fsdp_ep with data 2 and on fsdp_tp_ep). With adapters on the experts (B random), theirs too: A's embed
-    dimension gathered with the weights', the down adapter's partial sums over tensor summed with the output's."""
+    dimension gathered with the weights', the down adapter's partial sums over tensor summed with the output's.
+    tokamax's grouped matmul (its XLA implementation on CPUs) inside the shard_map, which has no vma checks for it:
+    the tensor sum's gradient is scaled back by hand there (models/moe.py _sum_over)."""
     from jaxtrain.partitioning import model_tracing
 
-    cfg = with_(_moe_config(rules, ici), train={"global_batch": 16},
+    cfg = with_(_moe_config(rules, ici, grouped_matmul=grouped_matmul), train={"global_batch": 16},
                 model={"lora": LoraConfig(rank=2, alpha=3.0, targets="q,gate,up,down")})
     layout = make_layout(cfg)
     graphdef = model_spec(cfg.model).graphdef
@@ -311,3 +320,35 @@ def test_dropless_sorts_per_device_and_matches_one_device(rules, ici):
     np.testing.assert_allclose(value, expected, rtol=1e-6)
     for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(expected_grads)):
         np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+@needs_tokamax
+def test_grouped_matmul_auto_is_tokamax_on_nvidia_gpus_where_it_runs_and_xla_elsewhere(monkeypatch):
+    import importlib.metadata
+
+    from jaxtrain.config import resolve_for_devices
+
+    cfg = _moe_config()
+    assert cfg.model.moe.grouped_matmul == "auto"
+    resolved = lambda gpu: resolve_for_devices(cfg, nvidia_gpu=gpu, cpu=not gpu).model.moe.grouped_matmul  # noqa: E731
+    assert (resolved(True), resolved(False)) == ("tokamax", "xla")
+    assert resolve_for_devices(with_(cfg, model={"moe": dataclasses.replace(cfg.model.moe, grouped_matmul="xla")}),
+                               nvidia_gpu=True).model.moe.grouped_matmul == "xla"  # explicit values stay
+    tokamax = dataclasses.replace(cfg.model.moe, grouped_matmul="tokamax")
+    version = importlib.metadata.version
+    # tokamax 0.0.12 on jax 0.11 (the GPU image's): its Triton kernel calls pl.dot, which jax 0.11 removed
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: {"jax": "0.11.2", "tokamax": "0.0.12"}.get(name) or version(name))
+    assert resolved(True) == "xla"
+    assert tokamax.problems() == ["model.moe.grouped_matmul=tokamax: tokamax 0.0.12's kernels do not run on jax 0.11.2 (they "
+                                  "call Pallas APIs that jax 0.11 removed or changed); use jax 0.10, or a tokamax release for jax "
+                                  "0.11; or set model.moe.grouped_matmul=xla"]
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: {"jax": "0.11.2", "tokamax": "0.0.13"}.get(name) or version(name))
+    assert resolved(True) == "tokamax"  # a later release is taken as fixed
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert resolved(True) == "xla"
+    assert tokamax.problems() == ["model.moe.grouped_matmul=tokamax: it needs the tokamax package; pip install "
+                                  "'jaxtrain[moe-gpu]'; or set model.moe.grouped_matmul=xla"]

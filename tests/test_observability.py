@@ -105,6 +105,9 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     assert summary["params"] == num_params and summary["devices"] == 8 and summary["processes"] == 1
     assert summary["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1} and summary["rules"] == "fsdp_tp"
     assert summary["attention"] == "chunked"  # model.attention=auto on CPUs
+    assert summary["grouped_matmul"] is None  # a dense model (mixture of experts: model.moe.grouped_matmul as resolved)
+    assert "; experts' grouped matmul tokamax" in format_summary(summary | {"grouped_matmul": "tokamax"})
+    assert "grouped matmul" not in format_summary(summary)
     # model.scan_layers=auto on CPUs: the compiled step has no loop (no micro-batches either here) but those of the
     # embedding gradient's scatter, where XLA:CPU's older code generator (the tests' conftest) compiles it to one
     loops = [op for op in trainer.train_step.as_text().splitlines() if " while(" in op and "scatter" not in op]

@@ -3,6 +3,7 @@ plugin: `make test-gpu-plan` runs this file in its own environment (.venv-gpu-pl
 environment has no plugin, so there every test here is skipped (the device selection itself is tested in
 test_plan.py with stand-in devices)."""
 
+import dataclasses
 import importlib
 import json
 import os
@@ -31,7 +32,7 @@ if not any(_installed(f"jax_plugins.xla_cuda{cuda}") for cuda in (12, 13)):
     pytest.skip("jax's CUDA plugin is not installed (make test-gpu-plan)", allow_module_level=True)
 
 from jaxtrain.config import AxisSizes  # noqa: E402
-from models.config import MoEConfig, PipelineConfig  # noqa: E402
+from models.config import MoEConfig, PipelineConfig, tokamax_problem  # noqa: E402
 from jaxtrain.plan import gpu_targets  # noqa: E402
 from jaxtrain.plan import estimate as plan_lib  # noqa: E402
 from jaxtrain.layout import compile_train_step, make_layout  # noqa: E402
@@ -249,16 +250,24 @@ def test_compile_and_estimate_match_the_h200_measurements(row):
     assert abs(plan_lib.estimate_total(plan_lib.estimate(layout)) / compiled.total - 1) < 0.05
 
 
-@pytest.mark.parametrize("dispatch, remat, estimated_over_compiled", [
-    ("dropless", "none", (0.70, 0.80)), ("dropless", "full", (0.80, 0.95)), ("capacity", "full", (0.95, 1.1))])
-def test_expert_parallel_dispatch_moves_what_step_cost_predicts(dispatch, remat, estimated_over_compiled):
+# tokamax's kernels need jax 0.10 (make test-gpu-plan); on 0.11 (make test-gpu-plan-next) they do not run
+needs_tokamax = pytest.mark.skipif(tokamax_problem() is not None, reason=f"model.moe.grouped_matmul=tokamax: {tokamax_problem()}")
+
+
+@pytest.mark.parametrize("dispatch, grouped_matmul, remat, estimated_over_compiled", [
+    ("dropless", "xla", "none", (0.70, 0.80)), ("dropless", "xla", "full", (0.80, 0.95)),
+    pytest.param("dropless", "tokamax", "none", (0.80, 0.95), marks=needs_tokamax),
+    pytest.param("dropless", "tokamax", "full", (0.95, 1.1), marks=needs_tokamax), ("capacity", "xla", "full", (0.95, 1.1))])
+def test_expert_parallel_dispatch_moves_what_step_cost_predicts(dispatch, grouped_matmul, remat, estimated_over_compiled):
     """8 experts over expert 4 x data 2 (dp_ep). Dropless: each device gathers its expert group's tokens (with their
     router weights and choices) and reduce-scatters its experts' outputs back, forward and backward, and gathers again
     in a recomputed forward (models/moe.py); a global sort made GSPMD gather the whole batch to every device. Capacity:
     all-to-alls of capacity-sized buffers. The estimate counts the gathered rows (4x the routed tokens) and their
-    hidden states in the backward; measured here: dropless 0.77 (remat none) and 0.88 (full), capacity 1.02 (full)."""
+    hidden states in the backward; measured here: dropless 0.77 (remat none) and 0.88 (full) with XLA's grouped
+    matmul, whose dense expansion over the experts the estimate does not count, 0.87 and 1.08 with tokamax's, capacity
+    1.02 (full)."""
     cfg = with_(medium_config("dp_ep", remat, mesh=(2, 1, 1, 1, 4)),
-                model={"moe": MoEConfig(num_experts=8, top_k=2, dispatch=dispatch), "mlp_dim": 512})
+                model={"moe": MoEConfig(num_experts=8, top_k=2, dispatch=dispatch, grouped_matmul=grouped_matmul), "mlp_dim": 512})
     plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
     assert not [w for w in plan.compiled.hlo.warnings if "Involuntary full rematerialization" in w]
     assert plan.compiled_traffic["expert"] == pytest.approx(plan.step_time.traffic_bytes["expert"], rel=0.005)
@@ -300,9 +309,39 @@ def test_the_router_picks_the_experts_of_each_devices_tokens_on_that_device(rule
 
 def test_dropless_dispatch_sums_the_tokens_gradient_over_tensor_after_reducing_it_to_the_devices_own():
     """fsdp_tp_ep: autodiff summed the gathered tokens' gradient over tensor for the whole expert group, then reduced
-    it to each device's tokens (1.6x step_cost's tensor bytes on this config); models/moe.py makes the tokens vary
-    over tensor before the gather, so the sum follows the reduce-scatter."""
+    it to each device's tokens (1.6x step_cost's tensor bytes on this config); in the shard_map without vma checks
+    (tokamax's kernels) the sum is at its boundary, after the reduce-scatter, and the experts' partial outputs' sum
+    over tensor takes no all-reduce of its gradient (models/moe.py _sum_over; 1.24x step_cost's bytes with one)."""
     cfg = with_(small_config("fsdp_tp_ep", (1, 2, 2, 1, 2), mlp_dim=64, d_model=64, dtype="bfloat16", scan_layers=True,
                              moe=MoEConfig(num_experts=4, top_k=2)), train={"global_batch": 16}, data={"seq_len": 64})
     plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
     assert plan.compiled_traffic["tensor"] == pytest.approx(plan.step_time.traffic_bytes["tensor"], rel=0.05)
+
+
+@needs_tokamax
+@pytest.mark.parametrize("rules, mesh", [("fsdp", (1, 8, 1)), ("fsdp_tp_ep", (1, 2, 2, 1, 2))])
+def test_tokamax_keeps_the_dropless_grouped_matmul_grouped_where_xla_expands_it_over_every_expert(rules, mesh):
+    """XLA's GPU compiler turns jax.lax.ragged_dot into a dense matmul over every expert (each routed row times all 8
+    experts' weights, masked): buffers of (experts, rows, hidden) and 8x the matmul FLOPs. With tokamax's grouped
+    matmul (auto on NVIDIA GPUs where installed) the products are its Triton kernels and no such buffer is left; with
+    expert adapters (LoRA) too, whose rank-sized products are dense matmuls over the experts side by side
+    (models/moe.py _rank_sized_matmul), not grouped ones."""
+    from models.config import LoraConfig
+
+    base = with_(small_config(rules, mesh, mlp_dim=256, d_model=128, dtype="bfloat16", scan_layers=True, remat="full",
+                              moe=MoEConfig(num_experts=8, top_k=2), lora=LoraConfig(rank=4, alpha=8.0)),
+                 train={"global_batch": 16}, data={"seq_len": 128})
+    programs = {}
+    for grouped_matmul in ("xla", "tokamax"):
+        cfg = with_(base, model={"moe": dataclasses.replace(base.model.moe, grouped_matmul=grouped_matmul)})
+        plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
+        assert plan.cfg.model.moe.grouped_matmul == grouped_matmul
+        programs[grouped_matmul] = (plan, plan.compiled.hlo)
+    (xla_plan, xla), (tokamax_plan, tokamax) = programs["xla"], programs["tokamax"]
+    # XLA's dense expansion: every expert's weights for every row, 8x the experts' products, which are most of this
+    # model's FLOPs; tokamax's products are Triton custom calls, outside XLA's matmul count
+    assert sum(xla.matmul_flops.values()) > 4 * sum(tokamax.matmul_flops.values())
+    assert tokamax.custom_calls.get("__gpu$xla.gpu.triton", 0) > 0 and "__gpu$xla.gpu.triton" not in xla.custom_calls
+    assert tokamax_plan.compiled.total < xla_plan.compiled.total
+    assert "expands jax.lax.ragged_dot over every expert" in plan_lib.render(xla_plan)  # the plan says so, and what to do
+    assert "experts' grouped matmul tokamax" in plan_lib.render(tokamax_plan) and "expands" not in plan_lib.render(tokamax_plan)

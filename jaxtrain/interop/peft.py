@@ -137,7 +137,8 @@ def targets_of(config: dict, where: Path, model_cfg: LlamaConfig) -> str:
     if parameters and (not model_cfg.moe.num_experts or None in named):
         raise UserError(f"{where / CONFIG_FILE}: target_parameters {parameters} are not this base's expert parameters "
                         f"({', '.join(experts) if model_cfg.moe.num_experts else 'a dense model has none'})")
-    return ",".join([ours[m] for m in modules] + [t for name in named for t in EXPERT_LORA[name][0]])
+    chosen = {ours[m] for m in modules} | {t for name in named for t in EXPERT_LORA[name][0]}
+    return ",".join(t for t in LORA_TARGETS if t in chosen)  # PEFT keeps its lists as sets: their order varies
 
 
 def adapter_config(model_cfg: LlamaConfig, base_path: str | None) -> dict:

@@ -121,6 +121,8 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
     return {
         "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count(),
         "mesh": dict(mesh.shape), "rules": cfg.rules, "attention": cfg.model.attention,
+        # model.moe.grouped_matmul as resolved (auto), for dropless dispatch; null without it
+        "grouped_matmul": cfg.model.moe.grouped_matmul if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "dropless" else None,
         # pipeline stages loop over their layers with a scan whatever model.scan_layers says (models/pipeline.py)
         "layers": "scanned" if cfg.model.scan_layers or schedule(cfg, layout.rules, mesh).stages > 1 else "unrolled",
         "params": layout.spec.num_params, "params_per_device": elements_per_device(state.params),
@@ -152,7 +154,7 @@ def format_summary(s: dict[str, Any]) -> str:
     peak = "unknown" if s["peak_flops_per_device"] is None else f"{s['peak_flops_per_device'] / 1e12:.3g} TFLOP/s"
     return "\n".join([
         f"jaxtrain: {s['devices']} x {s['device_kind']} in {s['processes']} process(es); mesh {mesh}; rules {s['rules']}; {s['attention']} attention; "
-        f"{s['layers']} layers",
+        f"{s['layers']} layers" + (f"; experts' grouped matmul {s['grouped_matmul']}" if s.get("grouped_matmul") else ""),
         f"  parameters {s['params']:,} ({s['params_per_device']:,} per device); per device: params "
         f"{s['param_bytes_per_device'] / GIB:.3g} GiB, optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB",
         f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "

@@ -256,7 +256,10 @@ def compile_truth(layout: Layout, hlo_report: bool = False) -> Compiled:
     if layout.cfg.model.attention == "cudnn" and platform(layout) != "gpu":  # the model is rebuilt: it holds the choice
         layout = make_layout(_with_attention(layout, "xla").cfg, list(layout.mesh.devices.flat))
     start = time.perf_counter()
-    train_lowered, _ = lower_steps(layout)
+    # the mesh's device as jax's default while tracing: tokamax's ragged dot (model.moe.grouped_matmul) picks its GPU
+    # kernel by the default device, which is never a compile-only GPU
+    with jax.default_device(layout.mesh.devices.flat[0]):
+        train_lowered, _ = lower_steps(layout)
     # XLA logs its warnings only as it compiles: a program read back from a persistent cache (one set with
     # JAX_COMPILATION_CACHE_DIR) would come without them, so the report's compile bypasses any cache
     with captured_stderr() if hlo_report else contextlib.nullcontext([""]) as log, \
@@ -642,8 +645,14 @@ def render(plan: Plan) -> str:
 
     c, cfg = plan.compiled, plan.cfg
     mesh = describe_axes(plan.mesh)
+    moe = cfg.model.moe
+    grouped = f"experts' grouped matmul {moe.grouped_matmul}, " if moe.num_experts and moe.dispatch == "dropless" else ""
     lines = [(f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat}, {cfg.model.attention} attention, "
-              f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"),
+              f"{grouped}batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"),
+             *([f"note: XLA's GPU compiler expands jax.lax.ragged_dot over every expert ({moe.num_experts}x the experts' "
+                "FLOPs and a dense (experts, rows, hidden) array per product, which the estimate leaves out); pip install "
+                "'jaxtrain[moe-gpu]' for tokamax's kernels (model.moe.grouped_matmul=auto picks them)"]
+               if grouped and moe.grouped_matmul == "xla" and plan.gpu else []),
              "", f"{'per device':<22}{'estimate':>12}   compiled by XLA for {c.device_kind}, {c.attention} attention"]
     compiled_rows = [("arguments (state, batch)", c.argument), ("outputs not aliased", c.output - c.alias), ("temporaries", c.temp)]
     at_peak = peak_items(plan.estimate)
@@ -730,6 +739,9 @@ def render_hlo(plan: Plan) -> list[str]:
         lines.append(f"  computed twice: {hlo.duplicated_matmul_flops:.3g} FLOPs ({100 * hlo.duplicated_matmul_flops / total:.1f}%), "
                      "the same two arrays multiplied again (jax 0.11's dynamic-slice fusion of a cuBLAS gemm whose result "
                      "the layer scan saves: XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false, jaxtrain's default)")
+    if hlo.custom_calls:  # their FLOPs are not in the matmul line: XLA does not see inside them
+        lines.append("custom calls per step (library and Pallas kernels; their FLOPs are not counted above): "
+                     + ", ".join(f"{target} {runs:g}" for target, runs in hlo.custom_calls.items()))
     moved = hlo.kernel_bytes
     bandwidth = next((g.memory_bandwidth for g in GPU_MODELS.values() if g.description == c.device_kind), None)
     at_bandwidth = f" (at least {1e3 * moved['other'] / bandwidth:.0f} ms at {bandwidth / 1e12:.2g} TB/s)" if bandwidth else ""

@@ -119,6 +119,9 @@ class HloReport:
     # computed a second time (the same two arrays multiplied again in the same computation)
     library_matmul_flops: float = 0.0
     duplicated_matmul_flops: float = 0.0
+    # custom calls run per step by target: library kernels (cuBLAS, cuDNN) and kernels of jax's (Pallas: Triton
+    # and Mosaic GPU), e.g. tokamax's grouped matmul ("__gpu$xla.gpu.triton")
+    custom_calls: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def groups(self) -> list[dict]:
         """The collectives by (kind, mesh axes): instructions, executions, bytes and traffic per step, async and
@@ -164,7 +167,8 @@ class HloReport:
                 "xla_warning_meanings": [warning_meaning(w) for w in self.warnings],
                 "matmul_flops_by_operand_types": self.matmul_flops, "library_matmul_flops": self.library_matmul_flops,
                 "duplicated_matmul_flops": self.duplicated_matmul_flops, "kernel_bytes_per_step": self.kernel_bytes,
-                "largest_other_kernels": [{"op_name": name, "bytes": b} for name, b in self.largest_other_kernels]}
+                "largest_other_kernels": [{"op_name": name, "bytes": b} for name, b in self.largest_other_kernels],
+                "custom_calls_per_step": self.custom_calls}
 
 
 def _array_bytes(type_text: str) -> list[int]:
@@ -512,6 +516,7 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
     library_flops = duplicated_flops = 0.0
     kernel_bytes = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     other_kernels: dict[str, float] = {}
+    custom_calls: dict[str, float] = {}
     for comp, (times, known, async_start) in reached.items():
         for gemm, operand_types, flops in _gemms(computations, comp):
             matmul_flops[operand_types] = matmul_flops.get(operand_types, 0.0) + times * flops
@@ -527,6 +532,8 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
                     key = name.group(1) if name else ins.name
                     other_kernels[key] = other_kernels.get(key, 0.0) + times * moved
             attention_calls += "fmha" in _library_call(ins)
+            if _library_call(ins):
+                custom_calls[_library_call(ins)] = custom_calls.get(_library_call(ins), 0.0) + times
             kind = ins.opcode.removesuffix("-start")
             if kind not in COLLECTIVES:
                 continue
@@ -547,7 +554,7 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
     largest = tuple(sorted(other_kernels.items(), key=lambda item: -item[1])[:LARGEST_KERNELS])
     return HloReport(tuple(collectives), fusions, "cudnn" if attention_calls else "xla", attention_calls, warnings,
                      dict(sorted(matmul_flops.items(), key=lambda item: -item[1])), kernel_bytes, largest, library_flops,
-                     duplicated_flops)
+                     duplicated_flops, dict(sorted(custom_calls.items(), key=lambda item: -item[1])))
 
 
 def partitioned_hlo(lowered) -> str:
