@@ -1,5 +1,6 @@
 """Memory techniques: ZeRO-1/2 rule sets, float16 with dynamic loss scaling, host offload; their bad input."""
 
+import dataclasses
 import json
 import shutil
 from types import SimpleNamespace
@@ -212,6 +213,10 @@ def test_planner_itemises_each_technique_and_suggests_them():
     # gradients (4). Both split the update too, which a GPU applies in place: no buffer of its own
     assert plan_lib.peak_moment(plan_lib.estimate(layout, plan_lib.ACCELERATOR)) == "layer backward"
     assert effects["rules=zero1"].saved == pytest.approx(params * 8 * 7 / 8, abs=64)
+    assert effects["rules=zero1"].describe().startswith("rules=zero1: saves ")
+    # a technique that costs memory says so (it read "saves -76.68 GiB" for zero1 on an FSDP LoRA plan)
+    more = dataclasses.replace(effects["rules=zero1"], saved=-3 * 2**30)
+    assert more.describe().startswith("rules=zero1: adds 3.00 GiB per device, step time x")
     assert effects["rules=zero2"].saved == pytest.approx(params * 12 * 7 / 8, abs=64)
     # offload: the moments (8 bytes a parameter) and the float32 master weights, for a bfloat16 copy (4 - 2)
     assert effects["optim.offload=true"].saved == pytest.approx(params * (8 + 2), abs=64) and effects["optim.offload=true"].host_s > 0

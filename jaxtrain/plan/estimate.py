@@ -466,7 +466,8 @@ class Technique:
 
     def describe(self) -> str:
         host = f", {1e3 * self.host_s:.0f} ms/step of host transfer at PCIe bandwidth" if self.host_s else ""
-        return f"{self.change}: saves {self.saved / GIB:.2f} GiB per device, step time x{self.relative_step_time:.2f}{host}"
+        effect = f"saves {self.saved / GIB:.2f}" if self.saved >= 0 else f"adds {-self.saved / GIB:.2f}"  # e.g. zero1 over FSDP
+        return f"{self.change}: {effect} GiB per device, step time x{self.relative_step_time:.2f}{host}"
 
 
 def technique_effects(layout: Layout, gpu: str | None = None) -> list[Technique]:
