@@ -102,3 +102,22 @@ def test_expert_adapters_equal_peft_on_the_fused_expert_parameters_both_ways(nam
     assert all(np.array_equal(written[k], theirs[k]) for k in theirs)
     reloaded = peft.PeftModel.from_pretrained(model_cls.from_pretrained(hf_dir), exported).eval()
     _assert_close(_hf_logits(reloaded), expected)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"target_modules": ["q_proj", "gate_proj"]}, "target_modules gate_proj on a mixture of experts name the shared expert's projections"),
+    ({"target_modules": ["w1", "w2", "w3"]}, "target_modules ['w1', 'w2', 'w3'] are not all Llama projections"),  # transformers 4's experts
+    ({"target_modules": ["q_proj"], "target_parameters": ["experts.w13"]}, "target_parameters ['experts.w13'] are not this base's"),
+    ({"target_parameters": ["experts.gate_up_proj"], "dense": True}, "are not this base's expert parameters (a dense model has none)"),
+])
+def test_peft_adapters_jaxtrain_cannot_take_are_one_line(config, message, tmp_path):
+    """What jaxtrain takes no adapter on: Qwen2-MoE's shared expert, transformers 4's per-expert modules, other
+    parameters; and expert parameters on a dense base."""
+    from jaxtrain.errors import UserError
+    from jaxtrain.interop import peft as peft_io
+    from models.config import LlamaConfig, MoEConfig
+
+    base = LlamaConfig() if config.pop("dense", False) else LlamaConfig(moe=MoEConfig(num_experts=4))
+    with pytest.raises(UserError) as error:
+        peft_io.targets_of(config, tmp_path, base)
+    assert message in str(error.value) and "\n" not in str(error.value)
