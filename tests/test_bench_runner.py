@@ -64,6 +64,11 @@ def test_checkpoint_benchmark_runs_at_a_small_size(tmp_path, monkeypatch):
     assert results["checkpoint_state_bytes"] == (16 << 20) + 4  # the arrays and the int32 step
     assert all(results[key] > 0 for key in ("checkpoint_sync_save_s", "checkpoint_restore_s", "checkpoint_async_loop_s"))
     assert list((tmp_path / "runs").iterdir()) == []  # it deletes what it wrote
-    # small replicated arrays: Orbax's default slicing side by side with jaxtrain's threshold, which it puts back
-    assert results["small_replicated_first_save_ratio"] > 1, results["small_replicated_save_s"]
+    # small replicated arrays: Orbax's default slicing side by side with jaxtrain's threshold, which it puts back.
+    # The ratio is a measurement, not asserted: the tests' shared compilation cache may already hold Orbax's slicing
+    # programs, so its first save need not compile them (0.92 in one clean-clone run, above 1 in others); what the
+    # threshold does is test_checkpoint's (one replica writes a small array whole)
+    times = results["small_replicated_save_s"]
+    assert set(times) == {"jaxtrain", "orbax_default"} and all(len(t) == 2 and min(t) > 0 for t in times.values())
+    assert results["small_replicated_first_save_ratio"] == times["orbax_default"][0] / times["jaxtrain"][0]
     assert bench_checkpoint.checkpoint_lib.REPLICA_SLICE_MIN_BYTES == 1 << 20
