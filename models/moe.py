@@ -97,7 +97,11 @@ class MoE(nnx.Module):
     def _dropless(self, x, weights, experts):
         axes = dropless_axes(x.shape[0])
         if axes is None:  # one device, or a layout the per-device sort does not cover: GSPMD partitions the global one
-            return _own_experts_output(x, weights, experts, self._expert_params(), self.moe.grouped_matmul)
+            # jax's grouped matmul there on a mesh: GSPMD cannot split a kernel's custom call, and replicated the
+            # experts' weights for tokamax's (pure tensor parallelism, tp: the batch split over no axis)
+            mesh = jax.sharding.get_abstract_mesh()
+            grouped_matmul = self.moe.grouped_matmul if mesh.empty or mesh.size == 1 else "xla"
+            return _own_experts_output(x, weights, experts, self._expert_params(), grouped_matmul)
         batch, by_expert, embed, mlp = axes
         own = self.moe.num_experts // math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in by_expert)
         # how each array is split: the weights (gate, up, down), then the adapters' (a, b) by their logical axes
