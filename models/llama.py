@@ -281,16 +281,22 @@ class Block(nnx.Module):
 # 1.7e13 FLOPs each, at TF32's rate at best, beside (batch, length, vocab) float32 operands read twice. Casting the
 # logits' gradient to the compute dtype first is what bfloat16 training does everywhere else; a float32 model is
 # unchanged (the cast is a no-op).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _project_to_vocab(equation: str, x: jax.Array, table: jax.Array) -> jax.Array:
-    return jnp.einsum(equation, x, table, preferred_element_type=jnp.float32)
+#
+# The table comes cast in its stored layout (else XLA moves the cast behind the gather and gathers float32), is laid
+# out as the product needs it (FSDP: gathered) once, and is saved so: the backward's two products use that copy. Left
+# to GSPMD, the backward's product of the logits' gradient and the table gathered it again wherever XLA did not find
+# the two gathers the same (fsdp_tp with data > 1: both in one combined all-gather, twice the table's bytes over fsdp).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _project_to_vocab(equation: str, table_axes: tuple[str, str], x: jax.Array, table: jax.Array) -> jax.Array:
+    return jnp.einsum(equation, x, constrain(table, table_axes), preferred_element_type=jnp.float32)
 
 
-def _project_to_vocab_fwd(equation, x, table):
-    return _project_to_vocab(equation, x, table), (x, table)
+def _project_to_vocab_fwd(equation, table_axes, x, table):
+    table = constrain(table, table_axes)
+    return _project_to_vocab(equation, table_axes, x, table), (x, table)
 
 
-def _project_to_vocab_bwd(equation, residuals, grad):
+def _project_to_vocab_bwd(equation, table_axes, residuals, grad):
     x, table = residuals
     _, vjp = jax.vjp(lambda x, table: jnp.einsum(equation, x, table), x, table)
     return vjp(grad.astype(x.dtype))
@@ -422,7 +428,9 @@ class Llama(nnx.Module):
         if dtype == jnp.float16:  # float16 logits overflow, and XLA:CPU has no float16 product into float32
             x, dtype = x.astype(jnp.float32), jnp.dtype(jnp.float32)
         if self.cfg.tie_embeddings:
-            logits = _project_to_vocab("btd,vd->btv", x, self.embed[...].astype(dtype))
+            logits = _project_to_vocab("btd,vd->btv", ("activation_vocab", "activation_embed"), x,
+                                       constrain(self.embed[...].astype(dtype), EMBEDDING_AXES))
         else:
-            logits = _project_to_vocab("btd,dv->btv", x, self.lm_head[...].astype(dtype))
+            logits = _project_to_vocab("btd,dv->btv", ("activation_embed", "activation_vocab"), x,
+                                       constrain(self.lm_head[...].astype(dtype), ("embed", "vocab")))
         return constrain(logits, (BATCH, LENGTH, "activation_vocab"))
