@@ -9,7 +9,9 @@ device, d_model 64, float32, interleaved repetitions in one run, so a noisy shar
   step times, their ratio and step_cost's expert-parallel bytes per device and step for each;
 - ``moe_lora``: 8 experts, dropless, one device: LoRA (rank 8) on attention and every expert (PEFT's
   target_parameters) and on attention alone, beside training every weight: step times and the expert adapters'
-  cost over attention-only adapters.
+  cost over attention-only adapters;
+- ``moe_remat``: 8 experts, dropless and capacity, one device: ``model.remat=save_dots`` (which keeps the experts'
+  rows, gate, up and output: models/llama.py EXPERT_SAVED) against ``full``, step times and their ratio.
 
 On CPUs ``jax.lax.ragged_dot`` runs as a dense product masked per group (every expert's weights against every
 row), so the dropless path's cost grows with the expert count here; GPUs have grouped-matmul kernels.
@@ -83,6 +85,19 @@ def expert_adapters() -> dict:
     return {"step_s": times, "experts_over_attention_only": times["lora_attention_and_experts"] / times["lora_attention"]}
 
 
+def remat_policies() -> dict:
+    corpus = random_corpus(MODEL.vocab_size)
+    contenders, batch = {}, None
+    for dispatch in ("dropless", "capacity"):
+        moe = MoEConfig(num_experts=8, top_k=TOP_K, dispatch=dispatch, capacity_factor=1.25)
+        for remat in ("full", "save_dots"):
+            cfg = config(dataclasses.replace(MODEL, mlp_dim=EXPERT_MLP, moe=moe, remat=remat), mesh=ONE_DEVICE, rules="dp")
+            trainer, contenders[f"{dispatch}_{remat}"] = _contender(cfg, corpus, jax.devices()[:1])
+            batch = batch or fixed_batch(trainer)
+    times = interleaved_medians(contenders, batch, REPEATS)
+    return {"step_s": times, "save_dots_over_full": {d: times[f"{d}_save_dots"] / times[f"{d}_full"] for d in ("dropless", "capacity")}}
+
+
 def run() -> dict:
     times = _timed("moe_step_times", step_times)
     return {
@@ -91,4 +106,5 @@ def run() -> dict:
         "moe_dropless_over_capacity": {str(e): times[f"{e}_dropless"] / times[f"{e}_capacity"] for e in (8, 64)},
         "moe_expert_parallel": _timed("moe_expert_parallel", expert_parallel),
         "moe_lora": _timed("moe_lora", expert_adapters),
+        "moe_remat": _timed("moe_remat", remat_policies),
     }

@@ -107,6 +107,11 @@ ROWS = (
     # and LoRA on the experts (rank 16 on attention and every expert, bf16 frozen base: PEFT's target_parameters)
     Row("moe_mixtral_layers_capacity", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2", "model.remat=full",
                                                         "model.attention=auto", "model.moe.dispatch=capacity"), 75),
+    # the same with save_dots, which keeps the experts' rows, gate, up and output (models/llama.py EXPERT_SAVED): the
+    # backward does not multiply by the experts again
+    Row("moe_mixtral_layers_capacity_save_dots", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2",
+                                                                  "model.remat=save_dots", "model.attention=auto",
+                                                                  "model.moe.dispatch=capacity"), 75),
     *(Row(f"moe_mixtral_layers_dropless{suffix}", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2", "model.remat=full",
                                                                   "model.attention=auto", "model.moe.dispatch=dropless", *extra), 75)
       for suffix, extra in (("", ()), ("_lora", ("model.param_dtype=bfloat16", "model.lora.rank=16", "model.lora.alpha=32")))),

@@ -34,6 +34,10 @@ EMBED_ACT = (BATCH, LENGTH, "activation_embed")
 LAYER_CACHE = (BATCH, "cache_length", "activation_kv_heads", "activation_head_dim")
 
 QKV_OUT = ("query_proj", "key_proj", "value_proj", "attn_out")
+# a mixture of experts' routed rows, their gate and up projections and their output (models/moe.py): the experts'
+# products are grouped matmuls (dropless) or dots batched over the experts (capacity), which a policy of dots without
+# batch dimensions does not keep
+EXPERT_SAVED = ("expert_rows", "expert_gate", "expert_up", "expert_out")
 # cuDNN's fused (flash) attention forward, as jax 0.10 and 0.11 name its primitive in a jaxpr
 FUSED_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
 
@@ -46,14 +50,27 @@ def _keeping_fused_attention(policy):
     return lambda prim, *avals, **params: prim.name == FUSED_ATTENTION_FORWARD or policy(prim, *avals, **params)
 
 
+def _offloading_either(policy_1, policy_2):
+    """What ``policy_1`` offloads, else what ``policy_2`` says (jax's save_from_both_policies takes booleans only)."""
+    def policy(prim, *avals, **params):
+        decision = policy_1(prim, *avals, **params)
+        return decision if isinstance(decision, tuple) else policy_2(prim, *avals, **params)  # tuple: an Offloadable
+    return policy
+
+
 REMAT_POLICY_FNS = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    # weight matmul outputs are kept; attention score matmuls (batched dots: XLA attention) are recomputed
-    "save_dots": _keeping_fused_attention(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    # weight matmul outputs are kept, the experts' too; attention score matmuls (batched dots: XLA attention) are
+    # recomputed
+    "save_dots": _keeping_fused_attention(jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, jax.checkpoint_policies.save_only_these_names(*EXPERT_SAVED))),
     "save_qkv_out": _keeping_fused_attention(jax.checkpoint_policies.save_only_these_names(*QKV_OUT)),
     # the same activations kept in host memory instead of the device's, copied back for the backward pass
-    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    "offload_dots": _offloading_either(
+        jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+        jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(), names_which_can_be_offloaded=EXPERT_SAVED, offload_src="device", offload_dst="pinned_host")),
     "offload_qkv_out": jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=(), names_which_can_be_offloaded=QKV_OUT, offload_src="device", offload_dst="pinned_host"),
 }

@@ -32,7 +32,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from models.config import EXPERT_LORA, LlamaConfig
-from models.llama import BATCH, EMBED_ACT, MLP, _param
+from jax.ad_checkpoint import checkpoint_name
+
+from models.llama import BATCH, EMBED_ACT, EXPERT_SAVED, MLP, _param
 from models.lora import adapter_name, expert_deltas
 from models.sharding import constrain, mesh_axes_of, split_axes
 
@@ -152,7 +154,7 @@ class MoE(nnx.Module):
         # each expert's slots by its own weights: (batch, experts, capacity, in) x (experts, in, out)
         out = _experts_swiglu(buffer, lambda slots, w: jnp.einsum("beci,eio->beco", slots, w), self._expert_params(),
                               lambda h: constrain(h, HIDDEN_BY_EXPERT))
-        out = constrain(constrain(out, BY_EXPERT), BY_SEQUENCE)
+        out = checkpoint_name(constrain(constrain(out, BY_EXPERT), BY_SEQUENCE), EXPERT_SAVED[-1])
         gathered = jax.vmap(lambda o, expert, slot: o.at[expert, slot].get(mode="fill", fill_value=0))(out, experts, slot)
         return jnp.einsum("btkd,btk->btd", gathered, (weights * kept).astype(gathered.dtype)), kept
 
@@ -179,14 +181,19 @@ class _Split(NamedTuple):
 
 def _experts_swiglu(x, matmul, expert_params, hidden_layout=lambda h: h, adapter_matmul=None):
     """The experts' SwiGLU with ``matmul(x, w)`` multiplying by each expert's weights (gate, up, down), plus the
-    updates of their adapters (``MoE._expert_params``) by ``adapter_matmul`` (default: ``matmul``)."""
+    updates of their adapters (``MoE._expert_params``) by ``adapter_matmul`` (default: ``matmul``). The rows, the
+    gate and up projections and the output are named for the save_dots and offload_dots remat policies
+    (models/llama.py EXPERT_SAVED): kept, the backward neither gathers the rows nor multiplies by the experts again."""
     (w_gate, w_up, w_down), adapters = expert_params
     adapter_matmul = adapter_matmul or matmul
+    rows_name, gate_name, up_name, _ = EXPERT_SAVED  # the output is named by the caller, in the layout it keeps
+    x = checkpoint_name(x, rows_name)
     gate, up = matmul(x, w_gate), matmul(x, w_up)
     if "gate_up" in adapters:
         gate, up = (projection + delta for projection, delta in
                     zip((gate, up), expert_deltas(x, adapter_matmul, *adapters["gate_up"])))
-    hidden = jax.nn.silu(hidden_layout(gate)) * hidden_layout(up)
+    # named as laid out: a residual saved in another layout is moved back for the backward (capacity: an all-to-all)
+    hidden = jax.nn.silu(checkpoint_name(hidden_layout(gate), gate_name)) * checkpoint_name(hidden_layout(up), up_name)
     out = matmul(hidden, w_down)
     return out + expert_deltas(hidden, adapter_matmul, *adapters["down"])[0] if "down" in adapters else out
 
@@ -226,8 +233,8 @@ def _own_experts_output(x, weights, experts, expert_params, grouped_matmul: str,
     rows = x.reshape(b * t, d).at[source].get(mode="fill", fill_value=0)
     ragged_dot = _grouped_matmul(grouped_matmul)
     row_expert = jax.nn.one_hot(group[order], count, dtype=x.dtype)  # other experts' rows: all zeros
-    out = _experts_swiglu(rows, lambda lhs, w: ragged_dot(lhs, w, sizes), expert_params,
-                          adapter_matmul=lambda lhs, w: _rank_sized_matmul(lhs, w, row_expert))
+    out = checkpoint_name(_experts_swiglu(rows, lambda lhs, w: ragged_dot(lhs, w, sizes), expert_params,
+                                          adapter_matmul=lambda lhs, w: _rank_sized_matmul(lhs, w, row_expert)), EXPERT_SAVED[-1])
     out = jnp.zeros_like(out).at[target].set(out, mode="drop").reshape(b, t, k, d)  # back to token order
     return jnp.einsum("btkd,btk->btd", out, weights.astype(out.dtype))
 

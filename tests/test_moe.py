@@ -283,7 +283,10 @@ def test_planner_counts_expert_weights_by_the_expert_axis_and_all_to_all_traffic
     per_token = (m.d_model * 4 + 2 * 8) + m.d_model * 4 + (2 * m.d_model * 4 + 2 * 4) + (m.d_model * 4 + 2 * 4)
     assert step_time(make_layout(dropless)).traffic_bytes["expert"] == pytest.approx(4 * 8 * 256 * per_token)
     assert timed.total_s >= timed.compute_s + timed.communication_s["expert"] > timed.compute_s
-    assert estimate(layout)["dispatch buffers"] == 4 * 4 * 2 * (8 * 256 * m.d_model) * 2.5
+    # the routed rows in and out each layer keeps: save_dots names them (models/llama.py EXPERT_SAVED), save_qkv_out not
+    assert "dispatch buffers" not in estimate(layout)
+    saving_dots = make_layout(with_(layout.cfg, model={"remat": "save_dots"}))
+    assert estimate(saving_dots)["dispatch buffers"] == 4 * 4 * 2 * (8 * 256 * m.d_model) * 2.5
     # FLOPs per token count the 2 chosen experts, not all 8
     dense_mlp = dataclasses.replace(m, moe=MoEConfig(), mlp_dim=2 * m.mlp_dim)
     assert matmul_params(m) == matmul_params(dense_mlp) + m.num_layers * m.d_model * 8
@@ -320,6 +323,53 @@ def test_dropless_sorts_per_device_and_matches_one_device(rules, ici, grouped_ma
     np.testing.assert_allclose(value, expected, rtol=1e-6)
     for (path, g), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(expected_grads)):
         np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def _expert_work(fn, *args) -> dict[str, int]:
+    """How many times ``fn``'s jaxpr (nested ones included: the layer scan, remat, shard_map) multiplies by the experts'
+    weights (grouped matmuls, or dots batched over the experts: operands of ranks 3 and 4) and all-gathers."""
+    found = {"expert products": 0, "all-gathers": 0}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            batched = eqn.primitive.name == "dot_general" and eqn.params["dimension_numbers"][1][0]
+            found["expert products"] += eqn.primitive.name == "ragged_dot_general" or \
+                bool(batched) and sorted(v.aval.ndim for v in eqn.invars) == [3, 4]
+            found["all-gathers"] += eqn.primitive.name == "all_gather"
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_save_dots_keeps_the_experts_products_for_the_backward(dispatch):
+    """The experts' products are grouped matmuls (dropless) or dots batched over the experts (capacity), which jax's
+    policy of dots without batch dimensions does not keep: under save_dots the backward multiplied by the experts
+    again (and gathered the expert group's tokens again), as under full remat, where the planner counted them kept.
+    The rows, gate, up and output are named (models/llama.py EXPERT_SAVED) and kept by save_dots, and moved to host
+    memory by offload_dots: the gradient multiplies by the experts as often as with no remat."""
+    from jaxtrain.partitioning import model_tracing
+
+    cfg = with_(_moe_config("fsdp_ep", (2, 2, 1, 1, 2), dispatch=dispatch), train={"global_batch": 16})
+    tokens = jnp.zeros((16, 16), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+
+    def work(remat):
+        model = dataclasses.replace(cfg.model, remat=remat)
+        graphdef, params = model_spec(model).graphdef, nnx.to_pure_dict(nnx.state(Llama(model, rngs=nnx.Rngs(0))))
+        layout = make_layout(with_(cfg, model={"remat": remat}))
+        with model_tracing(layout.mesh, layout.rules, cfg.rules):
+            return _expert_work(jax.grad(lambda p: training_objective(graphdef, p, batch)[0]), params)
+
+    kept = work("none")
+    assert work("save_dots") == work("offload_dots")
+    assert work("save_dots")["expert products"] == kept["expert products"]
+    # full remat multiplies the forward's 3 again (one scanned layer body)
+    assert work("full")["expert products"] == kept["expert products"] + 3
+    if dispatch == "dropless":  # the expert group's tokens gathered once, not again in the backward
+        assert work("save_dots")["all-gathers"] == work("full")["all-gathers"] - 1
 
 
 @needs_tokamax

@@ -189,7 +189,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     }
     if pipe.repeats > 1:  # the circular schedule's view of the layers (stored split contiguously over stages) is a copy
         items["circular re-layout"] = bytes_per_device(state.params["layers"])
-    if moe.num_experts and m.remat != "full":  # the dispatch and combine buffers (routed residual streams) each layer keeps
+    # the dispatch and combine buffers (routed residual streams) each layer keeps: all of them, or those save_dots
+    # names (models/llama.py EXPERT_SAVED)
+    if moe.num_experts and remat in ("none", "save_dots"):
         items["dispatch buffers"] = int(m.num_layers * stack * 2 * embed * routed)
     return items
 

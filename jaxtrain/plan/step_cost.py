@@ -42,7 +42,7 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
   shards over the expert axes) gathered with their router weights and choices, and the outputs reduce-scattered
   back, in the forward; in the backward the outputs' gradient gathered and the tokens' and router weights'
   gradients reduce-scattered; the tokens and one of the two router arrays gathered again in a recomputed forward
-  (any remat policy; XLA keeps the other); each moves (n - 1) x a device's share. Expert weights are neither gathered nor gradient-reduced over the expert axis.
+  (any remat policy; XLA keeps the other; save_dots and offload_dots keep the tokens, so only that array); each moves (n - 1) x a device's share. Expert weights are neither gathered nor gradient-reduced over the expert axis.
 Tensor-parallel all-reduces, pipeline shifts and expert all-to-alls sit on the critical path (each layer waits for them) and add to the compute;
 weight gathers and gradient reductions do not depend on the layer being computed, so XLA's latency-hiding
 scheduler overlaps them with it and only what exceeds the compute shows. A ranking heuristic, not a
@@ -88,7 +88,9 @@ def expert_bytes_per_token(m: LlamaConfig, expert_ways: int) -> float:
         all_to_alls = 4 + 2 * (m.remat == "full")
         return all_to_alls * moe.top_k * moe.capacity_factor * m.d_model * act * (expert_ways - 1) / expert_ways
     gathers = m.d_model * act + moe.top_k * 8  # the tokens, their float32 router weights and int32 expert choices
-    recomputed = m.d_model * act + moe.top_k * 4  # the tokens and one k-wide router array (XLA keeps the other)
+    # a recomputed forward: the tokens and one k-wide router array (XLA keeps the other); save_dots and offload_dots
+    # keep the gathered tokens (models/llama.py EXPERT_SAVED), not that router array
+    recomputed = moe.top_k * 4 + m.d_model * act * (m.remat not in ("save_dots", "offload_dots"))
     forward = gathers + m.d_model * act  # and the outputs back
     backward = 2 * m.d_model * act + moe.top_k * 4  # the outputs' gradient in, the tokens' and weights' back
     return (forward + backward + recomputed * (m.remat != "none")) * (expert_ways - 1)
