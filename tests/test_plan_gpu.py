@@ -257,7 +257,7 @@ needs_tokamax = pytest.mark.skipif(tokamax_problem() is not None, reason=f"model
 
 
 @pytest.mark.parametrize("dispatch, grouped_matmul, remat, estimated_over_compiled", [
-    ("dropless", "xla", "none", (0.70, 0.80)), ("dropless", "xla", "full", (0.80, 0.95)),
+    ("dropless", "xla", "none", (0.80, 0.90)), ("dropless", "xla", "full", (0.95, 1.1)), ("dropless", "xla", "save_dots", (0.95, 1.1)),
     pytest.param("dropless", "tokamax", "none", (0.80, 0.95), marks=needs_tokamax),
     pytest.param("dropless", "tokamax", "full", (0.95, 1.1), marks=needs_tokamax),
     pytest.param("dropless", "tokamax", "save_dots", (0.95, 1.15), marks=needs_tokamax), ("capacity", "xla", "full", (0.95, 1.1)),
@@ -267,9 +267,9 @@ def test_expert_parallel_dispatch_moves_what_step_cost_predicts(dispatch, groupe
     router weights and choices) and reduce-scatters its experts' outputs back, forward and backward, and gathers again
     in a recomputed forward (models/moe.py); a global sort made GSPMD gather the whole batch to every device. Capacity:
     all-to-alls of capacity-sized buffers. The estimate counts the gathered rows (4x the routed tokens) and their
-    hidden states in the backward; measured here: dropless 0.77 (remat none) and 0.88 (full) with XLA's grouped
-    matmul, whose dense expansion over the experts the estimate does not count, 0.87 and 1.08 with tokamax's, capacity
-    1.02 (full). save_dots keeps the experts' rows, gate, up and output (models/llama.py EXPERT_SAVED): 1.08 with
+    hidden states in the backward; measured here: dropless 0.84 (remat none), 1.05 (full) and 1.00 (save_dots) with
+    XLA's grouped matmul, whose dense expansion over the experts' gate and up the estimate counts (0.77 and 0.88
+    before), 0.87 and 1.08 with tokamax's, capacity 1.02 (full). save_dots keeps the experts' rows, gate, up and output (models/llama.py EXPERT_SAVED): 1.08 with
     tokamax's, capacity 1.08 (1.68 and 1.27 before the policy kept them, when the backward multiplied them again)."""
     cfg = with_(medium_config("dp_ep", remat, mesh=(2, 1, 1, 1, 4)),
                 model={"moe": MoEConfig(num_experts=8, top_k=2, dispatch=dispatch, grouped_matmul=grouped_matmul), "mlp_dim": 512})

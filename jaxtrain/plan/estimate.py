@@ -159,6 +159,10 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # a mixture of experts' routed rows in the backward: their hidden states (gate, up, their product) recomputed or
     # read and the gradients of those, the rows in and out and theirs, in the compute dtype
     routed_backward = act * tokens * routed * (6 * m.mlp_dim / _ways(layout, "activation_mlp") + 4 * m.d_model)
+    # XLA's GPU compiler expands jax.lax.ragged_dot (dropless, model.moe.grouped_matmul=xla) into a dense product
+    # over every expert the device holds: in a layer's backward the rows' gate and up products for each of them
+    if moe.num_experts and moe.dispatch == "dropless" and moe.grouped_matmul == "xla" and not on_cpu:
+        routed_backward += act * moe.num_experts / _ways(layout, "experts") * tokens * routed * 2 * m.mlp_dim / _ways(layout, "activation_mlp")
     layer_backward = attention_backward + 16 * embed + (16 + act if on_cpu else 4) * lookup_gradient + (4 + act) * layer_weights + frozen_layer \
         + circular_selection + routed_backward
     logit_tokens = b * (cfg.train.loss_chunk or seq)  # train.loss_chunk: one chunk's logits live at a time
@@ -654,7 +658,8 @@ def render(plan: Plan) -> str:
     lines = [(f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat}, {cfg.model.attention} attention, "
               f"{grouped}batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"),
              *([f"note: XLA's GPU compiler expands jax.lax.ragged_dot over every expert ({moe.num_experts}x the experts' "
-                "FLOPs and a dense (experts, rows, hidden) array per product, which the estimate leaves out); pip install "
+                "FLOPs and a dense (experts, rows, hidden) array per product, the estimate's layer backward counts its gate and "
+                "up); pip install "
                 "'jaxtrain[moe-gpu]' for tokamax's kernels (model.moe.grouped_matmul=auto picks them)"]
                if grouped and moe.grouped_matmul == "xla" and plan.gpu else []),
              "", f"{'per device':<22}{'estimate':>12}   compiled by XLA for {c.device_kind}, {c.attention} attention"]
