@@ -29,11 +29,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from models.config import EXPERT_LORA, LlamaConfig
-from jax.ad_checkpoint import checkpoint_name
-
 from models.llama import BATCH, EMBED_ACT, EXPERT_SAVED, MLP, _param
 from models.lora import adapter_name, expert_deltas
 from models.sharding import constrain, mesh_axes_of, split_axes

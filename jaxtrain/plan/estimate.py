@@ -658,9 +658,8 @@ def render(plan: Plan) -> str:
     lines = [(f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat}, {cfg.model.attention} attention, "
               f"{grouped}batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"),
              *([f"note: XLA's GPU compiler expands jax.lax.ragged_dot over every expert ({moe.num_experts}x the experts' "
-                "FLOPs and a dense (experts, rows, hidden) array per product, the estimate's layer backward counts its gate and "
-                "up); pip install "
-                "'jaxtrain[moe-gpu]' for tokamax's kernels (model.moe.grouped_matmul=auto picks them)"]
+                "FLOPs and a dense (experts, rows, hidden) array per product, the estimate's layer backward counts its gate "
+                "and up); pip install 'jaxtrain[moe-gpu]' for tokamax's kernels (model.moe.grouped_matmul=auto picks them)"]
                if grouped and moe.grouped_matmul == "xla" and plan.gpu else []),
              "", f"{'per device':<22}{'estimate':>12}   compiled by XLA for {c.device_kind}, {c.attention} attention"]
     compiled_rows = [("arguments (state, batch)", c.argument), ("outputs not aliased", c.output - c.alias), ("temporaries", c.temp)]
