@@ -24,8 +24,8 @@ from models import pipeline
 from models.attention import chunked_causal_attention
 from models.config import LlamaConfig, RopeScaling
 from models.lora import adapt_block, adapter_delta, layer_inputs, layer_scope
-from models.quant import weight
-from models.sharding import constrain, constrain_mesh_axes, mesh_axes_of, split_axes
+from models.quant import gathering_weights, weight
+from models.sharding import constrain, constrain_mesh_axes, gathered, mesh_axes_of, split_axes
 
 BATCH, LENGTH = "activation_batch", "activation_length"
 EMBEDDING_AXES = ("vocab", "embed")  # the token embedding table's (the planner prices its lookup's gradient apart)
@@ -305,12 +305,17 @@ class Block(nnx.Module):
 # the two gathers the same (fsdp_tp with data > 1: both in one combined all-gather, twice the table's bytes over fsdp).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _project_to_vocab(equation: str, table_axes: tuple[str, str], x: jax.Array, table: jax.Array) -> jax.Array:
-    return jnp.einsum(equation, x, constrain(table, table_axes), preferred_element_type=jnp.float32)
+    return _project_to_vocab_fwd(equation, table_axes, x, table)[0]
+
+
+def _laid_out_for_use(table: jax.Array, table_axes: tuple[str, str]) -> jax.Array:
+    """The table, stored by logical ``table_axes``, laid out as the activations' counterparts (FSDP: gathered)."""
+    return constrain(gathered(table, table_axes), tuple(f"activation_{axis}" for axis in table_axes))
 
 
 def _project_to_vocab_fwd(equation, table_axes, x, table):
-    table = constrain(table, table_axes)
-    return _project_to_vocab(equation, table_axes, x, table), (x, table)
+    table = _laid_out_for_use(table, table_axes)
+    return jnp.einsum(equation, x, table, preferred_element_type=jnp.float32), (x, table)
 
 
 def _project_to_vocab_bwd(equation, table_axes, residuals, grad):
@@ -336,7 +341,7 @@ _project_to_vocab.defvjp(_project_to_vocab_fwd, _project_to_vocab_bwd)
 # (autodiff's: float32, twice the bytes). The scatter-add stays float32: a frequent token's row sums thousands of terms.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _lookup_rows(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
-    return jnp.take(constrain(table.astype(dtype), ("vocab", "activation_embed")), ids, axis=0)
+    return jnp.take(constrain(gathered(table.astype(dtype), EMBEDDING_AXES), ("vocab", "activation_embed")), ids, axis=0)
 
 
 def _lookup_rows_fwd(table, ids, dtype):
@@ -402,8 +407,9 @@ class Llama(nnx.Module):
                 block = nnx.merge(layer_def, params)
                 return block(x, sin, cos, segment_ids), nnx.to_pure_dict(nnx.pop(block, nnx.Intermediate))  # e.g. MoE router statistics
 
-        x, sown = pipeline.apply_layers(layer, layer_inputs(layer_state, cfg.num_layers), x, cfg.pipeline, EMBED_ACT,
-                                        REMAT_POLICY_FNS[cfg.remat], unroll=self._unroll)
+        with gathering_weights(REMAT_POLICY_FNS[cfg.remat] is not None):
+            x, sown = pipeline.apply_layers(layer, layer_inputs(layer_state, cfg.num_layers), x, cfg.pipeline, EMBED_ACT,
+                                            REMAT_POLICY_FNS[cfg.remat], unroll=self._unroll)
         if sown:  # stacked over layers, for the trainer (models.moe.pop_router_stats)
             self.layer_intermediates = nnx.Intermediate(sown)
         return self.final_norm(x)
@@ -421,7 +427,8 @@ class Llama(nnx.Module):
             x, updated = nnx.merge(layer_def, params).extend(x, sin, cos, LayerCache(keys, values, cache.length))
             return x, (updated.keys, updated.values)
 
-        x, (keys, values) = jax.lax.scan(layer, x, (layer_params, cache.keys, cache.values), unroll=self._unroll)
+        with gathering_weights(True):  # no backward
+            x, (keys, values) = jax.lax.scan(layer, x, (layer_params, cache.keys, cache.values), unroll=self._unroll)
         return self.final_norm(x), KVCache(keys, values, cache.length + tokens.shape[1])
 
     @property
@@ -445,9 +452,7 @@ class Llama(nnx.Module):
         if dtype == jnp.float16:  # float16 logits overflow, and XLA:CPU has no float16 product into float32
             x, dtype = x.astype(jnp.float32), jnp.dtype(jnp.float32)
         if self.cfg.tie_embeddings:
-            logits = _project_to_vocab("btd,vd->btv", ("activation_vocab", "activation_embed"), x,
-                                       constrain(self.embed[...].astype(dtype), EMBEDDING_AXES))
+            logits = _project_to_vocab("btd,vd->btv", EMBEDDING_AXES, x, constrain(self.embed[...].astype(dtype), EMBEDDING_AXES))
         else:
-            logits = _project_to_vocab("btd,dv->btv", ("activation_embed", "activation_vocab"), x,
-                                       constrain(self.lm_head[...].astype(dtype), ("embed", "vocab")))
+            logits = _project_to_vocab("btd,dv->btv", ("embed", "vocab"), x, constrain(self.lm_head[...].astype(dtype), ("embed", "vocab")))
         return constrain(logits, (BATCH, LENGTH, "activation_vocab"))

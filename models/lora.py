@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig
-from models.quant import QuantizedWeight
+from models.quant import QuantizedWeight, gathered_param
 
 
 # the whole model's dropout key (set by the train step), then, inside one layer, that layer's key
@@ -93,7 +93,7 @@ class LoRA(nnx.Module):
             keep = jax.random.bernoulli(jax.random.fold_in(key, self.salt), 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
         low = jnp.tensordot(x, self.a[...].astype(x.dtype), axes=self.inputs)
-        return _unsaved_up_projection(low, self.b[...].astype(x.dtype)) * jnp.asarray(self.scale, x.dtype)
+        return _unsaved_up_projection(low, gathered_param(self.b, x.dtype)) * jnp.asarray(self.scale, x.dtype)
 
 
 class ExpertLoRA(nnx.Module):

@@ -8,11 +8,15 @@ devices (it carries no logical axis), its other dimensions are split as the weig
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from models.sharding import gathered
 
 BLOCK = 64  # entries sharing one scale (QLoRA's block size); smaller first dimensions use their gcd with it
 NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -68,5 +72,29 @@ class QuantizedWeight(nnx.Module):
 def weight(w: nnx.Param | QuantizedWeight, dtype) -> jax.Array:
     """A projection weight in the compute dtype, dequantized if stored quantized."""
     if isinstance(w, QuantizedWeight):
-        return dequantize(w.codes[...], w.scale[...], dtype)
-    return w[...].astype(dtype)
+        return dequantize(gathered_param(w.codes), gathered_param(w.scale), dtype)  # the codes gathered, then dequantized
+    return gathered_param(w, dtype)
+
+
+# set while the layers are traced (models/llama.py): whether their weights are read through ``gathered``
+_GATHERING = contextvars.ContextVar("gathering_weights", default=False)
+
+
+@contextlib.contextmanager
+def gathering_weights(on: bool):
+    """Inside: ``weight`` and the adapters lay their weights out for their products themselves
+    (``models.sharding.gathered``). Only for layers whose weights autodiff does not keep for the backward: layers it
+    recomputes (a remat policy) or that have no backward (generation). Otherwise it would keep every layer's gathered
+    weights, which FSDP is there not to hold; the gathers GSPMD inserts it does not see, so it keeps them split."""
+    token = _GATHERING.set(on)
+    try:
+        yield
+    finally:
+        _GATHERING.reset(token)
+
+
+def gathered_param(w: nnx.Param, dtype=None) -> jax.Array:
+    """A parameter's value, cast to ``dtype`` first (the gather moves the compute dtype), inside ``gathering_weights``
+    laid out for its product."""
+    value = w[...] if dtype is None else w[...].astype(dtype)
+    return gathered(value, w.get_metadata()["out_sharding"][-value.ndim:]) if _GATHERING.get() else value

@@ -18,8 +18,10 @@ from flax.core import spmd
 from safetensors import safe_open
 
 from conftest import small_config, with_
+from test_parity import _losses
 from jaxtrain import cli
 from jaxtrain.adapt import lora as lora_lib
+from jaxtrain.config import AxisSizes
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config
 from jaxtrain.layout import make_layout
@@ -69,6 +71,16 @@ def test_zero_adapters_give_the_base_logits_exactly_and_merged_equals_unmerged(b
     unmerged = _logits(layout, adapted)
     assert np.max(np.abs(unmerged - _logits(plain_layout, base_params))) > 1e-3  # the adapters do change the output
     np.testing.assert_allclose(_logits(plain_layout, lora_lib.merged(adapted, cfg.model)), unmerged, atol=1e-5)
+
+
+@pytest.mark.parametrize("base_quant", ["none", "nf4"])
+def test_adapters_train_as_on_one_device_where_the_layers_gather_the_base(base_quant, corpus, tmp_path):
+    """Under a remat policy the layers gather the FSDP-split base themselves (nf4: its codes), and the adapters' B
+    with its own backward (models/sharding.py ``gathered``): fsdp x tensor trains the adapters as one device does."""
+    cfg = lora_config(base_quant=base_quant, init_std=0.3, remat="full")
+    reference = _losses(with_(cfg, mesh={"ici": AxisSizes(1, 1, 1)}), corpus, tmp_path, jax.devices()[:1])
+    assert reference[-1] < reference[0] - 0.1, reference
+    np.testing.assert_allclose(_losses(cfg, corpus, tmp_path), reference, rtol=1e-5)
 
 
 def _tree_equal(a, b) -> bool:

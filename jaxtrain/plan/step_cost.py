@@ -176,6 +176,16 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     reduction = layout.grad_reduction  # the sums once per step, over its axes (optim.grad_sync, grad_dtype)
     summed_ways = 1 if reduction is None else reduction.ways
     after_backward = 0.0
+
+    def passes_of(axes) -> float:
+        """Per step, the passes that gather a weight with ``axes``: with stages, a layer's weights are gathered, and
+        GSPMD sums their gradient over the data axes, in every iteration that runs them (iterations / repeats a pass)."""
+        return k * (pipe.iterations / pipe.repeats if pipe.stages > 1 and "layers" in axes else 1)
+
+    def gathers_per_pass(axes) -> int:
+        """A layer's weights again for its recomputed backward; the embedding table also for a tied output layer."""
+        return 2 if "layers" in axes or (tuple(axes) == EMBEDDING_AXES and m.tie_embeddings) else 1
+
     for x, axes, grad_sharding, moment_sharding in zip(jax.tree.leaves(params), logical, jax.tree.leaves(layout.gradient_shardings()),
                                                         jax.tree.leaves(layout.optimizer_shardings())):
         # an expert's weights live on its own devices: no gather or gradient reduction over the expert axes
@@ -184,17 +194,14 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         split = gathered // local
         replicated = batch_ways // (split * (expert_ways if own else 1))
         grad = 4 if "norm" in axes else act
-        # with stages, a layer's weights are gathered, and GSPMD sums their gradient over the data axes, in every
-        # iteration that runs them: iterations / repeats per pass
-        passes = k * (pipe.iterations / pipe.repeats if pipe.stages > 1 and "layers" in axes else 1)
+        passes = passes_of(axes)
         lookup = tuple(axes) == EMBEDDING_AXES
         # autodiff's lookup where the table's columns are split over an axis the batch is not (models/llama.py): the
         # table gathered and its gradient summed in float32
         whole = lookup and not embedding_gradient_by_columns(layout)
         tied = lookup and m.tie_embeddings  # also the output layer's: gathered for it apart, its gradient reduced
-        gathers = 2 if "layers" in axes or tied else 1  # a layer's weights again for its recomputed backward
         reduced = x.dtype.itemsize if whole else 0 if lookup and not tied else grad
-        fsdp += passes * gathered * (gathers * (x.dtype.itemsize if whole else act) + reduced) * (split - 1) / split
+        fsdp += passes * gathered * (gathers_per_pass(axes) * (x.dtype.itemsize if whole else act) + reduced) * (split - 1) / split
         if lookup and not whole and split > 1:  # the rows' gradient (batch, length, d_model) to the table's columns, and the ids
             fsdp += k * sequences * seq * (m.d_model * act * (split - 1) / split + 4 * (split - 1))
         # split further than the weight over the batch axes (an expert's weights: also over the expert axes, which
@@ -212,6 +219,18 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         used = spec_axes(x.sharding.spec)
         fsdp_axes.update(a for a in batch_axes if a in used and a not in own)
         data_axes.update(a for a in batch_axes if a not in used)
+    frozen_axes = split_frozen(layout.spec.logical_axes)[1]
+    if frozen_axes:
+        # a LoRA run's frozen base: gathered as a trained weight is, never reduced; float weights in the compute dtype
+        # (cast first), a quantized one's codes and scales as stored (models/quant.py)
+        frozen = jax.tree_util.tree_leaves_with_path(layout.abstract_state().frozen)
+        quantized = {path[:-1] for path, _ in frozen if path[-1].key == "codes"}
+        for (path, x), axes in zip(frozen, jax.tree.leaves(frozen_axes, is_leaf=lambda s: isinstance(s, PartitionSpec))):
+            gathered = gathered_elements(x, gather_axes(layout.rules, axes))
+            split = gathered // elements_per_device(x)
+            itemsize = x.dtype.itemsize if path[:-1] in quantized else act
+            fsdp += passes_of(axes) * gathers_per_pass(axes) * gathered * itemsize * (split - 1) / split
+            fsdp_axes.update(a for a in batch_axes if a in spec_axes(x.sharding.spec))
     tensor_ways = logical_ways(layout.rules, layout.mesh, "activation_mlp")
     all_reduces = k * m.num_layers * (4 + RECOMPUTED_ALL_REDUCES[m.remat])
     tensor = all_reduces * sequences * seq * m.d_model * act * 2 * (tensor_ways - 1) / tensor_ways
