@@ -168,10 +168,11 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     logit_tokens = b * (cfg.train.loss_chunk or seq)  # train.loss_chunk: one chunk's logits live at a time
     # float32 logits and their gradient in the compute dtype (jaxtrain.step.cross_entropy's backward, cast by the
     # output projection's; float32 on the CPU compile); the output table gathered over fsdp: its compute copy, kept
-    # for the backward (models/llama.py), and its float32 gradient (the CPU compile also keeps the float32 value and
-    # compute copy of each gathered table)
+    # for the backward (models/llama.py), and its float32 gradient unless it is a LoRA run's frozen table (the CPU
+    # compile also keeps the float32 value and compute copy of each gathered table)
+    table_trains = ("embed" if m.tie_embeddings else "lm_head") in state.params
     loss = logit_tokens * m.vocab_size / _ways(layout, "activation_vocab") * (8 if on_cpu else 4 + act) + \
-        ((1 if m.tie_embeddings else 2) * 12 if on_cpu else 4 + act) * vocab_table
+        ((1 if m.tie_embeddings else 2) * 12 if on_cpu else 4 * table_trains + act) * vocab_table
     grouped_sum = layout.grad_reduction is not None and layout.grad_reduction.rules is not None  # jaxtrain/memory/grad_comm.py
     items = {
         "parameters": params,
