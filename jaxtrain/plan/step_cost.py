@@ -182,9 +182,16 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         GSPMD sums their gradient over the data axes, in every iteration that runs them (iterations / repeats a pass)."""
         return k * (pipe.iterations / pipe.repeats if pipe.stages > 1 and "layers" in axes else 1)
 
+    # train.loss_chunk: the loss's loop over chunks gathers the output table again in each chunk's forward (XLA keeps
+    # one gather for the backward) and reduces its gradient in each chunk's backward
+    chunks = seq // cfg.train.loss_chunk if cfg.train.loss_chunk else 0
+
+    def output_table(axes) -> bool:
+        return tuple(axes) == ("embed", "vocab") or (tuple(axes) == EMBEDDING_AXES and m.tie_embeddings)
+
     def gathers_per_pass(axes) -> int:
         """A layer's weights again for its recomputed backward; the embedding table also for a tied output layer."""
-        return 2 if "layers" in axes or (tuple(axes) == EMBEDDING_AXES and m.tie_embeddings) else 1
+        return (2 if "layers" in axes or (tuple(axes) == EMBEDDING_AXES and m.tie_embeddings) else 1) + chunks * output_table(axes)
 
     for x, axes, grad_sharding, moment_sharding in zip(jax.tree.leaves(params), logical, jax.tree.leaves(layout.gradient_shardings()),
                                                         jax.tree.leaves(layout.optimizer_shardings())):
@@ -200,7 +207,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         # table gathered and its gradient summed in float32
         whole = lookup and not embedding_gradient_by_columns(layout)
         tied = lookup and m.tie_embeddings  # also the output layer's: gathered for it apart, its gradient reduced
-        reduced = x.dtype.itemsize if whole else 0 if lookup and not tied else grad
+        reduced = x.dtype.itemsize if whole else 0 if lookup and not tied else grad * (chunks if output_table(axes) and chunks else 1)
         fsdp += passes * gathered * (gathers_per_pass(axes) * (x.dtype.itemsize if whole else act) + reduced) * (split - 1) / split
         if lookup and not whole and split > 1:  # the rows' gradient (batch, length, d_model) to the table's columns, and the ids
             fsdp += k * sequences * seq * (m.d_model * act * (split - 1) / split + 4 * (split - 1))
