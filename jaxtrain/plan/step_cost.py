@@ -231,7 +231,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         # a LoRA run's frozen base: gathered as a trained weight is, never reduced; float weights in the compute dtype
         # (cast first), a quantized one's codes and scales as stored (models/quant.py)
         frozen = jax.tree_util.tree_leaves_with_path(layout.abstract_state().frozen)
-        quantized = {path[:-1] for path, _ in frozen if path[-1].key == "codes"}
+        quantized = {path[:-1] for path, _ in frozen if getattr(path[-1], "key", None) == "codes"}
         for (path, x), axes in zip(frozen, jax.tree.leaves(frozen_axes, is_leaf=lambda s: isinstance(s, PartitionSpec))):
             gathered = gathered_elements(x, gather_axes(layout.rules, axes))
             split = gathered // elements_per_device(x)
