@@ -92,7 +92,7 @@ class LoRA(nnx.Module):
         if self.dropout and key is not None:
             keep = jax.random.bernoulli(jax.random.fold_in(key, self.salt), 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
-        low = jnp.tensordot(x, self.a[...].astype(x.dtype), axes=self.inputs)
+        low = jnp.tensordot(x, gathered_param(self.a, x.dtype), axes=self.inputs)
         return _unsaved_up_projection(low, gathered_param(self.b, x.dtype)) * jnp.asarray(self.scale, x.dtype)
 
 

@@ -12,6 +12,7 @@ from jaxtrain.config import AxisSizes, MeshConfig
 from jaxtrain.observe.flops import flops_per_token
 from jaxtrain.plan.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.layout import make_layout
+from models.config import LoraConfig
 
 H100_BF16 = 989.4e12
 
@@ -69,6 +70,18 @@ def test_tensor_all_reduces_follow_the_remat_policy_and_sit_on_the_critical_path
     assert tensor == {"save_dots": pytest.approx((4 * 4 + 2) * one), "save_qkv_out": pytest.approx((4 * 4 + 2) * one),
                       "full": pytest.approx((4 * 5 + 2) * one)}
     assert all(t.total_s >= t.compute_s + t.communication_s["tensor"] for t in times.values())
+
+
+@pytest.mark.parametrize("remat, forward_sums", [("save_dots", 1), ("save_qkv_out", 2), ("full", 2)])
+def test_lora_adds_its_rank_sized_sums_over_tensor(remat, forward_sums):
+    """Per layer: o and down (input split over tensor) all-reduce x @ A in the forward, again where the policy
+    recomputes it; q, k, v, gate and up (output split) its gradient in the backward. Compiled byte for byte on the GPU
+    (test_plan_gpu); the other adapters' dimensions are unsplit, so no sums."""
+    plain = medium_config("fsdp_tp", remat, mesh=(1, 4, 2))
+    lora = with_(plain, model={"lora": LoraConfig(rank=4, alpha=8.0), "param_dtype": "bfloat16"})
+    tensor = {name: step_cost.step_time(make_layout(cfg), "h100").traffic_bytes["tensor"] for name, cfg in (("plain", plain), ("lora", lora))}
+    one = 16 * 512 / 4 * 4 * 2 * 2 * 1 / 2  # the device's tokens x rank (bfloat16) all-reduced over 2
+    assert tensor["lora"] - tensor["plain"] == pytest.approx(4 * (2 * forward_sums + 5) * one)
 
 
 def test_traffic_across_nodes_goes_over_the_network():

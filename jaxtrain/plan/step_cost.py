@@ -79,6 +79,8 @@ PCIE_BYTES_PER_S = {"h100": 64e9, "h200": 64e9, "a100": 32e9, "a100-40gb": 32e9,
 # the attention's, which the MLP's input needs (the MLP's own feeds only the layer's output, which the backward does
 # not use); save_qkv_out saves the attention's output after its all-reduce (the compiled GPU program shows these)
 RECOMPUTED_ALL_REDUCES = {"none": 0, "save_dots": 0, "save_qkv_out": 0, "full": 1, "offload_dots": 0, "offload_qkv_out": 0}
+# the policies that recompute a LoRA adapter's rank-sized product x @ A in the backward (the dot-saving ones keep it)
+ADAPTER_PRODUCT_RECOMPUTED = {"none": 0, "save_dots": 0, "save_qkv_out": 1, "full": 1, "offload_dots": 0, "offload_qkv_out": 1}
 
 
 def expert_bytes_per_token(m: LlamaConfig, expert_ways: int) -> float:
@@ -94,6 +96,27 @@ def expert_bytes_per_token(m: LlamaConfig, expert_ways: int) -> float:
     forward = gathers + m.d_model * act  # and the outputs back
     backward = 2 * m.d_model * act + moe.top_k * 4  # the outputs' gradient in, the tokens' and weights' back
     return (forward + backward + recomputed * (m.remat != "none")) * (expert_ways - 1)
+
+
+def adapter_all_reduces(layout: Layout) -> float:
+    """Per token of a device's micro-batch, the bytes of LoRA's all-reduces over the axes that split a layer's
+    activations (models/lora.py): an adapter whose input is split (tensor parallel: o, down) sums its rank-sized
+    x @ A there in the forward, and again where the remat policy recomputes it; one whose output is split (q, k, v,
+    gate, up), the gradient of x @ A in the backward. Experts' adapters run inside the dispatch's own collectives."""
+    m, act = layout.cfg.model, np.dtype(layout.cfg.model.dtype).itemsize
+    trained = split_frozen(layout.spec.logical_axes)[0]
+    moved = 0.0
+    for path, axes in jax.tree_util.tree_leaves_with_path(trained, is_leaf=lambda s: isinstance(s, PartitionSpec)):
+        factor, adapter = getattr(path[-1], "key", None), getattr(path[-2], "key", "") if len(path) > 1 else ""
+        if factor not in ("a", "b") or not str(adapter).startswith("lora_") or "experts" in axes:
+            continue
+        dims = tuple(a for a in axes if a != "layers")
+        split = dims[:-1] if factor == "a" else dims[1:]  # A's input dimensions, B's output dimensions
+        ways = math.prod(logical_ways(layout.rules, layout.mesh, f"activation_{a}") for a in split if a)
+        times = 1 + ADAPTER_PRODUCT_RECOMPUTED[m.remat] if factor == "a" else 1
+        layers = m.num_layers if "layers" in axes else 1
+        moved += layers * times * m.lora.rank * act * 2 * (ways - 1) / ways
+    return moved
 
 
 def recompute_factor(cfg: Config) -> float:
@@ -241,6 +264,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     tensor_ways = logical_ways(layout.rules, layout.mesh, "activation_mlp")
     all_reduces = k * m.num_layers * (4 + RECOMPUTED_ALL_REDUCES[m.remat])
     tensor = all_reduces * sequences * seq * m.d_model * act * 2 * (tensor_ways - 1) / tensor_ways
+    tensor += k * sequences * seq * adapter_all_reduces(layout)
     # a vocabulary split over tensor: per micro-batch the looked-up rows summed over the table's shards, and the output
     # layer's input gradient
     vocab_ways = logical_ways(layout.rules, layout.mesh, "vocab")
