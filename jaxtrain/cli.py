@@ -63,6 +63,15 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def check_output_path(flag: str, path: Path) -> None:
+    """One line before any work where ``path`` cannot be created because a part of it that exists is a file."""
+    for part in path.parents:
+        if part.exists():
+            if not part.is_dir():
+                raise UserError(f"{flag} {path}: {part} is a file, not a directory; give a path inside a directory")
+            return
+
+
 def resolve_config(experiment: str, mesh: str | None, rules: str | None, overrides: list[str],
                    hf_dir: Path | None = None) -> config_lib.Config:
     """The experiment's config with the mesh file, rule set and overrides applied; with ``hf_dir`` (a Hugging
@@ -87,6 +96,7 @@ def cmd_train(args) -> int:
     cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides, hf_dir)
     simulate_cpu_devices(args.devices, default=default_cpu_devices(cfg.mesh, args.num_processes))
     run_dir = Path(args.run_dir or Path("runs") / Path(args.experiment).stem)
+    check_output_path("--run-dir", run_dir)
     if args.params_only and not args.init_from:
         raise UserError("--params-only needs --init-from PATH (the checkpoint whose parameters to start from)")
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before jax sees devices
@@ -110,6 +120,7 @@ def cmd_export_hf(args) -> int:
         cfg = dataclasses.replace(cfg, rules=args.rules)
     if out.exists():
         raise UserError(f"--out {out} already exists; give a new directory (export-hf never overwrites)")
+    check_output_path("--out", out)
     if args.adapter_only and not cfg.model.lora.rank:
         raise UserError(f"--adapter-only exports a LoRA run's adapters, and {run_dir} trained every parameter (model.lora.rank=0)")
     simulate_cpu_devices(args.devices, default=default_cpu_devices(cfg.mesh, args.num_processes))
@@ -138,8 +149,19 @@ def plan_device_count(mesh_cfg: config_lib.MeshConfig, devices: int | None) -> i
 
 def cmd_plan(args) -> int:
     cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
-    if args.device_memory is not None and args.device_memory <= 0:
+    if args.device_memory is not None and not 0 < args.device_memory < math.inf:
         raise UserError(f"--device-memory {args.device_memory:g} must be positive (GiB per device)")
+    if not 0 <= args.headroom < 1:
+        raise UserError(f"--headroom {args.headroom:g} must be in [0, 1): the share of device memory kept free, e.g. 0.1")
+    if args.tokens_per_s is not None and not 0 < args.tokens_per_s < math.inf:
+        raise UserError(f"--tokens-per-s {args.tokens_per_s:g} must be a positive throughput (tokens per second, all devices)")
+    if args.tokens_per_s is not None and args.gpu is None:
+        raise UserError("--tokens-per-s needs --gpu NAME: the MFU it takes is a share of that GPU's peak FLOP/s")
+    if args.plot:
+        from jaxtrain.observe.plot import check_image_path
+
+        check_image_path("--plot", Path(args.plot))
+        check_output_path("--plot", Path(args.plot))
     count = plan_device_count(cfg.mesh, args.devices)
     simulate_cpu_devices(count)
     # jax's CUDA plugin, where installed, checks the CUDA driver as jax starts; a plan needs only its compiler
@@ -195,7 +217,10 @@ def cmd_generate(args) -> int:
 def cmd_checkpoints(args) -> int:
     from jaxtrain import checkpoint as checkpoint_lib  # starts jax
 
-    print(checkpoint_lib.format_table(checkpoint_lib.describe(Path(args.run_dir))))
+    rows = checkpoint_lib.describe(Path(args.run_dir))
+    print(checkpoint_lib.format_table(rows))
+    if not rows:
+        print(f"jaxtrain: {Path(args.run_dir) / checkpoint_lib.CHECKPOINTS_DIR} holds no checkpoint yet", file=sys.stderr)
     return 0
 
 
@@ -211,6 +236,7 @@ def cmd_plot(args) -> int:
 
     run_dirs = [Path(d) for d in args.run_dirs]
     out = Path(args.out) if args.out else run_dirs[0] / "metrics.png"
+    check_output_path("--out", out)
     plot.plot_runs(run_dirs, out)
     print(f"jaxtrain: wrote {out}", file=sys.stderr)
     return 0

@@ -171,8 +171,19 @@ def all_keys(cls=Config, prefix: str = "") -> dict[str, type]:
     return out
 
 
+# other frameworks' names for keys of ours, which spelling alone does not find (optim.learning_rate looks more like
+# optim.min_lr_ratio than optim.lr)
+_OTHER_NAMES = {"learning_rate": "lr", "batch_size": "global_batch", "max_steps": "steps", "num_steps": "steps",
+                "seq_length": "seq_len", "sequence_length": "seq_len", "max_seq_len": "seq_len", "warmup": "warmup_steps",
+                "grad_clip": "clip_norm", "max_grad_norm": "clip_norm", "n_layers": "num_layers", "hidden_size": "d_model",
+                "intermediate_size": "mlp_dim", "gradient_accumulation_steps": "microbatches"}
+
+
 def _did_you_mean(key: str, candidates) -> str:
-    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.5)
+    section, _, name = key.rpartition(".")
+    known = [c for c in candidates if c.rpartition(".")[2] == _OTHER_NAMES.get(name)]
+    ours = [c for c in known if c.rpartition(".")[0] == section] or known
+    close = ours[:1] or difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.5)
     return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(candidates))}"
 
 
@@ -290,8 +301,14 @@ def load_experiment(name_or_path: str) -> Config:
     """An experiment is a Python file under experiments/ (or any path) with ``config() -> Config``."""
     path = Path(name_or_path)
     if path.suffix == ".py" or path.exists():
+        if path.is_dir():
+            raise UserError(f"experiment {name_or_path} is a directory; give an experiment .py file, or a name under "
+                            f"experiments/: {_available(EXPERIMENTS_DIR, '.py')}")
         if not path.is_file():
             raise UserError(f"experiment file {name_or_path} does not exist")
+        if path.suffix != ".py":
+            raise UserError(f"experiment file {name_or_path} is not a Python file; an experiment is a .py file with "
+                            "config() -> Config (see experiments/tiny.py)")
         spec = importlib.util.spec_from_file_location(f"_experiment_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -399,7 +416,8 @@ def _out_of_range(key: str, value: float, low: float, high: float = math.inf, *,
         what = f"{'greater than' if low_open else 'at least'} {low:g}"
     else:
         what = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    return f"{key}={value} must be {what}{meaning}"
+    finite = "" if math.isfinite(value) else "a finite number, "
+    return f"{key}={value} must be {finite}{what}{meaning}"
 
 
 def range_problems(cfg: Config) -> list[str]:

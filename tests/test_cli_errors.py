@@ -62,6 +62,8 @@ CASES = {
                                       "model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are cpu; use model.attention=auto or xla"),
     "negative learning rate": (lambda t: ["optim.lr=-1"], "optim.lr=-1.0 must be at least 0"),
     "negative warmup": (lambda t: ["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be at least 0"),
+    "run directory inside a file": (lambda t: ["--run-dir", str(_random_bytes(t / "notes") / "run")],
+                                    "/notes is a file, not a directory; give a path inside a directory"),
     "token file that is not a .npy file": (lambda t: [f"data.path={_random_bytes(t / 'tokens.npy')}"],
                                            "tokens.npy is not a .npy file of a 1-D integer array (numpy.save): no .npy header"),
     "pipelined rule set on a mesh without stages": (lambda t: ["--rules", "pp_fsdp_tp"],

@@ -80,10 +80,27 @@ def test_unknown_experiment_lists_available():
         config_lib.load_experiment("nope")
 
 
+def test_an_experiment_path_must_be_a_python_file(tmp_path):
+    data = tmp_path / "extra.jsonl"
+    data.write_text('{"text": "a"}\n')
+    with pytest.raises(UserError, match=r"extra.jsonl is not a Python file; an experiment is a .py file with config\(\)"):
+        config_lib.load_experiment(str(data))
+    with pytest.raises(UserError, match=r"is a directory; give an experiment .py file, or a name under experiments/: .*tiny"):
+        config_lib.load_experiment(str(tmp_path))
+
+
+@pytest.mark.parametrize("key, ours", [("optim.learning_rate", "optim.lr"), ("train.batch_size", "train.global_batch"),
+                                       ("train.max_steps", "train.steps"), ("optim.lrr", "optim.lr")])
+def test_an_unknown_key_suggests_ours_for_other_frameworks_names(key, ours):
+    """optim.learning_rate is spelt more like optim.min_lr_ratio than optim.lr, which difflib alone suggested."""
+    with pytest.raises(UserError, match=f"unknown config key '{key}'; did you mean '{ours}'"):
+        config_lib.apply_overrides(config_lib.Config(), [f"{key}=1"])
+
+
 @pytest.mark.parametrize("item, message", [
     ("optim.lr=-1", "optim.lr=-1.0 must be at least 0"),
-    ("optim.lr=nan", "optim.lr=nan must be at least 0"),
-    ("optim.lr=inf", "optim.lr=inf must be at least 0"),
+    ("optim.lr=nan", "optim.lr=nan must be a finite number, at least 0"),
+    ("optim.lr=inf", "optim.lr=inf must be a finite number, at least 0"),
     ("optim.warmup_steps=-5", "optim.warmup_steps=-5 must be at least 0"),
     ("optim.b1=-0.1", r"optim.b1=-0.1 must be in \[0, 1\)"),
     ("optim.b2=1", r"optim.b2=1.0 must be in \[0, 1\)"),

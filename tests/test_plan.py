@@ -274,9 +274,16 @@ def test_cli_plan_json_with_auto_microbatches(tmp_path):
     (["--rules", "tp", "mesh.ici.data=1", "mesh.ici.fsdp=1", "mesh.ici.tensor=8"],
      "(logical axis 'kv_heads', size 2) is not divisible by mesh axes tensor 8"),
     (["--mesh", "h100x8", "mesh.dcn.data=-1"], "pass --devices N"),
+    (["--gpu", "h100", "--tokens-per-s", "-3"], "--tokens-per-s -3 must be a positive throughput"),
+    (["--tokens-per-s", "1000"], "--tokens-per-s needs --gpu NAME"),
+    (["--headroom", "1.5"], "--headroom 1.5 must be in [0, 1)"),
+    (["--plot", "plan.jpg"], "--plot plan.jpg must end in .png, .pdf or .svg"),
+    (["--plot", "notes/plan.png"], "--plot notes/plan.png: notes is a file, not a directory"),
 ])
 def test_cli_plan_bad_input(args, message, tmp_path):
+    if "notes/plan.png" in args:
+        (tmp_path / "notes").write_text("mine")
     result = run_cli("plan", "tiny", *args, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == (["notes"] if "notes/plan.png" in args else [])

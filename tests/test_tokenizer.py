@@ -174,7 +174,7 @@ def test_large_vocabulary_writes_uint32(trained, tmp_path, capsys):
 
 
 def test_token_file_without_sidecar_is_raw_uint16_and_a_truncated_one_is_refused(trained, texts, tmp_path, capsys):
-    tokens = tmp_path / "tokens.bin"
+    tokens = tmp_path / "data" / "tokens.bin"  # its folder made, as README's example expects on a fresh checkout
     assert jaxtrain(capsys, "tokenize", str(texts), "--tokenizer", str(trained), "--out", str(tokens))[0] == 0
     with_sidecar = load_corpus(DataConfig(path=str(tokens), val_fraction=0.1))
     assert with_sidecar.vocab_size == VOCAB and "tokenizer" in with_sidecar.description
@@ -183,9 +183,12 @@ def test_token_file_without_sidecar_is_raw_uint16_and_a_truncated_one_is_refused
     without = load_corpus(DataConfig(path=str(raw), val_fraction=0.1))
     np.testing.assert_array_equal(without.train, with_sidecar.train)
     assert without.vocab_size == int(np.fromfile(raw, np.uint16).max()) + 1
-    tokens.write_bytes(tokens.read_bytes()[:-2])
-    with pytest.raises(UserError, match=r"holds \d+ tokens but its sidecar .* says \d+; it is truncated"):
-        load_corpus(DataConfig(path=str(tokens)))
+    whole = tokens.read_bytes()
+    for cut in (2, 1):  # a whole token short, and an odd byte count (which no uint16 file has): the sidecar's count says which
+        tokens.write_bytes(whole[:-cut])
+        with pytest.raises(UserError, match=rf"holds {len(whole) - cut} bytes but its sidecar .* says {len(whole) // 2} tokens "
+                                            rf"\({len(whole)} bytes of uint16\); it is truncated"):
+            load_corpus(DataConfig(path=str(tokens)))
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +238,8 @@ COMMAND_ERRORS = {
         "notext.jsonl:2 has no string 'text' field"),
     "tokenize an empty directory": (lambda p, out: ["tokenize", str(out), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
                                     "hold no files (hidden ones are skipped)"),
+    "tokenize over an existing token file": (lambda p, out: ["tokenize", str(p["texts"]), "--tokenizer", str(p["tokenizer"]), "--out", str(p["tokens"])],
+                                             "already exists (or its sidecar does); give a new path"),
     "train a tokenizer into a directory in use": (
         lambda p, out: ["train-tokenizer", str(p["texts"]), "--vocab-size", "300", "--out", str(p["texts"])],
         "already exists and is not an empty directory"),

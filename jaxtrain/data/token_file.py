@@ -45,8 +45,12 @@ def write_token_file(inputs: Iterable[str], tokenizer_path: str, out: str | Path
     out = Path(out)
     if out.suffix != ".bin":
         raise UserError(f"--out {out} must end in .bin (the raw token ids; a .bin.json sidecar goes beside it)")
+    if out.exists() or sidecar_path(out).exists():
+        raise UserError(f"--out {out} already exists (or its sidecar does); give a new path, or remove them first: "
+                        "tokenize never overwrites a token file, which a run may be training on")
     tokenizer = load_tokenizer(tokenizer_path)
     files = input_files(inputs)
+    out.parent.mkdir(parents=True, exist_ok=True)  # as plot --out does; the files themselves appear only when complete
     dtype = token_dtype(tokenizer.vocab_size)
     count = docs = 0
     with atomic_file(out, "token file") as f, \
@@ -79,6 +83,11 @@ def _sidecar(path: Path) -> dict | None:
     return sidecar
 
 
+def _refuse_count(path: Path, holds: str, sidecar: dict, size: str = "") -> None:
+    raise UserError(f"token file {path} holds {holds} but its sidecar {sidecar_path(path)} says {sidecar['tokens']} tokens{size}; "
+                    "it is truncated or the two are from different runs: remake them with jaxtrain tokenize")
+
+
 def read_token_file(path: Path, tokenizer: TextTokenizer | None) -> TokenFile:
     """Memory-map a token file, checked against its sidecar (if any) and the run's tokenizer (if any)."""
     sidecar = _sidecar(path)
@@ -86,6 +95,8 @@ def read_token_file(path: Path, tokenizer: TextTokenizer | None) -> TokenFile:
         raise UserError(f"data.path={path}: unknown file type; use a directory of text files, a .jsonl file, "
                         "or a token file: .npy (any integer dtype) or .bin (uint16, or as its .bin.json sidecar says)")
     dtype = RAW_BIN_DTYPE if sidecar is None else np.dtype(sidecar["dtype"]).newbyteorder("<")
+    if sidecar is not None and path.suffix == ".bin" and path.is_file() and path.stat().st_size != sidecar["tokens"] * dtype.itemsize:
+        _refuse_count(path, f"{path.stat().st_size} bytes", sidecar, f" ({sidecar['tokens'] * dtype.itemsize} bytes of {dtype.name})")
     expected = "a .npy file of a 1-D integer array (numpy.save)" if path.suffix == ".npy" else f"raw little-endian {dtype.name} tokens"
     try:
         if path.suffix == ".npy":
@@ -105,8 +116,7 @@ def read_token_file(path: Path, tokenizer: TextTokenizer | None) -> TokenFile:
         vocab_size = max(int(tokens.max()) + 1, tokenizer.vocab_size if tokenizer else 0)
         return TokenFile(tokens, vocab_size, None)
     if len(tokens) != sidecar["tokens"]:
-        raise UserError(f"token file {path} holds {len(tokens)} tokens but its sidecar {sidecar_path(path)} says {sidecar['tokens']}; "
-                        "it is truncated or the two are from different runs: remake them with jaxtrain tokenize")
+        _refuse_count(path, f"{len(tokens)} tokens", sidecar)
     if tokenizer is not None and tokenizer.sha256 != sidecar["tokenizer_sha256"]:
         raise UserError(f"token file {path} was made with tokenizer {sidecar['tokenizer']} (sha256 {sidecar['tokenizer_sha256'][:12]}) "
                         f"but data.tokenizer={tokenizer.path} is another (sha256 {tokenizer.sha256[:12]}); retokenize with "

@@ -45,9 +45,16 @@ def panels_for(runs) -> list[tuple]:
     return [p for p in PANELS if p[0] != MOE_PANEL or any(series(records, "moe_aux_loss")[0] for records in runs)]
 
 
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg")  # what the charts are written as (jaxtrain plot --out, jaxtrain plan --plot)
+
+
+def check_image_path(flag: str, out: Path) -> None:
+    if out.suffix.lower() not in IMAGE_SUFFIXES:
+        raise UserError(f"{flag} {out} must end in {', '.join(IMAGE_SUFFIXES[:-1])} or {IMAGE_SUFFIXES[-1]}")
+
+
 def plot_runs(run_dirs: list[Path], out: Path) -> None:
-    if out.suffix.lower() not in (".png", ".pdf", ".svg"):
-        raise UserError(f"--out {out} must end in .png, .pdf or .svg")
+    check_image_path("--out", out)
     runs = {str(d): read_metrics(d) for d in run_dirs}
     panels = panels_for(runs.values())
     rows = (len(panels) + 1) // 2

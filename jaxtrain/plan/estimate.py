@@ -704,7 +704,7 @@ def render(plan: Plan) -> str:
     if plan.techniques:
         lines.append("memory techniques, each alone (estimate per device on the accelerator):")
         lines += [f"  {t.describe()}" for t in plan.techniques]
-    lines.append(f"estimated step time: {plan.step_time.describe()}")
+    lines.append(f"estimated step time: {plan.step_time.describe()}" + ("" if plan.gpu else " (no --gpu given: an H100 assumed)"))
     xla = plan.xla_flops_per_token
     lines.append(f"FLOPs per token: {plan.flops_per_token:.4g} (PaLM formula, causal attention halved)"
                  + ("" if xla is None else f"; XLA cost analysis {xla:.4g} (counts each loop body - layer scan, micro-batch scan - once)"))
