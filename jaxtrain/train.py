@@ -114,6 +114,8 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
         checkpoint_lib.checkpoints_dir(init_from, "--init-from")
     if cfg.log.prometheus_port and jax.process_index() == 0:
         exporters.check_port_free(cfg.log.prometheus_port)
+    if cfg.log.mlflow and jax.process_index() == 0:
+        exporters.check_mlflow(cfg.log.mlflow)
     with compile_cache.using(cfg.train.compile_cache) as cache_dir:
         return _train(cfg, run_dir, trainer, init_from, params_only, cache_dir)
 
@@ -131,11 +133,6 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
     initial = None if init_from is None or base is not None or not fresh else _init_from(trainer, init_from, batches, params_only)
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        config_lib.save_yaml(cfg, run_dir / "config.yaml", {"resolved": _resolved(trainer)})
-        if base is not None:
-            lora_lib.write_record(run_dir, base, cfg.model)
-        if init_from is not None and fresh and hf_config.is_hf_dir(init_from):  # its tokenizer and config, for generate and export
-            hf_import.keep_source_files(init_from, run_dir)
     meta = _checkpoint_meta(trainer) | ({"lora_base": base.record} if base is not None else {})
     checkpoints = checkpoint_lib.RunCheckpoints(run_dir, cfg.checkpoint, t.steps, meta)
     log = None
@@ -143,37 +140,69 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
         state = checkpoints.restore_latest(trainer.layout.abstract_state(), batches.iterator)
         if base is not None:
             state = base.start_state(trainer.layout) if state is None else state.replace(frozen=base.frozen)
-        if state is None and initial is None and init_from is not None:  # the run's own checkpoints were all unreadable
-            initial = _init_from(trainer, init_from, batches, params_only)
-        if state is None:
-            state = trainer.init_state() if initial is None else initial
-        eval_data = data_lib.eval_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding, t.eval_batches)
-        log = MetricsLog(trainer.layout, run_dir, int(state.step), compile_s=trainer.compile_s,
-                         compile_cache=trainer.compiled.record(cache_dir), data=trainer.corpus.description,
-                         enabled=jax.process_index() == 0,
-                         # a compiled step gives its program for the profile's summary; a wrapped one (tests) none
-                         step_program=getattr(trainer.train_step, "as_text", None))
-        for step in range(int(state.step) + 1, t.steps + 1):
-            with log.timer("data_wait_s"):
-                batch = next(batches)
-            log.before_step(step)
-            state, metrics = trainer.train_step(state, batch)
-            preempted = checkpoints.preempted(step)
-            # a record of the steps since the last one before any save (a preemption save too); raises NonFiniteError
-            # before a checkpoint of a bad step is written
-            log.after_step(step, metrics, flush=preempted)
-            with log.timer("checkpoint_s"):
-                if checkpoints.after_step(step, state, batches.iterator, preempted=preempted):  # raises Preempted once committed
-                    log.checkpoint_saved(step)
-            if step == t.steps or (t.eval_every and step % t.eval_every == 0):
-                with log.timer("eval_s"):
-                    eval_loss, eval_tokens = evaluate(trainer, state.model_params, eval_data)
-                log.write({"step": step, "eval_loss": eval_loss, "eval_tokens": eval_tokens})
+        if state is not None and int(state.step) >= t.steps:  # a finished run started again: nothing to write
+            _say(f"jaxtrain: {run_dir} is already at step {int(state.step)} of train.steps={t.steps}, nothing to do; "
+                 "raise train.steps to train on")
+        else:
+            if state is None and initial is None and init_from is not None:  # the run's own checkpoints were all unreadable
+                initial = _init_from(trainer, init_from, batches, params_only)
+            if state is None:
+                state = trainer.init_state() if initial is None else initial
+            # only now, once the run's own checkpoint fits this config: a refused start leaves the run directory as it was
+            _write_run_files(trainer, run_dir, base, init_from if fresh else None)
+            eval_data = data_lib.eval_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding, t.eval_batches)
+            log = MetricsLog(trainer.layout, run_dir, int(state.step), compile_s=trainer.compile_s,
+                             compile_cache=trainer.compiled.record(cache_dir), data=trainer.corpus.description,
+                             enabled=jax.process_index() == 0,
+                             # a compiled step gives its program for the profile's summary; a wrapped one (tests) none
+                             step_program=getattr(trainer.train_step, "as_text", None))
+            state = _loop(trainer, state, batches, eval_data, checkpoints, log)
     except BaseException as e:  # the error in flight is the one to report: one in closing is only a warning
         _close(log, checkpoints, error=e)
         raise
     _close(log, checkpoints, error=None)
     return state
+
+
+def _write_run_files(trainer: Trainer, run_dir: Path, base: lora_lib.Base | None, fresh_init_from: Path | None) -> None:
+    """config.yaml (what `jaxtrain generate` and `export-hf` read), a LoRA run's base record and, for a fresh run from
+    a Hugging Face model, its tokenizer and config; process 0 only."""
+    if jax.process_index() != 0:
+        return
+    cfg = trainer.cfg
+    config_lib.save_yaml(cfg, run_dir / "config.yaml", {"resolved": _resolved(trainer)})
+    if base is not None:
+        lora_lib.write_record(run_dir, base, cfg.model)
+    if fresh_init_from is not None and hf_config.is_hf_dir(fresh_init_from):  # its tokenizer and config, for generate and export
+        hf_import.keep_source_files(fresh_init_from, run_dir)
+
+
+def _loop(trainer: Trainer, state: TrainState, batches: data_lib.GlobalBatches, eval_data: list[dict],
+          checkpoints: checkpoint_lib.RunCheckpoints, log: MetricsLog) -> TrainState:
+    """The steps from ``state``'s to ``train.steps``, with their records, checkpoints and evaluations."""
+    t = trainer.cfg.train
+    for step in range(int(state.step) + 1, t.steps + 1):
+        with log.timer("data_wait_s"):
+            batch = next(batches)
+        log.before_step(step)
+        state, metrics = trainer.train_step(state, batch)
+        preempted = checkpoints.preempted(step)
+        # a record of the steps since the last one before any save (a preemption save too); raises NonFiniteError
+        # before a checkpoint of a bad step is written
+        log.after_step(step, metrics, flush=preempted)
+        with log.timer("checkpoint_s"):
+            if checkpoints.after_step(step, state, batches.iterator, preempted=preempted):  # raises Preempted once committed
+                log.checkpoint_saved(step)
+        if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+            with log.timer("eval_s"):
+                eval_loss, eval_tokens = evaluate(trainer, state.model_params, eval_data)
+            log.write({"step": step, "eval_loss": eval_loss, "eval_tokens": eval_tokens})
+    return state
+
+
+def _say(line: str) -> None:
+    if jax.process_index() == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _close(log: MetricsLog | None, checkpoints: checkpoint_lib.RunCheckpoints, *, error: BaseException | None) -> None:

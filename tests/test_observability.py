@@ -403,6 +403,37 @@ def test_mlflow_gets_the_config_the_tensorboard_scalars_and_the_artifacts(traine
     assert open(artifact).read() == (run_dir / "config.yaml").read_text()
 
 
+def test_an_unusable_mlflow_store_is_one_line_before_the_compile_and_the_run_dir(trainer, tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)  # where MLflow's default store (a sqlite file mlflow-skinny cannot open) would be
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setattr(train_lib, "build", lambda *a, **k: pytest.fail("compiled before the MLflow store was checked"))
+    cfg, run_dir = with_(trainer.cfg, log={"mlflow": "jaxtrain-test"}), tmp_path / "run"
+    fix = ("set MLFLOW_TRACKING_URI to an MLflow server (http://HOST:PORT), or for a local store to file:///PATH/mlruns "
+           "with MLFLOW_ALLOW_FILE_STORE=true (MLflow 3's opt-in)")
+    with pytest.raises(UserError) as default:
+        train_lib.train(cfg, run_dir)
+    assert str(default.value).startswith(f"log.mlflow=jaxtrain-test: cannot use the MLflow tracking URI sqlite:///{tmp_path}/mlflow.db, "
+                                         "MLflow's default without MLFLOW_TRACKING_URI (UnsupportedModelRegistryStoreURIException: ")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # a file store without MLflow 3's opt-in
+    with pytest.raises(UserError) as file_store:
+        train_lib.train(cfg, run_dir)
+    assert str(file_store.value).startswith(f"log.mlflow=jaxtrain-test: cannot use the MLflow tracking URI {(tmp_path / 'mlruns').as_uri()} (MlflowException: ")
+    for error in (default, file_store):
+        assert str(error.value).endswith(fix) and "\n" not in str(error.value)
+    assert list(tmp_path.iterdir()) == []  # no run directory, no store
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.MlflowClient()
+    client.delete_experiment(client.create_experiment("deleted"))
+    with pytest.raises(UserError, match=f"^log.mlflow=deleted: that experiment is deleted in the MLflow tracking store "
+                                        f"{(tmp_path / 'mlruns').as_uri()}; restore it there or choose another name$"):
+        train_lib.train(with_(cfg, log={"mlflow": "deleted"}), run_dir)
+    assert not run_dir.exists()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

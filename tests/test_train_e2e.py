@@ -1,9 +1,11 @@
 """The real command line, end to end, on 8 simulated devices."""
 
 import json
+import shutil
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from conftest import REPO, run_cli, subprocess_env
@@ -18,10 +20,29 @@ def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_command_writes_config_and_metrics(tmp_path):
-    run_dir = tmp_path / "run"
-    result = run_cli("train", "tiny", "--run-dir", str(run_dir), *SHORT, "optim.lr=1e-3", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """A finished `jaxtrain train tiny` run of SHORT (4 steps of 2 layers) at optim.lr=1e-3; tests that start it again
+    work on a copy (_copy)."""
+    cwd = tmp_path_factory.mktemp("short")
+    run_dir = cwd / "run"
+    result = run_cli("train", "tiny", "--run-dir", str(run_dir), *SHORT, "optim.lr=1e-3", cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def _copy(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    return copy
+
+
+def _files(run_dir):
+    return {path.relative_to(run_dir): path.read_bytes() for path in sorted(run_dir.rglob("*")) if path.is_file()}
+
+
+def test_train_command_writes_config_and_metrics(short_run):
+    run_dir = short_run
     records = _records(run_dir)
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [2, 4] and all(KEYS <= set(r) for r in steps)
@@ -34,6 +55,25 @@ def test_train_command_writes_config_and_metrics(tmp_path):
     assert resolved["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1} and resolved["devices"] == 8
     cfg = from_dict(saved)
     assert cfg.train.steps == 4 and cfg.optim.lr == 1e-3 and cfg.rules == "fsdp_tp"
+
+
+def test_a_resume_refused_for_another_model_shape_leaves_the_run_directory_as_it_was(short_run, tmp_path):
+    run_dir = _copy(short_run, tmp_path)
+    before = _files(run_dir)
+    result = run_cli("train", "tiny", "--run-dir", str(run_dir), *SHORT, "train.steps=8", "model.num_layers=1", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert "checkpoint step 4 in" in result.stderr and "does not match the model: params/layers/" in result.stderr
+    assert _files(run_dir) == before  # config.yaml above all: generate and export-hf read the model from it
+
+
+def test_a_finished_run_started_again_says_so_and_writes_nothing(short_run, tmp_path):
+    run_dir = _copy(short_run, tmp_path)
+    before = _files(run_dir)
+    result = run_cli("train", "tiny", "--run-dir", str(run_dir), *SHORT, "optim.lr=1e-3", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"jaxtrain: {run_dir} is already at step 4 of train.steps=4, nothing to do; raise train.steps to train on\n" in result.stderr
+    assert "parameters" not in result.stderr  # no start-up summary
+    assert _files(run_dir) == before
 
 
 def test_experiment_file_runs_directly_with_same_arguments(tmp_path):

@@ -6,6 +6,7 @@ imported only when its key is set (config.log_problems checks it is installed).
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import time
 from pathlib import Path
@@ -49,6 +50,26 @@ class MlflowRun:
             self.mlflow.log_artifact(str(self.run_dir / "config.yaml"), run_id=self.run.info.run_id)
         finally:
             self.mlflow.end_run(status)
+
+
+def check_mlflow(experiment: str) -> None:
+    """Before the compile and the run directory: the tracking store MLflow would use (``MLFLOW_TRACKING_URI``, or
+    its default, a sqlite file that ``mlflow-skinny`` cannot open) answers, and the experiment is not deleted there.
+    Only reads the store."""
+    import mlflow
+
+    uri = mlflow.get_tracking_uri()
+    try:
+        found = mlflow.MlflowClient(uri).get_experiment_by_name(experiment)
+    except mlflow.exceptions.MlflowException as e:
+        first = str(e).strip().split("\n")[0].split(". ")[0][:200]  # the gist; MLflow's messages run to paragraphs
+        default = "" if os.environ.get("MLFLOW_TRACKING_URI") else ", MLflow's default without MLFLOW_TRACKING_URI"
+        raise UserError(f"log.mlflow={experiment}: cannot use the MLflow tracking URI {uri}{default} ({type(e).__name__}: "
+                        f"{first}); set MLFLOW_TRACKING_URI to an MLflow server (http://HOST:PORT), or for a local store "
+                        "to file:///PATH/mlruns with MLFLOW_ALLOW_FILE_STORE=true (MLflow 3's opt-in)") from None
+    if found is not None and found.lifecycle_stage == "deleted":  # MLflow would refuse to log to it
+        raise UserError(f"log.mlflow={experiment}: that experiment is deleted in the MLflow tracking store {uri}; "
+                        "restore it there or choose another name")
 
 
 def check_port_free(port: int) -> None:
