@@ -25,6 +25,7 @@ from jaxtrain.config import AxisSizes
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config
 from jaxtrain.layout import make_layout
+from jaxtrain.observe.metrics import format_summary
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.train import build, train
 from models.config import LoraConfig
@@ -105,6 +106,12 @@ def test_qlora_trains_only_the_adapters_and_resumes_exactly(corpus, tmp_path):
     assert not any("wq" in name or "embed" in name for name in saved), saved
     record = json.loads((tmp_path / "straight" / lora_lib.BASE_RECORD).read_text())
     assert record["hash"] == base.record["hash"] and record["path"] is None and record["rank"] == 4
+    # the start-up summary counts the adapters as what trains and the 4-bit base's bytes apart
+    summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    adapters = sum(x.size for x in jax.tree.leaves(straight.params))
+    assert summary["trained_params"] == adapters < summary["params"]
+    assert summary["frozen_bytes_per_device"] == sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(straight.frozen))
+    assert f"of which {adapters:,} train (the LoRA adapters" in format_summary(summary)
 
     # resume from the checkpoint of step 2 (its base reloaded and checked): the same adapters and optimizer state, bit for bit
     resumed_dir = tmp_path / "resumed"

@@ -119,7 +119,7 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     assert "in every micro-batch" in synced("microbatch") and "gradients summed" not in format_summary(summary)
     assert summary["peak_flops_per_device"] == PEAK_TFLOPS * 1e12 and summary["compile_s"] > 0
     # fsdp_tp shards every matrix 4 ways (fsdp x tensor); float32, and AdamW keeps two moments per parameter
-    assert num_params / 4 <= summary["params_per_device"] < num_params / 2
+    assert num_params / 4 <= summary["params_per_device"] < num_params / 2 and summary["trained_params"] is None
     assert summary["param_bytes_per_device"] == 4 * summary["params_per_device"]
     assert summary["opt_state_bytes_per_device"] >= 2 * summary["param_bytes_per_device"]
     assert summary["cpu_devices_per_core"] == 8 / len(os.sched_getaffinity(0))

@@ -127,6 +127,9 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "layers": "scanned" if cfg.model.scan_layers or schedule(cfg, layout.rules, mesh).stages > 1 else "unrolled",
         "params": layout.spec.num_params, "params_per_device": elements_per_device(state.params),
         "param_bytes_per_device": bytes_per_device(state.params),
+        # a LoRA run: the parameters above are the adapters, which train; the frozen base's bytes apart
+        "trained_params": sum(x.size for x in jax.tree.leaves(state.params)) if state.frozen is not None else None,
+        "frozen_bytes_per_device": bytes_per_device(state.frozen),
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
         "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": layout.tokens_per_step,
         "microbatches": cfg.train.microbatches, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
@@ -155,8 +158,11 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join([
         f"jaxtrain: {s['devices']} x {s['device_kind']} in {s['processes']} process(es); mesh {mesh}; rules {s['rules']}; {s['attention']} attention; "
         f"{s['layers']} layers" + (f"; experts' grouped matmul {s['grouped_matmul']}" if s.get("grouped_matmul") else ""),
-        f"  parameters {s['params']:,} ({s['params_per_device']:,} per device); per device: params "
-        f"{s['param_bytes_per_device'] / GIB:.3g} GiB, optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB",
+        (f"  parameters {s['params']:,} ({s['params_per_device']:,} per device); per device: params "
+         f"{s['param_bytes_per_device'] / GIB:.3g} GiB" if s.get("trained_params") is None else
+         f"  parameters {s['params']:,}, of which {s['trained_params']:,} train (the LoRA adapters, {s['params_per_device']:,} "
+         f"per device); per device: adapters {s['param_bytes_per_device'] / GIB:.3g} GiB, frozen base "
+         f"{s['frozen_bytes_per_device'] / GIB:.3g} GiB") + f", optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB",
         f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "
         f"{s['microbatches']} micro-batch(es)"
         + (f", gradients summed across the batch shards {'once per step' if s['grad_sync'] == 'step' else 'in every micro-batch'}"
