@@ -115,7 +115,7 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
     if cfg.log.prometheus_port and jax.process_index() == 0:
         exporters.check_port_free(cfg.log.prometheus_port)
     if cfg.log.mlflow and jax.process_index() == 0:
-        exporters.check_mlflow(cfg.log.mlflow)
+        exporters.check_mlflow(cfg.log.mlflow, run_dir)
     with compile_cache.using(cfg.train.compile_cache) as cache_dir:
         return _train(cfg, run_dir, trainer, init_from, params_only, cache_dir)
 

@@ -433,6 +433,14 @@ def test_an_unusable_mlflow_store_is_one_line_before_the_compile_and_the_run_dir
         train_lib.train(with_(cfg, log={"mlflow": "deleted"}), run_dir)
     assert not run_dir.exists()
 
+    started_elsewhere = tmp_path / "resumed"  # a run whose MLflow run lives in another store
+    started_elsewhere.mkdir()
+    (started_elsewhere / "mlflow_run_id").write_text("0123456789abcdef\n")
+    with pytest.raises(UserError, match=f"^{started_elsewhere}/mlflow_run_id names MLflow run 0123456789abcdef, which the "
+                                        f"tracking store {(tmp_path / 'mlruns').as_uri()} does not have; point MLFLOW_TRACKING_URI"):
+        train_lib.train(cfg, started_elsewhere)
+    assert [p.name for p in started_elsewhere.iterdir()] == ["mlflow_run_id"]
+
 
 def _free_port() -> int:
     with socket.socket() as s:

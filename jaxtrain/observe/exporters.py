@@ -52,10 +52,10 @@ class MlflowRun:
             self.mlflow.end_run(status)
 
 
-def check_mlflow(experiment: str) -> None:
+def check_mlflow(experiment: str, run_dir: Path) -> None:
     """Before the compile and the run directory: the tracking store MLflow would use (``MLFLOW_TRACKING_URI``, or
-    its default, a sqlite file that ``mlflow-skinny`` cannot open) answers, and the experiment is not deleted there.
-    Only reads the store."""
+    its default, a sqlite file that ``mlflow-skinny`` cannot open) answers, the experiment is not deleted there, and
+    a resumed run's MLflow run is there. Only reads the store."""
     import mlflow
 
     uri = mlflow.get_tracking_uri()
@@ -70,6 +70,15 @@ def check_mlflow(experiment: str) -> None:
     if found is not None and found.lifecycle_stage == "deleted":  # MLflow would refuse to log to it
         raise UserError(f"log.mlflow={experiment}: that experiment is deleted in the MLflow tracking store {uri}; "
                         "restore it there or choose another name")
+    id_file = run_dir / MLFLOW_RUN_ID_FILE
+    if id_file.is_file():
+        run_id = id_file.read_text().strip()
+        try:
+            mlflow.MlflowClient(uri).get_run(run_id)
+        except mlflow.exceptions.MlflowException:
+            raise UserError(f"{id_file} names MLflow run {run_id}, which the tracking store {uri} does not have; point "
+                            "MLFLOW_TRACKING_URI at the store this run started in, or delete that file to start a new "
+                            "MLflow run") from None
 
 
 def check_port_free(port: int) -> None:
