@@ -9,6 +9,7 @@ a temporary directory and renames it when complete, so a killed save never looks
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import shutil
 import signal
@@ -74,6 +75,10 @@ def _all_processes(ok: bool) -> bool:
 
 
 def _first_line(error: BaseException) -> str:
+    """The type and first line of the error ``error`` was raised from: Orbax wraps TensorStore's read errors in one
+    whose first line ends in a cut-off repr of the store."""
+    while error.__cause__ is not None:
+        error = error.__cause__
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
@@ -138,6 +143,63 @@ def _restore_args(abstract_state, data_iterator) -> ocp.args.Composite:
     return ocp.args.Composite(**items)
 
 
+def _read(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterator, where: str, *, params_only: bool = False):
+    """Checkpoint ``step`` restored onto ``abstract_state``'s shardings (its ``state`` item holding only the parameters
+    with ``params_only``), after checking that its shapes are the model's (``where`` names it in that error)."""
+    saved = manager.item_metadata(step)["state"]
+    if params_only:
+        check_same_shapes(saved["params"], abstract_state.params, where)
+        return manager.restore(step, args=ocp.args.Composite(state=_state_restore({"params": abstract_state.params}, partial=True)))
+    check_same_shapes(saved, saved_part(abstract_state), where)
+    return manager.restore(step, args=_restore_args(saved_part(abstract_state), data_iterator))
+
+
+def _quiet_abandoned_reads() -> None:
+    """Drop what Orbax's abandoned reads print after a failed restore: it closes its event loop on the first error,
+    leaving the other reads running; as they finish, their callbacks find the loop closed, their coroutines, closed
+    unfinished, raise from an ``except BaseException``, and their finished tasks' errors are never retrieved. Python
+    and asyncio print each (often at exit, with a TensorStore spec of 60 lines) after the line that already said
+    the checkpoint is unreadable."""
+    asyncio_log = logging.getLogger("asyncio")
+    if _not_from_abandoned_read not in asyncio_log.filters:
+        asyncio_log.addFilter(_not_from_abandoned_read)
+    if getattr(sys.unraisablehook, "quiets_abandoned_reads", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable, previous=previous):
+        code = getattr(unraisable.object, "cr_code", None)
+        if "/orbax/" not in getattr(code, "co_filename", "") and str(unraisable.exc_value) != "Event loop is closed":
+            previous(unraisable)
+
+    hook.quiets_abandoned_reads = True
+    sys.unraisablehook = hook
+
+
+def _not_from_abandoned_read(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith("Task exception was never retrieved") and "/orbax/" in message)
+
+
+def _newest_readable(steps, read) -> tuple[int | None, object, list[tuple[int, str]]]:
+    """(step, ``read(step)``) of the newest of ``steps`` every process reads, and (step, reason) for each newer one
+    that some process could not read; (None, None, all of them) when none is readable. A UserError (a model that
+    does not match) is not a damaged file: it propagates."""
+    unreadable = []
+    for step in sorted(steps, reverse=True):
+        try:
+            restored, error = read(step), None
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any unreadable file must lead to the previous checkpoint
+            restored, error = None, e
+            _quiet_abandoned_reads()
+        if _all_processes(error is None):
+            return step, restored, unreadable
+        unreadable.append((step, _first_line(error) if error else "unreadable on another process"))
+    return None, None, unreadable
+
+
 def _age(seconds: float) -> str:
     return str(datetime.timedelta(seconds=round(max(seconds, 0))))
 
@@ -159,24 +221,18 @@ class RunCheckpoints:
         """The state of the latest readable checkpoint (restored onto ``abstract_state``'s shardings,
         with the data iterator moved to its position), or None when there is none. Unreadable
         checkpoints are moved aside with a one-line warning."""
-        for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                check_same_shapes(self.manager.item_metadata(step)["state"], saved_part(abstract_state), f"checkpoint step {step} in {self.directory}")
-                restored, error = self.manager.restore(step, args=_restore_args(saved_part(abstract_state), data_iterator)), None
-            except UserError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any unreadable file must lead to the previous checkpoint
-                restored, error = None, e
-            if _all_processes(error is None):
-                age = time.time() - restored.meta.get("time", time.time())
-                _say(f"jaxtrain: resuming from checkpoint step {step} in {self.directory} (written {_age(age)} ago)")
-                return restored.state
-            self._quarantine(step, error)
-        return None
+        step, restored, unreadable = _newest_readable(self.manager.all_steps(), lambda s: _read(
+            self.manager, s, abstract_state, data_iterator, f"checkpoint step {s} in {self.directory}"))
+        for bad, reason in unreadable:
+            self._quarantine(bad, reason)
+        if step is None:
+            return None
+        age = time.time() - restored.meta.get("time", time.time())
+        _say(f"jaxtrain: resuming from checkpoint step {step} in {self.directory} (written {_age(age)} ago)")
+        return restored.state
 
-    def _quarantine(self, step: int, error: BaseException | None) -> None:
+    def _quarantine(self, step: int, reason: str) -> None:
         target = self.directory.parent / QUARANTINE_DIR / f"{step}-{int(time.time())}"
-        reason = _first_line(error) if error else "unreadable on another process"
         _say(f"jaxtrain: warning: checkpoint step {step} is unreadable ({reason}); moved to {target}, falling back to the previous one")
         if jax.process_index() == 0:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -265,31 +321,36 @@ def checkpoints_dir(path: Path, source: str) -> tuple[Path, int | None]:
         return path.parent, int(path.name)
     if path.is_dir() and any(p.name.isdigit() for p in path.iterdir()):
         return path, None
+    if (path / "config.yaml").is_file():  # the right kind of path: a run that has not saved yet
+        raise UserError(f"{source} {path}: no checkpoints there yet; train the run until it saves one (every checkpoint.every "
+                        "steps, and at its last step)")
     raise UserError(f"{source} {path}: no checkpoints there; give a run directory, its checkpoints/ directory or one step's directory")
 
 
 def restore_from(path: Path, abstract_state, data_iterator, *, params_only: bool, source: str = "--init-from"):
     """``--init-from`` (or ``source``, named in messages): another run's checkpoint, resharded onto
     ``abstract_state``. With ``params_only`` only the parameters are read (and returned); otherwise the
-    whole state and the data position."""
+    whole state and the data position. A run directory gives its newest readable checkpoint: each newer,
+    unreadable one is a warning and stays where it is (only ``jaxtrain train`` moves its own run's aside)."""
     directory, step = checkpoints_dir(path, source)
     manager = _manager(directory, None)
-    step = manager.latest_step() if step is None else step
-    if step is None or step not in manager.all_steps():
+    steps = manager.all_steps() if step is None else [s for s in manager.all_steps() if s == step]
+    if not steps:
         raise UserError(f"{source} {path}: no complete checkpoint found (steps: {list(manager.all_steps()) or 'none'})")
-    where = f"{source} {directory / str(step)}"
-    saved = manager.item_metadata(step)["state"]
-    if params_only:
-        check_same_shapes(saved["params"], abstract_state.params, where)
-        target = {"params": abstract_state.params}
-        restored = manager.restore(step, args=ocp.args.Composite(state=_state_restore(target, partial=True)))
-        result = restored.state["params"]
-    else:
-        check_same_shapes(saved, saved_part(abstract_state), where)
-        result = manager.restore(step, args=_restore_args(saved_part(abstract_state), data_iterator)).state
+    found, restored, unreadable = _newest_readable(steps, lambda s: _read(
+        manager, s, abstract_state, data_iterator, f"{source} {directory / str(s)}", params_only=params_only))
     manager.close()
-    _say(f"jaxtrain: read {'the parameters' if params_only else 'the whole state'} of {directory / str(step)}")
-    return result
+    if found is None and step is not None:
+        raise UserError(f"{source} {path}: checkpoint step {step} is unreadable ({unreadable[0][1]}); choose another step "
+                        f"(`jaxtrain checkpoints {directory.parent}` lists them)")
+    if found is None:
+        raise UserError(f"{source} {path}: no checkpoint there is readable (steps {', '.join(str(s) for s, _ in unreadable)}; "
+                        f"step {unreadable[0][0]}: {unreadable[0][1]}); restore them from a copy, or train again")
+    for bad, reason in unreadable:
+        _say(f"jaxtrain: warning: checkpoint step {bad} in {directory} is unreadable ({reason}); using step {found}, the newest "
+             "readable one (left in place)")
+    _say(f"jaxtrain: read {'the parameters' if params_only else 'the whole state'} of {directory / str(found)}")
+    return restored.state["params"] if params_only else restored.state
 
 
 def _size(path: Path) -> int:
@@ -302,7 +363,9 @@ def _human(size: int) -> str:
 
 
 def describe(run_dir: Path) -> list[dict]:
-    """One row per checkpoint directory (complete or not) of a run, oldest first."""
+    """One row per checkpoint directory (complete or not) of a run, oldest first. Complete means committed: Orbax
+    renamed it from its temporary name once written. Its array files are not read (that costs as much as a
+    restore), so one damaged since still counts as complete until a command reads it."""
     directory = run_dir / CHECKPOINTS_DIR
     if not directory.is_dir():
         raise UserError(f"{run_dir} has no {CHECKPOINTS_DIR}/ directory; give the --run-dir of a training run")
@@ -330,11 +393,11 @@ def describe(run_dir: Path) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = f"{'step':>8}  {'size':>10}  {'written':19}  {'complete':8}  mesh / rules"
+    header = f"{'step':>8}  {'size':>10}  {'written':19}  {'committed':9}  mesh / rules"
     lines = [header]
     for r in rows:
         mesh = describe_axes(r["mesh"]) if r["mesh"] else "?"
         written = datetime.datetime.fromtimestamp(r["time"]).strftime("%Y-%m-%d %H:%M:%S")
-        lines.append(f"{r['step']:>8}  {_human(r['size']):>10}  {written:19}  {'yes' if r['complete'] else 'NO':8}  "
+        lines.append(f"{r['step']:>8}  {_human(r['size']):>10}  {written:19}  {'yes' if r['complete'] else 'NO':9}  "
                      f"{mesh} / {r['rules'] or '?'} ({r['processes'] or '?'} process(es))")
     return "\n".join(lines)

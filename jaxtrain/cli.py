@@ -205,7 +205,7 @@ def cmd_generate(args) -> int:
         prompt = loaded.encode(args.prompt)
         out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling)
     new = out.tokens[0]
-    text = loaded.decode(new) if args.chat else args.prompt + loaded.decode(new) if loaded.decode else " ".join(map(str, new))
+    text = loaded.decode(new) if args.chat else args.prompt + loaded.decode(new)
     print(text, flush=True)
     decode = f"{out.decode_tokens_per_s:,.1f} tokens/s" if out.decode_tokens_per_s else "no decoding steps"
     print(f"jaxtrain: {len(new)} new tokens; prefill {out.prompt_tokens} tokens in {out.prefill_s:.3f} s "
@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--rules", help="sharding rule set (default: the run's; HF_DIR: fsdp_tp)")
     generate.add_argument("--devices", type=_positive_int, help=_DEVICES_HELP)
     generate.set_defaults(func=cmd_generate)
-    checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, complete, mesh/rules")
+    checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, committed, mesh/rules")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR")
     checkpoints.set_defaults(func=cmd_checkpoints)
     adapters = sub.add_parser("adapters", help="list the LoRA adapters in DIR (runs and PEFT directories) by base: base hash, "

@@ -50,7 +50,7 @@ class Loaded:
     rules: Rules
     rules_name: str
     encode: Encode  # prompt text -> token ids
-    decode: Decode | None  # token ids -> text; None: the ids are printed
+    decode: Decode  # token ids -> text to print after the prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +116,7 @@ def load_hf(hf_dir: Path, mesh: str | None = None, rules: str | None = None) -> 
     return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, *_hf_codec(cfg.model.vocab_size, hf_dir))
 
 
-def codec(cfg: Config, run_dir: Path) -> tuple[Encode, Decode | None]:
+def codec(cfg: Config, run_dir: Path) -> tuple[Encode, Decode]:
     """The run's own encoding: its ``data.tokenizer``; else UTF-8 bytes for byte-level text runs (the standard
     library or a text directory); else, for a token file, the tokenizer its sidecar or ``--init-from HF_DIR``
     names (kept in RUN_DIR/hf/), or token ids written as numbers when there is none."""
@@ -149,14 +149,15 @@ def chat_codec(path: Path, vocab: int) -> tuple[Encode, Decode]:
     return (lambda text: _in_vocab(template.prompt_tokens(text), vocab, "a prompt token id")), decode
 
 
-def _hf_codec(vocab: int, hf_dir: Path) -> tuple[Encode, Decode | None]:
+def _hf_codec(vocab: int, hf_dir: Path) -> tuple[Encode, Decode]:
     return _token_codec(vocab, load_tokenizer(hf_dir) if (hf_dir / TOKENIZER_FILE).is_file() else None)
 
 
-def _token_codec(vocab: int, tokenizer: TextTokenizer | None) -> tuple[Encode, Decode | None]:
-    """A ``tokenizers`` tokenizer when there is one, else token ids written as numbers."""
+def _token_codec(vocab: int, tokenizer: TextTokenizer | None) -> tuple[Encode, Decode]:
+    """A ``tokenizers`` tokenizer when there is one, else token ids written as numbers, each after a space (so the
+    prompt's ids and the new ones print as one sequence, as text prompts print with their continuation)."""
     if tokenizer is None:
-        return (lambda text: _in_vocab(_ids(text), vocab, "a prompt token id")), None
+        return (lambda text: _in_vocab(_ids(text), vocab, "a prompt token id")), lambda ids: "".join(f" {int(i)}" for i in ids)
     return ((lambda text: _in_vocab(tokenizer.tokenizer.encode(text).ids, vocab, "a prompt token id")),
             lambda ids: tokenizer.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
 

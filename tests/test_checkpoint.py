@@ -151,21 +151,79 @@ def test_sigkill_during_async_save_resumes_from_previous_complete(reference, tmp
     assert _losses(run_dir) == _losses(reference[0])  # steps logged after the last checkpoint were redone, once
 
 
+def _truncate(run_dir, step, *, arrays_only=True):
+    """A disk fault: the array chunk files of checkpoint ``step`` cut to 10 bytes (its index of names still reads); or,
+    not ``arrays_only``, every data file cut in half, that index too."""
+    state = run_dir / "checkpoints" / str(step) / "state"
+    files = [p for p in state.glob("ocdbt.process_*/d/*")] if arrays_only else [p for p in state.rglob("*") if p.is_file() and "/d/" in str(p)]
+    assert files
+    for p in files:
+        p.write_bytes(p.read_bytes()[:10 if arrays_only else p.stat().st_size // 2])
+
+
+def _clean_reason(line: str) -> bool:
+    """The reason a warning gives is TensorStore's own error, not Orbax's wrapper of it (a cut-off repr of the store)."""
+    return "(ValueError: OUT_OF_RANGE: " in line and "TensorStore" not in line and "bound method" not in line
+
+
 def test_corrupted_checkpoint_falls_back_with_one_warning(reference, trainer, tmp_path, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
-    data_files = [p for p in (run_dir / "checkpoints" / str(STEPS) / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
-    assert data_files
-    for p in data_files:
-        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])  # truncated array files
+    _truncate(run_dir, STEPS)
     final = train(reference[1], run_dir, trainer)
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if "warning" in line]
-    assert len(warnings) == 1 and f"checkpoint step {STEPS} is unreadable" in warnings[0]
+    assert len(warnings) == 1 and f"checkpoint step {STEPS} is unreadable" in warnings[0] and _clean_reason(warnings[0]), warnings
     assert f"resuming from checkpoint step {STEPS - 2} " in err
     assert _losses(run_dir)[-2:] == _losses(reference[0])[-2:]  # steps 15, 16 recomputed, same bits
     _assert_identical(final.params, _state(reference[0], reference[1], params_only=True)[0])
     assert (run_dir / checkpoint_lib.QUARANTINE_DIR).is_dir()
+
+
+def _files(run_dir) -> list:
+    return sorted((p.relative_to(run_dir), p.stat().st_size) for p in run_dir.rglob("*"))
+
+
+def test_readers_use_the_newest_readable_checkpoint_and_move_nothing(reference, tmp_path, capsys):
+    """generate and export-hf on a run whose latest checkpoint is damaged: one warning line, the previous checkpoint, the
+    run's files left as they are (only train moves its own unreadable checkpoints aside); export-hf --step of the
+    damaged one, or no readable checkpoint at all: one line, exit 2, nothing written."""
+    from jaxtrain import cli
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    _truncate(run_dir, STEPS)
+    before = _files(run_dir)
+
+    def command(*args) -> tuple[int, list[str], str]:
+        capsys.readouterr()
+        status = cli.main([args[0], str(run_dir), *args[1:]])
+        out, err = capsys.readouterr()
+        return status, [line for line in err.splitlines() if line.startswith(("jaxtrain: warning", "jaxtrain: error"))], out
+
+    status, lines, out = command("generate", "--prompt", "def ", "--max-new-tokens", "3")
+    assert status == 0 and out.startswith("def ") and len(lines) == 1, lines
+    assert lines[0].startswith(f"jaxtrain: warning: checkpoint step {STEPS} in {run_dir / 'checkpoints'} is unreadable (")
+    assert lines[0].endswith(f"using step {STEPS - 2}, the newest readable one (left in place)") and _clean_reason(lines[0]), lines
+    status, lines, _ = command("export-hf", "--out", str(tmp_path / "latest"))
+    assert status == 0 and len(lines) == 1 and f"step {STEPS} in" in lines[0] and f"using step {STEPS - 2}" in lines[0], lines
+    assert command("export-hf", "--out", str(tmp_path / "previous"), "--step", str(STEPS - 2))[:2] == (0, [])
+    assert (tmp_path / "latest" / "model.safetensors").read_bytes() == (tmp_path / "previous" / "model.safetensors").read_bytes()
+
+    status, lines, _ = command("export-hf", "--out", str(tmp_path / "damaged"), "--step", str(STEPS))
+    assert status == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"jaxtrain: error: jaxtrain export-hf {run_dir / 'checkpoints' / str(STEPS)}: checkpoint step {STEPS} "
+                               "is unreadable (ValueError: OUT_OF_RANGE: ") and f"`jaxtrain checkpoints {run_dir}` lists them" in lines[0]
+    assert not list(tmp_path.glob("damaged*"))
+    assert _files(run_dir) == before  # nothing moved aside, nothing written
+
+    for step in (STEPS - 4, STEPS - 2):
+        _truncate(run_dir, step, arrays_only=False)
+    status, lines, out = command("generate", "--prompt", "def ")
+    assert status == 2 and out == "" and len(lines) == 1, lines
+    assert lines[0].startswith(f"jaxtrain: error: jaxtrain generate {run_dir}: no checkpoint there is readable (steps {STEPS}, "
+                               f"{STEPS - 2}, {STEPS - 4}; step {STEPS}: ValueError: OUT_OF_RANGE: "), lines
+    assert not (run_dir / checkpoint_lib.QUARANTINE_DIR).exists()
 
 
 def test_full_disk_is_one_line_error_and_earlier_checkpoints_stay(reference, tmp_path):

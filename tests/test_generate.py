@@ -1,8 +1,10 @@
 """Generation with a key/value cache: equal to re-running the whole forward, on one device and on the
 cpu8 mesh; prefill equal to the training forward; seeded sampling; the command line end to end."""
 
+import dataclasses
 import functools
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ from jaxtrain.generate import Loaded, generate, nucleus, sample
 from jaxtrain.partitioning import model_tracing
 from jaxtrain.state import init_state, model_spec
 from jaxtrain.layout import make_layout
-from models.config import MoEConfig
+from models.config import LoraConfig, MoEConfig
 from models.llama import KVCache
 
 NEW_TOKENS = 32
@@ -191,7 +193,7 @@ def test_text_codecs(tmp_path):
     assert encode("é!") == [0xC3, 0xA9, 0x21] and decode([0xC3, 0xA9, 0x21, 0, 0x41]) == "é!"
     token_run = with_(byte_run, data={"path": "tokens.bin"})
     encode, decode = codec(token_run, tmp_path)
-    assert encode("12, 7 99") == [12, 7, 99] and decode is None
+    assert encode("12, 7 99") == [12, 7, 99] and decode([4, 18]) == " 4 18"  # printed after the prompt's ids
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.train_from_iterator(["the quick brown fox", "the lazy dog"] * 10,
@@ -201,3 +203,47 @@ def test_text_codecs(tmp_path):
     for run in (token_run, with_(byte_run, data={"tokenizer": str(tmp_path / "hf")})):
         encode, decode = codec(run, tmp_path)
         assert encode("the lazy fox") == tokenizer.encode("the lazy fox").ids and decode(encode("the lazy fox")) == "the lazy fox"
+
+
+def test_token_id_prompt_is_printed_with_its_continuation(tmp_path, capsys):
+    """A model without a tokenizer (a Hugging Face directory with none): the prompt's ids, then the new ones, as a text
+    prompt is printed with its continuation."""
+    from test_hf import _make_hf_model
+
+    from jaxtrain import cli
+    from jaxtrain.generate import load
+
+    _make_hf_model(tmp_path, "llama3")
+    assert not (tmp_path / "tokenizer.json").exists()
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "5"]) == 0
+    printed = capsys.readouterr().out
+    new = generate(load(tmp_path), np.array([[1, 2, 3]], np.int32), SamplingConfig(max_new_tokens=5)).tokens[0]
+    assert printed == "1 2 3" + "".join(f" {t}" for t in new) + "\n"
+
+
+def test_lora_run_whose_base_changed_asks_for_that_base_back(corpus, tmp_path, capsys):
+    """generate and export-hf reload a LoRA run's base from the path its record names, so the way out is that base back
+    there, not the --run-dir (or --init-from) that train's message offers and these commands do not take."""
+    import transformers
+    from test_hf import _make_hf_model
+
+    from jaxtrain import cli
+    from jaxtrain.interop import hf_config
+    from jaxtrain.train import build, train
+
+    hf_dir, run_dir = tmp_path / "base", tmp_path / "run"
+    model = _make_hf_model(hf_dir, "llama3")
+    cfg = with_(small_config(), model={"lora": LoraConfig(rank=2, alpha=4.0)}, train={"steps": 2},
+                checkpoint={"every": 2, "async_save": False}, log={"peak_tflops": 1.0, "tensorboard": False, "layer_every": 0})
+    cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
+    train(cfg, run_dir, build(cfg, corpus), init_from=hf_dir)
+    shutil.rmtree(hf_dir)
+    transformers.LlamaForCausalLM(model.config).save_pretrained(hf_dir)  # other weights where the base was
+    for args in (["generate", str(run_dir), "--prompt", "1 2"], ["export-hf", str(run_dir), "--out", str(tmp_path / "out")]):
+        capsys.readouterr()
+        assert cli.main(args) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: error: ")]
+        assert len(errors) == 1 and f"is not the base run {run_dir} was trained on ({hf_dir.absolute()}, hash " in errors[0], errors
+        assert errors[0].endswith(f"; restore the base {run_dir / 'lora_base.json'} records (the run's adapters are reloaded onto it)")
+    assert not list(tmp_path.glob("out*"))

@@ -218,3 +218,15 @@ def test_export_refuses_an_existing_directory(tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"jaxtrain: error: --out {out} already exists; give a new directory (export-hf never overwrites)"]
     assert list(out.iterdir()) == []
+
+
+def test_export_of_a_run_without_checkpoints_names_the_run(tmp_path, capsys):
+    """The message names what the user gave (the run directory), not --init-from, whose code path export-hf shares."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("{}")
+    assert cli.main(["export-hf", str(run_dir), "--out", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"jaxtrain: error: jaxtrain export-hf {run_dir}: no checkpoints there yet; train the run until it saves one "
+                     "(every checkpoint.every steps, and at its last step)"], lines
+    assert not list(tmp_path.glob("out*"))

@@ -135,16 +135,17 @@ class Base:
         return jax.jit(start, out_shardings=layout.shardings, donate_argnums=0)(self.frozen)
 
 
-def load_base(layout: Layout, source: Path | None, expected: dict | None = None, where: str = "") -> Base:
+def load_base(layout: Layout, source: Path | None, expected: dict | None = None, where: str = "",
+              fix: str = "give that base, or a new --run-dir") -> Base:
     """Load the base from ``source`` and hash it; with ``expected`` (a run's record), a base of other content
-    is a UserError."""
+    is a UserError ending in ``fix``, what the command's user can do about it."""
     plain = load_plain(layout, source)
     record = {"path": None if source is None else str(source.absolute()),
               "seed": layout.cfg.train.seed if source is None else None, "hash": content_hash(plain)}
     if expected is not None and expected["hash"] != record["hash"]:
         named = expected["path"] or f"the initialisation from train.seed={expected['seed']}"
         raise UserError(f"the LoRA base {record['path'] or 'initialised from train.seed'} (content hash {record['hash']}) is not the base "
-                        f"{where} was trained on ({named}, hash {expected['hash']}); give that base, or a new --run-dir")
+                        f"{where} was trained on ({named}, hash {expected['hash']}); {fix}")
     frozen = jax.jit(lambda p: to_storage(p, layout.cfg.model), out_shardings=layout.shardings.frozen, donate_argnums=0)(plain)
     return Base(frozen, record)
 
@@ -172,7 +173,9 @@ def run_model_params(layout: Layout, run_dir: Path, step: int | None = None, sou
     record = summary(run_dir)
     where = run_dir if step is None else run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)
     adapters = checkpoint_lib.restore_from(where, layout.abstract_state(), None, params_only=True, source=source)
-    base = load_base(layout, None if record["path"] is None else Path(record["path"]), record, f"run {run_dir}")
+    # the base comes from the run's record, not from the command line: no flag can name another
+    base = load_base(layout, None if record["path"] is None else Path(record["path"]), record, f"run {run_dir}",
+                     f"restore the base {run_dir / BASE_RECORD} records (the run's adapters are reloaded onto it)")
     return join_frozen(base.frozen, adapters), base
 
 

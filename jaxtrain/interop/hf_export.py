@@ -214,12 +214,13 @@ def tokenizer_files(cfg: Config, source_dir: Path | None) -> dict[str, bytes]:
 
 
 def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: str) -> None:
-    """``jaxtrain export-hf``: restore the parameters of ``step`` (default the latest) onto the run's mesh and write them."""
+    """``jaxtrain export-hf``: restore the parameters of ``step`` (default the newest readable checkpoint) onto the run's
+    mesh and write them."""
     layout = make_layout(cfg)
-    source = run_dir if step is None else run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)
-    if step is not None and not source.is_dir():
+    where = run_dir if step is None else run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)
+    if step is not None and not where.is_dir():
         raise UserError(f"--step {step}: {run_dir} has no checkpoint of that step; `jaxtrain checkpoints {run_dir}` lists them")
-    params = checkpoint_lib.restore_from(source, layout.abstract_state(), None, params_only=True)
+    params = checkpoint_lib.restore_from(where, layout.abstract_state(), None, params_only=True, source="jaxtrain export-hf")
     source_dir = run_dir / RUN_SUBDIR
     names = write_model(params, cfg, out, dtype, source_dir if source_dir.is_dir() else None)
     if jax.process_index() == 0:
