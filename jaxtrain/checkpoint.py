@@ -291,6 +291,25 @@ class RunCheckpoints:
             self.preemption.close()
 
 
+def check_resume_shapes(run_dir: Path, trained_shapes: dict) -> None:
+    """Before the compile: the parameters of the run's newest committed checkpoint against ``trained_shapes`` (the
+    model's trained parameters, a LoRA run's adapters), by their metadata alone. A checkpoint whose metadata does not
+    read is left to the restore, which falls back past it."""
+    directory = run_dir / CHECKPOINTS_DIR
+    manager = _manager(directory, None)
+    try:
+        step = manager.latest_step()
+        if step is None:
+            return
+        try:
+            saved = manager.item_metadata(step)["state"]["params"]
+        except Exception:  # noqa: BLE001 - an unreadable checkpoint: the restore reports and passes it
+            return
+        check_same_shapes({"params": saved}, {"params": trained_shapes}, f"checkpoint step {step} in {directory}")
+    finally:
+        manager.close()
+
+
 def has_checkpoints(run_dir: Path) -> bool:
     """Whether the run directory holds a complete checkpoint of its own (so a start resumes it); looks only."""
     directory = run_dir / CHECKPOINTS_DIR

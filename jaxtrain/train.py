@@ -20,13 +20,14 @@ from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain.observe import exporters
 from jaxtrain.adapt import lora as lora_lib
+from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.plan import estimate as plan
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import
 from jaxtrain.layout import Layout, compile_train_step, make_layout
 from jaxtrain.observe.metrics import MetricsLog
-from jaxtrain.state import TrainState, state_from_params, state_initializer
+from jaxtrain.state import TrainState, model_spec, state_from_params, state_initializer
 
 
 @dataclasses.dataclass
@@ -116,6 +117,8 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
         exporters.check_port_free(cfg.log.prometheus_port)
     if cfg.log.mlflow and jax.process_index() == 0:
         exporters.check_mlflow(cfg.log.mlflow, run_dir)
+    if checkpoint_lib.has_checkpoints(run_dir):  # a resume with another model fails before the compile
+        checkpoint_lib.check_resume_shapes(run_dir, split_frozen(model_spec(cfg.model).shapes)[0])
     with compile_cache.using(cfg.train.compile_cache) as cache_dir:
         return _train(cfg, run_dir, trainer, init_from, params_only, cache_dir)
 

@@ -66,6 +66,18 @@ def test_a_resume_refused_for_another_model_shape_leaves_the_run_directory_as_it
     assert _files(run_dir) == before  # config.yaml above all: generate and export-hf read the model from it
 
 
+def test_a_resume_for_another_model_shape_is_refused_before_the_compile(short_run, tmp_path, monkeypatch):
+    """By the newest checkpoint's metadata: a large model's compile takes minutes (llama3_70b: several)."""
+    from jaxtrain import train as train_lib
+    from jaxtrain.cli import resolve_config
+    from jaxtrain.errors import UserError
+
+    run_dir = _copy(short_run, tmp_path)
+    monkeypatch.setattr(train_lib, "build", lambda *a, **k: pytest.fail("compiled before the checkpoint's shapes were checked"))
+    with pytest.raises(UserError, match=r"checkpoint step 4 in .* does not match the model: params/embed has shape \(256, 128\) in the checkpoint but \(256, 64\)"):
+        train_lib.train(resolve_config("tiny", None, None, [*SHORT, "model.d_model=64"]), run_dir)
+
+
 def test_a_finished_run_started_again_says_so_and_writes_nothing(short_run, tmp_path):
     run_dir = _copy(short_run, tmp_path)
     before = _files(run_dir)
