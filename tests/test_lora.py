@@ -110,6 +110,8 @@ def test_qlora_trains_only_the_adapters_and_resumes_exactly(corpus, tmp_path):
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     adapters = sum(x.size for x in jax.tree.leaves(straight.params))
     assert summary["trained_params"] == adapters < summary["params"]
+    plain = make_layout(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, base_quant="none")))
+    assert summary["params"] == plain.spec.num_params  # the model's parameters, not the packed 4-bit codes and scales
     assert summary["frozen_bytes_per_device"] == sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(straight.frozen))
     assert f"of which {adapters:,} train (the LoRA adapters" in format_summary(summary)
 

@@ -12,6 +12,7 @@ the checks (so all stop together); only process 0 writes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -39,7 +40,7 @@ from jaxtrain.layout import Layout
 from jaxtrain.memory import host_malloc
 from jaxtrain.mesh import describe_axes
 from jaxtrain.stages import schedule
-from jaxtrain.state import bytes_per_device, elements_per_device
+from jaxtrain.state import bytes_per_device, elements_per_device, model_spec
 
 SUMMARY_FILE = "summary.json"
 GIB = 2**30
@@ -125,7 +126,10 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "grouped_matmul": cfg.model.moe.grouped_matmul if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "dropless" else None,
         # pipeline stages loop over their layers with a scan whatever model.scan_layers says (models/pipeline.py)
         "layers": "scanned" if cfg.model.scan_layers or schedule(cfg, layout.rules, mesh).stages > 1 else "unrolled",
-        "params": layout.spec.num_params, "params_per_device": elements_per_device(state.params),
+        # a quantized base (QLoRA) counted as the model's parameters, not its packed codes and scales
+        "params": layout.spec.num_params if cfg.model.base_quant == "none" else
+                  model_spec(dataclasses.replace(cfg.model, base_quant="none")).num_params,
+        "params_per_device": elements_per_device(state.params),
         "param_bytes_per_device": bytes_per_device(state.params),
         # a LoRA run: the parameters above are the adapters, which train; the frozen base's bytes apart
         "trained_params": sum(x.size for x in jax.tree.leaves(state.params)) if state.frozen is not None else None,
