@@ -276,6 +276,10 @@ class RunCheckpoints:
             raise self._write_error(self.started, e) from e
 
     def _write_error(self, step, error: BaseException) -> UserError:
+        if jax.process_count() > 1 and isinstance(error, jax.errors.JaxRuntimeError):  # a collective among the processes
+            return UserError(f"the save of checkpoint step {step} under {self.directory} stopped ({_first_line(error)}): "
+                             "another process of the job stopped or lost its connection; restart the job, which resumes "
+                             "from the latest committed checkpoint (`jaxtrain checkpoints` lists them)")
         return UserError(f"could not write checkpoint step {step} under {self.directory} ({_first_line(error)}); "
                          f"free disk space or fix permissions there; earlier checkpoints are intact")
 

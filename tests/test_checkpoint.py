@@ -226,6 +226,21 @@ def test_readers_use_the_newest_readable_checkpoint_and_move_nothing(reference, 
     assert not (run_dir / checkpoint_lib.QUARANTINE_DIR).exists()
 
 
+def test_a_save_that_a_stopped_process_broke_is_not_blamed_on_the_disk(tmp_path, monkeypatch):
+    """Several processes: a save's collectives fail when another process dies (a QA run killed one of two: the other
+    said to free disk space). One process: a failed save is the disk's, as above."""
+    checkpoints = checkpoint_lib.RunCheckpoints(tmp_path, checkpoint_lib.CheckpointConfig(), 10, {})
+    peer = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: [external/gloo/transport/tcp/pair.cc:538] Connection closed by peer")
+    assert "free disk space" in str(checkpoints._write_error(4, peer))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    message = str(checkpoints._write_error(4, peer))
+    assert message.startswith(f"the save of checkpoint step 4 under {tmp_path / 'checkpoints'} stopped (JaxRuntimeError: UNKNOWN: Gloo")
+    assert message.endswith("another process of the job stopped or lost its connection; restart the job, which resumes from the "
+                            "latest committed checkpoint (`jaxtrain checkpoints` lists them)")
+    assert "free disk space" in str(checkpoints._write_error(4, OSError(28, "No space left on device")))
+    checkpoints.close()
+
+
 def test_full_disk_is_one_line_error_and_earlier_checkpoints_stay(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
