@@ -165,7 +165,8 @@ def model_config(hf_dir: Path, model: LlamaConfig, given: set[str], seq_len: int
     for key, value in values.items():
         if key in given and current[key] != value:
             raise UserError(f"model.{key}={current[key]} (experiment or command line) disagrees with {SHAPE_KEYS[key]}={value} "
-                            f"in {where}; the model's shape comes from there: drop model.{key} or use another model directory")
+                            f"in {where}; the model's shape comes from there: drop model.{key} from the command line, use an "
+                            "experiment that sets no model shape (finetune) or this model's, or another model directory")
     sections = {section: dataclasses.replace(getattr(model, section), **{k.removeprefix(f"{section}."): v for k, v in values.items()
                                                                          if k.startswith(f"{section}.")})
                 for section in ("rope_scaling", "moe")}
