@@ -187,6 +187,17 @@ def cmd_generate(args) -> int:
         raise UserError(f"{path} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json); "
                         "give the --run-dir of a training run or a model directory")
     run_cfg = None if hf_config.is_hf_dir(path) else config_lib.load_run_config(path)
+    # the model's context: a Hugging Face model's, or that of the one a run was initialised from (RUN_DIR/hf)
+    context = hf_config.context_length(path if run_cfg is None else path / hf_config.RUN_SUBDIR)
+
+    def check_context(prompt_tokens: int | None) -> None:
+        """None: before the prompt is encoded (and the weights read), the new tokens alone."""
+        if context is not None and (prompt_tokens or 0) + sampling.max_new_tokens > context:
+            prompt = "" if prompt_tokens is None else f" with a prompt of {prompt_tokens} tokens"
+            raise UserError(f"--max-new-tokens {sampling.max_new_tokens}{prompt} runs past the model's context of {context} "
+                            f"positions (max_position_embeddings); give --max-new-tokens {max(context - (prompt_tokens or 1), 1)} or less")
+
+    check_context(None)
     mesh = config_lib.load_mesh_file(args.mesh) if args.mesh else run_cfg.mesh if run_cfg else config_lib.Config().mesh
     simulate_cpu_devices(args.devices, default=default_cpu_devices(mesh, None))
     import numpy as np
@@ -203,6 +214,7 @@ def cmd_generate(args) -> int:
 
             loaded = lora.with_adapter(loaded, Path(args.adapter))
         prompt = loaded.encode(args.prompt)
+        check_context(len(prompt))
         out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling)
     new = out.tokens[0]
     text = loaded.decode(new) if args.chat else args.prompt + loaded.decode(new)

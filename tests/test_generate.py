@@ -222,6 +222,26 @@ def test_token_id_prompt_is_printed_with_its_continuation(tmp_path, capsys):
     assert printed == "1 2 3" + "".join(f" {t}" for t in new) + "\n"
 
 
+def test_generating_past_the_models_context_is_one_line(tmp_path, capsys, monkeypatch):
+    """config.json's max_position_embeddings (1024 here): a QA run asked a 256-position model for 100,000 tokens and
+    ran for ten minutes. Too many new tokens alone is refused before the weights are read; with the prompt, after."""
+    from test_hf import _make_hf_model
+
+    from jaxtrain import cli
+    from jaxtrain import generate as generate_lib
+
+    _make_hf_model(tmp_path, "llama3")
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "1022"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (  # after the line on the weights read
+        "jaxtrain: error: --max-new-tokens 1022 with a prompt of 3 tokens runs past the model's "
+        "context of 1024 positions (max_position_embeddings); give --max-new-tokens 1021 or less")
+    monkeypatch.setattr(generate_lib, "load", lambda *a, **k: pytest.fail("read the weights first"))
+    assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "100000"]) == 2
+    assert capsys.readouterr().err == ("jaxtrain: error: --max-new-tokens 100000 runs past the model's context of 1024 positions "
+                                       "(max_position_embeddings); give --max-new-tokens 1023 or less\n")
+
+
 def test_lora_run_whose_base_changed_asks_for_that_base_back(corpus, tmp_path, capsys):
     """generate and export-hf reload a LoRA run's base from the path its record names, so the way out is that base back
     there, not the --run-dir (or --init-from) that train's message offers and these commands do not take."""

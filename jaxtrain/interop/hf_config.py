@@ -146,6 +146,16 @@ def flat_model(model: LlamaConfig) -> dict:
     return out
 
 
+RUN_SUBDIR = "hf"  # where a run initialised from a Hugging Face model keeps its config and tokenizer (hf_import.py)
+
+
+def context_length(directory: Path) -> int | None:
+    """A Hugging Face model's positions (config.json's max_position_embeddings), None where it does not say."""
+    path = directory / CONFIG_FILE
+    value = read_json(path).get("max_position_embeddings") if path.is_file() else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def given_model_keys(experiment_model: LlamaConfig, overrides: list[str]) -> set[str]:
     """The model keys a user gave: those the experiment sets to something other than LlamaConfig's default,
     and every model.* key on the command line (a value equal to the default in an experiment cannot be told

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import jax
 
-from jaxtrain.interop.hf_config import CONFIG_FILE, GENERATION_CONFIG_FILE
+from jaxtrain.interop.hf_config import CONFIG_FILE, GENERATION_CONFIG_FILE, RUN_SUBDIR
 from jaxtrain.interop.hf_weights import Checkpoint, tensor_maps
 from models.config import LlamaConfig
 
-# Files of the source model a run keeps (in RUN_DIR/hf/) for export-hf: its config (token ids, context
+# Files of the source model a run keeps (in RUN_DIR/hf/, RUN_SUBDIR) for export-hf: its config (token ids, context
 # length, ...) and its tokenizer.
-RUN_SUBDIR = "hf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 KEPT_FILES = (CONFIG_FILE, GENERATION_CONFIG_FILE, *TOKENIZER_FILES)
