@@ -207,10 +207,11 @@ def _age(seconds: float) -> str:
 class RunCheckpoints:
     """The checkpoints of one run directory: resume, periodic, final and preemption saves."""
 
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, last_step: int, meta: dict):
+    def __init__(self, run_dir: Path, cfg: CheckpointConfig, last_step: int, meta: dict | None = None):
         self.directory = run_dir / CHECKPOINTS_DIR
         self.last_step = last_step
-        self.meta = meta  # how this run is laid out: written into every checkpoint's meta item
+        # how this run is laid out (train sets it once its steps are compiled): written into every checkpoint's meta item
+        self.meta = meta or {}
         _check_writable(self.directory)
         self.manager = _manager(self.directory, cfg)
         self.preemption = PreemptionWatch()

@@ -69,28 +69,45 @@ class Trainer:
         return self.layout.tokens_per_step
 
 
-def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None) -> Trainer:
-    """Validate the config against the devices, mesh, rules, model and data, then compile the steps."""
-    limit = None
-    if cfg.train.microbatches == "auto":
-        limit = plan.memory_limit(devices)
-        if limit is None:  # devices that report no memory limit (CPU): one pass
-            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=1))
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A config checked against the devices, mesh, rules, model and data: all a resume needs, nothing compiled."""
+
+    layout: Layout  # under train.microbatches=auto, one pass until ``compile_steps`` fits the count
+    corpus: data_lib.Corpus
+    memory_limit: float | None  # train.microbatches=auto: the bytes the compiled step must fit; None to compile as is
+
+
+def check(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None) -> Checked:
+    """Validate the config against the devices, mesh, rules, model and data, without compiling."""
+    limit = plan.memory_limit(devices) if cfg.train.microbatches == "auto" else None  # None on CPU: one pass
     kind = (devices or jax.devices())[0].platform
     if cfg.model.attention == "cudnn" and kind != "gpu":
         raise UserError(f"model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are {kind}; "
                         "use model.attention=auto or xla")
-    layout = make_layout(cfg, devices) if limit is None else None  # every check before the data is read
+    layout = plan.unfitted_layout(cfg, devices)  # every check before the data is read
     corpus = corpus or data_lib.load_corpus(cfg.data)
     data_lib.check_sizes(corpus, cfg.data, cfg.train.global_batch, cfg.model.vocab_size)
+    return Checked(layout, corpus, limit)
+
+
+def compile_steps(checked: Checked) -> Trainer:
+    """Compile the train and eval steps (under train.microbatches=auto, the fewest micro-batches whose compiled
+    train step fits the device)."""
     start = time.perf_counter()
     with compile_cache.counting() as compiled:
-        if layout is None:  # the fewest micro-batches whose compiled train step fits
-            layout, (train_step, eval_lowered) = plan.fit_microbatches(cfg, limit, devices, compile_train_step)
-        else:
+        if checked.memory_limit is None:
+            layout = checked.layout
             (train_step, eval_lowered), _ = compile_train_step(layout)
+        else:
+            layout, (train_step, eval_lowered) = plan.fit_microbatches(checked.layout, checked.memory_limit, compile_train_step)
         eval_step = eval_lowered.compile()
-    return Trainer.of(layout, corpus, train_step, eval_step, time.perf_counter() - start, compiled)
+    return Trainer.of(layout, checked.corpus, train_step, eval_step, time.perf_counter() - start, compiled)
+
+
+def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None) -> Trainer:
+    """Check, then compile the steps."""
+    return compile_steps(check(cfg, corpus, devices))
 
 
 def evaluate(trainer: Trainer, params: dict, batches: list[dict]) -> tuple[float, int]:
@@ -125,37 +142,42 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
 
 def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path | None, params_only: bool,
            cache_dir: Path | None) -> TrainState:
-    trainer = trainer or build(cfg)
-    cfg = trainer.cfg  # train.microbatches=auto resolved
+    checked = Checked(trainer.layout, trainer.corpus, None) if trainer else check(cfg)
+    fresh = not checkpoint_lib.has_checkpoints(run_dir)
+    if fresh:  # compiled before the run directory is made: a config only the tracer refuses leaves none behind
+        trainer = trainer or compile_steps(checked)
+    # a resumed run compiles only once its checkpoint is read: a finished one started again compiles nothing
+    layout = checked.layout
+    cfg = layout.cfg  # model.attention and scan_layers resolved for the devices
     t = cfg.train
-    batches = data_lib.train_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding)
+    batches = data_lib.train_batches(checked.corpus, cfg.data, t.global_batch, layout.batch_sharding)
     # every check of --init-from (path, complete checkpoint, shapes) before the run directory is touched
     # a LoRA run: --init-from names the frozen base, loaded (and checked against the run's record) on every start
-    base = lora_lib.run_base(trainer.layout, run_dir, init_from) if cfg.model.lora.rank else None
-    fresh = not checkpoint_lib.has_checkpoints(run_dir)
-    initial = None if init_from is None or base is not None or not fresh else _init_from(trainer, init_from, batches, params_only)
+    base = lora_lib.run_base(layout, run_dir, init_from) if cfg.model.lora.rank else None
+    initial = None if init_from is None or base is not None or not fresh else _init_from(layout, init_from, batches, params_only)
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-    meta = _checkpoint_meta(trainer) | ({"lora_base": base.record} if base is not None else {})
-    checkpoints = checkpoint_lib.RunCheckpoints(run_dir, cfg.checkpoint, t.steps, meta)
+    checkpoints = checkpoint_lib.RunCheckpoints(run_dir, cfg.checkpoint, t.steps)
     log = None
     try:  # from here on every exit closes the checkpoints (and the SIGTERM handler) and the metrics log
-        state = checkpoints.restore_latest(trainer.layout.abstract_state(), batches.iterator)
+        state = checkpoints.restore_latest(layout.abstract_state(), batches.iterator)
         if base is not None:
-            state = base.start_state(trainer.layout) if state is None else state.replace(frozen=base.frozen)
+            state = base.start_state(layout) if state is None else state.replace(frozen=base.frozen)
         if state is not None and int(state.step) >= t.steps:  # a finished run started again: nothing to write
             _say(f"jaxtrain: {run_dir} is already at step {int(state.step)} of train.steps={t.steps}, nothing to do; "
                  "raise train.steps to train on")
         else:
             if state is None and initial is None and init_from is not None:  # the run's own checkpoints were all unreadable
-                initial = _init_from(trainer, init_from, batches, params_only)
+                initial = _init_from(layout, init_from, batches, params_only)
+            trainer = trainer or compile_steps(checked)
+            checkpoints.meta = _checkpoint_meta(trainer) | ({"lora_base": base.record} if base is not None else {})
             if state is None:
                 state = trainer.init_state() if initial is None else initial
             # only now, once the run's own checkpoint fits this config: a refused start leaves the run directory as it was
             _write_run_files(trainer, run_dir, base, init_from if fresh else None)
-            eval_data = data_lib.eval_batches(trainer.corpus, cfg.data, t.global_batch, trainer.batch_sharding, t.eval_batches)
+            eval_data = data_lib.eval_batches(checked.corpus, cfg.data, t.global_batch, layout.batch_sharding, t.eval_batches)
             log = MetricsLog(trainer.layout, run_dir, int(state.step), compile_s=trainer.compile_s,
-                             compile_cache=trainer.compiled.record(cache_dir), data=trainer.corpus.description,
+                             compile_cache=trainer.compiled.record(cache_dir), data=checked.corpus.description,
                              enabled=jax.process_index() == 0,
                              # a compiled step gives its program for the profile's summary; a wrapped one (tests) none
                              step_program=getattr(trainer.train_step, "as_text", None))
@@ -221,13 +243,12 @@ def _close(log: MetricsLog | None, checkpoints: checkpoint_lib.RunCheckpoints, *
             log.close("FINISHED" if error is None else "KILLED" if isinstance(error, checkpoint_lib.Preempted) else "FAILED")
 
 
-def _init_from(trainer: Trainer, path: Path, batches: data_lib.GlobalBatches, params_only: bool) -> TrainState:
+def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, params_only: bool) -> TrainState:
     """``--init-from``: a Hugging Face model directory's weights (fresh optimizer), or another run's whole state
     and data position, or only its parameters."""
-    layout = trainer.layout
     abstract = layout.abstract_state()
     if hf_config.is_hf_dir(path):
-        return state_from_params(hf_import.load_params(path, trainer.cfg.model, abstract.params), layout.tx, layout.shardings)
+        return state_from_params(hf_import.load_params(path, layout.cfg.model, abstract.params), layout.tx, layout.shardings)
     if params_only:
         return state_from_params(checkpoint_lib.restore_from(path, abstract, None, params_only=True), layout.tx, layout.shardings)
     return checkpoint_lib.restore_from(path, abstract, batches.iterator, params_only=False)

@@ -409,7 +409,7 @@ def test_an_unusable_mlflow_store_is_one_line_before_the_compile_and_the_run_dir
     monkeypatch.chdir(tmp_path)  # where MLflow's default store (a sqlite file mlflow-skinny cannot open) would be
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
-    monkeypatch.setattr(train_lib, "build", lambda *a, **k: pytest.fail("compiled before the MLflow store was checked"))
+    monkeypatch.setattr(train_lib, "check", lambda *a, **k: pytest.fail("built the run before the MLflow store was checked"))
     cfg, run_dir = with_(trainer.cfg, log={"mlflow": "jaxtrain-test"}), tmp_path / "run"
     fix = ("set MLFLOW_TRACKING_URI to an MLflow server (http://HOST:PORT), or for a local store to file:///PATH/mlruns "
            "with MLFLOW_ALLOW_FILE_STORE=true (MLflow 3's opt-in)")

@@ -147,7 +147,7 @@ def test_auto_microbatches_starts_from_the_estimate_and_steps_up_until_the_compi
         tried.append(k)
         return f"compiled {k}", limit + 1 if k < 4 else limit
 
-    layout, compiled = plan_lib.fit_microbatches(cfg, limit, None, compile_fn)
+    layout, compiled = plan_lib.fit_microbatches(plan_lib.unfitted_layout(cfg), limit, compile_fn)
     assert tried == [2, 4] and layout.cfg.train.microbatches == 4 and compiled == "compiled 4"
     # on CPU no device reports a memory limit, so the trainer resolves auto to one pass
     assert plan_lib.memory_limit() is None

@@ -73,9 +73,20 @@ def test_a_resume_for_another_model_shape_is_refused_before_the_compile(short_ru
     from jaxtrain.errors import UserError
 
     run_dir = _copy(short_run, tmp_path)
-    monkeypatch.setattr(train_lib, "build", lambda *a, **k: pytest.fail("compiled before the checkpoint's shapes were checked"))
+    monkeypatch.setattr(train_lib, "compile_steps", lambda *a, **k: pytest.fail("compiled before the checkpoint's shapes were checked"))
     with pytest.raises(UserError, match=r"checkpoint step 4 in .* does not match the model: params/embed has shape \(256, 128\) in the checkpoint but \(256, 64\)"):
         train_lib.train(resolve_config("tiny", None, None, [*SHORT, "model.d_model=64"]), run_dir)
+
+
+def test_a_finished_run_started_again_is_not_compiled(short_run, tmp_path, monkeypatch, capsys):
+    """The run's checkpoint is read before the steps compile: a large model's compile takes minutes."""
+    from jaxtrain import train as train_lib
+    from jaxtrain.cli import resolve_config
+
+    run_dir = _copy(short_run, tmp_path)
+    monkeypatch.setattr(train_lib, "compile_steps", lambda *a, **k: pytest.fail("compiled a run with nothing to do"))
+    assert int(train_lib.train(resolve_config("tiny", None, None, SHORT), run_dir).step) == 4
+    assert "is already at step 4 of train.steps=4, nothing to do" in capsys.readouterr().err
 
 
 def test_a_finished_run_started_again_says_so_and_writes_nothing(short_run, tmp_path):

@@ -383,11 +383,16 @@ def microbatch_candidates(cfg: Config, limit_bytes: float, devices=None) -> list
     return _candidates(make_layout(_replace(cfg, microbatches=1), devices), limit_bytes)
 
 
-def fit_microbatches(cfg: Config, limit_bytes: float, devices, compile_fn: Callable[[Layout], tuple[T, int]]) -> tuple[Layout, T]:
-    """``train.microbatches=auto``: compile with the estimate's choice, and while the compiled peak (the second
-    value ``compile_fn`` returns) exceeds ``limit_bytes`` try the next count, at most AUTO_COMPILES times.
-    Returns the layout and what ``compile_fn`` made of it."""
-    base = make_layout(_replace(cfg, microbatches=1), devices)  # the micro-batch count changes neither model nor sharding
+def unfitted_layout(cfg: Config, devices=None) -> Layout:
+    """``make_layout``, with ``train.microbatches=auto`` at one pass until ``fit_microbatches`` decides (or for
+    devices without a memory limit, for good): the count changes neither the model nor any sharding."""
+    return make_layout(_replace(cfg, microbatches=1) if cfg.train.microbatches == "auto" else cfg, devices)
+
+
+def fit_microbatches(base: Layout, limit_bytes: float, compile_fn: Callable[[Layout], tuple[T, int]]) -> tuple[Layout, T]:
+    """``train.microbatches=auto`` on ``base`` (``unfitted_layout``'s): compile with the estimate's choice, and while
+    the compiled peak (the second value ``compile_fn`` returns) exceeds ``limit_bytes`` try the next count, at most
+    AUTO_COMPILES times. Returns the layout and what ``compile_fn`` made of it."""
     for k in _candidates(base, limit_bytes)[:AUTO_COMPILES]:
         layout = _with_cfg(base, _replace(base.cfg, microbatches=k))  # base.cfg: model.attention=auto resolved
         result, peak = compile_fn(layout)
@@ -630,10 +635,10 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     elif cfg.model.scan_layers == "auto":  # the estimate models the scanned program, as accelerators run it
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
     devices = compile_devices(cfg, devices)
+    layout = unfitted_layout(cfg, devices)
     if cfg.train.microbatches == "auto" and usable is not None:
-        layout, (compiled, predicted) = fit_microbatches(cfg, usable, devices, functools.partial(_compile_and_predict, hlo_report=hlo_report))
+        layout, (compiled, predicted) = fit_microbatches(layout, usable, functools.partial(_compile_and_predict, hlo_report=hlo_report))
     else:
-        layout = make_layout(_replace(cfg, microbatches=1) if cfg.train.microbatches == "auto" else cfg, devices)
         (compiled, predicted), _ = _compile_and_predict(layout, hlo_report)
     cfg = layout.cfg
     suggestions = [] if usable is None or predicted <= usable else \
