@@ -7,6 +7,7 @@ very layout and step the trainer runs, and neither imports the other.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import optax
@@ -23,7 +24,7 @@ from jaxtrain.memory import grad_comm
 from jaxtrain.memory import offload
 from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, load_state_rules,
-                                  logical_ways, model_tracing, param_shardings)
+                                  logical_ways, model_tracing, param_shardings, spec_axes)
 from jaxtrain.stages import check_pipeline
 from jaxtrain.state import ModelSpec, Placement, TrainState, abstract_state, in_device_memory, model_spec, state_shardings
 from jaxtrain.step import make_eval_step, make_train_step
@@ -66,6 +67,24 @@ class Layout:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.train.global_batch * self.cfg.data.seq_len
+
+    @property
+    def idle_axes(self) -> dict[str, int]:
+        """Mesh axes of more than one device that split neither the batch nor any parameter: the devices along
+        one repeat each other's work."""
+        shardings = [self.batch_sharding, *jax.tree.leaves((self.shardings.params, self.shardings.frozen))]
+        used = {axis for sharding in shardings for axis in spec_axes(sharding.spec)}
+        return {axis: size for axis, size in self.mesh.shape.items() if size > 1 and axis not in used}
+
+
+def idle_axes_note(idle: dict[str, int], rules: str) -> str | None:
+    """The start-up summary's and the plan's note on ``Layout.idle_axes``; None when there are none."""
+    if not idle:
+        return None
+    named = ", ".join(f"{axis} {size}" for axis, size in idle.items())
+    which = f"mesh axis {named} splits" if len(idle) == 1 else f"mesh axes {named} split"
+    return (f"note: {which} neither the batch nor any parameter under rule set {rules}: the same work runs "
+            f"{math.prod(idle.values())} times over; give those devices to data or fsdp, or use a rule set that maps them")
 
 
 def make_layout(cfg: Config, devices: list | None = None) -> Layout:

@@ -118,6 +118,9 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     assert "4 micro-batch(es), gradients summed across the batch shards once per step;" in synced("step")
     assert "in every micro-batch" in synced("microbatch") and "gradients summed" not in format_summary(summary)
     assert summary["peak_flops_per_device"] == PEAK_TFLOPS * 1e12 and summary["compile_s"] > 0
+    assert summary["idle_axes"] == {} and "note: mesh axis" not in format_summary(summary)
+    assert "\n  note: mesh axis tensor 2 splits neither the batch nor any parameter under rule set fsdp_tp: the same work runs 2 " \
+        "times over;" in format_summary(summary | {"idle_axes": {"tensor": 2}})
     # fsdp_tp shards every matrix 4 ways (fsdp x tensor); float32, and AdamW keeps two moments per parameter
     assert num_params / 4 <= summary["params_per_device"] < num_params / 2 and summary["trained_params"] is None
     assert summary["param_bytes_per_device"] == 4 * summary["params_per_device"]

@@ -68,3 +68,20 @@ def test_activation_constraints_keep_fsdp_activations_split_like_the_batch():
         layout = make_layout(with_(small_config(rules), log={"layer_every": 0}))
         temp[rules] = lower_steps(layout)[0].compile().memory_analysis().temp_size_in_bytes
     assert temp["fsdp"] < temp["dp"], temp
+
+
+def test_mesh_axes_that_split_nothing_are_named_with_the_work_they_repeat():
+    from jaxtrain.layout import idle_axes_note
+
+    assert make_layout(small_config("fsdp_tp")).idle_axes == {}
+    assert make_layout(small_config("tp", (4, 1, 2))).idle_axes == {}  # fsdp 1: no device idles
+    assert make_layout(small_config("dp", (2, 2, 2))).idle_axes == {"tensor": 2}  # dp splits the batch over data x fsdp
+    pipelined = (1, 2, 2, 2)  # data, fsdp, tensor, stage
+    assert make_layout(small_config("fsdp", pipelined)).idle_axes == {"tensor": 2, "stage": 2}
+    assert make_layout(small_config("pp_fsdp_tp", pipelined, num_layers=4)).idle_axes == {}
+    assert make_layout(small_config("pp_fsdp", pipelined, num_layers=4)).idle_axes == {"tensor": 2}
+    assert make_layout(small_config("dp_ep", (2, 1, 1, 1, 4))).idle_axes == {}  # a dense model's batch: over the expert axis too
+    assert idle_axes_note({}, "fsdp") is None
+    assert idle_axes_note({"tensor": 2, "stage": 2}, "fsdp") == (
+        "note: mesh axes tensor 2, stage 2 split neither the batch nor any parameter under rule set fsdp: the same work runs "
+        "4 times over; give those devices to data or fsdp, or use a rule set that maps them")

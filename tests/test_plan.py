@@ -287,3 +287,11 @@ def test_cli_plan_bad_input(args, message, tmp_path):
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert [p.name for p in tmp_path.iterdir()] == (["notes"] if "notes/plan.png" in args else [])
+
+
+def test_the_plan_names_mesh_axes_whose_devices_repeat_each_others_work():
+    note = "note: mesh axis tensor 2 splits neither the batch nor any parameter under rule set dp: the same work runs 2 times over"
+    repeated = plan_lib.make_plan(small_config("dp", (2, 2, 2)))
+    assert repeated.to_json()["idle_axes"] == {"tensor": 2} and plan_lib.render(repeated).splitlines()[1].startswith(note)
+    split = plan_lib.make_plan(small_config("dp", (4, 2, 1)))
+    assert split.to_json()["idle_axes"] == {} and "note: mesh axis" not in plan_lib.render(split)

@@ -36,7 +36,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges
 from jaxtrain.observe import step_profile
 from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak, peak_flops
-from jaxtrain.layout import Layout
+from jaxtrain.layout import Layout, idle_axes_note
 from jaxtrain.memory import host_malloc
 from jaxtrain.mesh import describe_axes
 from jaxtrain.stages import schedule
@@ -138,6 +138,7 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": layout.tokens_per_step,
         "microbatches": cfg.train.microbatches, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
         "grad_sync": "microbatch" if layout.grad_reduction is None else "step",  # optim.grad_sync as resolved (auto)
+        "idle_axes": layout.idle_axes,  # mesh axes that split nothing: their devices repeat each other's work
         "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(compile_s, 3),
         "compile_cache": compile_cache, "data": data, "cpu_devices_per_core": cpu_devices_per_core(),
         # on CPUs: the malloc and whether it keeps XLA:CPU's step buffers mapped (memory/host_malloc.py); null on accelerators
@@ -174,6 +175,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  peak for MFU {peak} per device ({s['peak_source']}); train step compiled in {s['compile_s']:.1f}s "
         f"({describe_cache(s['compile_cache'])})",
         f"  data: {s['data']}",
+        *([f"  {note}"] if (note := idle_axes_note(s["idle_axes"], s["rules"])) else []),
         *([f"  note: {s['cpu_devices_per_core']:.3g} simulated CPU devices per core, each an XLA:CPU thread, crowd the cores: "
            "for speed, a mesh of at most one device per core (--mesh gpu1 runs on one)"] if (s["cpu_devices_per_core"] or 0) > 1 else []),
         *([f"  note: {s['host_malloc']} malloc hands XLA:CPU's step buffers back to the system, so each step maps and zeroes "

@@ -40,7 +40,7 @@ from jaxtrain.stages import pipelined_variants, schedule, stage_memory
 from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.memory.offload import HOST, offloads_master_weights
 from jaxtrain.plan.step_cost import StepTime, embedding_gradient_by_columns, step_time
-from jaxtrain.layout import Layout, lower_steps, make_layout, peak_bytes
+from jaxtrain.layout import Layout, idle_axes_note, lower_steps, make_layout, peak_bytes
 from models.attention import scored_fraction
 from models.pipeline import STAGES
 from models.config import REMAT_POLICIES
@@ -544,6 +544,7 @@ class Plan:
     compiled_traffic: dict | None = None
     techniques: tuple = ()  # technique_effects of the planned layout
     per_stage: dict | None = None  # with pipeline stages: stages.stage_memory of the accelerator estimate
+    idle_axes: dict = dataclasses.field(default_factory=dict)  # Layout.idle_axes: mesh axes whose devices repeat each other's work
 
     @property
     def usable(self) -> int | None:
@@ -584,7 +585,7 @@ class Plan:
             "experiment": {"rules": self.cfg.rules, "remat": self.cfg.model.remat, "attention": self.cfg.model.attention,
                            "microbatches": self.cfg.train.microbatches,
                            "global_batch": self.cfg.train.global_batch, "seq_len": self.cfg.data.seq_len},
-            "mesh": self.mesh, "devices": self.devices, "gpu": self.gpu,
+            "mesh": self.mesh, "idle_axes": self.idle_axes, "devices": self.devices, "gpu": self.gpu,
             "device_memory_bytes": self.device_memory, "headroom": self.headroom,
             "allocator_fraction": self.allocator_fraction, "usable_bytes": self.usable,
             "estimate_bytes": self.estimate | {"total": self.estimate_total},
@@ -650,7 +651,8 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     per_stage = stage_memory(layout, accelerator_estimate) if schedule(cfg, layout.rules, layout.mesh).stages > 1 else None
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, allocator_fraction, estimate_as_compiled(layout, compiled),
                 accelerator_estimate, compiled, predicted, step_time(layout, gpu), flops_per_token(cfg.model, cfg.data.seq_len),
-                cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic, tuple(technique_effects(layout, gpu)), per_stage)
+                cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic, tuple(technique_effects(layout, gpu)), per_stage,
+                layout.idle_axes)
 
 
 def render(plan: Plan) -> str:
@@ -667,6 +669,7 @@ def render(plan: Plan) -> str:
                 "FLOPs and a dense (experts, rows, hidden) array per product, the estimate's layer backward counts its gate "
                 "and up); pip install 'jaxtrain[moe-gpu]' for tokamax's kernels (model.moe.grouped_matmul=auto picks them)"]
                if grouped and moe.grouped_matmul == "xla" and plan.gpu else []),
+             *([note] if (note := idle_axes_note(plan.idle_axes, cfg.rules)) else []),
              "", f"{'per device':<22}{'estimate':>12}   compiled by XLA for {c.device_kind}, {c.attention} attention"]
     compiled_rows = [("arguments (state, batch)", c.argument), ("outputs not aliased", c.output - c.alias), ("temporaries", c.temp)]
     at_peak = peak_items(plan.estimate)
