@@ -9,6 +9,7 @@ reloads it from there and refuses a base whose content differs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import sys
@@ -80,16 +81,26 @@ def content_hash(params: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def to_storage(plain: dict, model_cfg: LlamaConfig) -> dict:
-    """The base's float parameters -> the frozen part of the LoRA model's tree (projection weights quantized
-    layer by layer with ``model.base_quant``, as models/quant.py stores them)."""
+def split_quantized(plain: dict, model_cfg: LlamaConfig) -> tuple[dict, dict]:
+    """The base's float parameters -> (those kept as they are, the projection weights ``model.base_quant``
+    quantizes as {module: {weight: array}}; none without it)."""
     if model_cfg.base_quant == "none":
-        return plain
-    layers = {name: dict(module) for name, module in plain["layers"].items()}
+        return plain, {}
+    layers, weights = {name: dict(module) for name, module in plain["layers"].items()}, {}
     for module, weight, _ in LORA_TARGETS.values():
-        codes, scale = jax.vmap(lambda w: quantize(w, model_cfg.base_quant))(layers[module][weight])
-        layers[module][weight] = {"codes": codes, "scale": scale}
-    return plain | {"layers": layers}
+        weights.setdefault(module, {})[weight] = layers[module].pop(weight)
+    return plain | {"layers": layers}, weights
+
+
+def to_storage(kept: dict, weights: dict, base_quant: str) -> dict:
+    """``split_quantized``'s parts -> the frozen part of the LoRA model's tree (the weights quantized layer by
+    layer, as models/quant.py stores them)."""
+    layers = {name: dict(module) for name, module in kept["layers"].items()}
+    for module, named in weights.items():
+        for weight, w in named.items():
+            codes, scale = jax.vmap(lambda w: quantize(w, base_quant))(w)
+            layers[module][weight] = {"codes": codes, "scale": scale}
+    return kept | {"layers": layers}
 
 
 def merged(model_params: dict, model_cfg: LlamaConfig) -> dict:
@@ -146,7 +157,9 @@ def load_base(layout: Layout, source: Path | None, expected: dict | None = None,
         named = expected["path"] or f"the initialisation from train.seed={expected['seed']}"
         raise UserError(f"the LoRA base {record['path'] or 'initialised from train.seed'} (content hash {record['hash']}) is not the base "
                         f"{where} was trained on ({named}, hash {expected['hash']}); {fix}")
-    frozen = jax.jit(lambda p: to_storage(p, layout.cfg.model), out_shardings=layout.shardings.frozen, donate_argnums=0)(plain)
+    # only the kept part is donated: 4-bit codes cannot take over a float weight's buffer (jax warns of each one)
+    frozen = jax.jit(functools.partial(to_storage, base_quant=layout.cfg.model.base_quant), out_shardings=layout.shardings.frozen,
+                     donate_argnums=0)(*split_quantized(plain, layout.cfg.model))
     return Base(frozen, record)
 
 
