@@ -191,7 +191,7 @@ def cmd_generate(args) -> int:
     context = hf_config.context_length(path if run_cfg is None else path / hf_config.RUN_SUBDIR)
 
     def check_context(prompt_tokens: int | None) -> None:
-        """None: before the prompt is encoded (and the weights read), the new tokens alone."""
+        """None: before the prompt is encoded (and jax started), the new tokens alone."""
         if context is not None and (prompt_tokens or 0) + sampling.max_new_tokens > context:
             prompt = "" if prompt_tokens is None else f" with a prompt of {prompt_tokens} tokens"
             raise UserError(f"--max-new-tokens {sampling.max_new_tokens}{prompt} runs past the model's context of {context} "
@@ -207,14 +207,15 @@ def cmd_generate(args) -> int:
 
     # a run's own train.compile_cache; a Hugging Face model directory the default folder
     cache = run_cfg.train.compile_cache if run_cfg else "auto"
+    codec = generate_lib.load_codec(path, chat=args.chat)
+    prompt = codec[0](args.prompt)  # a prompt too long or out of the vocabulary is refused before any weight is read
+    check_context(len(prompt))
     with compile_cache.using(cache) as folder, compile_cache.counting() as compiled:
-        loaded = generate_lib.load(path, args.mesh, args.rules, chat=args.chat)
+        loaded = generate_lib.load(path, args.mesh, args.rules, codec=codec)
         if args.adapter:
             from jaxtrain.adapt import lora
 
             loaded = lora.with_adapter(loaded, Path(args.adapter))
-        prompt = loaded.encode(args.prompt)
-        check_context(len(prompt))
         out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling)
     new = out.tokens[0]
     text = loaded.decode(new) if args.chat else args.prompt + loaded.decode(new)

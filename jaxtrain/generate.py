@@ -75,13 +75,24 @@ class Generation:
 # loading
 
 
-def load(path: Path, mesh: str | None = None, rules: str | None = None, chat: bool = False) -> Loaded:
+def load(path: Path, mesh: str | None = None, rules: str | None = None, chat: bool = False,
+         codec: tuple[Encode, Decode] | None = None) -> Loaded:
     """The model of ``path``: a training run directory (config.yaml, checkpoints/) or a Hugging Face model
     directory (config.json, safetensors). ``mesh`` / ``rules`` replace the run's own (e.g. generating on one
     GPU from a run trained on many); a Hugging Face model defaults to every device on fsdp, rules fsdp_tp.
-    With ``chat`` a prompt is one user message rendered with the tokenizer's chat template."""
-    loaded = load_hf(path, mesh, rules) if hf_config.is_hf_dir(path) else load_run(path, mesh, rules)
-    return dataclasses.replace(loaded, **dict(zip(("encode", "decode"), chat_codec(path, loaded.model_cfg.vocab_size)))) if chat else loaded
+    ``codec``: ``load_codec(path, chat)``'s, when the caller already has it."""
+    codec = codec or load_codec(path, chat)
+    return load_hf(path, mesh, rules, codec) if hf_config.is_hf_dir(path) else load_run(path, mesh, rules, codec)
+
+
+def load_codec(path: Path, chat: bool = False) -> tuple[Encode, Decode]:
+    """How ``load(path)``'s model reads a prompt and writes its output, known before any weight is read. With
+    ``chat`` a prompt is one user message rendered with the tokenizer's chat template."""
+    if hf_config.is_hf_dir(path):
+        vocab = _hf_model_config(path, Config()).model.vocab_size
+        return chat_codec(path, vocab) if chat else _hf_codec(vocab, path)
+    cfg = config_lib.load_run_config(path)
+    return chat_codec(path, cfg.model.vocab_size) if chat else codec(cfg, path)
 
 
 def _with_layout(cfg: Config, mesh: str | None, rules: str | None) -> Config:
@@ -90,30 +101,29 @@ def _with_layout(cfg: Config, mesh: str | None, rules: str | None) -> Config:
     return dataclasses.replace(cfg, rules=rules) if rules else cfg
 
 
-def load_run(run_dir: Path, mesh: str | None = None, rules: str | None = None) -> Loaded:
-
-
+def load_run(run_dir: Path, mesh: str | None, rules: str | None, codec: tuple[Encode, Decode]) -> Loaded:
+    """A run's parameters from its latest checkpoint (a LoRA run's adapters merged into its base)."""
     cfg = _with_layout(config_lib.load_run_config(run_dir), mesh, rules)
     layout = make_layout(cfg)
-    encode, decode = codec(cfg, run_dir)
     if cfg.model.lora.rank:  # a LoRA run: its adapters merged into its base
         params = lora_lib.merged_run_params(layout, run_dir, source="jaxtrain generate")
-        return Loaded(lora_lib.plain_config(cfg.model), params, layout.mesh, layout.rules, cfg.rules, encode, decode)
+        return Loaded(lora_lib.plain_config(cfg.model), params, layout.mesh, layout.rules, cfg.rules, *codec)
     params = checkpoint_lib.restore_from(run_dir, layout.abstract_state(), None, params_only=True, source="jaxtrain generate")
-    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode, decode)
+    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, *codec)
 
 
-def load_hf(hf_dir: Path, mesh: str | None = None, rules: str | None = None) -> Loaded:
-    """A Hugging Face model, computing in float32 (so greedy output equals transformers'), with its
-    tokenizer.json when it has one (else prompts and output are token ids)."""
+def _hf_model_config(hf_dir: Path, cfg: Config) -> Config:
+    """``cfg`` with the Hugging Face model's shapes, computing in float32 (so greedy output equals transformers')."""
+    return dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, LlamaConfig(dtype="float32"), set(), cfg.data.seq_len))
 
 
-    cfg = _with_layout(Config(model=LlamaConfig(dtype="float32")), mesh, rules)
-    cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
+def load_hf(hf_dir: Path, mesh: str | None, rules: str | None, codec: tuple[Encode, Decode]) -> Loaded:
+    """A Hugging Face model's weights, computing in float32."""
+    cfg = _hf_model_config(hf_dir, _with_layout(Config(), mesh, rules))
     hf_weights.check_dir(hf_dir, cfg.model)
     layout = make_layout(cfg)
     params = hf_import.load_params(hf_dir, cfg.model, layout.abstract_state().params)
-    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, *_hf_codec(cfg.model.vocab_size, hf_dir))
+    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, *codec)
 
 
 def codec(cfg: Config, run_dir: Path) -> tuple[Encode, Decode]:
@@ -150,6 +160,7 @@ def chat_codec(path: Path, vocab: int) -> tuple[Encode, Decode]:
 
 
 def _hf_codec(vocab: int, hf_dir: Path) -> tuple[Encode, Decode]:
+    """A Hugging Face model's tokenizer.json when it has one, else token ids."""
     return _token_codec(vocab, load_tokenizer(hf_dir) if (hf_dir / TOKENIZER_FILE).is_file() else None)
 
 

@@ -224,7 +224,8 @@ def test_token_id_prompt_is_printed_with_its_continuation(tmp_path, capsys):
 
 def test_generating_past_the_models_context_is_one_line(tmp_path, capsys, monkeypatch):
     """config.json's max_position_embeddings (1024 here): a QA run asked a 256-position model for 100,000 tokens and
-    ran for ten minutes. Too many new tokens alone is refused before the weights are read; with the prompt, after."""
+    ran for ten minutes. Refused before the weights are read: too many new tokens alone before jax starts, with the
+    prompt once it is encoded."""
     from test_hf import _make_hf_model
 
     from jaxtrain import cli
@@ -232,11 +233,11 @@ def test_generating_past_the_models_context_is_one_line(tmp_path, capsys, monkey
 
     _make_hf_model(tmp_path, "llama3")
     capsys.readouterr()
-    assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "1022"]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (  # after the line on the weights read
-        "jaxtrain: error: --max-new-tokens 1022 with a prompt of 3 tokens runs past the model's "
-        "context of 1024 positions (max_position_embeddings); give --max-new-tokens 1021 or less")
     monkeypatch.setattr(generate_lib, "load", lambda *a, **k: pytest.fail("read the weights first"))
+    assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "1022"]) == 2
+    assert capsys.readouterr().err == (
+        "jaxtrain: error: --max-new-tokens 1022 with a prompt of 3 tokens runs past the model's "
+        "context of 1024 positions (max_position_embeddings); give --max-new-tokens 1021 or less\n")
     assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "100000"]) == 2
     assert capsys.readouterr().err == ("jaxtrain: error: --max-new-tokens 100000 runs past the model's context of 1024 positions "
                                        "(max_position_embeddings); give --max-new-tokens 1023 or less\n")
