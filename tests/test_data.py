@@ -1,3 +1,5 @@
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -108,3 +110,24 @@ def test_malformed_token_files_are_one_line_errors(tmp_path):
         with pytest.raises(UserError) as error:
             load_corpus(DataConfig(path=str(path)))
         assert str(error.value).startswith(f"data.path={path}") and message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_split_leaving_one_side_empty_names_the_fraction_that_splits(tmp_path):
+    from jaxtrain.data.documents import check_split
+
+    keys = [f"{i}.txt" for i in range(3)]
+    for val_fraction in (0.0, 1.0):  # none, then all of them in validation
+        with pytest.raises(UserError) as refused:
+            check_split(keys, val_fraction, "data.path=docs", "documents")
+        message = str(refused.value)
+        assert message.startswith(f"data: data.path=docs has 3 documents and data.val_fraction={val_fraction} puts ")
+        fraction = float(re.search(r"; data.val_fraction=([0-9.e-]+) splits them", message).group(1))
+        validation = [is_validation_file(k, fraction) for k in keys]
+        assert any(validation) and not all(validation)
+        check_split(keys, fraction, "data.path=docs", "documents")  # the named fraction passes
+    with pytest.raises(UserError, match=r"has 1 examples .* a train/validation split needs at least 2, so add examples$"):
+        check_split(["few.jsonl#1"], 0.5, "few.jsonl", "examples")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "only.txt").write_text("one document")
+    with pytest.raises(UserError, match=r"^data: .* has 1 documents and data.val_fraction=0.1 puts none of them in validation"):
+        load_corpus(DataConfig(path=str(tmp_path / "docs"), val_fraction=0.1))

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain.config import DataConfig
-from jaxtrain.data.documents import JSONL_SUFFIX, batches, documents, is_validation_file, stdlib_files, text_files
+from jaxtrain.data.documents import JSONL_SUFFIX, batches, check_split, documents, is_validation_file, stdlib_files, text_files
 from jaxtrain.data.token_file import read_token_file
 from jaxtrain.data.tokenizer import RawBytes, TextTokenizer, load_tokenizer
 from jaxtrain.errors import UserError
@@ -56,9 +56,7 @@ def _text_corpus(root: Path, files: list[Path], what: str, val_fraction: float, 
     for doc in documents((root, f) for f in files):
         splits[is_validation_file(doc.key, val_fraction)].append(doc)
     train, val = splits[False], splits[True]
-    if not train or not val:
-        raise UserError(f"data: {what} has {len(train) + len(val)} documents, too few for a train/validation split at "
-                        f"data.val_fraction={val_fraction}")
+    check_split([d.key for d in train + val], val_fraction, what, "documents")
 
     def encode(docs):
         return np.concatenate([encoding.encode([d.text for d in batch]) for batch in batches(docs)])

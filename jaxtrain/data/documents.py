@@ -33,9 +33,32 @@ def text_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
+SPLIT_BUCKETS = 10_000
+
+
+def _bucket(relative: str) -> int:
+    return zlib.crc32(relative.encode()) % SPLIT_BUCKETS
+
+
 def is_validation_file(relative: str, val_fraction: float) -> bool:
     """Deterministic split: a document's own key decides, so adding documents moves no others."""
-    return zlib.crc32(relative.encode()) % 10_000 < val_fraction * 10_000
+    return _bucket(relative) < val_fraction * SPLIT_BUCKETS
+
+
+def check_split(keys: list[str], val_fraction: float, what: str, items: str) -> None:
+    """A UserError when ``data.val_fraction`` leaves the train or the validation side of ``keys`` (``what``'s
+    ``items``) empty, naming a fraction that splits them."""
+    validation = sum(is_validation_file(k, val_fraction) for k in keys)
+    if 0 < validation < len(keys):
+        return
+    buckets = sorted(_bucket(k) for k in keys)
+    problem = f"data: {what} has {len(keys)} {items} and data.val_fraction={val_fraction} puts " + \
+        ("none of them in validation" if not validation else "all of them in validation")
+    if buckets[0] == buckets[-1]:  # one key (or keys that hash alike): no fraction splits them
+        raise UserError(f"{problem}; a train/validation split needs at least 2, so add {items}")
+    fraction = (buckets[0] + 1) / SPLIT_BUCKETS if not validation else buckets[-1] / SPLIT_BUCKETS
+    raise UserError(f"{problem}; data.val_fraction={fraction:g} splits them ({'the least' if not validation else 'the most'} "
+                    f"it can be), or add {items}")
 
 
 def input_files(inputs: Iterable[str]) -> list[tuple[Path, Path]]:

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxtrain.config import DataConfig
-from jaxtrain.data.documents import JSONL_SUFFIX, is_validation_file
+from jaxtrain.data.documents import JSONL_SUFFIX, check_split, is_validation_file
 from jaxtrain.data.pipeline import GlobalBatches, process_rows
 from jaxtrain.data.tokenizer import TextTokenizer, load_tokenizer
 from jaxtrain.errors import UserError
@@ -175,10 +175,8 @@ def load_sft(cfg: DataConfig) -> SftCorpus:
     splits = {False: [], True: []}
     for key, example in zip(keys, _encode(tokenizer, texts, spans)):
         splits[is_validation_file(key, cfg.val_fraction)].append(_fit(example, f"{path}:{key.rsplit('#', 1)[1]}", cfg))
+    check_split(keys, cfg.val_fraction, str(path), "examples")
     train, val = splits[False], splits[True]
-    if not train or not val:
-        raise UserError(f"data: {path} has {len(keys)} examples, too few for a train/validation split at "
-                        f"data.val_fraction={cfg.val_fraction}")
     counted = sum(int(e.counted.sum()) for e in train)
     total = sum(len(e.tokens) for e in train)
     return SftCorpus(train, val, tokenizer.vocab_size,
