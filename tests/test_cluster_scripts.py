@@ -54,7 +54,9 @@ def test_k8s_manifest_parts_agree():
     assert env["COORDINATOR_HOST"] == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
     assert env["COORDINATOR_PORT"] == str(service["spec"]["ports"][0]["port"]) == str(container["ports"][0]["containerPort"])
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    # the command is the repository's script, relative to where the image holds the repository
     assert container["command"] == ["scripts/k8s/entrypoint.sh"] and (REPO / container["command"][0]).stat().st_mode & 0o111
+    assert container["workingDir"].startswith("/")
     # preemption: exit 143 (checkpoint committed) and evictions restart the pod without using up retries
     rules = spec["podFailurePolicy"]["rules"]
     assert {"action": "Ignore", "onExitCodes": {"containerName": "jaxtrain", "operator": "In", "values": [143]}} in rules
@@ -78,3 +80,16 @@ def test_slurm_script_derives_the_three_flags_from_srun(tmp_path):
                             capture_output=True, text=True, check=True)
     assert result.stdout.splitlines() == ["train", *USER_ARGS, "--coordinator", "gpu-node-017:12355",
                                           "--num-processes", "8", "--process-id", "5"]
+
+
+def test_slurm_script_runs_the_jaxtrain_it_is_given_or_says_it_has_none(tmp_path):
+    srun = 'while [[ "$1" == --* ]]; do shift; done\nSLURM_NTASKS=2 SLURM_PROCID=1 exec "$@"\n'
+    env = _fake_commands(tmp_path, srun=srun, scontrol='echo node-1\n', venv_jaxtrain='echo "from the venv: $1"\n')
+    env |= {"SLURM_JOB_NODELIST": "node-1", "PATH": f"{tmp_path}:/usr/bin:/bin"}  # no jaxtrain on PATH
+    sbatch = ["bash", REPO / "scripts" / "slurm" / "train.sbatch", "tiny"]
+    given = subprocess.run(sbatch, env=env | {"JAXTRAIN": str(tmp_path / "venv_jaxtrain")}, capture_output=True, text=True, check=True)
+    assert given.stdout == "from the venv: train\n"
+    missing = subprocess.run(sbatch, env=env, capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert missing.stderr == ("train.sbatch: cannot run 'jaxtrain' (not on PATH, or not executable); activate the environment "
+                              "jaxtrain is installed in before sbatch, or set JAXTRAIN=/path/to/bin/jaxtrain\n")
