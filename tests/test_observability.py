@@ -177,10 +177,12 @@ def test_throughput_benchmark_profiles_more_steps(trainer, monkeypatch):
     _check_cpu_profile(profile_steps(trainer, trainer.init_state(), fixed_batch(trainer), 3), steps=3)
 
 
-def test_plot_two_runs(two_runs, tmp_path):
+def test_plot_two_runs(two_runs, tmp_path, monkeypatch):
     out = tmp_path / "both.png"
+    (tmp_path / "a_file").touch()  # matplotlib's config folder unusable, as a home on a cluster node can be: no warnings
+    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path / "a_file" / "matplotlib"))
     result = run_cli("plot", *map(str, two_runs), "--out", str(out), cwd=tmp_path, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0 and result.stderr == f"jaxtrain: wrote {out}\n", result.stderr[-2000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     missing = run_cli("plot", str(tmp_path / "nothing"), cwd=tmp_path, timeout=120)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "metrics.jsonl does not exist" in missing.stderr

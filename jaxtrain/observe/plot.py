@@ -4,14 +4,23 @@ several runs overlaid, from their ``metrics.jsonl``."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
-import matplotlib
+from jaxtrain.errors import UserError
 
-matplotlib.use("Agg")  # files only; no display on clusters or in CI
-import matplotlib.pyplot as plt  # noqa: E402
+# matplotlib warns at import about its own cache folders (a home not writable on a cluster node, a font cache
+# to build): two lines that say nothing about the plot, quieted for the import only
+_matplotlib_log = logging.getLogger("matplotlib")
+_level = _matplotlib_log.level
+_matplotlib_log.setLevel(logging.ERROR)
+try:
+    import matplotlib
 
-from jaxtrain.errors import UserError  # noqa: E402
+    matplotlib.use("Agg")  # files only; no display on clusters or in CI
+    import matplotlib.pyplot as plt
+finally:
+    _matplotlib_log.setLevel(_level)
 
 MOE_PANEL = "mixture of experts"
 # (title, y label, [(record key, line style)]); a run draws every key it has records for
