@@ -51,6 +51,11 @@ class Layout:
         return grad_comm.grad_reduction(self.cfg, self.rules, self.mesh, self.shardings.params, self.shardings.frozen,
                                         self.grad_shardings)
 
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """The batch axes whose devices hold whole weights, over which the gradients are summed (``optim.grad_sync``)."""
+        return grad_comm.replica_axes(self.rules, self.mesh, self.shardings.params, self.shardings.frozen)
+
     def gradient_shardings(self) -> dict:
         return self.grad_shardings or self.shardings.params
 

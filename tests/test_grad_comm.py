@@ -129,6 +129,8 @@ def test_grad_sync_auto_sums_once_per_step_only_where_that_moves_fewer_bytes():
     assert summed("auto", microbatches=1, dtype="bfloat16", **piped) and not summed("microbatch", **piped)
     # FSDP over every batch axis: each weight is split over them, nothing to sum once (ZeRO-3 reduce-scatters per pass)
     assert not summed("step", rules="fsdp", mesh=(1, 8, 1))
+    assert make_layout(_sync_cfg("step", rules="fsdp", mesh=(1, 8, 1))).replica_axes == ()  # the summary says step has no effect
+    assert make_layout(_sync_cfg("step")).replica_axes == ("data",)
     # pure data parallelism: every axis manual (shard_map), the bfloat16 path's
     pure = make_layout(_sync_cfg("auto", rules="dp", mesh=(8, 1, 1))).grad_reduction
     assert pure.rules is None and pure.ways == 8

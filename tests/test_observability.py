@@ -117,6 +117,7 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     synced = lambda sync: format_summary(summary | {"microbatches": 4, "grad_sync": sync})  # noqa: E731
     assert "4 micro-batch(es), gradients summed across the batch shards once per step;" in synced("step")
     assert "in every micro-batch" in synced("microbatch") and "gradients summed" not in format_summary(summary)
+    assert "4 micro-batch(es), no replica axis to sum the gradients over (optim.grad_sync has no effect);" in synced(None)
     assert summary["peak_flops_per_device"] == PEAK_TFLOPS * 1e12 and summary["compile_s"] > 0
     assert summary["idle_axes"] == {} and "note: mesh axis" not in format_summary(summary)
     assert "\n  note: mesh axis tensor 2 splits neither the batch nor any parameter under rule set fsdp_tp: the same work runs 2 " \

@@ -128,14 +128,25 @@ def summed_once_per_step(grad_sync: str, sums_per_step: float, compute_dtype: st
     return grad_sync == "step" or sums_per_step * jnp.dtype(compute_dtype).itemsize > 4
 
 
+def _split_axes(mesh: Mesh, param_shardings: dict, frozen_shardings: dict | None) -> set[str]:
+    return {a for s in jax.tree.leaves((param_shardings, frozen_shardings)) for a in spec_axes(s.spec) if mesh.shape[a] > 1}
+
+
+def replica_axes(rules: Rules, mesh: Mesh, param_shardings: dict, frozen_shardings: dict | None) -> tuple[str, ...]:
+    """The batch axes of more than one device that split no weight: where the gradients are summed over replicas
+    (what ``optim.grad_sync`` times); none on one device or, for example, under FSDP alone."""
+    split = _split_axes(mesh, param_shardings, frozen_shardings)
+    return tuple(a for a in rules.get("activation_batch") or () if mesh.shape[a] > 1 and a not in split)
+
+
 def grad_reduction(cfg: Config, rules: Rules, mesh: Mesh, param_shardings: dict, frozen_shardings: dict | None,
                    grad_shardings: dict | None) -> GradReduction | None:
     """The reduction ``optim.grad_dtype`` and ``optim.grad_sync`` ask for; None for GSPMD's own (float32 sums in the
     compute dtype, per micro-batch). ``grad_shardings``: where ZeRO-2 keeps the gradients split (None: whole, as the
     parameters); ``frozen_shardings``: a LoRA run's base weights, whose split axes are not summed over either."""
     batch_axes = tuple(rules.get("activation_batch") or ())
-    split = {a for s in jax.tree.leaves((param_shardings, frozen_shardings)) for a in spec_axes(s.spec) if mesh.shape[a] > 1}
-    summed = tuple(a for a in batch_axes if mesh.shape[a] > 1 and a not in split)
+    split = _split_axes(mesh, param_shardings, frozen_shardings)
+    summed = replica_axes(rules, mesh, param_shardings, frozen_shardings)
     other = sorted(a for a in mesh.axis_names if a not in batch_axes and mesh.shape[a] > 1)
     specs = None if grad_shardings is None else jax.tree.map(lambda sharding: sharding.spec, grad_shardings)
     grad_dtype = cfg.optim.grad_dtype

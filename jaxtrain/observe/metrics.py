@@ -137,7 +137,8 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
         "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": layout.tokens_per_step,
         "microbatches": cfg.train.microbatches, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
-        "grad_sync": "microbatch" if layout.grad_reduction is None else "step",  # optim.grad_sync as resolved (auto)
+        # optim.grad_sync as resolved (auto); null where no replica axis sums the gradients
+        "grad_sync": None if not layout.replica_axes else "microbatch" if layout.grad_reduction is None else "step",
         "idle_axes": layout.idle_axes,  # mesh axes that split nothing: their devices repeat each other's work
         "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(compile_s, 3),
         "compile_cache": compile_cache, "data": data, "cpu_devices_per_core": cpu_devices_per_core(),
@@ -170,8 +171,9 @@ def format_summary(s: dict[str, Any]) -> str:
          f"{s['frozen_bytes_per_device'] / GIB:.3g} GiB") + f", optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB",
         f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "
         f"{s['microbatches']} micro-batch(es)"
-        + (f", gradients summed across the batch shards {'once per step' if s['grad_sync'] == 'step' else 'in every micro-batch'}"
-           if s["microbatches"] > 1 else "") + f"; {s['flops_per_token']:.4g} FLOPs per token",
+        + ("" if s["microbatches"] == 1 else ", no replica axis to sum the gradients over (optim.grad_sync has no effect)"
+           if s["grad_sync"] is None else
+           f", gradients summed across the batch shards {'once per step' if s['grad_sync'] == 'step' else 'in every micro-batch'}") + f"; {s['flops_per_token']:.4g} FLOPs per token",
         f"  peak for MFU {peak} per device ({s['peak_source']}); train step compiled in {s['compile_s']:.1f}s "
         f"({describe_cache(s['compile_cache'])})",
         f"  data: {s['data']}",
