@@ -25,7 +25,7 @@ from jaxtrain.plan import estimate as plan
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import
-from jaxtrain.layout import Layout, compile_train_step, make_layout
+from jaxtrain.layout import Layout, compile_train_step
 from jaxtrain.observe.metrics import MetricsLog
 from jaxtrain.state import TrainState, model_spec, state_from_params, state_initializer
 

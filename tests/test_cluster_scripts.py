@@ -89,7 +89,7 @@ def test_slurm_script_runs_the_jaxtrain_it_is_given_or_says_it_has_none(tmp_path
     sbatch = ["bash", REPO / "scripts" / "slurm" / "train.sbatch", "tiny"]
     given = subprocess.run(sbatch, env=env | {"JAXTRAIN": str(tmp_path / "venv_jaxtrain")}, capture_output=True, text=True, check=True)
     assert given.stdout == "from the venv: train\n"
-    missing = subprocess.run(sbatch, env=env, capture_output=True, text=True)
+    missing = subprocess.run(sbatch, env=env, capture_output=True, text=True, check=False)
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr == ("train.sbatch: cannot run 'jaxtrain' (not on PATH, or not executable); activate the environment "
                               "jaxtrain is installed in before sbatch, or set JAXTRAIN=/path/to/bin/jaxtrain\n")

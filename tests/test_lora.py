@@ -225,6 +225,6 @@ def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path
     other = tmp_path / "other_base"
     transformers.LlamaForCausalLM(hf_model.config).save_pretrained(other)
     capsys.readouterr()
-    assert cli.main(["generate", str(other), "--adapter", str(run_dir), "--prompt", "1 2"]) == 2
+    assert cli.main(["generate", str(other), "--adapter", str(run_dir), "--prompt", "1 2", "--max-new-tokens", "8"]) == 2
     errors = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]  # after progress lines
     assert len(errors) == 1 and f"jaxtrain: error: --adapter {run_dir} was trained on base {hf_dir.absolute()}" in errors[0], errors
