@@ -251,7 +251,12 @@ def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, para
         return state_from_params(hf_import.load_params(path, layout.cfg.model, abstract.params), layout.tx, layout.shardings)
     if params_only:
         return state_from_params(checkpoint_lib.restore_from(path, abstract, None, params_only=True), layout.tx, layout.shardings)
-    return checkpoint_lib.restore_from(path, abstract, batches.iterator, params_only=False)
+    state = checkpoint_lib.restore_from(path, abstract, batches.iterator, params_only=False)
+    steps = layout.cfg.train.steps
+    if int(state.step) >= steps:  # else a run directory with nothing in it, started from there again on every re-run
+        raise UserError(f"--init-from {path} is at step {int(state.step)}, at or past train.steps={steps}, so nothing would train; "
+                        f"raise train.steps above {int(state.step)}, or add --params-only to start at step 0 from its parameters")
+    return state
 
 
 def _checkpoint_meta(trainer: Trainer) -> dict[str, Any]:

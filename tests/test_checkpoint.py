@@ -19,6 +19,7 @@ import yaml
 from conftest import REPO, run_cli, subprocess_env, with_
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.config import AxisSizes, MeshConfig, from_dict
+from jaxtrain.errors import UserError
 from jaxtrain.layout import make_layout
 from jaxtrain.train import build, train
 
@@ -281,6 +282,11 @@ def test_init_from_full_state_continues_the_same_run(reference, trainer, tmp_pat
     run_dir = tmp_path / "new"
     train(cfg, run_dir, trainer, init_from=ref_dir / "checkpoints" / str(STEPS - 4))
     assert _losses(run_dir) == _losses(ref_dir)[STEPS - 4:]
+    finished = tmp_path / "finished"  # a source already at train.steps: nothing would train, nothing is written
+    with pytest.raises(UserError, match=rf"^--init-from {ref_dir} is at step {STEPS}, at or past train.steps={STEPS}, so nothing would "
+                                        rf"train; raise train.steps above {STEPS}, or add --params-only"):
+        train(cfg, finished, trainer, init_from=ref_dir)
+    assert not finished.exists()
 
 
 def test_init_from_params_only_starts_at_step_zero_with_those_weights(reference, trainer, tmp_path):

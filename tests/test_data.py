@@ -102,6 +102,8 @@ def _bad_token_files(tmp_path):
     cases["objects.npy"] = (None, "(numpy.save): Array can't be memory-mapped: Python objects in dtype")
     np.save(tmp_path / "floats.npy", np.ones(10, np.float32))
     cases["floats.npy"] = (None, "expected a non-empty 1-D integer token array, got shape (10,) dtype float32")
+    np.save(tmp_path / "negative.npy", np.arange(-5, 95, dtype=np.int32))  # the embedding lookup would wrap them silently
+    cases["negative.npy"] = (None, "holds negative token ids (the least is -5)")
     return {tmp_path / name: message for name, (_, message) in cases.items()}
 
 

@@ -294,12 +294,16 @@ def test_generate_chat_from_a_hugging_face_model_equals_transformers(data, tmp_p
     ("no_template", r"tokenizer .*tok has no chat template \(neither chat_template.jinja nor 'chat_template' in tokenizer_config.json\)"),
     ("bad_line", r"bad.jsonl:2 has neither 'prompt' and 'completion' strings nor a 'messages' list \(keys text\)"),
     ("too_long", r"long.jsonl:1: the example is \d+ tokens, longer than data.seq_len \+ 1 = 17"),
+    ("answers_cut", r"cut.jsonl: the \d+ train examples keep no answer token once data.truncate=true cut each to data.seq_len \+ 1 = 17 "
+                    r"tokens; raise data.seq_len so the answers fit$"),
     ("too_few", r"few.jsonl has 2 examples and data.val_fraction=0.02 puts none of them in validation; data.val_fraction=0.\d+ splits them"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path, capsys):
     tok_dir, path = data
     if case == "no_template":
         tok_dir = _tokenizer_dir(tmp_path / "tok", template=None)
+    elif case == "answers_cut":  # every prompt longer than the sequence: a loss over no token, then a division by zero
+        path = _jsonl(tmp_path / "cut.jsonl", [{"prompt": f"{i} " + " ".join(WORDS), "completion": "alpha"} for i in range(200)])
     elif case == "too_few":
         path = _jsonl(tmp_path / "few.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}])
     elif case == "bad_line":
@@ -309,7 +313,7 @@ def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path,
     run_dir = tmp_path / "run"
     status = cli.main(["train", "tiny", "--run-dir", str(run_dir), "data.format=sft", f"data.path={path}", f"data.tokenizer={tok_dir}",
                        "data.seq_len=16", f"model.vocab_size={VOCAB}", "log.progress=false",
-                       *(["data.truncate=true"] if case == "too_few" else [])])  # the chat template alone is 20 tokens
+                       *(["data.truncate=true"] if case in ("too_few", "answers_cut") else [])])  # the chat template alone is 20 tokens
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1, err
     assert re.search(message, err), err

@@ -177,6 +177,11 @@ def load_sft(cfg: DataConfig) -> SftCorpus:
         splits[is_validation_file(key, cfg.val_fraction)].append(_fit(example, f"{path}:{key.rsplit('#', 1)[1]}", cfg))
     check_split(keys, cfg.val_fraction, str(path), "examples")
     train, val = splits[False], splits[True]
+    for side, examples in (("train", train), ("validation", val)):
+        if not any(e.counted.any() for e in examples):  # a loss over no token: nothing to learn or to measure
+            cut = f" once data.truncate=true cut each to data.seq_len + 1 = {cfg.seq_len + 1} tokens" if cfg.truncate else ""
+            fix = "raise data.seq_len so the answers fit" if cfg.truncate else "give examples whose answers are not empty"
+            raise UserError(f"data: {path}: the {len(examples)} {side} examples keep no answer token{cut}; {fix}")
     counted = sum(int(e.counted.sum()) for e in train)
     total = sum(len(e.tokens) for e in train)
     return SftCorpus(train, val, tokenizer.vocab_size,

@@ -111,6 +111,9 @@ def read_token_file(path: Path, tokenizer: TextTokenizer | None) -> TokenFile:
         raise UserError(f"data.path={path} is not {expected}: {reason}") from None
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or len(tokens) == 0:
         raise UserError(f"data.path={path}: expected a non-empty 1-D integer token array, got shape {tokens.shape} dtype {tokens.dtype}")
+    if np.issubdtype(tokens.dtype, np.signedinteger) and (least := int(tokens.min())) < 0:  # the lookup would wrap them
+        raise UserError(f"data.path={path} holds negative token ids (the least is {least}); token ids run from 0 to the "
+                        "vocabulary size - 1: fix the file")
     if sidecar is None:
         # without a record of its tokenizer, the ids themselves bound the vocabulary
         vocab_size = max(int(tokens.max()) + 1, tokenizer.vocab_size if tokenizer else 0)
