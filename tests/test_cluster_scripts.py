@@ -1,9 +1,10 @@
 """The cluster templates give `jaxtrain train` the right multi-process flags: the SLURM batch script and the
 Kubernetes entrypoint run against a fake environment and a stand-in `jaxtrain` that prints its arguments;
-the Kubernetes manifest's parts agree with each other."""
+the Kubernetes manifest's parts agree with each other; the local launcher reports the process that failed."""
 
 import os
 import subprocess
+import sys
 
 import yaml
 
@@ -93,3 +94,16 @@ def test_slurm_script_runs_the_jaxtrain_it_is_given_or_says_it_has_none(tmp_path
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr == ("train.sbatch: cannot run 'jaxtrain' (not on PATH, or not executable); activate the environment "
                               "jaxtrain is installed in before sbatch, or set JAXTRAIN=/path/to/bin/jaxtrain\n")
+
+
+def test_local_launcher_reports_the_failed_process_not_the_ones_it_stopped(tmp_path):
+    """Process 1 fails on its config (2) while process 0 waits in a collective; the launcher stops process 0 (143, which
+    means "preempted, resume" to the cluster templates) and must report the 2."""
+    env = _fake_commands(tmp_path, job='[ "${@: -1}" = 1 ] && { sleep 0.3; exit 2; }\nsleep 30 &\ntrap "kill $!; exit 143" TERM\nwait\n')
+    launch = [sys.executable, REPO / "scripts" / "launch_local.py"]
+    result = subprocess.run([*launch, "--num-processes", "2", "--", "job"], env=env, capture_output=True, text=True, timeout=20, check=False)
+    assert result.returncode == 2
+    for args, message in ((["--num-processes", "0", "--", "job"], "--num-processes 0: give at least 1"),
+                          (["--num-processes", "2", "--", "no-such-command"], "command 'no-such-command' not found (not on PATH, or not executable)")):
+        refused = subprocess.run([*launch, *args], env=env, capture_output=True, text=True, timeout=20, check=False)
+        assert refused.returncode == 2 and refused.stderr.strip().endswith(message), refused.stderr
