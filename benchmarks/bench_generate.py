@@ -43,7 +43,7 @@ def random_model(cfg, devices=None):
 
     layout = make_layout(cfg, devices)
     params = init_state(cfg.model, layout.tx, cfg.train.seed, layout.shardings).params
-    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode=None, decode=None)
+    return Loaded(cfg.model, params, layout.mesh, cfg.mesh, layout.rules, cfg.rules, encode=None, decode=None)
 
 
 def measure(loaded, batch: int, prompt_len: int, new: int, repeats: int = REPEATS) -> dict:

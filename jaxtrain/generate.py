@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
 from jaxtrain.adapt import lora as lora_lib
-from jaxtrain.config import Config, SamplingConfig
+from jaxtrain.config import Config, MeshConfig, SamplingConfig
 from jaxtrain.data.sft import ChatTemplate
 from jaxtrain.data.token_file import TOKEN_FILE_SUFFIXES
 from jaxtrain.data.tokenizer import TOKENIZER_FILE, RawBytes, TextTokenizer, load_tokenizer
@@ -47,6 +47,7 @@ class Loaded:
     model_cfg: LlamaConfig
     params: dict  # placed on ``mesh`` with the rule set's shardings
     mesh: Mesh
+    mesh_config: MeshConfig  # what ``mesh`` was built from: adapters added later are restored onto the same one
     rules: Rules
     rules_name: str
     encode: Encode  # prompt text -> token ids
@@ -107,9 +108,9 @@ def load_run(run_dir: Path, mesh: str | None, rules: str | None, codec: tuple[En
     layout = make_layout(cfg)
     if cfg.model.lora.rank:  # a LoRA run: its adapters merged into its base
         params = lora_lib.merged_run_params(layout, run_dir, source="jaxtrain generate")
-        return Loaded(lora_lib.plain_config(cfg.model), params, layout.mesh, layout.rules, cfg.rules, *codec)
+        return Loaded(lora_lib.plain_config(cfg.model), params, layout.mesh, cfg.mesh, layout.rules, cfg.rules, *codec)
     params = checkpoint_lib.restore_from(run_dir, layout.abstract_state(), None, params_only=True, source="jaxtrain generate")
-    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, *codec)
+    return Loaded(cfg.model, params, layout.mesh, cfg.mesh, layout.rules, cfg.rules, *codec)
 
 
 def _hf_model_config(hf_dir: Path, cfg: Config) -> Config:
@@ -123,7 +124,7 @@ def load_hf(hf_dir: Path, mesh: str | None, rules: str | None, codec: tuple[Enco
     hf_weights.check_dir(hf_dir, cfg.model)
     layout = make_layout(cfg)
     params = hf_import.load_params(hf_dir, cfg.model, layout.abstract_state().params)
-    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, *codec)
+    return Loaded(cfg.model, params, layout.mesh, cfg.mesh, layout.rules, cfg.rules, *codec)
 
 
 def codec(cfg: Config, run_dir: Path) -> tuple[Encode, Decode]:

@@ -35,7 +35,7 @@ def _loaded(rules, mesh, devices: int, experts: int = 0) -> Loaded:
     cfg = small_config(rules, mesh, **MODEL, **moe)
     layout = make_layout(cfg, jax.devices()[:devices])
     params = init_state(cfg.model, layout.tx, 0, layout.shardings).params
-    return Loaded(cfg.model, params, layout.mesh, layout.rules, cfg.rules, encode=None, decode=None)
+    return Loaded(cfg.model, params, layout.mesh, cfg.mesh, layout.rules, cfg.rules, encode=None, decode=None)
 
 
 def _prompts(batch, length=5) -> np.ndarray:

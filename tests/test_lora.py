@@ -18,7 +18,7 @@ from flax import nnx
 from flax.core import spmd
 from safetensors import safe_open
 
-from conftest import small_config, with_
+from conftest import run_cli, small_config, with_
 from test_parity import _losses
 from jaxtrain import cli
 from jaxtrain.adapt import lora as lora_lib
@@ -214,6 +214,10 @@ def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path
     assert merged != _generated(capsys, str(hf_dir))  # the adapters change what is generated
     assert _generated(capsys, str(hf_dir), "--adapter", str(pool_dir / "adapter-only")) == merged
     assert _generated(capsys, str(hf_dir), "--adapter", str(run_dir)) == merged
+    # on fewer devices than the run trained on: its adapters restored onto the base's mesh, not the run's own
+    fewer = run_cli("generate", str(hf_dir), "--devices", "2", "--adapter", str(run_dir), "--prompt", "1 2 3 4",
+                    "--max-new-tokens", "6", cwd=tmp_path)
+    assert fewer.returncode == 0 and fewer.stdout.strip() == merged, fewer.stderr[-2000:]
 
     record = json.loads((run_dir / lora_lib.BASE_RECORD).read_text())
     assert cli.main(["adapters", str(pool_dir)]) == 0

@@ -234,7 +234,8 @@ def with_adapter(loaded, adapter: Path):
         adapters = {"layers": peft.from_peft(tensors, model_cfg, adapter)}
     elif (adapter / "config.yaml").is_file():
         record = summary(adapter)
-        cfg = config_lib.load_run_config(adapter)
+        # restored onto the mesh and rules the base generates with, whatever the run trained on
+        cfg = dataclasses.replace(config_lib.load_run_config(adapter), mesh=loaded.mesh_config, rules=loaded.rules_name)
         model_cfg = dataclasses.replace(loaded.model_cfg, lora=cfg.model.lora)
         layout = make_layout(cfg)
         restored = checkpoint_lib.restore_from(adapter, layout.abstract_state(), None, params_only=True, source="--adapter")
