@@ -192,10 +192,16 @@ def cmd_generate(args) -> int:
 
     def check_context(prompt_tokens: int | None) -> None:
         """None: before the prompt is encoded (and jax started), the new tokens alone."""
-        if context is not None and (prompt_tokens or 0) + sampling.max_new_tokens > context:
-            prompt = "" if prompt_tokens is None else f" with a prompt of {prompt_tokens} tokens"
-            raise UserError(f"--max-new-tokens {sampling.max_new_tokens}{prompt} runs past the model's context of {context} "
-                            f"positions (max_position_embeddings); give --max-new-tokens {max(context - (prompt_tokens or 1), 1)} or less")
+        if context is None or (prompt_tokens or 0) + sampling.max_new_tokens <= context:
+            return
+        limit = f"the model's context of {context} positions (max_position_embeddings)"
+        if prompt_tokens is None:
+            raise UserError(f"--max-new-tokens {sampling.max_new_tokens} runs past {limit} before any prompt; give fewer than "
+                            f"{context}, less the prompt's tokens")
+        if prompt_tokens >= context:
+            raise UserError(f"the prompt is {prompt_tokens} tokens and fills {limit}, leaving no room for a new token; shorten the prompt")
+        raise UserError(f"--max-new-tokens {sampling.max_new_tokens} with a prompt of {prompt_tokens} tokens runs past {limit}; "
+                        f"give --max-new-tokens {context - prompt_tokens} or less")
 
     check_context(None)
     mesh = config_lib.load_mesh_file(args.mesh) if args.mesh else run_cfg.mesh if run_cfg else config_lib.Config().mesh

@@ -240,7 +240,11 @@ def test_generating_past_the_models_context_is_one_line(tmp_path, capsys, monkey
         "context of 1024 positions (max_position_embeddings); give --max-new-tokens 1021 or less\n")
     assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "100000"]) == 2
     assert capsys.readouterr().err == ("jaxtrain: error: --max-new-tokens 100000 runs past the model's context of 1024 positions "
-                                       "(max_position_embeddings); give --max-new-tokens 1023 or less\n")
+                                       "(max_position_embeddings) before any prompt; give fewer than 1024, less the prompt's tokens\n")
+    long_prompt = " ".join(["7"] * 1024)
+    assert cli.main(["generate", str(tmp_path), "--prompt", long_prompt, "--max-new-tokens", "1"]) == 2
+    assert capsys.readouterr().err == ("jaxtrain: error: the prompt is 1024 tokens and fills the model's context of 1024 positions "
+                                       "(max_position_embeddings), leaving no room for a new token; shorten the prompt\n")
 
 
 def test_lora_run_whose_base_changed_asks_for_that_base_back(corpus, tmp_path, capsys):
