@@ -272,6 +272,8 @@ class LlamaConfig:
         for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
             if getattr(self, key) <= 0:
                 out.append(f"model.{key}={getattr(self, key)} must be positive")
+        if self.head_dim is not None and self.head_dim <= 0:
+            out.append(f"model.head_dim={self.head_dim} must be positive, or none for model.d_model / model.num_heads")
         for key in ("rope_theta", "norm_eps", "init_std"):
             if not getattr(self, key) > 0:  # NaN too
                 out.append(f"model.{key}={getattr(self, key)} must be positive")
@@ -282,6 +284,6 @@ class LlamaConfig:
             )
         if self.head_dim is None and self.num_heads > 0 and self.d_model % self.num_heads:
             out.append(f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; set model.head_dim")
-        if self.num_heads > 0 and self.resolved_head_dim % 2:
+        if self.num_heads > 0 and (self.head_dim is None or self.head_dim > 0) and self.resolved_head_dim % 2:
             out.append(f"head dimension {self.resolved_head_dim} must be even for rotary embeddings")
         return out + (self.adapter_problems() if not out else self.lora.problems())

@@ -121,6 +121,8 @@ def test_an_unknown_key_suggests_ours_for_other_frameworks_names(key, ours):
     ("mesh.ici.data=0", r"mesh.ici.data=0 must be a positive integer or -1 \(fill\)"),
     ("model.norm_eps=0", "model.norm_eps=0.0 must be positive"),
     ("model.rope_theta=-1", "model.rope_theta=-1.0 must be positive"),
+    ("model.head_dim=0", "model.head_dim=0 must be positive, or none for model.d_model / model.num_heads"),
+    ("model.head_dim=-2", "model.head_dim=-2 must be positive"),
 ])
 def test_every_numeric_key_is_range_checked(item, message):
     with pytest.raises(UserError, match=message):
