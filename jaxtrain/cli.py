@@ -264,6 +264,7 @@ def cmd_plot(args) -> int:
 def cmd_tokenize(args) -> int:
     from jaxtrain.data import token_file
 
+    check_output_path("--out", Path(args.out))
     start = time.perf_counter()
     sidecar = token_file.write_token_file(args.inputs, args.tokenizer, args.out)
     seconds = time.perf_counter() - start
@@ -275,6 +276,7 @@ def cmd_tokenize(args) -> int:
 def cmd_train_tokenizer(args) -> int:
     from jaxtrain.data import tokenizer
 
+    check_output_path("--out", Path(args.out))
     trained = tokenizer.train_tokenizer(args.inputs, args.vocab_size, args.out)
     print(f"jaxtrain: wrote {args.out}: byte-level BPE, vocabulary {trained.vocab_size}, "
           f"end-of-text {tokenizer.END_OF_TEXT} = {trained.end_of_text}", file=sys.stderr)

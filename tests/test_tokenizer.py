@@ -240,6 +240,12 @@ COMMAND_ERRORS = {
                                     "hold no files (hidden ones are skipped)"),
     "tokenize over an existing token file": (lambda p, out: ["tokenize", str(p["texts"]), "--tokenizer", str(p["tokenizer"]), "--out", str(p["tokens"])],
                                              "already exists (or its sidecar does); give a new path"),
+    "tokenize into a path under a file": (lambda p, out: ["tokenize", str(p["texts"]), "--tokenizer", str(p["tokenizer"]), "--out",
+                                                          str(p["tokens"] / "sub" / "t.bin")], "tokens.bin is a file, not a directory"),
+    "tokenize where no directory can be made": (lambda p, out: ["tokenize", str(p["texts"]), "--tokenizer", str(p["tokenizer"]), "--out",
+                                                                "/proc/jaxtrain-test/t.bin"], "cannot make the directory /proc/jaxtrain-test ("),
+    "train a tokenizer under a file": (lambda p, out: ["train-tokenizer", str(p["texts"]), "--vocab-size", "300", "--out",
+                                                       str(p["tokens"] / "tok")], "tokens.bin is a file, not a directory"),
     "train a tokenizer into a directory in use": (
         lambda p, out: ["train-tokenizer", str(p["texts"]), "--vocab-size", "300", "--out", str(p["texts"])],
         "already exists and is not an empty directory"),

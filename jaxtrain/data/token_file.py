@@ -50,7 +50,10 @@ def write_token_file(inputs: Iterable[str], tokenizer_path: str, out: str | Path
                         "tokenize never overwrites a token file, which a run may be training on")
     tokenizer = load_tokenizer(tokenizer_path)
     files = input_files(inputs)
-    out.parent.mkdir(parents=True, exist_ok=True)  # as plot --out does; the files themselves appear only when complete
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # as plot --out does; the files themselves appear only when complete
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot make the directory {out.parent} ({e.strerror}); give a path in a writable directory") from None
     dtype = token_dtype(tokenizer.vocab_size)
     count = docs = 0
     with atomic_file(out, "token file") as f, \
