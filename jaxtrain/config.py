@@ -285,8 +285,19 @@ def load_run_config(run_dir: Path) -> Config:
 
 
 def save_yaml(cfg: Config, path: Path, extra: dict | None = None) -> None:
-    body = to_dict(cfg) | (extra or {})
+    """A run's config.yaml, its file paths made absolute: `generate` and `export-hf` read it from any directory."""
+    body = to_dict(with_absolute_paths(cfg)) | (extra or {})
     path.write_text(yaml.safe_dump(body, sort_keys=False))
+
+
+def with_absolute_paths(cfg: Config) -> Config:
+    """``cfg`` with data.path, data.tokenizer and a rule-set file given by a relative path made absolute."""
+    def absolute(value: str | None) -> str | None:
+        return value if value is None or Path(value).is_absolute() else str(Path(value).absolute())
+
+    rules = cfg.rules if not Path(cfg.rules).is_file() else absolute(cfg.rules)  # a name stays a name
+    return dataclasses.replace(cfg, rules=rules,
+                               data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path), tokenizer=absolute(cfg.data.tokenizer)))
 
 
 # ---------------------------------------------------------------------------------------------

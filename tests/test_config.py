@@ -141,3 +141,19 @@ def test_exporter_without_its_package_is_one_line(monkeypatch, item, package):
     monkeypatch.setattr(config_lib.importlib.util, "find_spec", lambda name: None if name == package else real(name))
     with pytest.raises(UserError, match=f"needs the {package} package; pip install "):
         config_lib.check(apply_overrides(Config(), [item]))
+
+
+def test_a_runs_config_records_its_files_by_absolute_path(tmp_path, monkeypatch):
+    """generate and export-hf read config.yaml from wherever they are run: a relative data.tokenizer was 'not found'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "rules" / "mine.yaml").write_text("extends: fsdp\n")
+    cfg = apply_overrides(Config(), ["data.path=data/tokens.bin", "data.tokenizer=tok", "rules=rules/mine.yaml"])
+    config_lib.save_yaml(cfg, tmp_path / "config.yaml")
+    saved = config_lib.load_run_config(tmp_path)
+    assert (saved.data.path, saved.data.tokenizer, saved.rules) == (
+        str(tmp_path / "data" / "tokens.bin"), str(tmp_path / "tok"), str(tmp_path / "rules" / "mine.yaml"))
+    by_name = apply_overrides(Config(), ["rules=fsdp", "data.tokenizer=/abs/tok"])
+    config_lib.save_yaml(by_name, tmp_path / "config.yaml")
+    saved = config_lib.load_run_config(tmp_path)
+    assert (saved.rules, saved.data.path, saved.data.tokenizer) == ("fsdp", None, "/abs/tok")
