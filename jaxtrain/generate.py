@@ -26,6 +26,7 @@ from jaxtrain import config as config_lib
 from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.config import Config, MeshConfig, SamplingConfig
 from jaxtrain.data.sft import ChatTemplate
+from jaxtrain.data import token_file
 from jaxtrain.data.token_file import TOKEN_FILE_SUFFIXES
 from jaxtrain.data.tokenizer import TOKENIZER_FILE, RawBytes, TextTokenizer, load_tokenizer
 from jaxtrain.errors import UserError
@@ -132,12 +133,22 @@ def codec(cfg: Config, run_dir: Path) -> tuple[Encode, Decode]:
     library or a text directory); else, for a token file, the tokenizer its sidecar or ``--init-from HF_DIR``
     names (kept in RUN_DIR/hf/), or token ids written as numbers when there is none."""
     vocab = cfg.model.vocab_size
-    if cfg.data.tokenizer:
-        return _token_codec(vocab, load_tokenizer(cfg.data.tokenizer))
-    if cfg.data.path is None or Path(cfg.data.path).suffix not in TOKEN_FILE_SUFFIXES:
+    if not cfg.data.tokenizer and (cfg.data.path is None or Path(cfg.data.path).suffix not in TOKEN_FILE_SUFFIXES):
         return (lambda text: _in_vocab(list(text.encode("utf-8")), vocab, "a byte of the prompt's UTF-8")), _bytes_to_text
+    found = run_tokenizer(cfg, run_dir)
+    return _token_codec(vocab, None if found is None else load_tokenizer(found))
+
+
+def run_tokenizer(cfg: Config, run_dir: Path) -> Path | None:
+    """The tokenizer a run's text goes through: its ``data.tokenizer``; else the one ``--init-from HF_DIR`` brought
+    (RUN_DIR/hf/); else the one its token file's sidecar names, where that file is still there; else None."""
+    if cfg.data.tokenizer:
+        return Path(cfg.data.tokenizer)
     kept = run_dir / hf_import.RUN_SUBDIR / TOKENIZER_FILE
-    return _token_codec(vocab, load_tokenizer(kept) if kept.is_file() else None)
+    if kept.is_file():
+        return kept
+    made_with = token_file.tokenizer_of(cfg.data.path)
+    return None if made_with is None else Path(made_with)
 
 
 def chat_codec(path: Path, vocab: int) -> tuple[Encode, Decode]:
@@ -145,8 +156,7 @@ def chat_codec(path: Path, vocab: int) -> tuple[Encode, Decode]:
     if hf_config.is_hf_dir(path):
         file = path / TOKENIZER_FILE
     else:
-        cfg = config_lib.load_run_config(path)
-        file = Path(cfg.data.tokenizer) if cfg.data.tokenizer else path / hf_import.RUN_SUBDIR / TOKENIZER_FILE
+        file = run_tokenizer(config_lib.load_run_config(path), path) or path / hf_import.RUN_SUBDIR / TOKENIZER_FILE
     if not (file / TOKENIZER_FILE if file.is_dir() else file).is_file():
         raise UserError(f"--chat: {path} has no tokenizer, so no chat template; generate without --chat, or from a model "
                         "with a tokenizer directory holding a chat template")

@@ -136,6 +136,20 @@ def test_train_tokenize_train_loss_falls(trained, texts, tmp_path, capsys):
     assert AutoTokenizer.from_pretrained(export)(text, add_special_tokens=False)["input_ids"] == \
         tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
 
+    # the same run without data.tokenizer: the token file's sidecar names it, for generate and export-hf
+    import dataclasses
+
+    from jaxtrain import config as config_lib
+    from jaxtrain.interop import hf_export
+
+    saved = config_lib.load_run_config(run)
+    sidecar_only = dataclasses.replace(saved, data=dataclasses.replace(saved.data, tokenizer=None))
+    (tmp_path / "sidecar_only").mkdir()
+    config_lib.save_yaml(sidecar_only, tmp_path / "sidecar_only" / "config.yaml")
+    encode, _ = generate_lib.load_codec(tmp_path / "sidecar_only")
+    assert encode("def f(x):") == tokenizer.tokenizer.encode("def f(x):").ids
+    assert hf_export.tokenizer_files(sidecar_only, None) == hf_export.tokenizer_files(saved, None)
+
 
 def test_jsonl_source_matches_the_same_texts_as_files(trained, texts, tmp_path, capsys):
     docs = [f.read_text() for f in sorted(texts.iterdir())]

@@ -86,6 +86,14 @@ def _sidecar(path: Path) -> dict | None:
     return sidecar
 
 
+def tokenizer_of(data_path: str | None) -> str | None:
+    """The tokenizer file the sidecar of the token file ``data_path`` names, where both are still there; else None."""
+    if data_path is None or Path(data_path).suffix not in TOKEN_FILE_SUFFIXES or not Path(data_path).is_file():
+        return None
+    sidecar = _sidecar(Path(data_path))
+    return sidecar["tokenizer"] if sidecar is not None and Path(sidecar["tokenizer"]).is_file() else None
+
+
 def _refuse_count(path: Path, holds: str, sidecar: dict, size: str = "") -> None:
     raise UserError(f"token file {path} holds {holds} but its sidecar {sidecar_path(path)} says {sidecar['tokens']} tokens{size}; "
                     "it is truncated or the two are from different runs: remake them with jaxtrain tokenize")

@@ -31,6 +31,7 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config
+from jaxtrain.data import token_file
 from jaxtrain.data.tokenizer import hf_tokenizer_files
 from jaxtrain.interop.hf_import import KEPT_FILES, RUN_SUBDIR
 from jaxtrain.interop.hf_weights import DTYPES, INDEX_FILE, SINGLE_FILE, TensorMap, tensor_maps
@@ -204,11 +205,12 @@ def _source_json(source_dir: Path | None, name: str) -> dict | None:
 
 def tokenizer_files(cfg: Config, source_dir: Path | None) -> dict[str, bytes]:
     """File name -> contents of the tokenizer files a run carries: those of its ``data.tokenizer``, else those
-    of the model it was imported from."""
+    of the model it was imported from, else those of the tokenizer its token file was made with."""
     if cfg.data.tokenizer:
         return hf_tokenizer_files(cfg.data.tokenizer)
     if source_dir is None:
-        return {}
+        made_with = token_file.tokenizer_of(cfg.data.path)
+        return {} if made_with is None else hf_tokenizer_files(made_with)
     return {n: (source_dir / n).read_bytes() for n in KEPT_FILES
             if n not in (hf_config.CONFIG_FILE, hf_config.GENERATION_CONFIG_FILE) and (source_dir / n).is_file()}
 
