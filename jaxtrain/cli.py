@@ -278,7 +278,8 @@ def cmd_train_tokenizer(args) -> int:
 
     check_output_path("--out", Path(args.out))
     trained = tokenizer.train_tokenizer(args.inputs, args.vocab_size, args.out)
-    print(f"jaxtrain: wrote {args.out}: byte-level BPE, vocabulary {trained.vocab_size}, "
+    short = f" (of the {args.vocab_size} asked for: the text has no more pairs to merge)" if trained.vocab_size < args.vocab_size else ""
+    print(f"jaxtrain: wrote {args.out}: byte-level BPE, vocabulary {trained.vocab_size}{short}, "
           f"end-of-text {tokenizer.END_OF_TEXT} = {trained.end_of_text}", file=sys.stderr)
     return 0
 

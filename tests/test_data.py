@@ -133,3 +133,13 @@ def test_a_split_leaving_one_side_empty_names_the_fraction_that_splits(tmp_path)
     (tmp_path / "docs" / "only.txt").write_text("one document")
     with pytest.raises(UserError, match=r"^data: .* has 1 documents and data.val_fraction=0.1 puts none of them in validation"):
         load_corpus(DataConfig(path=str(tmp_path / "docs"), val_fraction=0.1))
+
+
+def test_a_validation_split_short_of_one_batch_names_data_val_fraction(tmp_path):
+    from jaxtrain.data import check_sizes
+
+    np.save(tmp_path / "t.npy", np.arange(5000, dtype=np.int32) % 100)
+    cfg = DataConfig(path=str(tmp_path / "t.npy"), seq_len=32, val_fraction=0.01)  # 50 tokens: one sequence
+    with pytest.raises(UserError, match=r"^the validation split has 1 sequences of data.seq_len=32, fewer than one batch "
+                                        r"\(train.global_batch=8\); .*, or a larger data.val_fraction \(now 0.01\)$"):
+        check_sizes(load_corpus(cfg), cfg, 8, 100)

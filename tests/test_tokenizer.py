@@ -222,7 +222,7 @@ def bad_inputs(trained, texts):
 TRAIN_ERRORS = {
     "tokenizer vocabulary larger than model.vocab_size": (
         lambda p: [f"data.path={p['few']}", f"data.tokenizer={p['tokenizer']}", "model.vocab_size=256", "data.val_fraction=0.25"],
-        f"has token ids up to {VOCAB - 1} but model.vocab_size=256; set model.vocab_size>={VOCAB}"),
+        f"has a vocabulary of {VOCAB} (its tokenizer's, or its largest token id + 1) but model.vocab_size=256; set model.vocab_size>={VOCAB}"),
     "token file vocabulary larger than model.vocab_size": (
         lambda p: [f"data.path={p['tokens']}", "model.vocab_size=256"], f"set model.vocab_size>={VOCAB}"),
     "token file made with another tokenizer": (
@@ -245,6 +245,8 @@ def test_bad_training_data_is_one_line_and_writes_nothing(case, bad_inputs, tmp_
 COMMAND_ERRORS = {
     "tokenize a JSONL without text": (lambda p, out: ["tokenize", str(p["notext"]), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
                                       "notext.jsonl:2 has no string 'text' field"),
+    "tokenize with a directory holding no tokenizer": (lambda p, out: ["tokenize", str(p["texts"]), "--tokenizer", str(p["texts"]), "--out",
+                                                                    str(out / "t.bin")], "docs holds no tokenizer.json: give a tokenizer.json"),
     "tokenize with a missing tokenizer": (lambda p, out: ["tokenize", str(p["texts"]), "--tokenizer", str(out / "none"), "--out", str(out / "t.bin")],
                                           "none not found: give a tokenizer.json or a directory holding one"),
     "train a tokenizer on a JSONL without text": (
@@ -273,3 +275,11 @@ def test_bad_tokenizer_command_is_one_line_and_writes_nothing(case, bad_inputs, 
     status, err = jaxtrain(capsys, *make_args(bad_inputs, tmp_path))
     assert status == 2 and len(err) == 1 and err[0].startswith("jaxtrain: error: ") and message in err[0], err
     assert list(tmp_path.iterdir()) == [] and sorted(bad_inputs["texts"].parent.rglob("*")) == before
+
+
+def test_a_vocabulary_the_text_cannot_fill_is_said(tmp_path, capsys):
+    (tmp_path / "small.txt").write_text("ab ab ab ba")
+    assert cli.main(["train-tokenizer", str(tmp_path / "small.txt"), "--vocab-size", "70000", "--out", str(tmp_path / "tok")]) == 0
+    printed = capsys.readouterr().err
+    size = load_tokenizer(tmp_path / "tok").vocab_size
+    assert size < 70000 and f"vocabulary {size} (of the 70000 asked for: the text has no more pairs to merge)" in printed

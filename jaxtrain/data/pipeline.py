@@ -95,8 +95,8 @@ def eval_batches(corpus: Corpus, cfg: DataConfig, global_batch: int, sharding: N
 
 def check_sizes(corpus: Corpus, cfg: DataConfig, global_batch: int, vocab_size: int) -> None:
     if corpus.vocab_size > vocab_size:
-        raise UserError(f"the data ({corpus.description}) has token ids up to {corpus.vocab_size - 1} but model.vocab_size={vocab_size}; "
-                        f"set model.vocab_size>={corpus.vocab_size}")
+        raise UserError(f"the data ({corpus.description}) has a vocabulary of {corpus.vocab_size} (its tokenizer's, or its largest "
+                        f"token id + 1) but model.vocab_size={vocab_size}; set model.vocab_size>={corpus.vocab_size}")
     if cfg.format == "sft":  # examples, not windows of a stream: the last batch of a split is padded
         return
     for split, tokens in (("train", corpus.train), ("validation", corpus.validation)):
@@ -104,4 +104,5 @@ def check_sizes(corpus: Corpus, cfg: DataConfig, global_batch: int, vocab_size: 
         if n < global_batch:
             raise UserError(
                 f"the {split} split has {n} sequences of data.seq_len={cfg.seq_len}, fewer than one batch "
-                f"(train.global_batch={global_batch}); use more data, a shorter seq_len or a smaller batch")
+                f"(train.global_batch={global_batch}); use more data, a shorter seq_len or a smaller batch"
+                + (f", or a larger data.val_fraction (now {cfg.val_fraction})" if split == "validation" else ""))

@@ -79,8 +79,8 @@ def _tokenizer_json(path: str | Path) -> Path:
     path = Path(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
-        raise UserError(f"tokenizer {path} not found: give a {TOKENIZER_FILE} or a directory holding one "
-                        "(jaxtrain train-tokenizer makes one)")
+        what = f"directory {path} holds no {TOKENIZER_FILE}" if path.is_dir() else f"tokenizer {path} not found"
+        raise UserError(f"{what}: give a {TOKENIZER_FILE} or a directory holding one (jaxtrain train-tokenizer makes one)")
     return file
 
 
