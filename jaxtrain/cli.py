@@ -187,6 +187,9 @@ def cmd_generate(args) -> int:
         raise UserError(f"{path} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json); "
                         "give the --run-dir of a training run or a model directory")
     run_cfg = None if hf_config.is_hf_dir(path) else config_lib.load_run_config(path)
+    if args.adapter and run_cfg is not None and run_cfg.model.lora.rank:
+        raise UserError(f"{path} is a LoRA run, and `jaxtrain generate {path}` already applies its adapters on its base; drop "
+                        f"--adapter, or give the base the adapter {args.adapter} was trained on")
     # the model's context: a Hugging Face model's, or that of the one a run was initialised from (RUN_DIR/hf)
     context = hf_config.context_length(path if run_cfg is None else path / hf_config.RUN_SUBDIR)
 

@@ -20,7 +20,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import data as data_lib
 from jaxtrain.observe import exporters
 from jaxtrain.adapt import lora as lora_lib
-from jaxtrain.adapt.adapters import split_frozen
+from jaxtrain.adapt.adapters import read_record, split_frozen
 from jaxtrain.plan import estimate as plan
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
@@ -129,7 +129,7 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
     ``checkpoint.Preempted`` after committing a checkpoint when preempted (SIGTERM)."""
     check_run_dir(run_dir)
     if init_from is not None and not hf_config.is_hf_dir(init_from):  # a mistyped path fails before the compile
-        checkpoint_lib.checkpoints_dir(init_from, "--init-from")
+        _check_not_lora_run(init_from, checkpoint_lib.checkpoints_dir(init_from, "--init-from")[0].parent)
     if cfg.log.prometheus_port and jax.process_index() == 0:
         exporters.check_port_free(cfg.log.prometheus_port)
     if cfg.log.mlflow and jax.process_index() == 0:
@@ -241,6 +241,15 @@ def _close(log: MetricsLog | None, checkpoints: checkpoint_lib.RunCheckpoints, *
     finally:
         if log is not None:
             log.close("FINISHED" if error is None else "KILLED" if isinstance(error, checkpoint_lib.Preempted) else "FAILED")
+
+
+def _check_not_lora_run(init_from: Path, run_dir: Path) -> None:
+    """A LoRA run's checkpoints hold its adapters alone: no model to start from, nor a base."""
+    record = read_record(run_dir)
+    if record is not None:
+        base = record["path"] or f"initialised from train.seed={record['seed']}"
+        raise UserError(f"--init-from {init_from} is a LoRA run, whose checkpoints hold only its adapters; start from its base "
+                        f"({base}) or from its merged model: jaxtrain export-hf {run_dir} --out DIR, then --init-from DIR")
 
 
 def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, params_only: bool) -> TrainState:

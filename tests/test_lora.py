@@ -232,3 +232,13 @@ def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path
     assert cli.main(["generate", str(other), "--adapter", str(run_dir), "--prompt", "1 2", "--max-new-tokens", "8"]) == 2
     errors = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]  # after progress lines
     assert len(errors) == 1 and f"jaxtrain: error: --adapter {run_dir} was trained on base {hf_dir.absolute()}" in errors[0], errors
+
+    # a LoRA run where a model is wanted: as --init-from it holds no model, and generating from it already applies it
+    with pytest.raises(UserError, match=rf"^--init-from {run_dir} is a LoRA run, whose checkpoints hold only its adapters; start "
+                                        rf"from its base \({hf_dir.absolute()}\) or from its merged model: jaxtrain export-hf"):
+        train(dataclasses.replace(cfg, model=lora_lib.plain_config(cfg.model)), tmp_path / "full",
+              init_from=run_dir)
+    assert not (tmp_path / "full").exists()
+    assert cli.main(["generate", str(run_dir), "--adapter", str(run_dir), "--prompt", "1 2"]) == 2
+    assert capsys.readouterr().err.startswith(f"jaxtrain: error: {run_dir} is a LoRA run, and `jaxtrain generate {run_dir}` "
+                                              "already applies its adapters on its base; drop --adapter")
