@@ -391,6 +391,8 @@ def describe(run_dir: Path) -> list[dict]:
     renamed it from its temporary name once written. Its array files are not read (that costs as much as a
     restore), so one damaged since still counts as complete until a command reads it."""
     directory = run_dir / CHECKPOINTS_DIR
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} does not exist; give the --run-dir of a training run")
     if not directory.is_dir():
         raise UserError(f"{run_dir} has no {CHECKPOINTS_DIR}/ directory; give the --run-dir of a training run")
     manager = _manager(directory, None)

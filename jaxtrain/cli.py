@@ -240,9 +240,10 @@ def cmd_checkpoints(args) -> int:
     from jaxtrain import checkpoint as checkpoint_lib  # starts jax
 
     rows = checkpoint_lib.describe(Path(args.run_dir))
-    print(checkpoint_lib.format_table(rows))
-    if not rows:
+    if not rows:  # a header over nothing says less than this line
         print(f"jaxtrain: {Path(args.run_dir) / checkpoint_lib.CHECKPOINTS_DIR} holds no checkpoint yet", file=sys.stderr)
+        return 0
+    print(checkpoint_lib.format_table(rows))
     return 0
 
 

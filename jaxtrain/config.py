@@ -322,7 +322,10 @@ def load_experiment(name_or_path: str) -> Config:
                             "config() -> Config (see experiments/tiny.py)")
         spec = importlib.util.spec_from_file_location(f"_experiment_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except SyntaxError as e:  # the user's file, not ours: where, not a traceback through importlib
+            raise UserError(f"experiment file {name_or_path} line {e.lineno}: {e.msg}; fix the file") from None
     else:
         if not (EXPERIMENTS_DIR / f"{name_or_path}.py").is_file():
             raise UserError(

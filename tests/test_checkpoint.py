@@ -305,6 +305,17 @@ def test_checkpoints_command_lists_steps(reference):
     assert all(" yes " in r and "data 2 x fsdp 2 x tensor 2 / fsdp_tp (1 process(es))" in r and "MiB" in r for r in rows)
 
 
+def test_checkpoints_command_without_checkpoints_says_so_in_one_line(tmp_path, capsys):
+    from jaxtrain import cli
+
+    (tmp_path / "run" / checkpoint_lib.CHECKPOINTS_DIR).mkdir(parents=True)
+    assert cli.main(["checkpoints", str(tmp_path / "run")]) == 0
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err == f"jaxtrain: {tmp_path / 'run' / 'checkpoints'} holds no checkpoint yet\n"
+    assert cli.main(["checkpoints", str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err == f"jaxtrain: error: {tmp_path / 'nothing'} does not exist; give the --run-dir of a training run\n"
+
+
 def test_unwritable_checkpoint_directory_is_one_line_error(tmp_path):
     # root ignores permission bits, so the directory is made impossible to create instead
     run_dir = tmp_path / "run"

@@ -87,6 +87,10 @@ def test_an_experiment_path_must_be_a_python_file(tmp_path):
         config_lib.load_experiment(str(data))
     with pytest.raises(UserError, match=r"is a directory; give an experiment .py file, or a name under experiments/: .*tiny"):
         config_lib.load_experiment(str(tmp_path))
+    broken = tmp_path / "broken.py"
+    broken.write_text("def config():\n    return Config(\n")
+    with pytest.raises(UserError, match=rf"^experiment file {broken} line 2: '\(' was never closed; fix the file$"):
+        config_lib.load_experiment(str(broken))
 
 
 @pytest.mark.parametrize("key, ours", [("optim.learning_rate", "optim.lr"), ("train.batch_size", "train.global_batch"),

@@ -187,6 +187,11 @@ def test_plot_two_runs(two_runs, tmp_path, monkeypatch):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     missing = run_cli("plot", str(tmp_path / "nothing"), cwd=tmp_path, timeout=120)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "metrics.jsonl does not exist" in missing.stderr
+    (tmp_path / "started").mkdir()
+    (tmp_path / "started" / "metrics.jsonl").write_text("")  # a run before its first logged step: no empty image
+    empty = run_cli("plot", str(tmp_path / "started"), cwd=tmp_path, timeout=120)
+    assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "metrics.jsonl holds no records yet" in empty.stderr
+    assert not (tmp_path / "started" / "metrics.png").exists()
     inside_a_file = run_cli("plot", *map(str, two_runs), "--out", str(out / "again.png"), cwd=tmp_path, timeout=120)
     assert inside_a_file.returncode == 2 and inside_a_file.stderr.count("\n") == 1, inside_a_file.stderr
     assert "both.png is a file, not a directory" in inside_a_file.stderr

@@ -39,9 +39,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.is_file():
         raise UserError(f"{path} does not exist; give run directories written by 'jaxtrain train'")
     try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except json.JSONDecodeError as e:
         raise UserError(f"{path} line {e.lineno} is not JSON ({e.msg}); the file is damaged") from None
+    if not records:
+        raise UserError(f"{path} holds no records yet; plot the run once it has logged a step (every log.every steps)")
+    return records
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
