@@ -228,6 +228,9 @@ def test_suggestions_fit_and_are_ranked_by_step_time():
     # the CPU compile less the estimated terms only that compile holds, so the two estimates' errors add up: 20%
     # (the GPU compiler's own figures: tests/test_plan_gpu.py, within 15% and within 7% at the measured H200 shapes)
     assert abs(compiled[0] / checked[0].total - 1) < 0.2
+    # written as the command line takes it
+    offload = plan_lib.Suggestion(cfg, {"optim.offload": True}, 2**30, {}, 1.0)
+    assert offload.describe(2**31).startswith("optim.offload=true: saves")
 
 
 @pytest.mark.parametrize("name,params", [("llama3_1b", 1_235_814_400), ("llama3_3b", 3_212_749_824),

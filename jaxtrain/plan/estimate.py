@@ -429,12 +429,17 @@ class Suggestion:
     host_s: float = 0.0  # optim.offload: the optimizer state's round trip over PCIe per step
 
     def describe(self, limit: int) -> str:
-        change = " and ".join(f"{k}={v}" for k, v in self.changes.items())
+        change = " and ".join(f"{k}={_as_typed(v)}" for k, v in self.changes.items())
         checked = "" if self.compiled is None else \
             f"; compiled {self.compiled / GIB:.1f} GiB: {'fits' if self.compiled <= limit else 'does NOT fit'}"
         host = f", costs {1e3 * self.host_s:.0f} ms/step of host transfer at PCIe bandwidth" if self.host_s else ""
         return (f"{change}: saves {self.saved / GIB:.1f} GiB per device{host}; {self.total / GIB:.1f} GiB of {limit / GIB:.1f} GiB "
                 f"usable, step time x{self.relative_step_time:.2f}{checked}")
+
+
+def _as_typed(value) -> str:
+    """A suggested value as the command line takes it: ``true``, not Python's ``True``."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = None, count: int = 5) -> list[Suggestion]:
@@ -781,7 +786,7 @@ def plot(plan: Plan, path: str) -> None:
     import matplotlib.pyplot as plt
 
     bars = [("plan (estimate)", plan.accelerator_estimate)] + [
-        (" & ".join(f"{k.split('.')[-1]}={v}" for k, v in s.changes.items()), s.breakdown) for s in plan.suggestions]
+        (" & ".join(f"{k.split('.')[-1]}={_as_typed(v)}" for k, v in s.changes.items()), s.breakdown) for s in plan.suggestions]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * (len(bars) + 1)), 5))
     items = list(plan.accelerator_estimate)
     for i, (_, breakdown) in enumerate(bars):
