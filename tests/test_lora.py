@@ -117,7 +117,8 @@ def test_qlora_trains_only_the_adapters_and_resumes_exactly(corpus, tmp_path):
     plain = make_layout(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, base_quant="none")))
     assert summary["params"] == plain.spec.num_params  # the model's parameters, not the packed 4-bit codes and scales
     assert summary["frozen_bytes_per_device"] == sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(straight.frozen))
-    assert f"of which {adapters:,} train (the LoRA adapters" in format_summary(summary)
+    assert f"of which {adapters:,} train (the LoRA adapters on q, k, v, o, gate, up, down, " in format_summary(summary)
+    assert summary["lora_targets"] == ["q", "k", "v", "o", "gate", "up", "down"]  # what model.lora.targets matched
 
     # resume from the checkpoint of step 2 (its base reloaded and checked): the same adapters and optimizer state, bit for bit
     resumed_dir = tmp_path / "resumed"

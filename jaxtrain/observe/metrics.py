@@ -133,6 +133,7 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "param_bytes_per_device": bytes_per_device(state.params),
         # a LoRA run: the parameters above are the adapters, which train; the frozen base's bytes apart
         "trained_params": sum(x.size for x in jax.tree.leaves(state.params)) if state.frozen is not None else None,
+        "lora_targets": cfg.model.lora.target_names() if cfg.model.lora.rank else None,  # as model.lora.targets matched them
         "frozen_bytes_per_device": bytes_per_device(state.frozen),
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
         "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": layout.tokens_per_step,
@@ -166,8 +167,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{s['layers']} layers" + (f"; experts' grouped matmul {s['grouped_matmul']}" if s.get("grouped_matmul") else ""),
         (f"  parameters {s['params']:,} ({s['params_per_device']:,} per device); per device: params "
          f"{s['param_bytes_per_device'] / GIB:.3g} GiB" if s.get("trained_params") is None else
-         f"  parameters {s['params']:,}, of which {s['trained_params']:,} train (the LoRA adapters, {s['params_per_device']:,} "
-         f"per device); per device: adapters {s['param_bytes_per_device'] / GIB:.3g} GiB, frozen base "
+         f"  parameters {s['params']:,}, of which {s['trained_params']:,} train (the LoRA adapters on {', '.join(s['lora_targets'])}, "
+         f"{s['params_per_device']:,} per device); per device: adapters {s['param_bytes_per_device'] / GIB:.3g} GiB, frozen base "
          f"{s['frozen_bytes_per_device'] / GIB:.3g} GiB") + f", optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB",
         f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "
         f"{s['microbatches']} micro-batch(es)"
