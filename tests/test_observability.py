@@ -220,13 +220,16 @@ def test_progress_is_one_line_on_a_terminal_and_log_lines_otherwise(stream):
     progress = Progress(total=20, initial=0, stream=stream)
     for step in (10, 20):
         progress.update(step, {"loss": 2.5, "tokens_per_s": 1234.0, "mfu": 0.125}, eta_s=90.0 if step == 10 else 0.0)
+    progress.evaluated(20, 2.25, 4096)
     progress.close()
     text = stream.getvalue()
-    if stream.isatty():
-        assert text.count("\n") == 1 and "\r" in text and "20/20" in text and "mfu=12.5%" in text
+    if stream.isatty():  # the evaluation a line of its own above the bar
+        assert text.count("\n") == 2 and "\r" in text and "20/20" in text and "mfu=12.5%" in text
+        assert "step 20/20 eval loss 2.25 over 4,096 tokens\n" in text
     else:
         assert text.splitlines() == ["step 10/20 loss 2.5 tok/s 1,234 mfu 12.5% eta 1m30s",
-                                     "step 20/20 loss 2.5 tok/s 1,234 mfu 12.5% eta 0m00s"]
+                                     "step 20/20 loss 2.5 tok/s 1,234 mfu 12.5% eta 0m00s",
+                                     "step 20/20 eval loss 2.25 over 4,096 tokens"]
 
 
 class _Poisoned:

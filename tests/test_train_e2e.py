@@ -28,6 +28,7 @@ def short_run(tmp_path_factory):
     run_dir = cwd / "run"
     result = run_cli("train", "tiny", "--run-dir", str(run_dir), *SHORT, "optim.lr=1e-3", cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
+    (cwd / "stderr.txt").write_text(result.stderr)
     return run_dir
 
 
@@ -50,6 +51,8 @@ def test_train_command_writes_config_and_metrics(short_run):
     assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in steps)
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [4] and 0 < evals[0]["eval_loss"] < 6
+    printed = (run_dir.parent / "stderr.txt").read_text()  # the evaluation on the console too
+    assert f"step 4/4 eval loss {evals[0]['eval_loss']:.4g} over {evals[0]['eval_tokens']:,} tokens\n" in printed
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     resolved = saved.pop("resolved")
     assert resolved["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1} and resolved["devices"] == 8

@@ -216,6 +216,9 @@ class Progress:
             fields = " ".join(f"{k} {v}" for k, v in shown.items())
             self.say(f"step {step}/{self.total} {fields} eta {_duration(eta_s)}")
 
+    def evaluated(self, step: int, loss: float, tokens: int) -> None:
+        self.say(f"step {step}/{self.total} eval loss {loss:.4g} over {tokens:,} tokens")
+
     def say(self, line: str) -> None:
         if self.bar is not None:
             self.bar.write(line, file=self.stream)
@@ -413,6 +416,8 @@ class MetricsLog:
             self.mlflow.log(scalars, step)
         if self.prometheus and "loss" in record and "tokens_per_s" in record:
             self.prometheus.record(record)
+        if self.progress and record.get("eval_loss") is not None:
+            self.progress.evaluated(step, record["eval_loss"], record["eval_tokens"])
 
     def checkpoint_saved(self, step: int) -> None:
         if self.prometheus:
