@@ -374,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--devices", type=_positive_int, help=_DEVICES_HELP)
     _add_process_flags(export)
     export.set_defaults(func=cmd_export_hf)
+    for command_parser in sub.choices.values():  # an unknown option is reported by its command: `jaxtrain train --help`
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extras = parser.parse_known_args(argv)
     unknown = [e for e in extras if e.startswith("-") or not hasattr(args, "overrides")]
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*getattr(args, "overrides", []), *extras]
     if args.func not in (cmd_train, cmd_generate, cmd_export_hf):  # theirs follows the mesh they run on
         simulate_cpu_devices(getattr(args, "devices", None))

@@ -154,6 +154,9 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
     # every check of --init-from (path, complete checkpoint, shapes) before the run directory is touched
     # a LoRA run: --init-from names the frozen base, loaded (and checked against the run's record) on every start
     base = lora_lib.run_base(layout, run_dir, init_from) if cfg.model.lora.rank else None
+    if base is not None and base.record["path"] is None and fresh:
+        _say(f"jaxtrain: note: no --init-from, so the LoRA adapters train on a base initialised from train.seed="
+             f"{base.record['seed']}, not on a trained model; give --init-from HF_DIR (or a run directory) to adapt one")
     initial = None if init_from is None or base is not None or not fresh else _init_from(layout, init_from, batches, params_only)
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -161,6 +164,9 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
     log = None
     try:  # from here on every exit closes the checkpoints (and the SIGTERM handler) and the metrics log
         state = checkpoints.restore_latest(layout.abstract_state(), batches.iterator)
+        if state is not None and init_from is not None and base is None:
+            _say(f"jaxtrain: note: --init-from {init_from} is not used: the run resumes from its own checkpoint "
+                 "(--init-from starts a run only while it has none)")
         if base is not None:
             state = base.start_state(layout) if state is None else state.replace(frozen=base.frozen)
         if state is not None and int(state.step) >= t.steps:  # a finished run started again: nothing to write

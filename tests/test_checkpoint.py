@@ -277,11 +277,15 @@ def test_resharded_run_continues_training(reference, tmp_path):
     assert rows[0]["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1} and rows[0]["rules"] == "fsdp_tp"
 
 
-def test_init_from_full_state_continues_the_same_run(reference, trainer, tmp_path):
+def test_init_from_full_state_continues_the_same_run(reference, trainer, tmp_path, capsys):
     ref_dir, cfg = reference
     run_dir = tmp_path / "new"
     train(cfg, run_dir, trainer, init_from=ref_dir / "checkpoints" / str(STEPS - 4))
     assert _losses(run_dir) == _losses(ref_dir)[STEPS - 4:]
+    capsys.readouterr()
+    train(cfg, run_dir, trainer, init_from=ref_dir / "checkpoints" / str(STEPS - 4))  # the same command again: its own checkpoint
+    assert f"jaxtrain: note: --init-from {ref_dir / 'checkpoints' / str(STEPS - 4)} is not used: the run resumes from its own " \
+        "checkpoint" in capsys.readouterr().err
     finished = tmp_path / "finished"  # a source already at train.steps: nothing would train, nothing is written
     with pytest.raises(UserError, match=rf"^--init-from {ref_dir} is at step {STEPS}, at or past train.steps={STEPS}, so nothing would "
                                         rf"train; raise train.steps above {STEPS}, or add --params-only"):

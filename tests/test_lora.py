@@ -93,12 +93,14 @@ def _tree_equal(a, b) -> bool:
         np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def test_qlora_trains_only_the_adapters_and_resumes_exactly(corpus, tmp_path):
+def test_qlora_trains_only_the_adapters_and_resumes_exactly(corpus, tmp_path, capsys):
     cfg = lora_config(base_quant="nf4", init_std=0.3)  # a base whose output the adapters can move (0.02 gives near-zero logits)
     trainer = build(cfg, corpus)
     base = lora_lib.load_base(trainer.layout, None)
     expected_frozen = jax.tree.map(np.asarray, base.frozen)
     straight = train(cfg, tmp_path / "straight", trainer)
+    assert "jaxtrain: note: no --init-from, so the LoRA adapters train on a base initialised from train.seed=0, not on a " \
+        "trained model" in capsys.readouterr().err
     assert _tree_equal(jax.tree.map(np.asarray, straight.frozen), expected_frozen)  # the base, bit for bit
     assert set(jax.tree.leaves(jax.tree_util.tree_map_with_path(lambda p, _: jax.tree_util.keystr(p).split("'")[-2], straight.params)))  \
         == {"a", "b"}  # only adapters are trained and have optimizer state
