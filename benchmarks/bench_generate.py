@@ -39,7 +39,7 @@ def random_model(cfg, devices=None):
     """A ``Loaded`` model with the config's random initial parameters, placed with its rule set."""
     from jaxtrain.generate import Loaded
     from jaxtrain.state import init_state
-    from jaxtrain.train import make_layout
+    from jaxtrain.layout import make_layout
 
     layout = make_layout(cfg, devices)
     params = init_state(cfg.model, layout.tx, cfg.train.seed, layout.shardings).params

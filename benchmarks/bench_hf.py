@@ -39,7 +39,7 @@ from safetensors.numpy import save_file
 from jaxtrain.config import AxisSizes, Config, MeshConfig
 from jaxtrain.interop import hf_export, hf_import
 from jaxtrain.interop.hf_weights import tensor_maps
-from jaxtrain.train import make_layout
+from jaxtrain.layout import make_layout
 from models.config import LlamaConfig
 from models.llama import Llama
 

@@ -9,7 +9,8 @@ from conftest import REPO, run_cli, small_config, with_
 
 from jaxtrain import compile_cache
 from jaxtrain.plan import estimate as plan_lib
-from jaxtrain.train import build, make_layout, train
+from jaxtrain.layout import make_layout
+from jaxtrain.train import build, train
 
 ARGS = ["train.steps=3", "log.every=1", "train.eval_batches=1", "train.global_batch=8", "data.seq_len=32",
         "model.num_layers=2", "model.d_model=64", "log.progress=false"]

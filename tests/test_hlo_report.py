@@ -12,7 +12,7 @@ from conftest import REPO, run_cli, small_config, with_
 
 from jaxtrain.plan import hlo_report
 from jaxtrain.plan import estimate as plan_lib
-from jaxtrain.train import make_layout
+from jaxtrain.layout import make_layout
 from models.config import MoEConfig, PipelineConfig
 
 
