@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--devices", type=_positive_int, help=_DEVICES_HELP)
     generate.set_defaults(func=cmd_generate)
     checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, committed, mesh/rules")
-    checkpoints.add_argument("run_dir", metavar="RUN_DIR")
+    checkpoints.add_argument("run_dir", metavar="RUN_DIR", help="a training run's directory (its --run-dir)")
     checkpoints.set_defaults(func=cmd_checkpoints)
     adapters = sub.add_parser("adapters", help="list the LoRA adapters in DIR (runs and PEFT directories) by base: base hash, "
                               "rank, targets, steps, last eval loss")

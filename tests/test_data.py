@@ -122,16 +122,16 @@ def test_a_split_leaving_one_side_empty_names_the_fraction_that_splits(tmp_path)
         with pytest.raises(UserError) as refused:
             check_split(keys, val_fraction, "data.path=docs", "documents")
         message = str(refused.value)
-        assert message.startswith(f"data: data.path=docs has 3 documents and data.val_fraction={val_fraction} puts ")
+        assert message.startswith(f"data: data.path=docs: 3 documents, and data.val_fraction={val_fraction} puts ")
         fraction = float(re.search(r"; data.val_fraction=([0-9.e-]+) splits them", message).group(1))
         validation = [is_validation_file(k, fraction) for k in keys]
         assert any(validation) and not all(validation)
         check_split(keys, fraction, "data.path=docs", "documents")  # the named fraction passes
-    with pytest.raises(UserError, match=r"has 1 examples .* a train/validation split needs at least 2, so add examples$"):
+    with pytest.raises(UserError, match=r"few.jsonl: 1 example, .* a train/validation split needs at least 2, so add examples$"):
         check_split(["few.jsonl#1"], 0.5, "few.jsonl", "examples")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "only.txt").write_text("one document")
-    with pytest.raises(UserError, match=r"^data: .* has 1 documents and data.val_fraction=0.1 puts none of them in validation"):
+    with pytest.raises(UserError, match=r"^data: text files under .*docs: 1 document, and data.val_fraction=0.1 puts none of them in validation"):
         load_corpus(DataConfig(path=str(tmp_path / "docs"), val_fraction=0.1))
 
 

@@ -296,7 +296,7 @@ def test_generate_chat_from_a_hugging_face_model_equals_transformers(data, tmp_p
     ("too_long", r"long.jsonl:1: the example is \d+ tokens, longer than data.seq_len \+ 1 = 17"),
     ("answers_cut", (r"cut.jsonl: the \d+ train examples keep no answer token once data.truncate=true cut each to data.seq_len \+ 1 = "
                      r"17 tokens; raise data.seq_len so the answers fit$")),
-    ("too_few", r"few.jsonl has 2 examples and data.val_fraction=0.02 puts none of them in validation; data.val_fraction=0.\d+ splits them"),
+    ("too_few", r"few.jsonl: 2 examples, and data.val_fraction=0.02 puts none of them in validation; data.val_fraction=0.\d+ splits them"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path, capsys):
     tok_dir, path = data

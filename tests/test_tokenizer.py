@@ -283,3 +283,11 @@ def test_a_vocabulary_the_text_cannot_fill_is_said(tmp_path, capsys):
     printed = capsys.readouterr().err
     size = load_tokenizer(tmp_path / "tok").vocab_size
     assert size < 70000 and f"vocabulary {size} (of the 70000 asked for: the text has no more pairs to merge)" in printed
+
+
+def test_a_file_named_twice_is_tokenized_once(trained, texts, tmp_path, capsys):
+    first = sorted(texts.iterdir())[0]
+    once, twice = tmp_path / "once.bin", tmp_path / "twice.bin"
+    assert jaxtrain(capsys, "tokenize", str(texts), "--tokenizer", str(trained), "--out", str(once))[0] == 0
+    assert jaxtrain(capsys, "tokenize", str(texts), str(first), "--tokenizer", str(trained), "--out", str(twice))[0] == 0
+    assert once.read_bytes() == twice.read_bytes()

@@ -52,7 +52,8 @@ def check_split(keys: list[str], val_fraction: float, what: str, items: str) -> 
     if 0 < validation < len(keys):
         return
     buckets = sorted(_bucket(k) for k in keys)
-    problem = f"data: {what} has {len(keys)} {items} and data.val_fraction={val_fraction} puts " + \
+    counted = f"1 {items[:-1]}" if len(keys) == 1 else f"{len(keys)} {items}"  # items: a plural noun
+    problem = f"data: {what}: {counted}, and data.val_fraction={val_fraction} puts " + \
         ("none of them in validation" if not validation else "all of them in validation")
     if buckets[0] == buckets[-1]:  # one key (or keys that hash alike): no fraction splits them
         raise UserError(f"{problem}; a train/validation split needs at least 2, so add {items}")
@@ -74,7 +75,12 @@ def input_files(inputs: Iterable[str]) -> list[tuple[Path, Path]]:
             raise UserError(f"input {name} does not exist; give text files, .jsonl files or directories of them")
     if not found:
         raise UserError(f"inputs {' '.join(names)} hold no files (hidden ones are skipped); give text files, .jsonl files or directories of them")
-    return found
+    unique, seen = [], set()
+    for root, file in found:  # a file named twice (itself and through its directory) is one source, not two
+        if file.resolve() not in seen:
+            seen.add(file.resolve())
+            unique.append((root, file))
+    return unique
 
 
 def _jsonl_documents(path: Path, key: str) -> Iterator[Document]:
