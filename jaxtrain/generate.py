@@ -27,7 +27,7 @@ from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.config import Config, MeshConfig, SamplingConfig
 from jaxtrain.data.sft import ChatTemplate
 from jaxtrain.data import token_file
-from jaxtrain.data.token_file import TOKEN_FILE_SUFFIXES
+from jaxtrain.data.documents import TOKEN_FILE_SUFFIXES
 from jaxtrain.data.tokenizer import TOKENIZER_FILE, RawBytes, TextTokenizer, load_tokenizer
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import, hf_weights

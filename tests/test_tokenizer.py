@@ -210,13 +210,17 @@ def bad_inputs(trained, texts):
     """Files the bad-input cases point at: a token file, a second tokenizer, a JSONL line without text."""
     where = texts.parent
     (where / "notext.jsonl").write_text('{"text": "fine"}\n{"body": "no text here"}\n')
+    (where / "latin1").mkdir()
+    (where / "latin1" / "a.txt").write_bytes("déjà vu\n".encode("latin-1"))  # not UTF-8: replaced silently, it would train on U+FFFD
+    (where / "latin1.jsonl").write_bytes('{"text": "fine"}\n'.encode() + '{"text": "déjà vu"}\n'.encode("latin-1"))
     # few distinct tokens: the vocabulary checks must count the tokenizer's ids, not the ones the text happens to use
     (where / "few.jsonl").write_text("".join(json.dumps({"text": f"a b {i}"}) + "\n" for i in range(40)))
     tokens = where / "tokens.bin"
     assert cli.main(["tokenize", str(where / "few.jsonl"), "--tokenizer", str(trained), "--out", str(tokens)]) == 0
     other = where / "other_tokenizer"
     assert cli.main(["train-tokenizer", str(sorted(texts.iterdir())[0]), "--vocab-size", "300", "--out", str(other)]) == 0
-    return {"tokens": tokens, "tokenizer": trained, "other": other, "texts": texts, "notext": where / "notext.jsonl", "few": where / "few.jsonl"}
+    return {"tokens": tokens, "tokenizer": trained, "other": other, "texts": texts, "notext": where / "notext.jsonl", "few": where / "few.jsonl",
+            "latin1": where / "latin1", "latin1_jsonl": where / "latin1.jsonl"}
 
 
 TRAIN_ERRORS = {
@@ -229,6 +233,7 @@ TRAIN_ERRORS = {
         lambda p: [f"data.path={p['tokens']}", f"data.tokenizer={p['other']}"], "was made with tokenizer"),
     "missing tokenizer path": (lambda p: ["data.tokenizer=/no/such/tokenizer"], "tokenizer /no/such/tokenizer not found"),
     "JSONL without text": (lambda p: [f"data.path={p['notext']}"], "notext.jsonl:2 has no string 'text' field (keys body)"),
+    "text that is not UTF-8": (lambda p: [f"data.path={p['latin1']}"], "latin1/a.txt is not UTF-8 text (byte 0xe9 at offset 1); convert it"),
 }
 
 
@@ -252,6 +257,17 @@ COMMAND_ERRORS = {
     "train a tokenizer on a JSONL without text": (
         lambda p, out: ["train-tokenizer", str(p["notext"]), "--vocab-size", "300", "--out", str(out / "tok")],
         "notext.jsonl:2 has no string 'text' field"),
+    "tokenize a text file that is not UTF-8": (
+        lambda p, out: ["tokenize", str(p["latin1"]), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
+        "latin1/a.txt is not UTF-8 text (byte 0xe9 at offset 1); convert it (iconv -f ITS_ENCODING -t UTF-8) or leave it out"),
+    "tokenize a JSONL line that is not UTF-8": (
+        lambda p, out: ["tokenize", str(p["latin1_jsonl"]), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
+        "latin1.jsonl:2 is not UTF-8 text (byte 0xe9 at offset 11)"),
+    "train a tokenizer on text that is not UTF-8": (
+        lambda p, out: ["train-tokenizer", str(p["latin1"]), "--vocab-size", "300", "--out", str(out / "tok")],
+        "latin1/a.txt is not UTF-8 text"),
+    "tokenize a token file": (lambda p, out: ["tokenize", str(p["tokens"]), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
+                              "tokens.bin is a token file (.bin), not text: train on it with data.path=/"),
     "tokenize an empty directory": (lambda p, out: ["tokenize", str(out), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
                                     "hold no files (hidden ones are skipped)"),
     "tokenize over an existing token file": (lambda p, out: ["tokenize", str(p["texts"]), "--tokenizer", str(p["tokenizer"]), "--out", str(p["tokens"])],

@@ -14,6 +14,7 @@ from jaxtrain.errors import UserError
 
 SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
 JSONL_SUFFIX = ".jsonl"
+TOKEN_FILE_SUFFIXES = (".npy", ".bin")  # token ids (data/token_file.py), never text
 BATCH_BYTES = 4 << 20  # text per encoding batch: enough documents to keep every core busy, bounded memory
 
 
@@ -83,11 +84,21 @@ def input_files(inputs: Iterable[str]) -> list[tuple[Path, Path]]:
     return unique
 
 
+def _check_utf8(data: bytes, where: str) -> None:
+    """A UserError naming the first byte of ``data`` that is not UTF-8: the tokenizer would replace it silently."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{where} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); convert it "
+                        "(iconv -f ITS_ENCODING -t UTF-8) or leave it out") from None
+
+
 def _jsonl_documents(path: Path, key: str) -> Iterator[Document]:
     with path.open("rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            _check_utf8(line, f"{path}:{number}")
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -106,8 +117,12 @@ def documents(files: Iterable[tuple[Path, Path]]) -> Iterator[Document]:
         key = path.relative_to(root).as_posix()
         if path.suffix == JSONL_SUFFIX:
             yield from _jsonl_documents(path, key)
+        elif path.suffix in TOKEN_FILE_SUFFIXES:
+            raise UserError(f"{path} is a token file ({path.suffix}), not text: train on it with data.path={path}, "
+                            "or leave it out of the text inputs")
         else:
             text = path.read_bytes()
+            _check_utf8(text, str(path))
             yield Document(key, text, len(text))
 
 

@@ -18,11 +18,10 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtrain.atomic import atomic_file
-from jaxtrain.data.documents import batches, documents, input_files
+from jaxtrain.data.documents import TOKEN_FILE_SUFFIXES, batches, documents, input_files
 from jaxtrain.data.tokenizer import TextTokenizer, load_tokenizer, token_dtype
 from jaxtrain.errors import UserError
 
-TOKEN_FILE_SUFFIXES = (".npy", ".bin")
 RAW_BIN_DTYPE = np.dtype("<u2")  # a .bin without a sidecar (nanoGPT's convention)
 SIDECAR_FORMAT = "jaxtrain-tokens-1"
 NPY_MAGIC = b"\x93NUMPY"  # how every .npy file starts (numpy.lib.format)
