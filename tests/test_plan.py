@@ -2,6 +2,7 @@
 experiment files' public Llama shapes."""
 
 import json
+import re
 
 import pytest
 from conftest import REPO, run_cli, small_config, with_
@@ -298,3 +299,14 @@ def test_the_plan_names_mesh_axes_whose_devices_repeat_each_others_work():
     assert repeated.to_json()["idle_axes"] == {"tensor": 2} and plan_lib.render(repeated).splitlines()[1].startswith(note)
     split = plan_lib.make_plan(small_config("dp", (4, 2, 1)))
     assert split.to_json()["idle_axes"] == {} and "note: mesh axis" not in plan_lib.render(split)
+
+
+def test_a_small_models_plan_reads_in_units_that_show_it():
+    """A model of a few MiB on an H100: its plan read "0.00 GiB" down the table and "0.00 s" for the step."""
+    plan = plan_lib.make_plan(small_config(), gpu="h100")
+    text = plan_lib.render(plan)
+    assert plan.compiled.total < 2**30 and "0.00 GiB" not in text and "0.0 GiB" not in text and "0.00 s" not in text
+    total = next(line for line in text.splitlines() if line.startswith("total"))
+    assert total.split()[1:3] == [f"{plan.estimate_total / 2**20:.2f}", "MiB"], total
+    assert re.search(r"^estimated step time: [\d.]+ (µs|ms) on h100 \(compute [\d.]+ (µs|ms) ", text, re.M), text
+    assert re.search(r"^  optim.offload=true: saves [\d.]+ (KiB|MiB) per device, step time x[\d.]+, [\d.]+ µs/step of host", text, re.M), text

@@ -39,13 +39,14 @@ from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
 from jaxtrain.stages import pipelined_variants, schedule, stage_memory
 from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.memory.offload import HOST, offloads_master_weights
-from jaxtrain.plan.step_cost import StepTime, embedding_gradient_by_columns, step_time
+from jaxtrain.plan.step_cost import StepTime, duration, embedding_gradient_by_columns, step_time
 from jaxtrain.layout import Layout, idle_axes_note, lower_steps, make_layout, peak_bytes
 from models.attention import scored_fraction
 from models.pipeline import STAGES
 from models.config import REMAT_POLICIES
 
 GIB = 2**30
+MIB = 2**20
 DEFAULT_HEADROOM = 0.10  # share of device memory kept free for the CUDA context, NCCL buffers, fragmentation
 RULE_SETS = ("dp", "fsdp", "tp", "fsdp_tp", "zero1", "zero2")
 ACCELERATOR = "gpu"  # the platform plans are for, whatever the step was compiled on
@@ -431,9 +432,9 @@ class Suggestion:
     def describe(self, limit: int) -> str:
         change = " and ".join(f"{k}={_as_typed(v)}" for k, v in self.changes.items())
         checked = "" if self.compiled is None else \
-            f"; compiled {self.compiled / GIB:.1f} GiB: {'fits' if self.compiled <= limit else 'does NOT fit'}"
-        host = f", costs {1e3 * self.host_s:.0f} ms/step of host transfer at PCIe bandwidth" if self.host_s else ""
-        return (f"{change}: saves {self.saved / GIB:.1f} GiB per device{host}; {self.total / GIB:.1f} GiB of {limit / GIB:.1f} GiB "
+            f"; compiled {_size(self.compiled)}: {'fits' if self.compiled <= limit else 'does NOT fit'}"
+        host = f", costs {duration(self.host_s)}/step of host transfer at PCIe bandwidth" if self.host_s else ""
+        return (f"{change}: saves {_size(self.saved)} per device{host}; {_size(self.total)} of {_size(limit)} "
                 f"usable, step time x{self.relative_step_time:.2f}{checked}")
 
 
@@ -483,9 +484,9 @@ class Technique:
     host_s: float
 
     def describe(self) -> str:
-        host = f", {1e3 * self.host_s:.0f} ms/step of host transfer at PCIe bandwidth" if self.host_s else ""
-        effect = f"saves {self.saved / GIB:.2f}" if self.saved >= 0 else f"adds {-self.saved / GIB:.2f}"  # e.g. zero1 over FSDP
-        return f"{self.change}: {effect} GiB per device, step time x{self.relative_step_time:.2f}{host}"
+        host = f", {duration(self.host_s)}/step of host transfer at PCIe bandwidth" if self.host_s else ""
+        effect = f"saves {_size(self.saved)}" if self.saved >= 0 else f"adds {_size(-self.saved)}"  # e.g. zero1 over FSDP
+        return f"{self.change}: {effect} per device, step time x{self.relative_step_time:.2f}{host}"
 
 
 def technique_effects(layout: Layout, gpu: str | None = None) -> list[Technique]:
@@ -661,10 +662,12 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
 
 
 def render(plan: Plan) -> str:
-    def gib(n):
-        return f"{n / GIB:8.2f} GiB"
-
     c, cfg = plan.compiled, plan.cfg
+    scale, unit = (GIB, "GiB") if c.total >= GIB else (MIB, "MiB")  # one unit down the table: a tiny model's is not all 0.00 GiB
+
+    def gib(n):
+        return f"{n / scale:8.2f} {unit}"
+
     mesh = describe_axes(plan.mesh)
     moe = cfg.model.moe
     grouped = f"experts' grouped matmul {moe.grouped_matmul}, " if moe.num_experts and moe.dispatch == "dropless" else ""
@@ -689,28 +692,28 @@ def render(plan: Plan) -> str:
     if c.platform == "cpu":
         only_cpu = "float32 copies of saved stacks, extra score and table copies" + (
             ", XLA attention's scores" if c.attention != cfg.model.attention else "")
-        lines.append(f"on the accelerator: {plan.accelerator_total / GIB:.2f} GiB, the compiled total less an estimated "
-                     f"{(c.total - plan.accelerator_total) / GIB:.2f} GiB that only the CPU compile holds ({only_cpu})")
+        lines.append(f"on the accelerator: {_size(plan.accelerator_total)}, the compiled total less an estimated "
+                     f"{_size(c.total - plan.accelerator_total)} that only the CPU compile holds ({only_cpu})")
     if plan.per_stage is not None:
         lines.append("per pipeline stage, estimate on the accelerator (every stage alike: each also holds the embedding and output layer): "
-                     + ", ".join(f"{key} {value / GIB:.2f} GiB" for key, value in plan.per_stage.items()))
+                     + ", ".join(f"{key} {_size(value)}" for key, value in plan.per_stage.items()))
     lines.append("")
     if plan.usable is None:
         lines.append("verdict: no device memory given (--gpu NAME or --device-memory GiB)")
     else:
         verdict = "fits" if plan.fits else "DOES NOT FIT"
-        lines.append(f"verdict: {verdict}: {plan.accelerator_total / GIB:.1f} GiB of {plan.usable / GIB:.1f} GiB usable "
-                     f"({plan.device_memory / GIB:.1f} GiB, {plan.usable_because})")
+        lines.append(f"verdict: {verdict}: {_size(plan.accelerator_total)} of {_size(plan.usable)} usable "
+                     f"({_size(plan.device_memory)}, {plan.usable_because})")
         with_headroom = plan.device_memory * (1 - plan.headroom)
         if not plan.fits and plan.accelerator_total <= with_headroom:  # only the allocator's pool is too small
-            lines.append(f"  0. a larger allocator pool: {plan.accelerator_total / GIB:.1f} GiB fits in {with_headroom / GIB:.1f} GiB "
+            lines.append(f"  0. a larger allocator pool: {_size(plan.accelerator_total)} fits in {_size(with_headroom)} "
                          f"with {xla_env.MEMORY_FRACTION_NAMES[0]}={1 - plan.headroom:.2f} or more, or with it unset (jaxtrain then sets "
                          f"{xla_env.MEMORY_FRACTION}); the same step time")
     for i, s in enumerate(plan.suggestions, 1):
         lines.append(f"  {i}. {s.describe(plan.usable)}")
     own = estimate_total(plan.accelerator_estimate)
     if plan.usable is not None and not plan.fits and not plan.suggestions and own <= plan.usable:
-        lines.append(f"  the estimate for the GPU ({own / GIB:.1f} GiB) fits, the compiled figure does not"
+        lines.append(f"  the estimate for the GPU ({_size(own)}) fits, the compiled figure does not"
                      + ("; with jax's CUDA plugin the plan compiles for the GPU itself (docs/PLANNER.md)" if c.platform == "cpu" else ""))
     elif plan.usable is not None and not plan.fits and not plan.suggestions:
         lines.append("  no rule set, remat policy or micro-batch count fits by the estimate: use more devices or a mesh with more fsdp/tensor ways")
@@ -730,7 +733,10 @@ def render(plan: Plan) -> str:
 
 
 def _size(n: float) -> str:
-    return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.3g} MiB"
+    """Bytes in the unit that shows them: GiB from 0.1 GiB, MiB from 0.1 MiB, KiB below (a tiny model's plan)."""
+    if abs(n) >= GIB / 10:
+        return f"{n / GIB:,.1f} GiB"
+    return f"{n / MIB:.3g} MiB" if abs(n) >= MIB / 10 else f"{n / 2**10:.3g} KiB"
 
 
 def render_hlo(plan: Plan) -> list[str]:

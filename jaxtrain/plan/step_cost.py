@@ -153,12 +153,20 @@ class StepTime:
                 + max(0.0, overlapped - self.compute_s))
 
     def describe(self) -> str:
-        parts = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in self.communication_s.items() if seconds >= 0.005)
-        host = f"; host transfer {1e3 * self.host_s:.0f} ms" if self.host_s else ""
-        after = f" but the {1e3 * self.after_backward_s:.0f} ms of gradient sums after the backward" if self.after_backward_s >= 0.0005 else ""
-        return (f"{self.total_s:.2f} s on {self.gpu} (compute {self.compute_s:.2f} s at {100 * ASSUMED_MFU:.0f}% MFU"
+        shown = 1e-3 * self.total_s  # under a thousandth of the step is noise
+        parts = ", ".join(f"{kind} {duration(seconds)}" for kind, seconds in self.communication_s.items() if seconds >= shown)
+        host = f"; host transfer {duration(self.host_s)}" if self.host_s else ""
+        after = f" but the {duration(self.after_backward_s)} of gradient sums after the backward" if self.after_backward_s >= shown else ""
+        return (f"{duration(self.total_s)} on {self.gpu} (compute {duration(self.compute_s)} at {100 * ASSUMED_MFU:.0f}% MFU"
                 + (f"; communication {parts}, fsdp and data overlapped with compute{after}" if parts else "") + host
                 + (f"; gradients summed in {self.gradients}" if self.gradients else "") + ")")
+
+
+def duration(seconds: float) -> str:
+    """Seconds in the unit that shows them: s from 0.1 s, ms from 1 ms, µs below (a tiny model's plan)."""
+    if seconds >= 0.1:
+        return f"{seconds:,.2f} s"
+    return f"{1e3 * seconds:.3g} ms" if seconds >= 1e-3 else f"{1e6 * seconds:.3g} µs"
 
 
 def embedding_gradient_by_columns(layout: Layout) -> bool:
