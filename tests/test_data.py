@@ -94,14 +94,16 @@ def _bad_token_files(tmp_path):
         "truncated.npy": (good.read_bytes()[:-40], "(numpy.save): mmap length is greater than file size"),
         "header_only.npy": (good.read_bytes()[:20], "(numpy.save): EOF: reading array header, expected"),
         "odd.bin": (b"abc", "is not raw little-endian uint16 tokens: Size of available data is not a multiple of the data-type size"),
-        "empty.bin": (b"", "is not raw little-endian uint16 tokens: cannot mmap an empty file"),
+        "empty.bin": (b"", ": the token file holds 0 tokens; give data.path a token file made from text that holds documents"),
     }
     for name, (body, _) in cases.items():
         (tmp_path / name).write_bytes(body)
     np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     cases["objects.npy"] = (None, "(numpy.save): Array can't be memory-mapped: Python objects in dtype")
     np.save(tmp_path / "floats.npy", np.ones(10, np.float32))
-    cases["floats.npy"] = (None, "expected a non-empty 1-D integer token array, got shape (10,) dtype float32")
+    cases["floats.npy"] = (None, "expected a 1-D integer token array, got shape (10,) dtype float32")
+    np.save(tmp_path / "empty.npy", np.zeros(0, np.int32))
+    cases["empty.npy"] = (None, ": the token file holds 0 tokens")
     np.save(tmp_path / "negative.npy", np.arange(-5, 95, dtype=np.int32))  # the embedding lookup would wrap them silently
     cases["negative.npy"] = (None, "holds negative token ids (the least is -5)")
     return {tmp_path / name: message for name, (_, message) in cases.items()}
@@ -129,10 +131,18 @@ def test_a_split_leaving_one_side_empty_names_the_fraction_that_splits(tmp_path)
         check_split(keys, fraction, "data.path=docs", "documents")  # the named fraction passes
     with pytest.raises(UserError, match=r"few.jsonl: 1 example, .* a train/validation split needs at least 2, so add examples$"):
         check_split(["few.jsonl#1"], 0.5, "few.jsonl", "examples")
+    with pytest.raises(UserError, match=r"^data: none.jsonl: no examples; a train/validation split needs at least 2, so add examples or give "
+                                        r"another data.path$"):
+        check_split([], 0.5, "none.jsonl", "examples")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "only.txt").write_text("one document")
     with pytest.raises(UserError, match=r"^data: text files under .*docs: 1 document, and data.val_fraction=0.1 puts none of them in validation"):
         load_corpus(DataConfig(path=str(tmp_path / "docs"), val_fraction=0.1))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "blank.jsonl").write_text("\n \n")
+    for empty in ("empty", "blank.jsonl"):  # a directory without files, a JSONL file of blank lines: no documents
+        with pytest.raises(UserError, match=rf"^data: .*{empty}: no documents; a train/validation split needs at least 2"):
+            load_corpus(DataConfig(path=str(tmp_path / empty)))
 
 
 def test_a_validation_split_short_of_one_batch_names_data_val_fraction(tmp_path):

@@ -297,6 +297,7 @@ def test_generate_chat_from_a_hugging_face_model_equals_transformers(data, tmp_p
     ("answers_cut", (r"cut.jsonl: the \d+ train examples keep no answer token once data.truncate=true cut each to data.seq_len \+ 1 = "
                      r"17 tokens; raise data.seq_len so the answers fit$")),
     ("too_few", r"few.jsonl: 2 examples, and data.val_fraction=0.02 puts none of them in validation; data.val_fraction=0.\d+ splits them"),
+    ("empty", r"blank.jsonl: no examples; a train/validation split needs at least 2, so add examples or give another data.path$"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path, capsys):
     tok_dir, path = data
@@ -306,6 +307,9 @@ def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path,
         path = _jsonl(tmp_path / "cut.jsonl", [{"prompt": f"{i} " + " ".join(WORDS), "completion": "alpha"} for i in range(200)])
     elif case == "too_few":
         path = _jsonl(tmp_path / "few.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}])
+    elif case == "empty":
+        path = tmp_path / "blank.jsonl"
+        path.write_text("\n\n")
     elif case == "bad_line":
         path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": "b"}, {"text": "c"}])
     else:

@@ -215,12 +215,13 @@ def bad_inputs(trained, texts):
     (where / "latin1.jsonl").write_bytes('{"text": "fine"}\n'.encode() + '{"text": "déjà vu"}\n'.encode("latin-1"))
     # few distinct tokens: the vocabulary checks must count the tokenizer's ids, not the ones the text happens to use
     (where / "few.jsonl").write_text("".join(json.dumps({"text": f"a b {i}"}) + "\n" for i in range(40)))
+    (where / "blank.jsonl").write_text("\n \n")  # no documents
     tokens = where / "tokens.bin"
     assert cli.main(["tokenize", str(where / "few.jsonl"), "--tokenizer", str(trained), "--out", str(tokens)]) == 0
     other = where / "other_tokenizer"
     assert cli.main(["train-tokenizer", str(sorted(texts.iterdir())[0]), "--vocab-size", "300", "--out", str(other)]) == 0
     return {"tokens": tokens, "tokenizer": trained, "other": other, "texts": texts, "notext": where / "notext.jsonl", "few": where / "few.jsonl",
-            "latin1": where / "latin1", "latin1_jsonl": where / "latin1.jsonl"}
+            "latin1": where / "latin1", "latin1_jsonl": where / "latin1.jsonl", "blank": where / "blank.jsonl"}
 
 
 TRAIN_ERRORS = {
@@ -234,6 +235,7 @@ TRAIN_ERRORS = {
     "missing tokenizer path": (lambda p: ["data.tokenizer=/no/such/tokenizer"], "tokenizer /no/such/tokenizer not found"),
     "JSONL without text": (lambda p: [f"data.path={p['notext']}"], "notext.jsonl:2 has no string 'text' field (keys body)"),
     "text that is not UTF-8": (lambda p: [f"data.path={p['latin1']}"], "latin1/a.txt is not UTF-8 text (byte 0xe9 at offset 1); convert it"),
+    "JSONL of blank lines": (lambda p: [f"data.path={p['blank']}"], "blank.jsonl: no documents; a train/validation split needs at least 2"),
 }
 
 
@@ -270,6 +272,11 @@ COMMAND_ERRORS = {
                               "tokens.bin is a token file (.bin), not text: train on it with data.path=/"),
     "tokenize an empty directory": (lambda p, out: ["tokenize", str(out), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
                                     "hold no files (hidden ones are skipped)"),
+    "tokenize a JSONL of blank lines": (lambda p, out: ["tokenize", str(p["blank"]), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "new" / "t.bin")],
+                                        "blank.jsonl hold no documents (blank .jsonl lines are skipped)"),
+    "train a tokenizer on a JSONL of blank lines": (
+        lambda p, out: ["train-tokenizer", str(p["blank"]), "--vocab-size", "300", "--out", str(out / "tok")],
+        "blank.jsonl hold no documents (blank .jsonl lines are skipped)"),
     "tokenize over an existing token file": (lambda p, out: ["tokenize", str(p["texts"]), "--tokenizer", str(p["tokenizer"]), "--out", str(p["tokens"])],
                                              "already exists (or its sidecar does); give a new path"),
     "tokenize into a path under a file": (lambda p, out: ["tokenize", str(p["texts"]), "--tokenizer", str(p["tokenizer"]), "--out",

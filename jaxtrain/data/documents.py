@@ -4,6 +4,7 @@ every machine has. No jax here: the tokenizer commands start without it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sysconfig
 import zlib
@@ -49,6 +50,8 @@ def is_validation_file(relative: str, val_fraction: float) -> bool:
 def check_split(keys: list[str], val_fraction: float, what: str, items: str) -> None:
     """A UserError when ``data.val_fraction`` leaves the train or the validation side of ``keys`` (``what``'s
     ``items``) empty, naming a fraction that splits them."""
+    if not keys:
+        raise UserError(f"data: {what}: no {items}; a train/validation split needs at least 2, so add {items} or give another data.path")
     validation = sum(is_validation_file(k, val_fraction) for k in keys)
     if 0 < validation < len(keys):
         return
@@ -82,6 +85,19 @@ def input_files(inputs: Iterable[str]) -> list[tuple[Path, Path]]:
             seen.add(file.resolve())
             unique.append((root, file))
     return unique
+
+
+def input_documents(inputs: Iterable[str]) -> tuple[list[tuple[Path, Path]], Iterator[Document]]:
+    """The files of ``inputs`` (input_files) and their documents; a UserError, before anything is written, where
+    they hold none (.jsonl files of blank lines)."""
+    names = list(inputs)
+    files = input_files(names)
+    docs = documents(files)
+    first = next(docs, None)
+    if first is None:
+        raise UserError(f"inputs {' '.join(names)} hold no documents (blank .jsonl lines are skipped); give text files, "
+                        ".jsonl files with a JSON object a line, or directories of them")
+    return files, itertools.chain([first], docs)
 
 
 def _check_utf8(data: bytes, where: str) -> None:

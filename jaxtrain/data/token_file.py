@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtrain.atomic import atomic_file
-from jaxtrain.data.documents import TOKEN_FILE_SUFFIXES, batches, documents, input_files
+from jaxtrain.data.documents import TOKEN_FILE_SUFFIXES, batches, input_documents
 from jaxtrain.data.tokenizer import TextTokenizer, load_tokenizer, token_dtype
 from jaxtrain.errors import UserError
 
@@ -48,7 +48,7 @@ def write_token_file(inputs: Iterable[str], tokenizer_path: str, out: str | Path
         raise UserError(f"--out {out} already exists (or its sidecar does); give a new path, or remove them first: "
                         "tokenize never overwrites a token file, which a run may be training on")
     tokenizer = load_tokenizer(tokenizer_path)
-    files = input_files(inputs)
+    files, source = input_documents(inputs)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)  # as plot --out does; the files themselves appear only when complete
     except OSError as e:
@@ -58,7 +58,7 @@ def write_token_file(inputs: Iterable[str], tokenizer_path: str, out: str | Path
     with atomic_file(out, "token file") as f, \
             tqdm(total=sum(path.stat().st_size for _, path in files), unit="B", unit_scale=True, desc="tokenize",
                  disable=None, file=sys.stderr) as progress:  # shown only on a terminal
-        for batch in batches(documents(files)):
+        for batch in batches(source):
             tokens = tokenizer.encode([doc.text for doc in batch])
             f.write(tokens.data)  # already of the file's dtype
             count, docs = count + len(tokens), docs + len(batch)
@@ -114,13 +114,17 @@ def read_token_file(path: Path, tokenizer: TextTokenizer | None) -> TokenFile:
                 if f.read(len(NPY_MAGIC)) != NPY_MAGIC:  # else np.load would try to unpickle it
                     raise ValueError("no .npy header")
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        elif path.stat().st_size == 0:  # which np.memmap cannot map
+            tokens = np.zeros(0, dtype)
         else:
             tokens = np.memmap(path, dtype=dtype, mode="r")
     except (ValueError, OSError) as e:  # truncated, odd byte count, empty, object dtype, unreadable
         reason = (e.strerror if isinstance(e, OSError) else None) or str(e).split(". ")[0]
         raise UserError(f"data.path={path} is not {expected}: {reason}") from None
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or len(tokens) == 0:
-        raise UserError(f"data.path={path}: expected a non-empty 1-D integer token array, got shape {tokens.shape} dtype {tokens.dtype}")
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise UserError(f"data.path={path}: expected a 1-D integer token array, got shape {tokens.shape} dtype {tokens.dtype}")
+    if len(tokens) == 0:
+        raise UserError(f"data.path={path}: the token file holds 0 tokens; give data.path a token file made from text that holds documents")
     if np.issubdtype(tokens.dtype, np.signedinteger) and (least := int(tokens.min())) < 0:  # the lookup would wrap them
         raise UserError(f"data.path={path} holds negative token ids (the least is {least}); token ids run from 0 to the "
                         "vocabulary size - 1: fix the file")

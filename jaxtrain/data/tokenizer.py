@@ -19,7 +19,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from jaxtrain.atomic import atomic_dir
-from jaxtrain.data.documents import documents, input_files
+from jaxtrain.data.documents import input_documents
 from jaxtrain.errors import UserError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -132,7 +132,7 @@ def train_tokenizer(inputs: Iterable[str], vocab_size: int, out: str | Path) -> 
     if vocab_size < len(alphabet) + 1:
         raise UserError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs the {len(alphabet)} bytes "
                         f"and {END_OF_TEXT}, at least {len(alphabet) + 1}")
-    files = input_files(inputs)
+    _, docs = input_documents(inputs)
     with atomic_dir(Path(out), "tokenizer directory") as temp:
         bpe = tokenizers.Tokenizer(models.BPE())
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -140,7 +140,7 @@ def train_tokenizer(inputs: Iterable[str], vocab_size: int, out: str | Path) -> 
         bpe.post_processor = processors.ByteLevel(trim_offsets=False)
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], initial_alphabet=alphabet,
                                       show_progress=sys.stderr.isatty())
-        bpe.train_from_iterator((doc.text.decode("utf-8", "replace") for doc in documents(files)), trainer)
+        bpe.train_from_iterator((doc.text.decode("utf-8", "replace") for doc in docs), trainer)
         bpe.save(str(temp / TOKENIZER_FILE))
         (temp / CONFIG_FILE).write_bytes(_hf_config(END_OF_TEXT))
     return load_tokenizer(out)
