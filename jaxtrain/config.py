@@ -497,6 +497,8 @@ def check(cfg: Config) -> None:
         problems.append(f"train.loss_chunk={t.loss_chunk} must be 0 (off) or a positive divisor of data.seq_len={d.seq_len}")
     if t.compile_cache == "":
         problems.append("train.compile_cache is empty; give auto, a folder path, or false (no cache)")
+    if d.path == "":  # Path("") is the working directory
+        problems.append("data.path is empty; give a directory of text files, a .jsonl file or a token file (.npy, .bin)")
     if d.format not in DATA_FORMATS:
         problems.append(f"data.format={d.format!r} must be one of {', '.join(DATA_FORMATS)}")
     if microbatches > 0 and t.global_batch % microbatches:
