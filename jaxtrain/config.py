@@ -340,6 +340,20 @@ def load_experiment(name_or_path: str) -> Config:
     return cfg
 
 
+def read_yaml_mapping(path: Path, what: str, expected: str) -> dict:
+    """The mapping in the user's YAML file ``path`` ({} when empty), else one line naming ``what`` it is and, when
+    it holds something else, what it must be (``expected``) and the type found (not the contents: any file)."""
+    try:
+        body = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise UserError(f"{what} {path} is not UTF-8 text; give a YAML {what}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{what} {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(body, dict):
+        raise UserError(f"{what} {path} must be {expected}, got {type(body).__name__}")
+    return body
+
+
 def load_mesh_file(name_or_path: str) -> MeshConfig:
     """Mesh YAML: ``ici:`` and ``dcn:`` mappings of axis name to size (missing axes are 1)."""
     path = Path(name_or_path)
@@ -347,12 +361,10 @@ def load_mesh_file(name_or_path: str) -> MeshConfig:
         path = MESHES_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         raise UserError(f"mesh file '{name_or_path}' not found; give a path or one of: {_available(MESHES_DIR, '.yaml')}")
-    try:
-        body = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UserError(f"mesh file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(body, dict) or set(body) - {"ici", "dcn"}:
-        raise UserError(f"mesh file {path} must be a mapping with only the keys 'ici' and 'dcn', got {body!r}")
+    expected = "a mapping with only the keys 'ici' and 'dcn'"
+    body = read_yaml_mapping(path, "mesh file", expected)
+    if set(body) - {"ici", "dcn"}:
+        raise UserError(f"mesh file {path} must be {expected}, got keys {', '.join(map(str, body))}")
     levels = {}
     for level in ("ici", "dcn"):
         sizes = body.get(level) or {}

@@ -8,11 +8,11 @@ import math
 from pathlib import Path
 
 import jax
-import yaml
 from flax.core import spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding_rules
+from jaxtrain.config import read_yaml_mapping
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
 from models.sharding import MissingLogicalRule
@@ -34,13 +34,7 @@ def _rule_file(name_or_path: str) -> tuple[Path, dict]:
     if not path.is_file():
         names = ", ".join(sorted(p.stem for p in RULES_DIR.glob("*.yaml")))
         raise UserError(f"rule set '{name_or_path}' not found; give a path or one of: {names}")
-    try:
-        body = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UserError(f"rule set {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(body, dict):
-        raise UserError(f"rule set {path} must map logical axis names to mesh axes, got {type(body).__name__}")
-    return path, body
+    return path, read_yaml_mapping(path, "rule set", "a mapping of logical axis names to mesh axes")
 
 
 def _parse_rules(body: dict, where: str) -> Rules:

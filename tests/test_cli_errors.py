@@ -41,6 +41,11 @@ def _random_bytes(path: Path) -> Path:
     return path
 
 
+def _text(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
 CASES = {
     "rule names a missing mesh axis": (lambda t: ["--rules", _rules_file(t, embed="pipeline")],
                                        "'embed' maps to mesh axis 'pipeline', which the mesh does not have"),
@@ -55,6 +60,10 @@ CASES = {
     "unknown remat policy": (lambda t: ["model.remat=some"], "model.remat='some' is not a remat policy"),
     "unknown rule set": (lambda t: ["--rules", "zero9"], "rule set 'zero9' not found; give a path or one of: dp, dp_ep, fsdp, fsdp_ep, fsdp_tp, fsdp_tp_ep, pp_dp, pp_fsdp, pp_fsdp_tp, tp"),
     "unknown mesh file": (lambda t: ["--mesh", "tpu9000"], "mesh file 'tpu9000' not found"),
+    "mesh file that is not UTF-8": (lambda t: ["--mesh", str(_random_bytes(t / "bin.yaml"))], "bin.yaml is not UTF-8 text; give a YAML mesh file"),
+    "rule set that is not UTF-8": (lambda t: ["--rules", str(_random_bytes(t / "bin.yaml"))], "bin.yaml is not UTF-8 text; give a YAML rule set"),
+    "mesh file that is not a mapping": (lambda t: ["--mesh", str(_text(t / "passwd", "root:x:0:0:root:/root:/bin/bash\n" * 40))],
+                                        "passwd must be a mapping with only the keys 'ici' and 'dcn', got str"),  # not the file
     "batch does not split over the mesh": (lambda t: ["train.global_batch=6"], "do not split over the 4 batch shards"),
     "missing data path": (lambda t: ["data.path=/no/such/dir"], "data.path=/no/such/dir does not exist"),
     "bad flag": (lambda t: ["--devcies", "2"], "unrecognized arguments: --devcies (see 'jaxtrain train --help')"),
