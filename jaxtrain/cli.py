@@ -173,7 +173,7 @@ def cmd_plan(args) -> int:
                               devices=plan_lib.target_devices(count, args.gpu), hlo_report=args.hlo_report)
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan_lib.render(plan))
     if args.plot:
-        plan_lib.plot(plan, args.plot)
+        plan_lib.plot(plan, Path(args.plot))
         print(f"jaxtrain: wrote {args.plot}", file=sys.stderr)
     return 0
 

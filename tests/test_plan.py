@@ -252,7 +252,7 @@ def test_cli_plan_json_with_auto_microbatches(tmp_path):
     cfg = load_experiment("tiny")  # cpu8 mesh: batch over data 2 x fsdp 2
     totals = {k: total(with_(cfg, train={"microbatches": k}), plan_lib.ACCELERATOR) for k in (1, 2)}
     memory_gib = (totals[1] + totals[2]) / 2 / (1 - plan_lib.DEFAULT_HEADROOM) / GIB  # room for 2 micro-batches, not 1
-    png = tmp_path / "plan.png"
+    png = tmp_path / "new" / "plan.png"  # the directories it needs made, as jaxtrain plot --out does
     result = run_cli("plan", "tiny", "train.microbatches=auto", "--device-memory", str(memory_gib), "--json", "--plot", str(png),
                      cwd=REPO)
     assert result.returncode == 0, result.stderr

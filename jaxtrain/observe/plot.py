@@ -65,6 +65,13 @@ def check_image_path(flag: str, out: Path) -> None:
         raise UserError(f"{flag} {out} must end in {', '.join(IMAGE_SUFFIXES[:-1])} or {IMAGE_SUFFIXES[-1]}")
 
 
+def save_figure(fig, out: Path, **savefig_args) -> None:
+    """Write ``fig`` to ``out`` (checked by cli.check_output_path), making the directories it needs, and close it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, **savefig_args)
+    plt.close(fig)
+
+
 def plot_runs(run_dirs: list[Path], out: Path) -> None:
     check_image_path("--out", out)
     runs = {str(d): read_metrics(d) for d in run_dirs}
@@ -84,6 +91,4 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize="small")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out, dpi=100)

@@ -21,6 +21,7 @@ import functools
 import itertools
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import jax
@@ -783,13 +784,10 @@ def render_hlo(plan: Plan) -> list[str]:
     return lines
 
 
-def plot(plan: Plan, path: str) -> None:
+def plot(plan: Plan, path: Path) -> None:
     """Stacked per-device memory on the accelerator of the plan and the suggestions (estimates, the items at
     the peak), the plan's compiled figure, and the limit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from jaxtrain.observe.plot import plt, save_figure
 
     bars = [("plan (estimate)", plan.accelerator_estimate)] + [
         (" & ".join(f"{k.split('.')[-1]}={_as_typed(v)}" for k, v in s.changes.items()), s.breakdown) for s in plan.suggestions]
@@ -811,5 +809,4 @@ def plot(plan: Plan, path: str) -> None:
     ax.set_title(f"{plan.devices} devices, rules {plan.cfg.rules}, remat {plan.cfg.model.remat}, {plan.cfg.train.microbatches} micro-batch(es)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
