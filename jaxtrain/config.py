@@ -326,6 +326,9 @@ def load_experiment(name_or_path: str) -> Config:
             spec.loader.exec_module(module)
         except SyntaxError as e:  # the user's file, not ours: where, not a traceback through importlib
             raise UserError(f"experiment file {name_or_path} line {e.lineno}: {e.msg}; fix the file") from None
+        except Exception as e:  # noqa: BLE001 - whatever running it raised (a missing import, a NameError): one line too
+            detail = f"{type(e).__name__}: {e}".splitlines()[0]
+            raise UserError(f"experiment file {name_or_path} failed to load: {detail}; fix the file") from None
     else:
         if not (EXPERIMENTS_DIR / f"{name_or_path}.py").is_file():
             raise UserError(

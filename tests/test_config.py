@@ -91,6 +91,10 @@ def test_an_experiment_path_must_be_a_python_file(tmp_path):
     broken.write_text("def config():\n    return Config(\n")
     with pytest.raises(UserError, match=rf"^experiment file {broken} line 2: '\(' was never closed; fix the file$"):
         config_lib.load_experiment(str(broken))
+    broken.write_text("import nosuchmod\ndef config(): pass\n")
+    with pytest.raises(UserError, match=rf"^experiment file {broken} failed to load: ModuleNotFoundError: No module named 'nosuchmod'; "
+                                        "fix the file$"):
+        config_lib.load_experiment(str(broken))
 
 
 @pytest.mark.parametrize("key, ours", [("optim.learning_rate", "optim.lr"), ("train.batch_size", "train.global_batch"),
