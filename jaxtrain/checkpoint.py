@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from jaxtrain.config import CheckpointConfig
+from jaxtrain.config import CheckpointConfig, check_run_dir
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
 
@@ -391,6 +391,7 @@ def describe(run_dir: Path) -> list[dict]:
     renamed it from its temporary name once written. Its array files are not read (that costs as much as a
     restore), so one damaged since still counts as complete until a command reads it."""
     directory = run_dir / CHECKPOINTS_DIR
+    check_run_dir(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir} does not exist; give the --run-dir of a training run")
     if not directory.is_dir():

@@ -258,6 +258,8 @@ def cmd_plot(args) -> int:
     from jaxtrain.observe import plot
 
     run_dirs = [Path(d) for d in args.run_dirs]
+    for run_dir in run_dirs:
+        config_lib.check_run_dir(run_dir)
     out = Path(args.out) if args.out else run_dirs[0] / "metrics.png"
     check_output_path("--out", out)
     plot.plot_runs(run_dirs, out)

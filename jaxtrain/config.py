@@ -274,8 +274,15 @@ def from_dict(d: dict) -> Config:
     return cfg
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """One line where a RUN_DIR argument is a file: it exists, and no --out under it was given."""
+    if run_dir.is_file():
+        raise UserError(f"{run_dir} is a file, not a run directory; give the --run-dir of a training run")
+
+
 def load_run_config(run_dir: Path) -> Config:
     """The resolved config a run saved in RUN_DIR/config.yaml."""
+    check_run_dir(run_dir)
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise UserError(f"{run_dir} has no config.yaml; give the --run-dir of a training run")

@@ -1,6 +1,6 @@
 """Every validation error: exit status 2, one line on stderr, no traceback, no run directory. The cases run
-`jaxtrain train` in the test's process (an interpreter and jax's import saved per case); the last three run the
-command's entry point in a process of their own."""
+`jaxtrain train` in the test's process (an interpreter and jax's import saved per case), as do those of a RUN_DIR
+argument that is a file; the last three run the command's entry point in a process of their own."""
 
 import os
 from pathlib import Path
@@ -127,6 +127,17 @@ def test_validation_error(case, tmp_path, monkeypatch, capsys):
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("command", [["checkpoints"], ["plot"], ["export-hf", "--out", "hf"]])
+def test_a_run_dir_argument_that_is_a_file(command, tmp_path, monkeypatch, capsys):
+    """Not "does not exist", nor an error about an --out under it that was not given."""
+    monkeypatch.chdir(tmp_path)
+    Path("afile").write_text("notes")
+    status = cli.main([command[0], "afile", *command[1:]])
+    assert _one_line_error(status, capsys.readouterr().err) == \
+        "jaxtrain: error: afile is a file, not a run directory; give the --run-dir of a training run"
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
 def test_mesh_size_differs_from_the_device_count(tmp_path):
     """In a process of its own: --devices sets how many devices jax starts with, once a process."""
     result = run_cli("train", "tiny", "--run-dir", str(tmp_path / "run"), *FAST, "--devices", "4", cwd=tmp_path)
@@ -148,3 +159,4 @@ def test_run_dir_that_is_a_file(tmp_path):
     assert _one_line_error(result.returncode, result.stderr) == \
         f"jaxtrain: error: --run-dir {not_a_dir} is an existing file, not a directory; give a new or existing run directory"
     assert not_a_dir.read_text() == "notes" and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
