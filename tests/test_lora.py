@@ -204,6 +204,25 @@ def _generated(capsys, *args) -> str:
     return capsys.readouterr().out.strip()
 
 
+def test_generate_with_a_qlora_adapter_serves_the_model_it_trained(hf_base, corpus, tmp_path, capsys):
+    """Adapters trained on an nf4 base (a run directory, or its PEFT export with our record) are applied to the float
+    base quantized the same way: the model the merged export (and `generate RUN_DIR`) gives. Applied to the float base, the
+    model differed from the second generated token on (a QA report)."""
+    hf_dir, _ = hf_base
+    cfg = lora_config(rank=2, base_quant="nf4")
+    cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
+    run_dir = tmp_path / "run"
+    train(with_(cfg, optim={"lr": 0.1}), run_dir, build(cfg, corpus), init_from=hf_dir)
+    for args in (["--adapter-only"], ["--dtype", "float32"]):
+        assert cli.main(["export-hf", str(run_dir), "--out", str(tmp_path / args[0].strip("-")), *args]) == 0
+    merged = _generated(capsys, str(tmp_path / "dtype"))  # the run's model: its adapters on its nf4 base, merged
+    for adapter in (run_dir, tmp_path / "adapter-only"):
+        assert _generated(capsys, str(hf_dir), "--adapter", str(adapter)) == merged
+    capsys.readouterr()
+    assert cli.main(["generate", str(hf_dir), "--adapter", str(run_dir), "--prompt", "1 2", "--max-new-tokens", "2"]) == 0
+    assert f"jaxtrain: --adapter {run_dir} trained on the base quantized to nf4: applied to it quantized the same way" in capsys.readouterr().err
+
+
 def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path, capsys):
     hf_dir, hf_model = hf_base
     cfg = lora_config(rank=2)

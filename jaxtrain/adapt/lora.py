@@ -230,13 +230,14 @@ def with_adapter(loaded, adapter: Path):
     if peft.is_adapter_dir(adapter):
         config, tensors, record = peft.read_adapter(adapter)
         lora = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=peft.targets_of(config, adapter, loaded.model_cfg))
-        model_cfg = dataclasses.replace(loaded.model_cfg, lora=lora)
+        # our record says what base the adapters trained on; another tool's adapters apply to the float base, as PEFT does
+        model_cfg = dataclasses.replace(loaded.model_cfg, lora=lora, base_quant=(record or {}).get("base_quant", "none"))
         adapters = {"layers": peft.from_peft(tensors, model_cfg, adapter)}
     elif (adapter / "config.yaml").is_file():
         record = summary(adapter)
         # restored onto the mesh and rules the base generates with, whatever the run trained on
         cfg = dataclasses.replace(config_lib.load_run_config(adapter), mesh=loaded.mesh_config, rules=loaded.rules_name)
-        model_cfg = dataclasses.replace(loaded.model_cfg, lora=cfg.model.lora)
+        model_cfg = dataclasses.replace(loaded.model_cfg, lora=cfg.model.lora, base_quant=cfg.model.base_quant)
         layout = make_layout(cfg)
         restored = checkpoint_lib.restore_from(adapter, layout.abstract_state(), None, params_only=True, source="--adapter")
         adapters = multihost_utils.process_allgather(restored, tiled=True)
@@ -249,4 +250,11 @@ def with_adapter(loaded, adapter: Path):
             raise UserError(f"--adapter {adapter} was trained on base {record['path'] or 'initialised from a seed'} (content hash "
                             f"{record['hash']}), not on this base (hash {found}); give the base it was trained on")
     shardings = jax.tree.map(lambda a: a.sharding, loaded.params)
-    return dataclasses.replace(loaded, params=merge_on_devices(join_frozen(loaded.params, adapters), model_cfg, shardings))
+    base = loaded.params
+    if model_cfg.base_quant != "none":  # the model the adapters trained with: on the base quantized, as the run stored it
+        base = jax.jit(lambda p: to_storage(*split_quantized(p, model_cfg), model_cfg.base_quant))(base)
+        if jax.process_index() == 0:
+            print(f"jaxtrain: --adapter {adapter} trained on the base quantized to {model_cfg.base_quant}: applied to it quantized "
+                  "the same way, as `generate RUN_DIR` and the merged export-hf do (PEFT applies it to the float base)",
+                  file=sys.stderr, flush=True)
+    return dataclasses.replace(loaded, params=merge_on_devices(join_frozen(base, adapters), model_cfg, shardings))
