@@ -179,6 +179,8 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
             checkpoints.meta = _checkpoint_meta(trainer) | ({"lora_base": base.record} if base is not None else {})
             if state is None:
                 state = trainer.init_state() if initial is None else initial
+            if not fresh:
+                _note_model_changes(run_dir, cfg)
             # only now, once the run's own checkpoint fits this config: a refused start leaves the run directory as it was
             _write_run_files(trainer, run_dir, base, init_from if fresh else None)
             eval_data = data_lib.eval_batches(checked.corpus, cfg.data, t.global_batch, layout.batch_sharding, t.eval_batches)
@@ -193,6 +195,18 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
         raise
     _close(log, checkpoints, error=None)
     return state
+
+
+def _note_model_changes(run_dir: Path, cfg: Config) -> None:
+    """A note per model key whose value differs from the run's config.yaml (its last start): a resume with, say,
+    another model.rope_theta or model.lora.alpha fits the checkpoint's shapes but trains another function from here."""
+    if not (run_dir / "config.yaml").is_file():
+        return
+    before = config_lib.flatten(config_lib.to_dict(config_lib.load_run_config(run_dir).model), "model.")
+    for key, value in config_lib.flatten(config_lib.to_dict(cfg.model), "model.").items():
+        if before.get(key) != value:
+            _say(f"jaxtrain: note: {key}={value} here but {before.get(key)} in {run_dir / 'config.yaml'}, which the checkpoints "
+                 f"trained with: from this step on the run trains with {value}; give {key}={before.get(key)} to continue as before")
 
 
 def _write_run_files(trainer: Trainer, run_dir: Path, base: lora_lib.Base | None, fresh_init_from: Path | None) -> None:

@@ -92,6 +92,22 @@ def test_a_finished_run_started_again_is_not_compiled(short_run, tmp_path, monke
     assert "is already at step 4 of train.steps=4, nothing to do" in capsys.readouterr().err
 
 
+def test_a_resume_with_other_model_values_of_the_same_shapes_says_which(short_run, tmp_path, capsys):
+    """The shapes fit the checkpoint, the function does not (a QA report: a resume with another model.rope_theta
+    and model.norm_eps went on without a word); the same model resumes without a note."""
+    from jaxtrain import train as train_lib
+    from jaxtrain.cli import resolve_config
+
+    run_dir = _copy(short_run, tmp_path)
+    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5", "model.rope_theta=50", "model.norm_eps=0.5"]), run_dir)
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note: model.")]
+    assert notes == [f"jaxtrain: note: model.{key}={now} here but {before} in {run_dir / 'config.yaml'}, which the checkpoints "
+                     f"trained with: from this step on the run trains with {now}; give model.{key}={before} to continue as before"
+                     for key, now, before in (("rope_theta", 50.0, 10000.0), ("norm_eps", 0.5, 1e-05))], notes
+    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=6", "model.rope_theta=50", "model.norm_eps=0.5"]), run_dir)
+    assert "jaxtrain: note: model." not in capsys.readouterr().err
+
+
 def test_a_finished_run_started_again_says_so_and_writes_nothing(short_run, tmp_path):
     run_dir = _copy(short_run, tmp_path)
     before = _files(run_dir)
