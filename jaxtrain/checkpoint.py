@@ -213,6 +213,22 @@ def _not_from_abandoned_read(record: logging.LogRecord) -> bool:
     return not (message.startswith("Task exception was never retrieved") and "/orbax/" in message)
 
 
+def _quiet_replaced_partial_saves() -> None:
+    """Drop Orbax's warning, in the middle of the progress lines, that it replaces the temporary directory a killed or
+    interrupted save left (``Attempted to create temporary directory .../8.orbax-checkpoint-tmp which already exists.
+    Removing existing directory since it is not finalized.``): that directory was never a checkpoint. Only that
+    message: absl's other warnings still print."""
+    absl_log = logging.getLogger("absl")
+    if _not_a_replaced_partial_save not in absl_log.filters:
+        absl_log.addFilter(_not_a_replaced_partial_save)
+
+
+def _not_a_replaced_partial_save(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith("Attempted to create temporary directory") and _TMP_MARK in message
+                and "since it is not finalized" in message)
+
+
 def _newest_readable(steps, read) -> tuple[int | None, object, list[tuple[int, str]]]:
     """(step, ``read(step)``) of the newest of ``steps`` every process reads, and (step, reason) for each newer one
     that some process could not read; (None, None, all of them) when none is readable. A UserError (a model that
@@ -246,6 +262,7 @@ class RunCheckpoints:
         self.meta = meta or {}
         _check_writable(self.directory)
         self.manager = _manager(self.directory, cfg)
+        _quiet_replaced_partial_saves()
         self.preemption = PreemptionWatch()
         self.closed = False
         self.started = None  # the step of the latest save started: an async write fails later, on wait

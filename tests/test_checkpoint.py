@@ -199,6 +199,27 @@ def test_sigkill_during_async_save_resumes_from_previous_complete(reference, tmp
     assert _losses(run_dir) == _losses(reference[0])  # steps logged after the last checkpoint were redone, once
 
 
+def test_orbax_replacing_a_partial_save_warns_nothing_and_other_absl_warnings_stay():
+    """Resumed after a killed save, saving that step again: Orbax's warning that it removes the partial directory (printed
+    among the progress lines) is dropped; absl's other warnings are not."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    checkpoint_lib._quiet_replaced_partial_saves()  # what each run's RunCheckpoints does
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logging.getLogger("absl").addHandler(handler)
+    try:
+        absl_logging.warning("Attempted to create temporary directory %s which already exists. Removing existing directory "
+                             "since it is not finalized.", "/runs/x/checkpoints/8.orbax-checkpoint-tmp")
+        absl_logging.warning("Attempted to create temporary directory %s", "/elsewhere")
+    finally:
+        logging.getLogger("absl").removeHandler(handler)
+    assert [r.getMessage() for r in seen] == ["Attempted to create temporary directory /elsewhere"]
+
+
 def _truncate(run_dir, step, *, arrays_only=True):
     """A disk fault: the array chunk files of checkpoint ``step`` cut to 10 bytes (its index of names still reads); or,
     not ``arrays_only``, every data file cut in half, that index too."""
