@@ -14,8 +14,11 @@ def main() -> int:
     except UserError as e:
         print(f"jaxtrain: error: {e}", file=sys.stderr)
         return 2
-    from jaxtrain import cli
-
+    try:
+        from jaxtrain import cli  # about 1 s of imports
+    except KeyboardInterrupt:
+        print("jaxtrain: interrupted", file=sys.stderr)
+        return 130
     return cli.main()
 
 

@@ -30,6 +30,7 @@ from jaxtrain.mesh import describe_axes
 CHECKPOINTS_DIR = "checkpoints"
 QUARANTINE_DIR = "unreadable_checkpoints"  # beside checkpoints/, so Orbax never lists them again
 PREEMPTED_EXIT_STATUS = 143  # 128 + SIGTERM, what schedulers expect from a job that stopped on SIGTERM
+INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 _TMP_MARK = ".orbax-checkpoint-tmp"
 # Replicas of a large array (data-parallel copies across hosts) still share its writing; a small one is written by one
 # replica. Saving the tiny model's state on 8 CPU devices: first save 6.0 -> 0.3 s, later ones 0.45 -> 0.23 s
@@ -38,25 +39,52 @@ REPLICA_SLICE_MIN_BYTES = 1 << 20
 
 
 class Preempted(Exception):
-    """The run stopped early on a preemption notice, after committing a checkpoint of ``step``."""
+    """The run stopped early on a preemption notice (SIGTERM) or a Ctrl-C (SIGINT, ``interrupted``), after committing
+    a checkpoint of ``step``; ``status`` is the process's exit status (143 or 130)."""
 
-    def __init__(self, step: int):
-        super().__init__(f"preempted: checkpoint of step {step} committed; run the same command again to resume")
+    def __init__(self, step: int, *, interrupted: bool = False):
+        what = "interrupted" if interrupted else "preempted"
+        super().__init__(f"{what}: checkpoint of step {step} committed; run the same command again to resume")
         self.step = step
+        self.status = INTERRUPTED_EXIT_STATUS if interrupted else PREEMPTED_EXIT_STATUS
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second Ctrl-C in the training loop: the run stopped without waiting for a save in flight, which may still
+    be writing in a background thread (only ending the process stops it)."""
 
 
 class PreemptionWatch:
     """Whether to stop after the current step: a SIGTERM to this process, or, with several processes,
-    jax's preemption sync point (every process agrees on the same step)."""
+    jax's preemption sync point (every process agrees on the same step); or, once ``watch_interrupts`` is called
+    (the training loop), a Ctrl-C. The first Ctrl-C asks for the same stop (with several processes it goes through
+    the same sync point: this process gives itself the SIGTERM jax's notifier listens for) and gives SIGINT back to
+    Python, so a second one raises KeyboardInterrupt: a user pressing Ctrl-C twice gets out."""
 
     def __init__(self):
         self.multiprocess = jax.process_count() > 1
         self.signalled = False
+        self.interrupted = False
+        self.watching = False  # the training loop began
         # several processes: jax's preemption notifier owns SIGTERM and syncs the hosts
         self._previous = None if self.multiprocess else signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._previous_int = None
 
     def _on_sigterm(self, signum, frame):
         self.signalled = True  # a second SIGTERM during the final save changes nothing
+
+    def watch_interrupts(self) -> None:
+        """From now on the first Ctrl-C stops after the current step (before, one stops the command at once: there
+        is nothing to save). Not where SIGINT is ignored (a command started in the background by a shell script)."""
+        self.watching = True
+        if self._previous_int is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous_int = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame):
+        self.interrupted = self.signalled = True
+        signal.signal(signal.SIGINT, self._previous_int)  # the next Ctrl-C raises KeyboardInterrupt
+        if self.multiprocess:
+            signal.raise_signal(signal.SIGTERM)  # to jax's notifier, which agrees on the step with the other processes
 
     def reached(self, step: int) -> bool:
         if self.multiprocess:
@@ -66,6 +94,10 @@ class PreemptionWatch:
     def close(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+        if self._previous_int is not None:
+            signal.signal(signal.SIGINT, self._previous_int)
+            self._previous_int = None
 
 
 def _all_processes(ok: bool) -> bool:
@@ -181,6 +213,22 @@ def _not_from_abandoned_read(record: logging.LogRecord) -> bool:
     return not (message.startswith("Task exception was never retrieved") and "/orbax/" in message)
 
 
+def _quiet_replaced_partial_saves() -> None:
+    """Drop Orbax's warning, in the middle of the progress lines, that it replaces the temporary directory a killed or
+    interrupted save left (``Attempted to create temporary directory .../8.orbax-checkpoint-tmp which already exists.
+    Removing existing directory since it is not finalized.``): that directory was never a checkpoint. Only that
+    message: absl's other warnings still print."""
+    absl_log = logging.getLogger("absl")
+    if _not_a_replaced_partial_save not in absl_log.filters:
+        absl_log.addFilter(_not_a_replaced_partial_save)
+
+
+def _not_a_replaced_partial_save(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith("Attempted to create temporary directory") and _TMP_MARK in message
+                and "since it is not finalized" in message)
+
+
 def _newest_readable(steps, read) -> tuple[int | None, object, list[tuple[int, str]]]:
     """(step, ``read(step)``) of the newest of ``steps`` every process reads, and (step, reason) for each newer one
     that some process could not read; (None, None, all of them) when none is readable. A UserError (a model that
@@ -214,6 +262,7 @@ class RunCheckpoints:
         self.meta = meta or {}
         _check_writable(self.directory)
         self.manager = _manager(self.directory, cfg)
+        _quiet_replaced_partial_saves()
         self.preemption = PreemptionWatch()
         self.closed = False
         self.started = None  # the step of the latest save started: an async write fails later, on wait
@@ -247,12 +296,12 @@ class RunCheckpoints:
         return step < self.last_step and self.preemption.reached(step)
 
     def after_step(self, step: int, state, data_iterator, *, preempted: bool) -> bool:
-        """Save if due (always at the last step); on preemption save, wait for the commit and raise Preempted.
-        Returns whether a save started."""
+        """Save if due (always at the last step); on preemption (or Ctrl-C) save, wait for the commit and raise
+        Preempted. Returns whether a save started."""
         started = self.save(step, state, data_iterator, force=preempted or step == self.last_step)
         if preempted:
             self.close()
-            raise Preempted(step)
+            raise Preempted(step, interrupted=self.preemption.interrupted)
         return started
 
     def save(self, step: int, state, data_iterator, *, force: bool = False) -> bool:
@@ -285,15 +334,40 @@ class RunCheckpoints:
                          f"free disk space or fix permissions there; earlier checkpoints are intact")
 
     def close(self) -> None:
-        """Wait for the saves in flight (a second SIGTERM meanwhile changes nothing), then let go."""
+        """Wait for the saves in flight (a second SIGTERM meanwhile changes nothing), then let go. A Ctrl-C meanwhile
+        (KeyboardInterrupt: a second one, the first asked for the stop) leaves them, as ``abandon`` does."""
         if self.closed:
             return
         self.closed = True
+        aborted = False
         try:
             self.finish()
+        except KeyboardInterrupt:
+            aborted = True
+            raise
         finally:
-            self.manager.close()
-            self.preemption.close()
+            try:
+                if not aborted:
+                    self.manager.close()
+            finally:
+                self.preemption.close()
+
+    def abandon(self) -> None:
+        """Let go of the signals without waiting for the saves in flight (a Ctrl-C stops the process instead)."""
+        self.closed = True
+        self.preemption.close()
+
+    def interrupted_error(self) -> Interrupted:
+        """What a KeyboardInterrupt in the training loop says: a second Ctrl-C (the first asked to stop after the
+        step), or one while the last step's checkpoint is written."""
+        what = "interrupted again" if self.preemption.interrupted else "interrupted"
+        committed = committed_steps(self.directory)
+        again = f"resume from step {committed[-1]}" if committed else "start again"
+        partial = [s for s in _partial_steps(self.directory) if not committed or s > committed[-1]]
+        if partial:
+            return Interrupted(f"{what}: stopped without waiting for the save of step {max(partial)}, which may be incomplete "
+                               f"(a resume never picks an incomplete checkpoint); run the same command again to {again}")
+        return Interrupted(f"{what}; run the same command again to {again}")
 
 
 def check_resume_shapes(run_dir: Path, trained_shapes: dict) -> None:
@@ -317,8 +391,23 @@ def check_resume_shapes(run_dir: Path, trained_shapes: dict) -> None:
 
 def has_checkpoints(run_dir: Path) -> bool:
     """Whether the run directory holds a complete checkpoint of its own (so a start resumes it); looks only."""
-    directory = run_dir / CHECKPOINTS_DIR
-    return directory.is_dir() and any(p.name.isdigit() and p.is_dir() for p in directory.iterdir())
+    return bool(committed_steps(run_dir / CHECKPOINTS_DIR))
+
+
+def _partial_steps(directory: Path) -> list[int]:
+    """The steps of the saves not (yet) committed: Orbax's temporary directories, STEP.orbax-checkpoint-tmp[-N]."""
+    if not directory.is_dir():
+        return []
+    steps = (p.name.split(".", 1)[0] for p in directory.iterdir() if _TMP_MARK in p.name)
+    return sorted({int(s) for s in steps if s.isdigit()})
+
+
+def committed_steps(directory: Path) -> list[int]:
+    """The steps of the complete checkpoints in a checkpoints directory (Orbax renames a save's temporary directory
+    to the step once it is committed); looks only."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
 
 
 def _check_writable(directory: Path) -> None:

@@ -26,6 +26,7 @@ from jaxtrain.interop import hf_config, hf_weights
 from jaxtrain.memory import host_malloc
 
 DEFAULT_CPU_DEVICES = 8
+INTERRUPTED_EXIT_STATUS = 130  # checkpoint.INTERRUPTED_EXIT_STATUS, without importing jax before the arguments are read
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _DEVICES_HELP = (f"simulated CPU devices when there is no accelerator (default: the mesh's size, at most {DEFAULT_CPU_DEVICES}; "
                  f"{DEFAULT_CPU_DEVICES} when an axis is -1)")
@@ -105,9 +106,19 @@ def cmd_train(args) -> int:
 
     try:
         train_lib.train(cfg, run_dir, init_from=args.init_from and Path(args.init_from), params_only=args.params_only)
-    except checkpoint_lib.Preempted as e:
+    except checkpoint_lib.Preempted as e:  # SIGTERM (143), or Ctrl-C in the training loop (130)
         print(f"jaxtrain: {e}", file=sys.stderr)
-        return checkpoint_lib.PREEMPTED_EXIT_STATUS
+        return e.status
+    except checkpoint_lib.Interrupted as e:  # a second Ctrl-C in the loop: out now
+        print(f"jaxtrain: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(checkpoint_lib.INTERRUPTED_EXIT_STATUS)  # a save's background thread would hold the process until written
+    except KeyboardInterrupt:  # before the first step: compile, data, restore
+        newest = max(checkpoint_lib.committed_steps(run_dir / checkpoint_lib.CHECKPOINTS_DIR), default=None)
+        again = "start" if newest is None else f"resume from step {newest}"
+        print(f"jaxtrain: interrupted before the first step, no checkpoint written; run the same command again to {again}",
+              file=sys.stderr)
+        return checkpoint_lib.INTERRUPTED_EXIT_STATUS
     return 0
 
 
@@ -404,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"jaxtrain: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the status a shell gives a command stopped by SIGINT (128 + 2)
+        print("jaxtrain: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT_STATUS
 
 
 if __name__ == "__main__":  # `python -m jaxtrain.cli`: the command, as `jaxtrain` and `python -m jaxtrain` run it

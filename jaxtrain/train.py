@@ -126,7 +126,9 @@ def check_run_dir(run_dir: Path) -> None:
 def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_from: Path | None = None,
           params_only: bool = False) -> TrainState:
     """Train to ``cfg.train.steps``, resuming from RUN_DIR's latest checkpoint if any; raises
-    ``checkpoint.Preempted`` after committing a checkpoint when preempted (SIGTERM)."""
+    ``checkpoint.Preempted`` after committing a checkpoint when preempted (SIGTERM) or interrupted (a Ctrl-C in the
+    training loop), and ``checkpoint.Interrupted`` on a second Ctrl-C there. A Ctrl-C before the first step is
+    KeyboardInterrupt, with no checkpoint written."""
     check_run_dir(run_dir)
     if init_from is not None and not hf_config.is_hf_dir(init_from):  # a mistyped path fails before the compile
         _check_not_lora_run(init_from, checkpoint_lib.checkpoints_dir(init_from, "--init-from")[0].parent)
@@ -192,8 +194,13 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
             state = _loop(trainer, state, batches, eval_data, checkpoints, log)
     except BaseException as e:  # the error in flight is the one to report: one in closing is only a warning
         _close(log, checkpoints, error=e)
+        if isinstance(e, KeyboardInterrupt) and checkpoints.preemption.watching:  # a second Ctrl-C, in the loop
+            raise checkpoints.interrupted_error() from None
         raise
-    _close(log, checkpoints, error=None)
+    try:
+        _close(log, checkpoints, error=None)
+    except KeyboardInterrupt:  # a Ctrl-C while the last save is written (the first one lets it finish)
+        raise checkpoints.interrupted_error() from None
     return state
 
 
@@ -226,6 +233,7 @@ def _loop(trainer: Trainer, state: TrainState, batches: data_lib.GlobalBatches, 
           checkpoints: checkpoint_lib.RunCheckpoints, log: MetricsLog) -> TrainState:
     """The steps from ``state``'s to ``train.steps``, with their records, checkpoints and evaluations."""
     t = trainer.cfg.train
+    checkpoints.preemption.watch_interrupts()  # a Ctrl-C from here on stops after the step, with a checkpoint
     for step in range(int(state.step) + 1, t.steps + 1):
         with log.timer("data_wait_s"):
             batch = next(batches)
@@ -251,16 +259,21 @@ def _say(line: str) -> None:
 
 
 def _close(log: MetricsLog | None, checkpoints: checkpoint_lib.RunCheckpoints, *, error: BaseException | None) -> None:
-    """Commit the saves already started (a stop on a non-finite value keeps them) and let go of everything."""
+    """Commit the saves already started (a stop on a non-finite value keeps them) and let go of everything; after a
+    second Ctrl-C (the first asked for the stop) wait for nothing."""
     try:
-        checkpoints.close()
+        if isinstance(error, KeyboardInterrupt) and checkpoints.preemption.watching:
+            checkpoints.abandon()
+        else:
+            checkpoints.close()
     except UserError as e:
         if error is None:
             raise
         print(f"jaxtrain: warning: {e}", file=sys.stderr, flush=True)
     finally:
         if log is not None:
-            log.close("FINISHED" if error is None else "KILLED" if isinstance(error, checkpoint_lib.Preempted) else "FAILED")
+            log.close("FINISHED" if error is None else "KILLED" if isinstance(error, (checkpoint_lib.Preempted, KeyboardInterrupt))
+                      else "FAILED")
 
 
 def _check_not_lora_run(init_from: Path, run_dir: Path) -> None:

@@ -4,10 +4,12 @@
     python scripts/launch_local.py --num-processes 2 --devices 4 -- jaxtrain train tiny --mesh cpu2x4 --run-dir runs/mp
 
 Each process gets ``--coordinator 127.0.0.1:PORT --num-processes N --process-id I`` (and ``--devices``
-simulated CPU devices when given). SIGTERM and SIGINT are forwarded to every process. A process that
-fails takes the others down: they are sent SIGTERM so nobody waits forever on a collective, and the exit
-status is the failed one's (a configuration error's 2, not the 143 of a process stopped after it);
-else the first non-zero status, else 0.
+simulated CPU devices when given). SIGTERM, SIGINT and SIGHUP are forwarded to every process, each once: the
+processes run in a session of their own, so a Ctrl-C in the terminal reaches them only through this launcher (a
+second SIGINT of the same Ctrl-C would abort the checkpoint the first asks for). A process that fails takes the
+others down: they are sent SIGTERM so nobody waits forever on a collective, and the exit status is the failed
+one's (a configuration error's 2, not the 143 of a process stopped after it; 130 after a Ctrl-C); else the first
+non-zero status, else 0.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import socket
 import subprocess
 import sys
 import time
+
+
+INTERRUPTED = 130  # 128 + SIGINT: a jaxtrain process stopped by Ctrl-C (with a checkpoint, or a second one without)
 
 
 def free_port() -> int:
@@ -50,25 +55,35 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"command {command[0]!r} not found (not on PATH, or not executable)")
     coordinator = f"127.0.0.1:{args.port or free_port()}"
     extra = ["--devices", str(args.devices)] if args.devices else []
-    procs = [subprocess.Popen([*command, "--coordinator", coordinator, "--num-processes", str(args.num_processes),
-                               "--process-id", str(i), *extra]) for i in range(args.num_processes)]
+    procs, received = [], []
 
     def forward(signum, frame):
+        received.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    # before the processes start: a Ctrl-C meanwhile reaches the ones started (no traceback of this launcher's own)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # one ignored (nohup, a background job) stays ignored
+            signal.signal(signum, forward)
+    for i in range(args.num_processes):
+        procs.append(subprocess.Popen([*command, "--coordinator", coordinator, "--num-processes", str(args.num_processes),
+                                       "--process-id", str(i), *extra], start_new_session=True))
+        for signum in received:  # came while the processes were starting: this one gets it too
+            procs[-1].send_signal(signum)
+    def status(first: int) -> int:
+        # after a Ctrl-C, its 130, not the error of a process that lost the others (a second Ctrl-C stops them at once)
+        statuses = [as_shell_reports(p.wait()) for p in procs]
+        return INTERRUPTED if signal.SIGINT in received and INTERRUPTED in statuses else as_shell_reports(first)
+
     while any(p.poll() is None for p in procs):
         failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
         if failed:  # the others would block in collectives: stop them, and report the failure, not their 143
             forward(signal.SIGTERM, None)
-            for p in procs:
-                p.wait()
-            return as_shell_reports(failed[0])
+            return status(failed[0])
         time.sleep(0.1)
-    return next((as_shell_reports(s) for s in (p.wait() for p in procs) if s != 0), 0)
+    return status(next((s for s in (p.wait() for p in procs) if s != 0), 0))
 
 
 if __name__ == "__main__":

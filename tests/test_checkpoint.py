@@ -1,9 +1,10 @@
-"""Checkpoints with real processes and real files: exact resume after SIGTERM, on one process and on two (gloo,
-coordinator on 127.0.0.1), SIGKILL during an async save, a corrupted checkpoint, a full disk, resharding onto other
+"""Checkpoints with real processes and real files: exact resume after SIGTERM or a Ctrl-C (SIGINT), on one process
+and on two (gloo, coordinator on 127.0.0.1), a Ctrl-C before the first step, SIGKILL during an async save, a corrupted checkpoint, a full disk, resharding onto other
 meshes, --init-from."""
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import signal
@@ -35,8 +36,14 @@ def _start(run_dir, *extra, limit_file_size=None):
     # a "full disk": writes past the size limit fail with EFBIG (Python ignores SIGXFSZ)
     limit = ["prlimit", f"--fsize={limit_file_size}", "--"] if limit_file_size else []
     stderr = open(f"{run_dir}.stderr", "a")
-    return subprocess.Popen([*limit, sys.executable, "-m", "jaxtrain.cli", "train", "tiny", "--run-dir", str(run_dir), *ARGS, *extra],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    # SIGINT as a terminal leaves it, even where this test process ignores it (a background job of a script): the
+    # child gets the default, and Python its KeyboardInterrupt handler
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen([*limit, sys.executable, "-m", "jaxtrain.cli", "train", "tiny", "--run-dir", str(run_dir), *ARGS, *extra],
+                                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _stderr(run_dir) -> str:
@@ -51,12 +58,15 @@ def _losses(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
 
 
-def _signal_after_step(proc, run_dir, step: int) -> int:
-    """Send SIGTERM as soon as metrics.jsonl shows ``step``; the exit status."""
+def _signal_after_step(proc, run_dir, step: int, signum=signal.SIGTERM) -> tuple[int, str]:
+    """Send ``signum`` as soon as metrics.jsonl shows ``step``; the exit status and what the process wrote to stderr
+    after the signal."""
     while proc.poll() is None and not any(s >= step for s, _ in _losses(run_dir)):
         time.sleep(0.005)
-    proc.send_signal(signal.SIGTERM)
-    return proc.wait(timeout=120)
+    before = len(_stderr(run_dir))
+    proc.send_signal(signum)
+    status = proc.wait(timeout=120)
+    return status, _stderr(run_dir)[before:]
 
 
 def _complete_steps(run_dir) -> list[int]:
@@ -91,14 +101,19 @@ def _assert_identical(a, b):
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b))
 
 
-def test_sigterm_at_several_steps_then_resume_is_bit_identical(reference, tmp_path):
+@pytest.mark.parametrize("signum, status, word", [(signal.SIGTERM, 143, "preempted"), (signal.SIGINT, 130, "interrupted")],
+                         ids=["SIGTERM", "SIGINT"])
+def test_signal_at_several_steps_then_resume_is_bit_identical(reference, tmp_path, signum, status, word):
+    """SIGTERM (preemption) or a Ctrl-C (SIGINT) mid-run: the step finishes, its checkpoint is committed, one line says
+    so, and the status is 143 or 130; the same command resumes to the uninterrupted run's losses and state."""
     ref_dir, cfg = reference
     run_dir = tmp_path / "run"
     stops = []
     for stop_after in (2, 7):
-        status = _signal_after_step(_start(run_dir), run_dir, stop_after)
-        assert status == checkpoint_lib.PREEMPTED_EXIT_STATUS, _stderr(run_dir)[-3000:]
+        exit_status, said = _signal_after_step(_start(run_dir), run_dir, stop_after, signum)
+        assert exit_status == status, _stderr(run_dir)[-3000:]
         stops.append(max(_complete_steps(run_dir)))
+        assert said == f"jaxtrain: {word}: checkpoint of step {stops[-1]} committed; run the same command again to resume\n"
     assert stops[0] < stops[1] < STEPS  # really stopped early, at two different steps
     assert f"resuming from checkpoint step {stops[0]}" in _stderr(run_dir)
     assert _start(run_dir).wait(timeout=300) == 0, _stderr(run_dir)[-3000:]
@@ -119,7 +134,7 @@ def test_two_processes_match_one_process_through_preemption(reference, tmp_path)
     """SIGTERM to the launcher reaches both processes, which agree on the step to stop at (jax's preemption sync
     point), save and exit 143; the same command resumes, and the losses are one process's."""
     run_dir = tmp_path / "multi"
-    status = _signal_after_step(_launch_two_processes(run_dir), run_dir, 2)
+    status, _ = _signal_after_step(_launch_two_processes(run_dir), run_dir, 2)
     assert status == checkpoint_lib.PREEMPTED_EXIT_STATUS, _stderr(run_dir)[-3000:]
     stopped = _losses(run_dir)[-1][0]
     assert stopped < STEPS
@@ -129,6 +144,38 @@ def test_two_processes_match_one_process_through_preemption(reference, tmp_path)
     assert [s for s, _ in multi] == [s for s, _ in single] == list(range(1, STEPS + 1))
     # gloo sums across processes in another order than one process does: equal to float32 rounding
     assert all(abs(m - s) <= 1e-6 * abs(s) for (_, m), (_, s) in zip(multi, single))
+
+
+def test_ctrl_c_before_the_first_step_is_one_line_and_writes_nothing(reference, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the steps compile (KeyboardInterrupt there, the trainer's first long wait): one line, status 130,
+    no traceback; a fresh run's directory is not made, a resumed run's files stay byte-identical; SIGTERM and SIGINT
+    are handed back."""
+    from jaxtrain import cli
+    from jaxtrain import train as train_lib
+
+    def compile_interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_lib, "compile_steps", compile_interrupted)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the command's environment defaults stay in this test
+    resumed = tmp_path / "resumed"
+    shutil.copytree(reference[0], resumed)
+    before = _files(resumed)
+    for run_dir, again in ((tmp_path / "fresh", "start"), (resumed, f"resume from step {STEPS}")):
+        capsys.readouterr()
+        try:
+            status = cli.main(["train", "tiny", "--run-dir", str(run_dir), *ARGS, f"train.steps={STEPS + 4}"])
+        except KeyboardInterrupt:
+            pytest.fail("the Ctrl-C left jaxtrain as a KeyboardInterrupt (a traceback)")
+        assert status == checkpoint_lib.INTERRUPTED_EXIT_STATUS
+        said = capsys.readouterr().err.splitlines()
+        resuming = [f"jaxtrain: resuming from checkpoint step {STEPS} in {run_dir / 'checkpoints'} "] if run_dir == resumed else []
+        assert [line[:len(r)] for line, r in zip(said, resuming)] == resuming  # the restore came before the compile
+        assert said[len(resuming):] == [
+            f"jaxtrain: interrupted before the first step, no checkpoint written; run the same command again to {again}"]
+    assert not (tmp_path / "fresh").exists()
+    assert _files(resumed) == before
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_sigkill_during_async_save_resumes_from_previous_complete(reference, tmp_path):
@@ -150,6 +197,27 @@ def test_sigkill_during_async_save_resumes_from_previous_complete(reference, tmp
     resumed = int(_stderr(run_dir).split("resuming from checkpoint step ")[1].split()[0])
     assert resumed < partial[0]
     assert _losses(run_dir) == _losses(reference[0])  # steps logged after the last checkpoint were redone, once
+
+
+def test_orbax_replacing_a_partial_save_warns_nothing_and_other_absl_warnings_stay():
+    """Resumed after a killed save, saving that step again: Orbax's warning that it removes the partial directory (printed
+    among the progress lines) is dropped; absl's other warnings are not."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    checkpoint_lib._quiet_replaced_partial_saves()  # what each run's RunCheckpoints does
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logging.getLogger("absl").addHandler(handler)
+    try:
+        absl_logging.warning("Attempted to create temporary directory %s which already exists. Removing existing directory "
+                             "since it is not finalized.", "/runs/x/checkpoints/8.orbax-checkpoint-tmp")
+        absl_logging.warning("Attempted to create temporary directory %s", "/elsewhere")
+    finally:
+        logging.getLogger("absl").removeHandler(handler)
+    assert [r.getMessage() for r in seen] == ["Attempted to create temporary directory /elsewhere"]
 
 
 def _truncate(run_dir, step, *, arrays_only=True):

@@ -1,10 +1,13 @@
 """The cluster templates give `jaxtrain train` the right multi-process flags: the SLURM batch script and the
 Kubernetes entrypoint run against a fake environment and a stand-in `jaxtrain` that prints its arguments;
-the Kubernetes manifest's parts agree with each other; the local launcher reports the process that failed."""
+the Kubernetes manifest's parts agree with each other; the local launcher reports the process that failed and
+forwards a Ctrl-C once."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import yaml
 
@@ -107,3 +110,42 @@ def test_local_launcher_reports_the_failed_process_not_the_ones_it_stopped(tmp_p
                           (["--num-processes", "2", "--", "no-such-command"], "command 'no-such-command' not found (not on PATH, or not executable)")):
         refused = subprocess.run([*launch, *args], env=env, capture_output=True, text=True, timeout=20, check=False)
         assert refused.returncode == 2 and refused.stderr.strip().endswith(message), refused.stderr
+
+
+COUNT_SIGINTS = """import os, signal, sys, time
+out = f"{sys.argv[1]}.{sys.argv[-1]}"  # the launcher adds --process-id I last
+count = 0
+
+def on_sigint(signum, frame):
+    global count
+    count += 1
+
+signal.signal(signal.SIGINT, on_sigint)
+open(f"{out}.ready", "w").close()
+end = time.time() + 20
+while not count and time.time() < end:
+    time.sleep(0.01)
+time.sleep(0.5)  # time for a second one to arrive
+open(out, "w").write(f"{count} {os.getpgrp()}")
+sys.exit(130)
+"""
+
+
+def test_local_launcher_forwards_a_ctrl_c_once_and_exits_130(tmp_path):
+    """A Ctrl-C in a terminal signals the launcher's whole process group: each process must get one SIGINT (a second
+    one, the launcher's copy, would abort the checkpoint the first asks for), so they are not in that group (two
+    SIGINTs close together may arrive as one, so the count alone would not show it); the launcher exits 130 as they
+    do, with nothing of its own on stderr."""
+    (tmp_path / "count_sigints.py").write_text(COUNT_SIGINTS)
+    env = _fake_commands(tmp_path, job=f'exec "{sys.executable}" "{tmp_path}/count_sigints.py" "$@"\n')
+    out = tmp_path / "sigints"
+    launcher = subprocess.Popen([sys.executable, REPO / "scripts" / "launch_local.py", "--num-processes", "2", "--", "job", str(out)],
+                                env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)  # a shell's job: its own group
+    end = time.time() + 20
+    while not all((tmp_path / f"sigints.{i}.ready").exists() for i in range(2)) and time.time() < end:
+        time.sleep(0.01)
+    os.killpg(launcher.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    _, stderr = launcher.communicate(timeout=20)
+    assert launcher.returncode == 130 and stderr == ""
+    counts, groups = zip(*((tmp_path / f"sigints.{i}").read_text().split() for i in range(2)))
+    assert counts == ("1", "1") and str(launcher.pid) not in groups  # the launcher leads its group: pgid == pid

@@ -348,6 +348,73 @@ def test_preemption_flushes_pending_records_and_logs_the_skip(trainer, tmp_path,
     assert [r["step"] for r in records if "skipped_nonfinite" in r] == [3]
 
 
+@pytest.fixture
+def ctrl_c():
+    """A Ctrl-C to this process (SIGINT with Python's handler, even where the test runner ignores SIGINT)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield lambda: os.kill(os.getpid(), signal.SIGINT)  # the run's watch owns SIGINT while it trains
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_saves_the_step_and_a_second_one_stops_at_once(trainer, tmp_path, monkeypatch, ctrl_c):
+    """The first Ctrl-C: the step finishes, its checkpoint is committed, Preempted with status 130; a second one
+    (here as the save starts) stops at once without it; SIGINT is Python's again after each; the same command then
+    resumes to the uninterrupted run's state."""
+    from jaxtrain import checkpoint as checkpoint_lib
+
+    run_dir = tmp_path / "run"
+    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size, on_step={3: ctrl_c})
+    try:
+        with pytest.raises(Preempted) as stop:
+            train_lib.train(trainer.cfg, run_dir, trainer)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C left the run as a KeyboardInterrupt, without a checkpoint")
+    assert stop.value.status == 130
+    assert str(stop.value) == "interrupted: checkpoint of step 3 committed; run the same command again to resume"
+    assert _checkpoint_steps(run_dir) == [2, 3]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    monkeypatch.undo()
+    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size, on_step={5: ctrl_c})
+    save = checkpoint_lib.RunCheckpoints.save
+
+    def second_ctrl_c_as_step_5_saves(self, step, *args, **kwargs):
+        if step == 5:
+            ctrl_c()
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_lib.RunCheckpoints, "save", second_ctrl_c_as_step_5_saves)
+    with pytest.raises(checkpoint_lib.Interrupted, match=r"^interrupted again; run the same command again to resume from step 4$"):
+        train_lib.train(trainer.cfg, run_dir, trainer)
+    assert _checkpoint_steps(run_dir) == [2, 3, 4]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    monkeypatch.undo()
+    resumed = train_lib.train(trainer.cfg, run_dir, trainer)
+    uninterrupted = train_lib.train(trainer.cfg, tmp_path / "uninterrupted", trainer)
+    last = [[r for r in _records(d) if r["step"] == STEPS and "loss" in r] for d in (run_dir, tmp_path / "uninterrupted")]
+    assert last[0][0]["loss"] == last[1][0]["loss"]  # not every record: the stop flushed one at step 3 (log.every=2)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get((resumed.params, resumed.opt_state)),
+                 jax.device_get((uninterrupted.params, uninterrupted.opt_state)))
+
+
+def test_a_second_ctrl_c_names_the_save_it_left(trainer, tmp_path):
+    """Stopped while a save was written: the line names that step (its temporary directory, never resumed from) and
+    the newest committed one."""
+    from jaxtrain import checkpoint as checkpoint_lib
+
+    checkpoints = checkpoint_lib.RunCheckpoints(tmp_path / "run", trainer.cfg.checkpoint, STEPS)
+    try:
+        for name in ("2.orbax-checkpoint-tmp-17", "4", "6.orbax-checkpoint-tmp"):
+            (checkpoints.directory / name).mkdir()
+        checkpoints.preemption.interrupted = True
+        assert str(checkpoints.interrupted_error()) == (
+            "interrupted again: stopped without waiting for the save of step 6, which may be incomplete (a resume never "
+            "picks an incomplete checkpoint); run the same command again to resume from step 4")
+    finally:
+        checkpoints.close()
+
+
 def test_infinite_grad_norm_with_finite_loss_is_not_applied_and_stops(trainer, tmp_path):
     batch = next(train_lib.data_lib.train_batches(trainer.corpus, trainer.cfg.data, trainer.cfg.train.global_batch, trainer.batch_sharding))
     state = trainer.init_state()
