@@ -8,12 +8,18 @@ import optax
 from jaxtrain.config import Config
 
 
+def warmup_steps(cfg: Config) -> int:
+    """The steps the learning rate warms up over: ``optim.warmup_steps``, at most ``train.steps`` (a short run reaches
+    ``optim.lr`` at its last step; the start-up summary says so)."""
+    return min(cfg.optim.warmup_steps, cfg.train.steps)
+
+
 def learning_rate_schedule(cfg: Config) -> optax.Schedule:
     o = cfg.optim
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=o.lr,
-        warmup_steps=min(o.warmup_steps, cfg.train.steps),
+        warmup_steps=warmup_steps(cfg),
         decay_steps=max(cfg.train.steps, o.warmup_steps + 1),
         end_value=o.lr * o.min_lr_ratio,
     )

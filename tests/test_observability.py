@@ -120,6 +120,11 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     assert "4 micro-batch(es), no replica axis to sum the gradients over (optim.grad_sync has no effect);" in synced(None)
     assert summary["peak_flops_per_device"] == PEAK_TFLOPS * 1e12 and summary["compile_s"] > 0
     assert summary["idle_axes"] == {} and "note: mesh axis" not in format_summary(summary)
+    # a warmup longer than the run (a QA report: shortened without a word)
+    assert summary["warmup_steps"] == summary["configured_warmup_steps"] == 0 and "note: optim.warmup_steps" not in format_summary(summary)
+    assert "\n  note: optim.warmup_steps=20 is more than train.steps=12: the learning rate warms up over the 12 steps, reaching " \
+        "optim.lr at the last, and never decays; raise train.steps or lower optim.warmup_steps" in \
+        format_summary(summary | {"configured_warmup_steps": 20, "warmup_steps": 12})
     assert "\n  note: mesh axis tensor 2 splits neither the batch nor any parameter under rule set fsdp_tp: the same work runs 2 " \
         "times over;" in format_summary(summary | {"idle_axes": {"tensor": 2}})
     # fsdp_tp shards every matrix 4 ways (fsdp x tensor); float32, and AdamW keeps two moments per parameter

@@ -36,6 +36,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges
 from jaxtrain.observe import step_profile
 from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak, peak_flops
+from jaxtrain.optim import warmup_steps
 from jaxtrain.layout import Layout, idle_axes_note
 from jaxtrain.memory import host_malloc
 from jaxtrain.mesh import describe_axes
@@ -141,6 +142,7 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         # optim.grad_sync as resolved (auto); null where no replica axis sums the gradients
         "grad_sync": None if not layout.replica_axes else "microbatch" if layout.grad_reduction is None else "step",
         "idle_axes": layout.idle_axes,  # mesh axes that split nothing: their devices repeat each other's work
+        "warmup_steps": warmup_steps(cfg), "configured_warmup_steps": cfg.optim.warmup_steps,  # at most train.steps: the former
         "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(compile_s, 3),
         "compile_cache": compile_cache, "data": data, "cpu_devices_per_core": cpu_devices_per_core(),
         # on CPUs: the malloc and whether it keeps XLA:CPU's step buffers mapped (memory/host_malloc.py); null on accelerators
@@ -179,6 +181,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"({describe_cache(s['compile_cache'])})",
         f"  data: {s['data']}",
         *([f"  {note}"] if (note := idle_axes_note(s["idle_axes"], s["rules"])) else []),
+        *([f"  note: optim.warmup_steps={s['configured_warmup_steps']} is more than train.steps={s['warmup_steps']}: the learning rate "
+           f"warms up over the {s['warmup_steps']} steps, reaching optim.lr at the last, and never decays; raise train.steps or "
+           "lower optim.warmup_steps"] if s["configured_warmup_steps"] > s["warmup_steps"] else []),
         *([f"  note: {s['cpu_devices_per_core']:.3g} simulated CPU devices per core, each an XLA:CPU thread, crowd the cores: "
            "for speed, a mesh of at most one device per core (--mesh gpu1 runs on one)"] if (s["cpu_devices_per_core"] or 0) > 1 else []),
         *([f"  note: {s['host_malloc']} malloc hands XLA:CPU's step buffers back to the system, so each step maps and zeroes "
