@@ -74,9 +74,10 @@ def check_output_path(flag: str, path: Path) -> None:
 
 
 def resolve_config(experiment: str, mesh: str | None, rules: str | None, overrides: list[str],
-                   hf_dir: Path | None = None) -> config_lib.Config:
+                   hf_dir: Path | None = None, *, weights: bool = True) -> config_lib.Config:
     """The experiment's config with the mesh file, rule set and overrides applied; with ``hf_dir`` (a Hugging
-    Face model), the model's shape from its config.json, checked against the model keys the user gave."""
+    Face model), the model's shape from its config.json, checked against the model keys the user gave (and, with
+    ``weights``, its weight files against that shape)."""
     cfg = config_lib.load_experiment(experiment)
     if mesh:
         cfg = dataclasses.replace(cfg, mesh=config_lib.load_mesh_file(mesh))
@@ -87,7 +88,7 @@ def resolve_config(experiment: str, mesh: str | None, rules: str | None, overrid
     if hf_dir:
         cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, given, cfg.data.seq_len))
     config_lib.check(cfg)
-    if hf_dir:
+    if hf_dir and weights:
         hf_weights.check_dir(hf_dir, cfg.model)
     return cfg
 
@@ -159,7 +160,15 @@ def plan_device_count(mesh_cfg: config_lib.MeshConfig, devices: int | None) -> i
 
 
 def cmd_plan(args) -> int:
-    cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
+    hf_dir = Path(args.init_from) if args.init_from else None
+    if hf_dir is not None and not hf_config.is_hf_dir(hf_dir):
+        raise UserError(f"--init-from {hf_dir} is not a Hugging Face model directory (config.json); plan takes the model's shape "
+                        "from one (its config.json alone will do)")
+    # a plan needs the shape alone: config.json without the weights plans a model before it is downloaded
+    cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides, hf_dir, weights=False)
+    if hf_dir is None and hf_config.has_placeholder_shape(cfg.model):
+        print(f"jaxtrain: note: experiment {args.experiment} sets no model shape of its own (it takes one from --init-from "
+              "HF_DIR): this plans a placeholder model; give --init-from HF_DIR (its config.json will do)", file=sys.stderr)
     if args.device_memory is not None and not 0 < args.device_memory < math.inf:
         raise UserError(f"--device-memory {args.device_memory:g} must be positive (GiB per device)")
     if not 0 <= args.headroom < 1:
@@ -322,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--mesh", help="the target mesh file (a path, or a name under experiments/meshes/)")
     plan.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
     plan.add_argument("--devices", type=_positive_int, help="devices to simulate (default: the mesh's size; an ici -1 fills an 8-GPU node)")
+    plan.add_argument("--init-from", metavar="HF_DIR", help="the model's shape from a Hugging Face model directory's config.json, "
+                      "as `train --init-from` takes it (the weights need not be there)")
     memory = plan.add_mutually_exclusive_group()
     memory.add_argument("--gpu", help="target GPU, for its memory and peak FLOP/s (h100, h200, a100, a100-40gb, l4); h100, h200 "
                         "and a100 are compiled for with XLA's GPU compiler where jax's CUDA plugin is installed")

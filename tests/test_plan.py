@@ -272,6 +272,27 @@ def test_cli_plan_json_with_auto_microbatches(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_plan_takes_the_models_shape_from_a_hugging_face_config_alone(tmp_path):
+    """finetune sets no model shape: planned alone it is a placeholder, which a note says (a QA report: it was planned
+    without a word); --init-from HF_DIR takes the shape from config.json, the weights not needed."""
+    shape = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+             "tie_word_embeddings": False}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **shape}))
+    small = ["--mesh", "gpu1", "--device-memory", "1", "--json", "data.seq_len=64", "train.global_batch=2", "train.microbatches=1"]
+    placeholder = run_cli("plan", "finetune", *small, cwd=tmp_path)
+    assert placeholder.returncode == 0, placeholder.stderr[-2000:]
+    assert placeholder.stderr.startswith("jaxtrain: note: experiment finetune sets no model shape of its own")
+    planned = run_cli("plan", "finetune", "--init-from", str(tmp_path / "model"), *small, cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert "note: experiment" not in planned.stderr
+    params = 2 * 128 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64  # float32, on one device
+    assert json.loads(planned.stdout)["estimate_bytes"]["parameters"] == 4 * params
+    not_hf = run_cli("plan", "finetune", "--init-from", str(tmp_path), *small, cwd=tmp_path)
+    assert not_hf.returncode == 2 and not_hf.stderr.count("\n") == 1 and "is not a Hugging Face model directory" in not_hf.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--gpu", "h900"], "unknown GPU 'h900'; known: h100, h200, a100"),
     (["--device-memory", "0"], "--device-memory 0 must be positive"),

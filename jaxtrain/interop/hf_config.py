@@ -156,6 +156,13 @@ def context_length(directory: Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def has_placeholder_shape(model: LlamaConfig) -> bool:
+    """Whether ``model``'s shape is LlamaConfig's default: a placeholder, what an experiment that sets no shape of
+    its own (finetune, which takes one from --init-from HF_DIR) holds."""
+    defaults, ours = flat_model(LlamaConfig()), flat_model(model)
+    return all(ours[key] == defaults[key] for key in SHAPE_KEYS)
+
+
 def given_model_keys(experiment_model: LlamaConfig, overrides: list[str]) -> set[str]:
     """The model keys a user gave: those the experiment sets to something other than LlamaConfig's default,
     and every model.* key on the command line (a value equal to the default in an experiment cannot be told
