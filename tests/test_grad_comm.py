@@ -55,6 +55,9 @@ def test_gradients_are_reduced_in_bfloat16_only_when_asked():
     assert "gradients summed in bfloat16" in bf16.describe() and "gradients summed in float32" in f32.describe()
     zero1 = step_cost.step_time(make_layout(_cfg("bfloat16", "zero1")), "h100")
     assert zero2.traffic_bytes["data"] == pytest.approx(zero1.traffic_bytes["data"] - bf16.traffic_bytes["data"] / 2)
+    # one device: nothing to sum (the plan had said "gradients summed in float32 in every micro-batch", a QA report)
+    alone = step_cost.step_time(make_layout(_cfg("float32", mesh=(1, 1, 1), microbatches=2), jax.devices()[:1]), "h100")
+    assert "gradients summed" not in alone.describe()
 
 
 @pytest.fixture(scope="module")

@@ -303,7 +303,9 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     if m.moe.num_experts:
         traffic["expert"] = k * m.num_layers * sequences * seq * expert_bytes_per_token(m, expert_ways)
         communication["expert"] = seconds(traffic["expert"], expert_axes)
-    if reduction is None:
+    if batch_ways == 1:  # one batch shard: no device's gradient to sum with another's (the trainer's summary says so too)
+        gradients = ""
+    elif reduction is None:
         gradients = m.dtype + (" (norm scales float32)" if m.dtype != "float32" else "") + (" in every micro-batch" if k > 1 else "")
     else:
         gradients = f"{reduction.dtype} once per step over {', '.join(a for a in reduction.axes if layout.mesh.shape[a] > 1)}"
