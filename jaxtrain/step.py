@@ -74,17 +74,7 @@ def _token_nll(model, batch: Batch, loss_chunk: int) -> jax.Array:
     packing = batch.get("segment_ids"), batch.get("positions")
     if not loss_chunk:
         return cross_entropy(model(batch["inputs"], *packing), batch["targets"])
-    x = model.hidden(batch["inputs"], *packing)
-    b, t, d = x.shape
-    chunks = (jnp.swapaxes(x.reshape(b, t // loss_chunk, loss_chunk, d), 0, 1),
-              jnp.swapaxes(batch["targets"].reshape(b, t // loss_chunk, loss_chunk), 0, 1))
-
-    @jax.checkpoint
-    def chunk_nll(chunk):
-        hidden, targets = chunk
-        return cross_entropy(model.logits(hidden), targets)
-
-    return jnp.swapaxes(jax.lax.map(chunk_nll, chunks), 0, 1).reshape(b, t)
+    return model.chunked_loss(model.hidden(batch["inputs"], *packing), batch["targets"], loss_chunk, cross_entropy)
 
 
 def counted_tokens(batch: Batch) -> jax.Array | None:

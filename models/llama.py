@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,8 @@ from models.attention import chunked_causal_attention
 from models.config import LlamaConfig, RopeScaling
 from models.lora import adapt_block, adapter_delta, layer_inputs, layer_scope
 from models.quant import gathering_weights, weight
-from models.sharding import constrain, constrain_mesh_axes, gathered, mesh_axes_of, split_axes
+from models.sharding import (constrain, constrain_mesh_axes, gathered, gathered_for_use, mesh_axes_of, split_axes,
+                             split_over_batch_too)
 
 BATCH, LENGTH = "activation_batch", "activation_length"
 EMBEDDING_AXES = ("vocab", "embed")  # the token embedding table's (the planner prices its lookup's gradient apart)
@@ -339,6 +340,66 @@ def _project_to_vocab_bwd(equation, table_axes, residuals, grad):
 _project_to_vocab.defvjp(_project_to_vocab_fwd, _project_to_vocab_bwd)
 
 
+# A loss over the logits in chunks of positions (train.loss_chunk: one chunk's float32 logits live at a time, remade
+# in the backward). The table is laid out as the product needs it (FSDP: gathered) once for the forward's loop over
+# the chunks and kept for the backward's: each chunk through _project_to_vocab under jax.checkpoint, XLA gathered it
+# in every chunk (llama3_70b_qlora in 8 chunks: 47 GiB a step more than once a pass). Each chunk's gradient of a
+# gathered table is reduce-scattered as it is made, over the gather axes and the batch's other axes at once, into a
+# sum in the stored dtype split over both, gathered back over the latter after the loop: through autodiff, XLA
+# reduce-scattered it over fsdp in each chunk and summed it over data after the loop; summed whole over the loop, it
+# would hold a gathered gradient the table's size. A frozen table (a LoRA run's) gets no gradient at all.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _chunked_loss(loss: Callable, equation: str, table_axes: tuple[str, str], dtype, x: jax.Array, targets: jax.Array,
+                  table: jax.Array) -> jax.Array:
+    return _chunk_losses(loss, equation, x, targets, _lay_out_for_logits(table_axes, dtype, table))
+
+
+def _lay_out_for_logits(table_axes, dtype, table):
+    """The stored table cast to the compute dtype where it lies (else XLA moves the cast behind the gather and gathers
+    float32), then laid out for the product."""
+    return _laid_out_for_use(constrain(table.astype(dtype), table_axes), table_axes)
+
+
+def _chunk_logits(equation, x, table):
+    return constrain(jnp.einsum(equation, x, table, preferred_element_type=jnp.float32), (BATCH, LENGTH, "activation_vocab"))
+
+
+def _chunk_losses(loss, equation, x, targets, table):
+    return jax.lax.map(lambda chunk: loss(_chunk_logits(equation, chunk[0], table), chunk[1]), (x, targets))
+
+
+def _chunked_loss_fwd(loss, equation, table_axes, dtype, x, targets, table):
+    role = "trained" if table.perturbed else "frozen"  # a LoRA run's frozen table gets no gradient at all
+    x, targets, table = x.value, targets.value, table.value
+    laid = _lay_out_for_logits(table_axes, dtype, table)
+    # a gathered table kept for the backward (gathered again, its traffic twice); an ungathered one cast again there
+    kept = laid if gathered_for_use("embed") else None
+    return _chunk_losses(loss, equation, x, targets, laid), (x, targets, {role: table}, kept)
+
+
+def _chunked_loss_bwd(loss, equation, table_axes, dtype, residuals, grad):
+    x, targets, stored, kept = residuals
+    (role, table), = stored.items()
+    laid = _lay_out_for_logits(table_axes, dtype, table) if kept is None else kept
+    over_batch = functools.partial(split_over_batch_too, logical_axes=table_axes, axis="embed", batch_axis=BATCH)
+
+    def chunk(table_grad, inputs):
+        x, targets, grad = inputs
+        _, loss_vjp = jax.vjp(lambda logits: loss(logits, targets), _chunk_logits(equation, x, laid))
+        _, product_vjp = jax.vjp(lambda x, table: jnp.einsum(equation, x, table), x, laid)
+        x_grad, laid_grad = product_vjp(loss_vjp(grad)[0].astype(x.dtype))  # the backward's products in the compute dtype
+        return (None if role == "frozen" else table_grad + over_batch(laid_grad).astype(table.dtype)), x_grad
+
+    # a gathered table's sum is kept split over the batch through the loop and laid out as stored after it; an
+    # ungathered one's is left to GSPMD, which sums it once after the loop (and splits it as ZeRO-2 keeps it)
+    held = over_batch if kept is not None else (lambda g: g)
+    table_grad, x_grad = jax.lax.scan(chunk, None if role == "frozen" else held(jnp.zeros_like(table)), (x, targets, grad))
+    return x_grad, None, table_grad if role == "frozen" or kept is None else constrain(table_grad, table_axes)
+
+
+_chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd, symbolic_zeros=True)
+
+
 # The embedding lookup, where the batch is split over (at least) the mesh axes the table's columns are
 # (Llama._embed_tokens). The table's embed dimension is laid out as the activations' before the lookup
 # (FSDP all-gathers it): rows gathered from a table split on embed come out split on embed, and SPMD can move that to
@@ -458,13 +519,31 @@ class Llama(nnx.Module):
         return constrain(_lookup_rows(self.embed[...], tokens, dtype), EMBED_ACT)
 
     def logits(self, x: jax.Array) -> jax.Array:
-        """Hidden states (batch, length, d_model) -> logits (batch, length, vocab) float32; any length,
-        so a loss can project a slice of positions at a time."""
+        """Hidden states (batch, length, d_model) -> logits (batch, length, vocab) float32; any length."""
+        x, dtype = self._logit_inputs(x)
+        equation, table_axes, table = self._output_table()
+        logits = _project_to_vocab(equation, table_axes, x, constrain(table.astype(dtype), table_axes))
+        return constrain(logits, (BATCH, LENGTH, "activation_vocab"))
+
+    def chunked_loss(self, x: jax.Array, targets: jax.Array, chunk: int, loss: Callable) -> jax.Array:
+        """``loss(logits, targets)`` per position of hidden states ``x`` (batch, length, d_model), ``chunk`` positions
+        at a time: (batch, length) values with one chunk's float32 logits live at a time. ``loss`` is a hashable
+        function of float32 logits (..., vocab) and targets (...)."""
+        x, dtype = self._logit_inputs(x)
+        equation, table_axes, table = self._output_table()
+        b, t, d = x.shape
+        chunks = jnp.swapaxes(x.reshape(b, t // chunk, chunk, d), 0, 1), jnp.swapaxes(targets.reshape(b, t // chunk, chunk), 0, 1)
+        return jnp.swapaxes(_chunked_loss(loss, equation, table_axes, dtype, *chunks, table), 0, 1).reshape(b, t)
+
+    def _logit_inputs(self, x: jax.Array) -> tuple[jax.Array, jnp.dtype]:
+        """The hidden states and the dtype the output projection computes in."""
         dtype = jnp.dtype(self.cfg.dtype)
         if dtype == jnp.float16:  # float16 logits overflow, and XLA:CPU has no float16 product into float32
-            x, dtype = x.astype(jnp.float32), jnp.dtype(jnp.float32)
+            return x.astype(jnp.float32), jnp.dtype(jnp.float32)
+        return x, dtype
+
+    def _output_table(self) -> tuple[str, tuple[str, str], jax.Array]:
+        """The output projection's einsum, its table's logical axes and the stored table (the embedding's, tied)."""
         if self.cfg.tie_embeddings:
-            logits = _project_to_vocab("btd,vd->btv", EMBEDDING_AXES, x, constrain(self.embed[...].astype(dtype), EMBEDDING_AXES))
-        else:
-            logits = _project_to_vocab("btd,dv->btv", ("embed", "vocab"), x, constrain(self.lm_head[...].astype(dtype), ("embed", "vocab")))
-        return constrain(logits, (BATCH, LENGTH, "activation_vocab"))
+            return "btd,vd->btv", EMBEDDING_AXES, self.embed[...]
+        return "btd,dv->btv", ("embed", "vocab"), self.lm_head[...]

@@ -43,6 +43,23 @@ def constrain_mesh_axes(x: jax.Array, axes: tuple[tuple[str, ...], ...]) -> jax.
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*(a or None for a in axes)))
 
 
+def split_over_batch_too(x: jax.Array, logical_axes: tuple[str | None, ...], axis: str, batch_axis: str) -> jax.Array:
+    """``x``, a weight's gradient summed over the batch, laid out by ``logical_axes`` with its ``axis`` dimension, where
+    the weight is gathered for use (FSDP), also split over the mesh axes of ``batch_axis`` that no dimension of it is:
+    one reduce-scatter over every batch axis, where the stored layout takes a reduce-scatter and an all-reduce over
+    the rest. Gathering over the added axes (after the stored ones) gives back the stored layout. As stored where
+    nothing is added, the dimension does not divide or is not gathered."""
+    if not spmd.get_logical_axis_rules():
+        return x
+    spec = [mesh_axes_of(a) if a else () for a in logical_axes]
+    dim = logical_axes.index(axis)
+    added = tuple(a for a in mesh_axes_of(batch_axis) if a in split_axes(batch_axis) and not any(a in s for s in spec))
+    if not gathered_for_use(axis) or not added or x.shape[dim] % math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in (*spec[dim], *added)):
+        return constrain(x, logical_axes)
+    spec[dim] = (*spec[dim], *added)
+    return constrain_mesh_axes(x, tuple(spec))
+
+
 def mesh_axes_of(logical_axis: str) -> tuple[str, ...]:
     """The mesh axes the active rule set maps ``logical_axis`` to (none without a rule or a context), so a
     model can name them to jax (e.g. ``vmap``'s ``spmd_axis_name``) without knowing them."""
@@ -73,17 +90,22 @@ def gathered(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     is of size one on each device, so the move costs nothing before the gather; after it, a layer's gathered weight is
     transposed once per use. A quantized base's codes come here before they are dequantized: GSPMD had gathered most
     projections' dequantized bfloat16, four times nf4's bytes."""
-    rules = dict(spmd.get_logical_axis_rules())
-    if not rules:
+    if not spmd.get_logical_axis_rules():
         return x
     spec = [mesh_axes_of(axis) if axis else () for axis in logical_axes]
     for dim, axis in enumerate(logical_axes):
-        use = f"activation_{axis}"
-        if use not in rules or not split_axes(axis) or split_axes(axis) & split_axes(use):
-            continue  # unsplit, or split as it is used (a partial overlap is left to GSPMD)
+        if not axis or not gathered_for_use(axis):
+            continue
         x = _gather_as_leading(dim, tuple(spec), x)
         spec[dim] = ()
     return x
+
+
+def gathered_for_use(axis: str) -> bool:
+    """Whether ``gathered`` gathers a dimension with logical ``axis``: split in storage, and its activations'
+    counterpart (``activation_<axis>``) over none of the same mesh axes (a partial overlap is left to GSPMD)."""
+    use = f"activation_{axis}"
+    return use in dict(spmd.get_logical_axis_rules()) and bool(split_axes(axis)) and not split_axes(axis) & split_axes(use)
 
 
 def _unsplit(spec: tuple[tuple[str, ...], ...], dim: int) -> tuple[tuple[str, ...], ...]:

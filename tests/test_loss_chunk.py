@@ -1,6 +1,7 @@
 """The loss: train.loss_chunk's chunked cross-entropy gives the same loss and gradients as the whole-sequence
-one, with a smaller compiled working set, and a chunk that does not divide the sequence is a UserError;
-jaxtrain.step.cross_entropy equals optax's with a backward that scatters nothing."""
+one, on one device and on meshes (its backward written out: models/llama.py _chunked_loss), with a smaller compiled
+working set, and a chunk that does not divide the sequence is a UserError; jaxtrain.step.cross_entropy equals
+optax's with a backward that scatters nothing."""
 
 import jax
 import jax.numpy as jnp
@@ -9,11 +10,14 @@ import optax
 import pytest
 
 from conftest import small_config, with_
+from jaxtrain.adapt.adapters import join_frozen
 from jaxtrain.config import check
 from jaxtrain.errors import UserError
 from jaxtrain.state import init_state
 from jaxtrain.step import cross_entropy, token_nll
 from jaxtrain.layout import lower_steps, make_layout
+from jaxtrain.partitioning import model_tracing
+from models.config import LoraConfig
 
 
 def _compiled_and_grads(cfg, batch):
@@ -35,6 +39,29 @@ def test_chunked_loss_matches_whole_sequence_and_uses_less_memory():
     # float32 logits of the whole sequence: 8 x 64 x 2048 x 4 bytes = 4 MiB, and their gradient
     saved = compiled_whole.memory_analysis().temp_size_in_bytes - compiled_chunk.memory_analysis().temp_size_in_bytes
     assert saved > 4 * 2**20
+
+
+@pytest.mark.parametrize("rules,mesh,model", [
+    ("fsdp", (2, 4, 1), {}), ("fsdp", (2, 4, 1), {"tie_embeddings": True}), ("fsdp_tp", (2, 2, 2), {}), ("dp", (8, 1, 1), {}),
+    ("zero2", (8, 1, 1), {}), ("fsdp", (2, 4, 1), {"lora": LoraConfig(rank=4, alpha=8.0)}),
+])
+def test_chunked_loss_matches_whole_sequence_on_a_mesh(rules, mesh, model):
+    """The output table gathered once for the chunks (FSDP), each chunk's gradient of it reduce-scattered over the
+    batch's axes and summed in float32, a LoRA run's frozen table given none: the whole sequence's loss and gradients."""
+    cfg = with_(small_config(rules, mesh, vocab_size=512, **model), data={"seq_len": 64})
+    layout = make_layout(cfg)
+    state = init_state(cfg.model, layout.tx, 0, layout.shardings)
+    rng = np.random.default_rng(0)
+    batch = {k: rng.integers(0, 512, (8, 64)).astype(np.int32) for k in ("inputs", "targets")}
+
+    def loss_and_grads(chunk):
+        with model_tracing(layout.mesh, layout.rules, cfg.rules):
+            return jax.jit(jax.value_and_grad(lambda p: token_nll(layout.spec.graphdef, join_frozen(state.frozen, p), batch, chunk).mean()))(
+                state.params)
+
+    (loss_whole, grads_whole), (loss_chunk, grads_chunk) = (loss_and_grads(c) for c in (0, 8))
+    np.testing.assert_allclose(loss_chunk, loss_whole, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads_chunk, grads_whole)
 
 
 def test_loss_chunk_must_divide_seq_len():

@@ -213,8 +213,9 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         GSPMD sums their gradient over the data axes, in every iteration that runs them (iterations / repeats a pass)."""
         return k * (pipe.iterations / pipe.repeats if pipe.stages > 1 and "layers" in axes else 1)
 
-    # train.loss_chunk: the loss's loop over chunks gathers the output table again in each chunk's forward (XLA keeps
-    # one gather for the backward) and reduces its gradient in each chunk's backward
+    # train.loss_chunk (models/llama.py _chunked_loss): the output table gathered once a pass, as without chunks; a
+    # gathered table's gradient reduce-scattered in each chunk's backward, over the gather axes and the batch axes GSPMD
+    # sums in every pass (one reduction where there were two), and gathered back over the latter after the loop
     chunks = seq // cfg.train.loss_chunk if cfg.train.loss_chunk else 0
 
     def output_table(axes) -> bool:
@@ -222,7 +223,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
 
     def gathers_per_pass(axes) -> int:
         """A layer's weights again for its recomputed backward; the embedding table also for a tied output layer."""
-        return (2 if "layers" in axes or (tuple(axes) == EMBEDDING_AXES and m.tie_embeddings) else 1) + chunks * output_table(axes)
+        return 2 if "layers" in axes or (tuple(axes) == EMBEDDING_AXES and m.tie_embeddings) else 1
 
     for x, axes, grad_sharding, moment_sharding in zip(jax.tree.leaves(params), logical, jax.tree.leaves(layout.gradient_shardings()),
                                                         jax.tree.leaves(layout.optimizer_shardings())):
@@ -238,18 +239,27 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         # table gathered and its gradient summed in float32
         whole = lookup and not embedding_gradient_by_columns(layout)
         tied = lookup and m.tie_embeddings  # also the output layer's: gathered for it apart, its gradient reduced
-        reduced = x.dtype.itemsize if whole else 0 if lookup and not tied else grad * (chunks if output_table(axes) and chunks else 1)
+        per_pass = replicated // summed_ways  # the replicas summed in every pass's backward, the rest once a step
+        chunked = chunks and output_table(axes) and split > 1  # an ungathered table's sum is GSPMD's, once a pass
+        # the chunked loss's reduce-scatter also over the replicas (where the embed dimension divides, as the model splits)
+        chunk_replicas = per_pass if chunked and m.d_model % (logical_ways(layout.rules, layout.mesh, "embed") * per_pass) == 0 else 1
+        reduced = x.dtype.itemsize if whole else 0 if lookup and not tied or chunked else grad
         fsdp += passes * gathered * (gathers_per_pass(axes) * (x.dtype.itemsize if whole else act) + reduced) * (split - 1) / split
+        if chunked:
+            reducing = split * chunk_replicas
+            fsdp += passes * (chunks * gathered * grad * (reducing - 1) / reducing
+                              + local * x.dtype.itemsize * (chunk_replicas - 1) / chunk_replicas)
         if lookup and not whole and split > 1:  # the rows' gradient (batch, length, d_model) to the table's columns, and the ids
             fsdp += k * sequences * seq * (m.d_model * act * (split - 1) / split + 4 * (split - 1))
         # split further than the weight over the batch axes (an expert's weights: also over the expert axes, which
         # are batch axes but not gathered): reduce-scatter (ZeRO-2), else all-reduce
         stored_ways = ways(x, x.sharding)
         reductions = 1 if ways(x, grad_sharding) > stored_ways else 2
-        per_pass = replicated // summed_ways  # the replicas summed in every pass's backward, the rest once a step
-        # the lookup's gradient summed over the data axes in the table's dtype, its float32 scatter-add's
+        # the lookup's gradient summed over the data axes in the table's dtype, its float32 scatter-add's; the chunked
+        # loss's output table's sum was in its reduce-scatter (a tied table's lookup part still summed)
         summed = x.dtype.itemsize if lookup and not whole else grad
-        data += passes * reductions * local * summed * (per_pass - 1) / per_pass
+        if not (chunk_replicas > 1 and not tied):
+            data += passes * reductions * local * summed * (per_pass - 1) / per_pass
         if reduction is not None:
             after_backward += reductions * local * reduction.dtype.itemsize * (summed_ways - 1) / summed_ways
         optimizer_split = ways(x, moment_sharding) // stored_ways
