@@ -54,7 +54,8 @@ def split_over_batch_too(x: jax.Array, logical_axes: tuple[str | None, ...], axi
     spec = [mesh_axes_of(a) if a else () for a in logical_axes]
     dim = logical_axes.index(axis)
     added = tuple(a for a in mesh_axes_of(batch_axis) if a in split_axes(batch_axis) and not any(a in s for s in spec))
-    if not gathered_for_use(axis) or not added or x.shape[dim] % math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in (*spec[dim], *added)):
+    ways = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in (*spec[dim], *added))
+    if not gathered_for_use(axis) or not added or x.shape[dim] % ways:
         return constrain(x, logical_axes)
     spec[dim] = (*spec[dim], *added)
     return constrain_mesh_axes(x, tuple(spec))

@@ -158,6 +158,7 @@ def test_ctrl_c_before_the_first_step_is_one_line_and_writes_nothing(reference, 
 
     monkeypatch.setattr(train_lib, "compile_steps", compile_interrupted)
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the command's environment defaults stay in this test
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)  # pytest-xdist's workers ignore SIGINT
     resumed = tmp_path / "resumed"
     shutil.copytree(reference[0], resumed)
     before = _files(resumed)
@@ -175,7 +176,7 @@ def test_ctrl_c_before_the_first_step_is_one_line_and_writes_nothing(reference, 
             f"jaxtrain: interrupted before the first step, no checkpoint written; run the same command again to {again}"]
     assert not (tmp_path / "fresh").exists()
     assert _files(resumed) == before
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
 
 
 def test_sigkill_during_async_save_resumes_from_previous_complete(reference, tmp_path):

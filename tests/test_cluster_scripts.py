@@ -140,7 +140,9 @@ def test_local_launcher_forwards_a_ctrl_c_once_and_exits_130(tmp_path):
     env = _fake_commands(tmp_path, job=f'exec "{sys.executable}" "{tmp_path}/count_sigints.py" "$@"\n')
     out = tmp_path / "sigints"
     launcher = subprocess.Popen([sys.executable, REPO / "scripts" / "launch_local.py", "--num-processes", "2", "--", "job", str(out)],
-                                env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)  # a shell's job: its own group
+                                env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,  # a shell's job: its own group
+                                # SIGINT as a terminal leaves it, even where this test process ignores it (pytest-xdist's workers)
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     end = time.time() + 20
     while not all((tmp_path / f"sigints.{i}.ready").exists() for i in range(2)) and time.time() < end:
         time.sleep(0.01)

@@ -220,7 +220,8 @@ def test_generate_with_a_qlora_adapter_serves_the_model_it_trained(hf_base, corp
         assert _generated(capsys, str(hf_dir), "--adapter", str(adapter)) == merged
     capsys.readouterr()
     assert cli.main(["generate", str(hf_dir), "--adapter", str(run_dir), "--prompt", "1 2", "--max-new-tokens", "2"]) == 0
-    assert f"jaxtrain: --adapter {run_dir} trained on the base quantized to nf4: applied to it quantized the same way" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert f"jaxtrain: --adapter {run_dir} trained on the base quantized to nf4: applied to it quantized the same way" in said
 
 
 def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path, capsys):

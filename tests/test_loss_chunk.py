@@ -56,8 +56,8 @@ def test_chunked_loss_matches_whole_sequence_on_a_mesh(rules, mesh, model):
 
     def loss_and_grads(chunk):
         with model_tracing(layout.mesh, layout.rules, cfg.rules):
-            return jax.jit(jax.value_and_grad(lambda p: token_nll(layout.spec.graphdef, join_frozen(state.frozen, p), batch, chunk).mean()))(
-                state.params)
+            mean_nll = lambda p: token_nll(layout.spec.graphdef, join_frozen(state.frozen, p), batch, chunk).mean()  # noqa: E731
+            return jax.jit(jax.value_and_grad(mean_nll))(state.params)
 
     (loss_whole, grads_whole), (loss_chunk, grads_chunk) = (loss_and_grads(c) for c in (0, 8))
     np.testing.assert_allclose(loss_chunk, loss_whole, rtol=1e-6)

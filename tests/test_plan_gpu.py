@@ -115,8 +115,8 @@ CHUNKED = {"loss_chunk": 128}  # of 512 positions
     ("fsdp", (1, 8, 1), {}, {}), ("fsdp", (1, 8, 1), TIED, {}), ("fsdp", (2, 4, 1), {}, {}), ("fsdp", (2, 4, 1), TIED, {}),
     ("fsdp_tp", (1, 4, 2), {}, {}), ("fsdp_tp", (2, 2, 2), {}, {}), ("tp", (2, 1, 4), {}, {}), ("fsdp_ep", (1, 4, 1, 1, 2), EXPERTS, {}),
     ("fsdp", (1, 8, 1), LORA, {}), ("fsdp", (2, 4, 1), LORA | {"base_quant": "nf4"}, {}),
-    ("fsdp", (2, 4, 1), {}, CHUNKED), ("fsdp", (2, 4, 1), TIED, CHUNKED), ("fsdp_tp", (2, 2, 2), {}, CHUNKED), ("tp", (2, 1, 4), {}, CHUNKED),
-    ("fsdp", (1, 8, 1), LORA, CHUNKED),
+    ("fsdp", (2, 4, 1), {}, CHUNKED), ("fsdp", (2, 4, 1), TIED, CHUNKED), ("fsdp_tp", (2, 2, 2), {}, CHUNKED),
+    ("tp", (2, 1, 4), {}, CHUNKED), ("fsdp", (1, 8, 1), LORA, CHUNKED),
 ])
 def test_the_step_moves_what_step_cost_predicts_and_the_embeddings_gradient_is_never_summed_whole(rules, mesh, model, train):
     """The embedding lookup (models/llama.py): its table gathered in bfloat16, its gradient rows sent to the devices
