@@ -5,6 +5,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -154,6 +155,20 @@ def _check_cpu_profile(profile: dict, steps: int) -> None:
     assert len(ops) == step_profile.LARGEST_OPS and all(r["runs_per_step"] == int(r["runs_per_step"]) >= 1 for r in ops)
     assert min(r["runs_per_step"] for r in ops) == 1  # layers unrolled on CPUs: most ops run once a step
     assert [r["ms_per_step"] for r in ops] == sorted((r["ms_per_step"] for r in ops), reverse=True)
+
+
+def test_a_resumed_run_hides_the_earlier_attempts_tensorboard_events_past_its_checkpoint(two_runs, trainer, tmp_path):
+    """As metrics.jsonl drops its records past the resumed step: TensorBoard showed both attempts' values at those
+    steps (a QA report), now one value a step, the metrics file's."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_runs[0], run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / str(STEPS))  # the last save lost: the run resumes from step STEPS - 2
+    train_lib.train(trainer.cfg, run_dir, trainer)
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    steps = [r for r in _records(run_dir) if "loss" in r]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in steps]
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2
 
 
 def test_profile_trace_written_and_summarized(two_runs):

@@ -295,7 +295,9 @@ class MetricsLog:
         drop_records_after(run_dir / "metrics.jsonl", initial_step)
         self.file = open(run_dir / "metrics.jsonl", "a")
         if cfg.log.tensorboard:
-            self.tensorboard = tensorboard_writer_class()(str(run_dir))
+            # an earlier attempt's events past the resumed step hidden, as its metrics.jsonl records are dropped (a
+            # restart event TensorBoard purges them at)
+            self.tensorboard = tensorboard_writer_class()(str(run_dir), purge_step=initial_step + 1)
             self.tensorboard.add_text("summary", "    " + format_summary(summary).replace("\n", "\n    "), initial_step)
         if cfg.log.wandb:
             import wandb
