@@ -11,6 +11,7 @@ import difflib
 import importlib
 import importlib.util
 import math
+import traceback
 import types
 import typing
 from pathlib import Path
@@ -344,7 +345,18 @@ def load_experiment(name_or_path: str) -> Config:
         module = importlib.import_module(f"experiments.{name_or_path}")
     if not callable(getattr(module, "config", None)):
         raise UserError(f"experiment {name_or_path} defines no config() function returning a jaxtrain Config")
-    cfg = module.config()
+    try:
+        cfg = module.config()
+    except UserError:
+        raise
+    except Exception as e:
+        if module.__name__.startswith("experiments."):  # ours: a bug to see whole
+            raise
+        # the user's file (a misspelt LlamaConfig field, say): where in it, not a traceback
+        lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if Path(frame.filename).resolve() == path.resolve()]
+        detail = f"{type(e).__name__}: {e}".splitlines()[0]
+        where = f" line {lines[-1]}" if lines else ""
+        raise UserError(f"experiment file {name_or_path}{where}: config() raised {detail}; fix the file") from None
     if not isinstance(cfg, Config):
         raise UserError(f"experiment {name_or_path}: config() returned {type(cfg).__name__}, expected jaxtrain.config.Config")
     return cfg

@@ -95,6 +95,10 @@ def test_an_experiment_path_must_be_a_python_file(tmp_path):
     with pytest.raises(UserError, match=rf"^experiment file {broken} failed to load: ModuleNotFoundError: No module named 'nosuchmod'; "
                                         "fix the file$"):
         config_lib.load_experiment(str(broken))
+    # config() itself raising (a misspelt field): where in the file, one line
+    broken.write_text("from models.config import LlamaConfig\n\ndef config():\n    return LlamaConfig(d_modle=64)\n")
+    with pytest.raises(UserError, match=rf"^experiment file {broken} line 4: config\(\) raised TypeError: .*'d_modle'; fix the file$"):
+        config_lib.load_experiment(str(broken))
 
 
 @pytest.mark.parametrize("key, ours", [("optim.learning_rate", "optim.lr"), ("train.batch_size", "train.global_batch"),
