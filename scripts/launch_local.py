@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "--process-id", str(i), *extra], start_new_session=True))
         for signum in received:  # came while the processes were starting: this one gets it too
             procs[-1].send_signal(signum)
+
     def status(first: int) -> int:
         # after a Ctrl-C, its 130, not the error of a process that lost the others (a second Ctrl-C stops them at once)
         statuses = [as_shell_reports(p.wait()) for p in procs]
