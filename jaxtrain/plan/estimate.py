@@ -54,6 +54,7 @@ ACCELERATOR = "gpu"  # the platform plans are for, whatever the step was compile
 # the offload_* policies are itemised (technique_effects), not searched: a compile on CPUs, which have one memory,
 # cannot check what they save
 SEARCHED_REMAT = tuple(p for p in REMAT_POLICIES if not p.startswith("offload_"))
+MLP_BACKWARD_ARRAYS = 4
 AUTO_COMPILES = 4  # train.microbatches=auto: compiles tried past the estimate's choice before giving up
 T = TypeVar("T")
 
@@ -147,8 +148,8 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     frozen_layer = act * per_layer(state.frozen, frozen_axes) * (2 if m.base_quant == "nf4" else 1) if state.frozen else 0
     vocab_table = m.d_model * m.vocab_size / _ways(layout, "vocab")  # elements, gathered over fsdp
     # the embedding lookup's gradient: the columns the device holds (models/llama.py), or where those are split over
-    # an axis the batch is not, autodiff's lookup: the whole gathered table's
-    lookup_gradient = vocab_table / (_ways(layout, "embed") if embedding_gradient_by_columns(layout) else 1)
+    # an axis the batch is not, autodiff's lookup: the whole gathered table's; none for a frozen table (LoRA)
+    lookup_gradient = ("embed" in state.params) * vocab_table / (_ways(layout, "embed") if embedding_gradient_by_columns(layout) else 1)
     # backward of one layer: XLA attention's score arrays (probabilities, their gradient, the scores' gradient:
     # two in float32 and two in the compute dtype on a GPU; three in float32 and one in the compute dtype on the
     # CPU compile); the residual stream's float32 gradients; the embedding lookup's float32 gradient, split as the
@@ -165,8 +166,12 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # over every expert the device holds: in a layer's backward the rows' gate and up products for each of them
     if moe.num_experts and moe.dispatch == "dropless" and moe.grouped_matmul == "xla" and not on_cpu:
         routed_backward += act * moe.num_experts / _ways(layout, "experts") * tokens * routed * 2 * m.mlp_dim / _ways(layout, "activation_mlp")
-    layer_backward = attention_backward + 16 * embed + (16 + act if on_cpu else 4) * lookup_gradient + (4 + act) * layer_weights + frozen_layer \
-        + circular_selection + routed_backward
+    # the MLP's backward: gate and up (recomputed, or copies of the saved ones), the SwiGLU product's gradient and the
+    # gate's and up's, in the compute dtype; routed experts' rows are routed_backward's
+    dense_rows = moe.num_shared_experts if moe.num_experts else 1
+    mlp_backward = MLP_BACKWARD_ARRAYS * act * tokens * m.mlp_dim * dense_rows / _ways(layout, "activation_mlp")
+    layer_backward = attention_backward + 16 * embed + mlp_backward + (16 + act if on_cpu else 4) * lookup_gradient \
+        + (4 + act) * layer_weights + frozen_layer + circular_selection + routed_backward
     logit_tokens = b * (cfg.train.loss_chunk or seq)  # train.loss_chunk: one chunk's logits live at a time
     # float32 logits and their gradient in the compute dtype (jaxtrain.step.cross_entropy's backward, cast by the
     # output projection's; float32 on the CPU compile); the output table gathered over fsdp: its compute copy, kept
