@@ -3,7 +3,8 @@ stage 2 x fsdp 32 across nodes), rules pp_fsdp_tp; circular schedule: 126 layers
 2 micro-batches in flight per pass of 32 (one sequence per device per micro-batch), bubble
 (2 - 1) / (21 x 2 + 2 - 1) = 2.3%. Many repeats keep what a stage saves for the backward near the plain layout's
 (iterations x layers per stage = 43 x 3 = 129 layer inputs per sequence, against 126); `jaxtrain plan llama3_405b_pp
---gpu h100`: 68.3 GiB of 71.7 usable (README, "Pipeline parallelism", for the other schedules tried)."""
+--gpu h100` with jax's CUDA plugin: 57.5 GiB compiled of 71.7 usable (README, "Pipeline parallelism", for the other
+schedules tried)."""
 
 import dataclasses
 

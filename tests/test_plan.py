@@ -1,6 +1,7 @@
 """The memory planner: estimate vs compiled truth, train.microbatches=auto, suggestions, CLI contract; and the
 experiment files' public Llama shapes."""
 
+import dataclasses
 import json
 import re
 
@@ -331,3 +332,21 @@ def test_a_small_models_plan_reads_in_units_that_show_it():
     assert total.split()[1:3] == [f"{plan.estimate_total / 2**20:.2f}", "MiB"], total
     assert re.search(r"^estimated step time: [\d.]+ (µs|ms) on h100 \(compute [\d.]+ (µs|ms) ", text, re.M), text
     assert re.search(r"^  optim.offload=true: saves [\d.]+ (KiB|MiB) per device, step time x[\d.]+, [\d.]+ µs/step of host", text, re.M), text
+
+
+def test_a_plan_compiled_on_cpus_for_a_gpu_it_could_compile_for_says_how_to_compile_for_that_gpu():
+    """Without jax's CUDA plugin the verdict rests on the CPU compile less an estimate of what only that compile
+    holds, which can be far off (llama3_405b_pp: 73.7 GiB, "does not fit", against the H100 compile's 57.5): the
+    plan names the plugin, and where the GPU estimate fits but that figure does not it says so beside the suggestions."""
+    plan = plan_lib.make_plan(small_config(), gpu="h100")
+    assert plan.compiled.platform == "cpu"
+    hint = "; install jax's CUDA plugin (pip install 'jaxtrain[gpu-plan]') to compile for the h100 itself"
+    assert hint in plan_lib.render(plan)
+    assert "CUDA plugin" not in plan_lib.render(plan_lib.make_plan(small_config(), gpu="l4"))  # none it describes
+    assert "CUDA plugin" not in plan_lib.render(plan_lib.make_plan(with_(small_config(), optim={"offload": True}), gpu="h100"))
+    own = plan_lib.estimate_total(plan.accelerator_estimate)
+    tight = dataclasses.replace(plan, accelerator_total=own + 2**20, device_memory=own + 2**19, headroom=0.0, allocator_fraction=1.0,
+                                suggestions=[plan_lib.Suggestion(plan.cfg, {"train.microbatches": 2}, own, {}, 1.1)])
+    assert tight.fits is False
+    assert "  the estimate for the GPU " in plan_lib.render(tight)
+    assert "  the estimate for the GPU " not in plan_lib.render(dataclasses.replace(tight, compiled=dataclasses.replace(plan.compiled, platform="gpu")))

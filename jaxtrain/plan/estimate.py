@@ -698,8 +698,13 @@ def render(plan: Plan) -> str:
     if c.platform == "cpu":
         only_cpu = "float32 copies of saved stacks, extra score and table copies" + (
             ", XLA attention's scores" if c.attention != cfg.model.attention else "")
+        # that share is itself estimated: llama3_405b_pp's is 67.0 GiB where the estimate says 50.8 (README, "Pipeline").
+        # A GPU the planner can describe compiled on CPUs without optim.offload (which no compile-only GPU takes): no plugin
+        compilable = plan.gpu is not None and plan.gpu.lower() in GPU_MODELS and not cfg.optim.offload
         lines.append(f"on the accelerator: {_size(plan.accelerator_total)}, the compiled total less an estimated "
-                     f"{_size(c.total - plan.accelerator_total)} that only the CPU compile holds ({only_cpu})")
+                     f"{_size(c.total - plan.accelerator_total)} that only the CPU compile holds ({only_cpu})"
+                     + (f"; install jax's CUDA plugin (pip install 'jaxtrain[gpu-plan]') to compile for the {plan.gpu} itself"
+                        if compilable else ""))
     if plan.per_stage is not None:
         lines.append("per pipeline stage, estimate on the accelerator (every stage alike: each also holds the embedding and output layer): "
                      + ", ".join(f"{key} {_size(value)}" for key, value in plan.per_stage.items()))
@@ -718,7 +723,7 @@ def render(plan: Plan) -> str:
     for i, s in enumerate(plan.suggestions, 1):
         lines.append(f"  {i}. {s.describe(plan.usable)}")
     own = estimate_total(plan.accelerator_estimate)
-    if plan.usable is not None and not plan.fits and not plan.suggestions and own <= plan.usable:
+    if plan.usable is not None and not plan.fits and own <= plan.usable and (not plan.suggestions or c.platform == "cpu"):
         lines.append(f"  the estimate for the GPU ({_size(own)}) fits, the compiled figure does not"
                      + ("; with jax's CUDA plugin the plan compiles for the GPU itself (docs/PLANNER.md)" if c.platform == "cpu" else ""))
     elif plan.usable is not None and not plan.fits and not plan.suggestions:
