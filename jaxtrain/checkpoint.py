@@ -8,7 +8,9 @@ a temporary directory and renames it when complete, so a killed save never looks
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import logging
 import math
 import shutil
@@ -143,6 +145,39 @@ def _state_type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
           for kind in ocp.type_handlers.supported_types()))
 
 
+class DataPositionHandler(grain.checkpoint.CheckpointHandler):
+    """grain's handler for the data iterator's position, which reads back only the file this process index and count
+    wrote (``process_I-of-N.json``): a run resumed on another number of processes (a job requeued onto other nodes)
+    found no such file, took the checkpoint for damaged and started again from step 0. Every process saves the same
+    position, a count of global batches (each takes its rows of the same batches, ``jaxtrain/data/pipeline.py``), so
+    such a run reads the one the saving processes agree on."""
+
+    def restore(self, directory, item=None, args=None):
+        index, count = jax.process_index(), jax.process_count()
+        if (Path(directory) / f"process_{index}-of-{count}.json").exists():
+            return super().restore(directory, item, args)
+        saved = {path.read_text() for path in Path(directory).glob("process_*-of-*.json")}
+        if len(saved) != 1:
+            raise ValueError(f"{directory} holds {len(saved)} different data positions and none for process {index} of {count}")
+        iterator = item or args.item
+        iterator.set_state(json.loads(saved.pop()))
+        iterator.start_prefetch()
+        return iterator
+
+
+# grain's argument types name its own handler; orbax matches an item's arguments to its handler by type
+@ocp.args.register_with_handler(DataPositionHandler, for_save=True)
+@dataclasses.dataclass
+class DataPositionSave(ocp.args.CheckpointArgs):
+    item: object
+
+
+@ocp.args.register_with_handler(DataPositionHandler, for_restore=True)
+@dataclasses.dataclass
+class DataPositionRestore(ocp.args.CheckpointArgs):
+    item: object
+
+
 def _manager(directory: Path, cfg: CheckpointConfig | None) -> ocp.CheckpointManager:
     """The run's own manager (``cfg``), or, without ``cfg``, one that only reads."""
     if cfg is None:
@@ -154,7 +189,7 @@ def _manager(directory: Path, cfg: CheckpointConfig | None) -> ocp.CheckpointMan
             max_to_keep=cfg.keep, keep_period=cfg.keep_every or None,
             enable_async_checkpointing=cfg.async_save, create=True)
     handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_state_type_handlers()),
-                "data": grain.checkpoint.CheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+                "data": DataPositionHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=handlers)
 
 
@@ -171,7 +206,7 @@ def saved_part(state):
 def _restore_args(abstract_state, data_iterator) -> ocp.args.Composite:
     items = {"state": _state_restore(abstract_state), "meta": ocp.args.JsonRestore()}
     if data_iterator is not None:
-        items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        items["data"] = DataPositionRestore(data_iterator)
     return ocp.args.Composite(**items)
 
 
@@ -274,16 +309,17 @@ class RunCheckpoints:
         step, restored, unreadable = _newest_readable(self.manager.all_steps(), lambda s: _read(
             self.manager, s, abstract_state, data_iterator, f"checkpoint step {s} in {self.directory}"))
         for bad, reason in unreadable:
-            self._quarantine(bad, reason)
+            self._quarantine(bad, reason, "falling back to the previous one" if step is not None or bad != unreadable[-1][0]
+                             else "no earlier checkpoint is readable: training starts from step 0")
         if step is None:
             return None
         age = time.time() - restored.meta.get("time", time.time())
         _say(f"jaxtrain: resuming from checkpoint step {step} in {self.directory} (written {_age(age)} ago)")
         return restored.state
 
-    def _quarantine(self, step: int, reason: str) -> None:
+    def _quarantine(self, step: int, reason: str, then: str) -> None:
         target = self.directory.parent / QUARANTINE_DIR / f"{step}-{int(time.time())}"
-        _say(f"jaxtrain: warning: checkpoint step {step} is unreadable ({reason}); moved to {target}, falling back to the previous one")
+        _say(f"jaxtrain: warning: checkpoint step {step} is unreadable ({reason}); moved to {target}, {then}")
         if jax.process_index() == 0:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(self.directory / str(step), target)
@@ -309,7 +345,7 @@ class RunCheckpoints:
         when asynchronous. Returns whether a save started."""
         args = ocp.args.Composite(
             state=ocp.args.PyTreeSave(saved_part(state)),
-            data=grain.checkpoint.CheckpointSave(data_iterator),
+            data=DataPositionSave(data_iterator),
             meta=ocp.args.JsonSave(self.meta | {"step": step, "time": time.time()}))
         try:
             started = self.manager.save(step, args=args, force=force)  # first waits for the previous save

@@ -146,6 +146,27 @@ def test_two_processes_match_one_process_through_preemption(reference, tmp_path)
     assert all(abs(m - s) <= 1e-6 * abs(s) for (_, m), (_, s) in zip(multi, single))
 
 
+def test_a_run_resumes_on_another_number_of_processes(reference, tmp_path):
+    """A job requeued onto another number of nodes: a one-process checkpoint resumed on two processes, and theirs on
+    one, each at its step with the data where it was (the losses are the uninterrupted run's). The data position is a
+    file per process index and count; read only by those, the checkpoint was taken for damaged, moved aside, and the
+    run trained again from step 0."""
+    ref_dir, _ = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir, run_dir)
+    for step in (14, 16):
+        shutil.rmtree(run_dir / "checkpoints" / str(step))
+    assert _launch_two_processes(run_dir).wait(timeout=300) == 0, _stderr(run_dir)[-3000:]
+    shutil.rmtree(run_dir / "checkpoints" / "16")  # 14, which the two processes wrote, is the latest
+    assert _start(run_dir).wait(timeout=300) == 0, _stderr(run_dir)[-3000:]
+    said = _stderr(run_dir)
+    assert "resuming from checkpoint step 12" in said and "resuming from checkpoint step 14" in said
+    assert "unreadable" not in said and not (run_dir / checkpoint_lib.QUARANTINE_DIR).exists()
+    resumed, single = _losses(run_dir), _losses(ref_dir)
+    assert [s for s, _ in resumed] == [s for s, _ in single] == list(range(1, STEPS + 1))
+    assert all(abs(m - s) <= 1e-6 * abs(s) for (_, m), (_, s) in zip(resumed, single))
+
+
 def test_ctrl_c_before_the_first_step_is_one_line_and_writes_nothing(reference, tmp_path, monkeypatch, capsys):
     """A Ctrl-C while the steps compile (KeyboardInterrupt there, the trainer's first long wait): one line, status 130,
     no traceback; a fresh run's directory is not made, a resumed run's files stay byte-identical; SIGTERM and SIGINT
@@ -244,10 +265,30 @@ def test_corrupted_checkpoint_falls_back_with_one_warning(reference, trainer, tm
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and f"checkpoint step {STEPS} is unreadable" in warnings[0] and _clean_reason(warnings[0]), warnings
+    assert warnings[0].endswith(", falling back to the previous one")
     assert f"resuming from checkpoint step {STEPS - 2} " in err
     assert _losses(run_dir)[-2:] == _losses(reference[0])[-2:]  # steps 15, 16 recomputed, same bits
     _assert_identical(final.params, _state(reference[0], reference[1], params_only=True)[0])
     assert (run_dir / checkpoint_lib.QUARANTINE_DIR).is_dir()
+
+
+def test_when_no_checkpoint_is_readable_the_last_warning_says_training_starts_again(reference, tmp_path, capsys):
+    """Each unreadable checkpoint is moved aside with a warning that the run falls back to the previous one; the last
+    one's said so too, when there was none to fall back to and the run started again from step 0."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    steps = checkpoint_lib.committed_steps(run_dir / checkpoint_lib.CHECKPOINTS_DIR)
+    for step in steps:
+        _truncate(run_dir, step)
+    checkpoints = checkpoint_lib.RunCheckpoints(run_dir, reference[1].checkpoint, STEPS)
+    try:
+        assert checkpoints.restore_latest(make_layout(reference[1]).abstract_state(), None) is None
+    finally:
+        checkpoints.close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == len(steps) > 1
+    assert all(w.endswith(", falling back to the previous one") for w in warnings[:-1])
+    assert warnings[-1].endswith(", no earlier checkpoint is readable: training starts from step 0")
 
 
 def _files(run_dir) -> list:
