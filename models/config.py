@@ -265,6 +265,12 @@ class LlamaConfig:
                 out.append(f"model.{key}={getattr(self, key)!r} is not supported; choose one of {', '.join(COMPUTE_DTYPES)}")
         if self.quant not in QUANT_TYPES:
             out.append(f"model.quant={self.quant!r} is unknown; choose one of {', '.join(QUANT_TYPES)}")
+        elif self.quant != "none" and self.dtype == "float16":  # int8 computed other losses, fp8 did not compile
+            out.append(f"model.quant={self.quant} with model.dtype=float16: quantized training is not supported from float16 "
+                       "operands yet; use model.dtype=bfloat16 (or float32)")
+        elif self.quant != "none" and self.moe.num_experts:  # qwix's interception of the layers does not trace them
+            out.append(f"model.quant={self.quant} with a mixture of experts (model.moe.num_experts={self.moe.num_experts}): "
+                       "quantized training of expert layers is not supported yet; use model.quant=none")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             out.append(f"model.attention={self.attention!r} is unknown; choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         if self.scan_layers not in (True, False, "auto"):

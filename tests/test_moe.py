@@ -240,6 +240,9 @@ BAD_INPUT = {
     # a quantized base failed with a traceback
     "quantized experts": (["model.lora.rank=4", "model.lora.targets=q,k,v,o", "model.base_quant=nf4"],
                           "model.base_quant=nf4 with a mixture of experts (model.moe.num_experts=8): expert weights are not stored quantized yet"),
+    # a traceback in the layout's shardings (qwix's traced layers)
+    "quantized training": (["model.quant=int8"],
+                           "model.quant=int8 with a mixture of experts (model.moe.num_experts=8): quantized training of expert layers is not supported yet"),
 }
 
 
