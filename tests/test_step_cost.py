@@ -128,3 +128,12 @@ def test_policies_that_save_keep_flash_attention_and_recompute_no_attention_forw
     assert factor["offload_dots", "cudnn"] == factor["offload_dots", "xla"] == factor["save_dots", "xla"]
     assert factor["save_qkv_out", "xla"] - factor["save_qkv_out", "cudnn"] == pytest.approx(factor["save_dots", "xla"] - 1)
     assert factor["full", "cudnn"] == factor["full", "xla"]  # everything recomputed either way
+
+
+def test_devices_along_an_idle_axis_repeat_the_work():
+    """Under dp a tensor axis of 8 splits nothing: each device runs the whole batch, 8 times a data axis's share. The
+    compute was the same for both, which ranked suggestions that leave axes idle as fastest."""
+    spread = step_cost.step_time(make_layout(medium_config("dp", "full", mesh=(8, 1, 1))))
+    idle = make_layout(medium_config("dp", "full", mesh=(1, 1, 8)))
+    assert idle.idle_axes == {"tensor": 8}
+    assert step_cost.step_time(idle).compute_s == pytest.approx(8 * spread.compute_s)

@@ -183,7 +183,8 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     cfg, m = layout.cfg, layout.cfg.model
     name = (gpu or DEFAULT_GPU).lower()
     k, seq, act = cfg.train.microbatches, cfg.data.seq_len, np.dtype(m.dtype).itemsize
-    tokens_per_device = cfg.train.global_batch * seq / layout.mesh.size
+    # devices along an idle axis (one that splits neither the batch nor a parameter) repeat each other's work
+    tokens_per_device = cfg.train.global_batch * seq / (layout.mesh.size / math.prod(layout.idle_axes.values()))
     pipe = schedule(cfg, layout.rules, layout.mesh)
     compute = flops_per_token(m, seq) * recompute_factor(cfg) * tokens_per_device / (peak_flops(name, m.dtype) * ASSUMED_MFU)
     compute /= 1 - pipe.bubble  # the stages idle that share of the pass
