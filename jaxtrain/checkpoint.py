@@ -128,6 +128,11 @@ def check_same_shapes(saved_metadata, abstract_state, where: str) -> None:
     """UserError naming the first parameter whose shape (or presence) differs from the checkpoint's."""
     saved, wanted = _flat_shapes(saved_metadata), _flat_shapes(abstract_state)
     for name in sorted(wanted.keys() | saved.keys(), key=lambda n: (not n.startswith("params/"), n)):  # parameters first
+        if saved.get(name) != wanted.get(name) and name.startswith("loss_scale/"):  # only a float16 run keeps one
+            which = ("was trained with model.dtype=float16 (it holds a loss scale) and this config has another dtype"
+                     if name in saved else "was trained with another model.dtype than this config's float16 (it holds no loss scale)")
+            raise UserError(f"{where} {which}: a run cannot switch to or from float16 on resume; keep that run's "
+                            "model.dtype, or start a new run from its weights with --init-from RUN_DIR --params-only")
         if saved.get(name) != wanted.get(name):
             raise UserError(
                 f"{where} does not match the model: {name} has shape {saved.get(name, 'absent')} in the checkpoint but "

@@ -469,3 +469,17 @@ def test_replicas_share_the_writing_of_large_arrays_only(tmp_path):
         manager.close()
     jax.monitoring.unregister_event_duration_listener(listen)
     assert parts["small"] == 0 and parts["large"] >= 8, parts  # the large one: a slice per device
+
+
+def test_switching_to_or_from_float16_on_resume_names_model_dtype():
+    """float16 keeps a loss scale in the train state: resuming across that switch said only "loss_scale/counter has shape
+    absent in the checkpoint", nothing about model.dtype."""
+    scalar = jax.ShapeDtypeStruct((), np.float32)
+    plain = {"params": {"w": jax.ShapeDtypeStruct((4, 4), np.float32)}, "step": scalar}
+    float16 = plain | {"loss_scale": {"counter": scalar, "scale": scalar}}
+    for saved, wanted, said in (
+            (plain, float16, "was trained with another model.dtype than this config's float16 (it holds no loss scale)"),
+            (float16, plain, "was trained with model.dtype=float16 (it holds a loss scale) and this config has another dtype")):
+        with pytest.raises(UserError) as e:
+            checkpoint_lib.check_same_shapes(saved, wanted, "checkpoint step 2")
+        assert str(e.value).startswith(f"checkpoint step 2 {said}: a run cannot switch to or from float16 on resume")
