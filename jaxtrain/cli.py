@@ -123,6 +123,12 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _process_index() -> int:
+    import jax  # starts jax: call it after distributed.initialize
+
+    return jax.process_index()
+
+
 def cmd_export_hf(args) -> int:
     run_dir, out = Path(args.run_dir), Path(args.out)
     cfg = config_lib.load_run_config(run_dir)
@@ -141,10 +147,15 @@ def cmd_export_hf(args) -> int:
         from jaxtrain.adapt import lora  # starts jax
 
         lora.export(cfg, run_dir, out, step=args.step, dtype=args.dtype, adapter_only=args.adapter_only)
-        return 0
-    from jaxtrain.interop import hf_export  # starts jax
+    else:
+        from jaxtrain.interop import hf_export  # starts jax
 
-    hf_export.export(cfg, run_dir, out, step=args.step, dtype=args.dtype)
+        hf_export.export(cfg, run_dir, out, step=args.step, dtype=args.dtype)
+    if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "capacity" and _process_index() == 0:
+        print(f"jaxtrain: note: {run_dir} routed with model.moe.dispatch=capacity, where a token past an expert's "
+              f"slots (capacity_factor {cfg.model.moe.capacity_factor:g}) skips it; transformers' mixture-of-experts models "
+              "route every token (dropless), so the exported model's logits differ wherever the run dropped tokens; a run "
+              "trained with model.moe.dispatch=dropless exports exactly", file=sys.stderr, flush=True)
     return 0
 
 

@@ -405,3 +405,14 @@ def test_grouped_matmul_auto_is_tokamax_on_nvidia_gpus_where_it_runs_and_xla_els
     assert resolved(True) == "xla"
     assert tokamax.problems() == ["model.moe.grouped_matmul=tokamax: it needs the tokamax package; pip install "
                                   "'jaxtrain[moe-gpu]'; or set model.moe.grouped_matmul=xla"]
+
+
+def test_export_of_a_capacity_routed_run_says_transformers_routes_every_token(expert_parallel, tmp_path, capsys):
+    """transformers' Mixtral and Qwen2-MoE are dropless: a capacity-routed run's export computes other logits wherever
+    the run dropped tokens (0.69 on a tiny_moe run), which the export said nothing about."""
+    from jaxtrain import cli
+
+    _, _, run_dir, _, _ = expert_parallel
+    assert cli.main(["export-hf", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
+    assert len(notes) == 1 and f"{run_dir} routed with model.moe.dispatch=capacity" in notes[0] and notes[0].endswith("exports exactly")
