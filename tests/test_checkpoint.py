@@ -164,7 +164,7 @@ def test_a_run_resumes_on_another_number_of_processes(reference, tmp_path):
     assert "unreadable" not in said and not (run_dir / checkpoint_lib.QUARANTINE_DIR).exists()
     resumed, single = _losses(run_dir), _losses(ref_dir)
     assert [s for s, _ in resumed] == [s for s, _ in single] == list(range(1, STEPS + 1))
-    assert all(abs(m - s) <= 1e-6 * abs(s) for (_, m), (_, s) in zip(resumed, single))
+    assert all(abs(m - s) <= 1e-6 * abs(s) for (_, m), (_, s) in zip(resumed, single, strict=True))
 
 
 def test_ctrl_c_before_the_first_step_is_one_line_and_writes_nothing(reference, tmp_path, monkeypatch, capsys):

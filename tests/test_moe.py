@@ -242,7 +242,8 @@ BAD_INPUT = {
                           "model.base_quant=nf4 with a mixture of experts (model.moe.num_experts=8): expert weights are not stored quantized yet"),
     # a traceback in the layout's shardings (qwix's traced layers)
     "quantized training": (["model.quant=int8"],
-                           "model.quant=int8 with a mixture of experts (model.moe.num_experts=8): quantized training of expert layers is not supported yet"),
+                           "model.quant=int8 with a mixture of experts (model.moe.num_experts=8): "
+                           "quantized training of expert layers is not supported yet"),
 }
 
 
@@ -415,4 +416,5 @@ def test_export_of_a_capacity_routed_run_says_transformers_routes_every_token(ex
     _, _, run_dir, _, _ = expert_parallel
     assert cli.main(["export-hf", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
-    assert len(notes) == 1 and f"{run_dir} routed with model.moe.dispatch=capacity" in notes[0] and notes[0].endswith("exports exactly")
+    assert len(notes) == 1 and f"{run_dir} routed with model.moe.dispatch=capacity" in notes[0]
+    assert notes[0].endswith("exports exactly")

@@ -349,4 +349,5 @@ def test_a_plan_compiled_on_cpus_for_a_gpu_it_could_compile_for_says_how_to_comp
                                 suggestions=[plan_lib.Suggestion(plan.cfg, {"train.microbatches": 2}, own, {}, 1.1)])
     assert tight.fits is False
     assert "  the estimate for the GPU " in plan_lib.render(tight)
-    assert "  the estimate for the GPU " not in plan_lib.render(dataclasses.replace(tight, compiled=dataclasses.replace(plan.compiled, platform="gpu")))
+    on_gpu = dataclasses.replace(tight, compiled=dataclasses.replace(plan.compiled, platform="gpu"))
+    assert "  the estimate for the GPU " not in plan_lib.render(on_gpu)
