@@ -105,7 +105,8 @@ def test_float32_compute_is_timed_against_the_float32_peak():
 def test_pipeline_adds_its_bubble_and_activation_shifts():
     from models.config import PipelineConfig
 
-    plain = step_cost.step_time(make_layout(medium_config("dp", "full", mesh=(2, 1, 1, 4))), "h100")
+    # the same 8 devices splitting the batch (under dp a stage axis would be idle, its devices repeating the work)
+    plain = step_cost.step_time(make_layout(medium_config("dp", "full", mesh=(8, 1, 1, 1))), "h100")
     piped_cfg = medium_config("pp_dp", "full", mesh=(2, 1, 1, 4))
     piped_cfg = with_(piped_cfg, model={"pipeline": PipelineConfig(microbatches=4, repeats=1)})
     piped = step_cost.step_time(make_layout(piped_cfg), "h100")

@@ -54,6 +54,8 @@ ACCELERATOR = "gpu"  # the platform plans are for, whatever the step was compile
 # the offload_* policies are itemised (technique_effects), not searched: a compile on CPUs, which have one memory,
 # cannot check what they save
 SEARCHED_REMAT = tuple(p for p in REMAT_POLICIES if not p.startswith("offload_"))
+# MLP-sized arrays one layer's backward holds in the compute dtype: the GPU compile holds five or six, beside which the
+# other terms overcount the layer's weights (docs/PLANNER.md, "The MLP's backward")
 MLP_BACKWARD_ARRAYS = 4
 AUTO_COMPILES = 4  # train.microbatches=auto: compiles tried past the estimate's choice before giving up
 T = TypeVar("T")
