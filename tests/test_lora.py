@@ -241,6 +241,17 @@ def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path
     fewer = run_cli("generate", str(hf_dir), "--devices", "2", "--adapter", str(run_dir), "--prompt", "1 2 3 4",
                     "--max-new-tokens", "6", cwd=tmp_path)
     assert fewer.returncode == 0 and fewer.stdout.strip() == merged, fewer.stderr[-2000:]
+    # PEFT options jaxtrain's adapters do not compute with: read as plain adapters, they generated other text, exit 0
+    options = tmp_path / "options"
+    shutil.copytree(pool_dir / "adapter-only", options)
+    config = json.loads((options / "adapter_config.json").read_text())
+    (options / "adapter_config.json").write_text(json.dumps(config | {"use_rslora": True, "alpha_pattern": {"v_proj": 64}}))
+    capsys.readouterr()
+    assert cli.main(["generate", str(hf_dir), "--adapter", str(options), "--prompt", "1 2", "--max-new-tokens", "4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"jaxtrain: error: {options / 'adapter_config.json'}: use_rslora=True, alpha_pattern={{'v_proj': 64}}: jaxtrain applies "
+        "plain LoRA adapters only (scaled lora_alpha / r, on every layer, no biases or other trained modules); merge this "
+        "adapter into its base with peft (merge_and_unload) and give the merged model instead")
 
     record = json.loads((run_dir / lora_lib.BASE_RECORD).read_text())
     assert cli.main(["adapters", str(pool_dir)]) == 0

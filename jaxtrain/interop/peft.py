@@ -31,6 +31,9 @@ from models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig
 from models.lora import adapter_name
 
 CONFIG_FILE = "adapter_config.json"
+# adapter_config.json keys whose non-empty values PEFT computes with and jaxtrain's adapters do not
+UNSUPPORTED_OPTIONS = ("use_rslora", "use_dora", "alpha_pattern", "rank_pattern", "layers_to_transform", "layers_pattern",
+                       "modules_to_save", "fan_in_fan_out", "lora_bias")
 WEIGHTS_FILE = "adapter_model.safetensors"
 JAXTRAIN_FILE = "jaxtrain_adapter.json"  # our record beside PEFT's files: the base's content hash, steps, eval loss
 EXPERTS_MODULE = "model.layers.{layer}.mlp.experts"  # Mixtral's and Qwen2-MoE's, transformers >= 5
@@ -177,5 +180,13 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict |
                         f"{CONFIG_FILE} and {WEIGHTS_FILE}") from None
     if config.get("peft_type") != "LORA":
         raise UserError(f"{adapter_dir / CONFIG_FILE}: peft_type {config.get('peft_type')!r} is not LORA; only LoRA adapters are supported")
+    # options that change what the adapter computes, which jaxtrain's plain LoRA (alpha / r on every layer) does not do:
+    # read as plain adapters they generated other text with exit 0
+    options = [f"{key}={config[key]!r}" for key in UNSUPPORTED_OPTIONS if config.get(key)] + \
+        ([f"bias={config['bias']!r}"] if config.get("bias", "none") != "none" else [])
+    if options:
+        raise UserError(f"{adapter_dir / CONFIG_FILE}: {', '.join(options)}: jaxtrain applies plain LoRA adapters only (scaled "
+                        "lora_alpha / r, on every layer, no biases or other trained modules); merge this adapter into its "
+                        "base with peft (merge_and_unload) and give the merged model instead")
     record_path = adapter_dir / JAXTRAIN_FILE
     return config, tensors, json.loads(record_path.read_text()) if record_path.is_file() else None
