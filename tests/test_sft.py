@@ -298,6 +298,9 @@ def test_generate_chat_from_a_hugging_face_model_equals_transformers(data, tmp_p
                      r"17 tokens; raise data.seq_len so the answers fit$")),
     ("too_few", r"few.jsonl: 2 examples, and data.val_fraction=0.02 puts none of them in validation; data.val_fraction=0.\d+ splits them"),
     ("empty", r"blank.jsonl: no examples; a train/validation split needs at least 2, so add examples or give another data.path$"),
+    # tracebacks: a UnicodeDecodeError from json.loads, a TypeError from the tokenizer
+    ("not_utf8", r"latin1.jsonl:2 is not UTF-8 text \(byte 0xe9 at offset 13\); convert it"),
+    ("surrogate", r"surrogate.jsonl:2 holds a lone surrogate \(\\ud800, from a JSON escape\), which is not text"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path, capsys):
     tok_dir, path = data
@@ -310,6 +313,12 @@ def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path,
     elif case == "empty":
         path = tmp_path / "blank.jsonl"
         path.write_text("\n\n")
+    elif case == "not_utf8":
+        path = tmp_path / "latin1.jsonl"
+        path.write_bytes(b'{"prompt": "a", "completion": "b"}\n' + '{"prompt": "déjà", "completion": "b"}\n'.encode("latin-1"))
+    elif case == "surrogate":
+        path = tmp_path / "surrogate.jsonl"
+        path.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "half: \\ud800", "completion": "b"}\n')
     elif case == "bad_line":
         path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": "b"}, {"text": "c"}])
     else:

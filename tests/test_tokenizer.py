@@ -216,12 +216,14 @@ def bad_inputs(trained, texts):
     # few distinct tokens: the vocabulary checks must count the tokenizer's ids, not the ones the text happens to use
     (where / "few.jsonl").write_text("".join(json.dumps({"text": f"a b {i}"}) + "\n" for i in range(40)))
     (where / "blank.jsonl").write_text("\n \n")  # no documents
+    (where / "surrogate.jsonl").write_text('{"text": "fine"}\n{"text": "half a pair: \\ud800"}\n')  # valid JSON, not text
     tokens = where / "tokens.bin"
     assert cli.main(["tokenize", str(where / "few.jsonl"), "--tokenizer", str(trained), "--out", str(tokens)]) == 0
     other = where / "other_tokenizer"
     assert cli.main(["train-tokenizer", str(sorted(texts.iterdir())[0]), "--vocab-size", "300", "--out", str(other)]) == 0
     return {"tokens": tokens, "tokenizer": trained, "other": other, "texts": texts, "notext": where / "notext.jsonl", "few": where / "few.jsonl",
-            "latin1": where / "latin1", "latin1_jsonl": where / "latin1.jsonl", "blank": where / "blank.jsonl"}
+            "latin1": where / "latin1", "latin1_jsonl": where / "latin1.jsonl", "blank": where / "blank.jsonl",
+            "surrogate": where / "surrogate.jsonl"}
 
 
 TRAIN_ERRORS = {
@@ -265,6 +267,13 @@ COMMAND_ERRORS = {
     "tokenize a JSONL line that is not UTF-8": (
         lambda p, out: ["tokenize", str(p["latin1_jsonl"]), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
         "latin1.jsonl:2 is not UTF-8 text (byte 0xe9 at offset 11)"),
+    # a UnicodeEncodeError traceback in both commands
+    "tokenize a JSONL line with a lone surrogate": (
+        lambda p, out: ["tokenize", str(p["surrogate"]), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
+        "surrogate.jsonl:2 holds a lone surrogate (\\ud800, from a JSON escape), which is not text"),
+    "train a tokenizer on a JSONL line with a lone surrogate": (
+        lambda p, out: ["train-tokenizer", str(p["surrogate"]), "--vocab-size", "300", "--out", str(out / "tok")],
+        "surrogate.jsonl:2 holds a lone surrogate"),
     "train a tokenizer on text that is not UTF-8": (
         lambda p, out: ["train-tokenizer", str(p["latin1"]), "--vocab-size", "300", "--out", str(out / "tok")],
         "latin1/a.txt is not UTF-8 text"),

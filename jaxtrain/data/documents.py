@@ -100,7 +100,16 @@ def input_documents(inputs: Iterable[str]) -> tuple[list[tuple[Path, Path]], Ite
     return files, itertools.chain([first], docs)
 
 
-def _check_utf8(data: bytes, where: str) -> None:
+def utf8_of(text: str, where: str) -> bytes:
+    """``text`` as UTF-8; a UserError where JSON's \\u escapes left a lone surrogate, which no encoding holds."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as e:
+        raise UserError(f"{where} holds a lone surrogate (\\u{ord(text[e.start]):04x}, from a JSON escape), which is not "
+                        "text; remove it or write the character it was meant to be half of") from None
+
+
+def check_utf8(data: bytes, where: str) -> None:
     """A UserError naming the first byte of ``data`` that is not UTF-8: the tokenizer would replace it silently."""
     try:
         data.decode("utf-8")
@@ -114,7 +123,7 @@ def _jsonl_documents(path: Path, key: str) -> Iterator[Document]:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            _check_utf8(line, f"{path}:{number}")
+            check_utf8(line, f"{path}:{number}")
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -124,7 +133,7 @@ def _jsonl_documents(path: Path, key: str) -> Iterator[Document]:
                 found = f"keys {', '.join(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
                 raise UserError(f"{path}:{number} has no string 'text' field ({found}); each line of a {JSONL_SUFFIX} file "
                                 "must be a JSON object with the document in 'text'")
-            yield Document(f"{key}#{number}", text.encode(), len(line))
+            yield Document(f"{key}#{number}", utf8_of(text, f"{path}:{number}"), len(line))
 
 
 def documents(files: Iterable[tuple[Path, Path]]) -> Iterator[Document]:
@@ -138,7 +147,7 @@ def documents(files: Iterable[tuple[Path, Path]]) -> Iterator[Document]:
                             "or leave it out of the text inputs")
         else:
             text = path.read_bytes()
-            _check_utf8(text, str(path))
+            check_utf8(text, str(path))
             yield Document(key, text, len(text))
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxtrain.config import DataConfig
-from jaxtrain.data.documents import JSONL_SUFFIX, check_split, is_validation_file
+from jaxtrain.data.documents import JSONL_SUFFIX, check_split, check_utf8, is_validation_file, utf8_of
 from jaxtrain.data.pipeline import GlobalBatches, process_rows
 from jaxtrain.data.tokenizer import TextTokenizer, load_tokenizer
 from jaxtrain.errors import UserError
@@ -111,11 +111,15 @@ def _conversations(path: Path) -> Iterator[tuple[str, list[dict]]]:
             if not line.strip():
                 continue
             where = f"{path}:{number}"
+            check_utf8(line, where)
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{where} is not valid JSON ({e.msg}); each line of a {JSONL_SUFFIX} file must be a JSON object") from None
-            yield f"{path.name}#{number}", _messages(record, where)
+            messages = _messages(record, where)
+            for message in messages:
+                utf8_of(message["content"], where)
+            yield f"{path.name}#{number}", messages
 
 
 def _rendered(template: ChatTemplate, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
