@@ -146,11 +146,12 @@ def cmd_export_hf(args) -> int:
     if cfg.model.lora.rank:
         from jaxtrain.adapt import lora  # starts jax
 
-        lora.export(cfg, run_dir, out, step=args.step, dtype=args.dtype, adapter_only=args.adapter_only)
+        lora.export(cfg, run_dir, out, step=args.step, adapter_only=args.adapter_only,
+                    dtype=args.dtype or ("float32" if args.adapter_only else "bfloat16"))
     else:
         from jaxtrain.interop import hf_export  # starts jax
 
-        hf_export.export(cfg, run_dir, out, step=args.step, dtype=args.dtype)
+        hf_export.export(cfg, run_dir, out, step=args.step, dtype=args.dtype or "bfloat16")
     if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "capacity" and _process_index() == 0:
         print(f"jaxtrain: note: {run_dir} routed with model.moe.dispatch=capacity, where a token past an expert's "
               f"slots (capacity_factor {cfg.model.moe.capacity_factor:g}) skips it; transformers' mixture-of-experts models "
@@ -401,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", metavar="RUN_DIR")
     export.add_argument("--out", required=True, metavar="DIR", help="the new model directory (must not exist)")
     export.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: the latest)")
-    export.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight dtype in the files (default bfloat16)")
+    export.add_argument("--dtype", choices=("bfloat16", "float32"), help="weight dtype in the files (default bfloat16; "
+                        "--adapter-only: float32, the adapters' training dtype, as PEFT saves them)")
     export.add_argument("--adapter-only", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter directory "
                         "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
     export.add_argument("--mesh", help="mesh to restore onto (default: the run's)")

@@ -172,6 +172,12 @@ def test_peft_export_loads_in_peft_and_merged_export_in_transformers(hf_base, co
     assert np.max(np.abs(_torch_logits(adapted) - ours)) <= tolerance
     assert np.max(np.abs(_torch_logits(transformers.LlamaForCausalLM.from_pretrained(merged_dir)) - ours)) <= tolerance
     assert json.loads((adapter_dir / "jaxtrain_adapter.json").read_text())["steps"] == 4
+    # float32 by default, as PEFT saves adapters; --dtype bfloat16 honoured (it was ignored: float32 whatever it said)
+    bf16_dir = tmp_path / "adapter_bf16"
+    assert cli.main(["export-hf", str(run_dir), "--out", str(bf16_dir), "--adapter-only", "--dtype", "bfloat16"]) == 0
+    for directory, dtype in ((adapter_dir, "float32"), (bf16_dir, "bfloat16")):
+        with safe_open(directory / "adapter_model.safetensors", "np") as f:
+            assert {f.get_tensor(name).dtype.name for name in f.keys()} == {dtype}
 
     # the run's adapters on another base: one line, exit 2, nothing written
     other = tmp_path / "other_base"

@@ -201,8 +201,8 @@ def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: st
     if adapter_only:
         adapters = multihost_utils.process_allgather(split_frozen(model_params)[0], tiled=True)
         if jax.process_index() == 0:
-            peft.write_adapter(adapters["layers"], cfg.model, out, base.record["path"], summary(run_dir))
-        what = "PEFT adapter"
+            peft.write_adapter(adapters["layers"], cfg.model, out, base.record["path"], summary(run_dir), dtype)
+        what = f"PEFT adapter ({dtype})"
     else:
         plain_cfg = dataclasses.replace(cfg, model=plain_config(cfg.model))
         plain = merge_on_devices(model_params, cfg.model, jax.tree.map(lambda a: a.sharding, plain_abstract(layout)))

@@ -155,13 +155,14 @@ def adapter_config(model_cfg: LlamaConfig, base_path: str | None) -> dict:
             "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
 
 
-def write_adapter(adapters: dict, model_cfg: LlamaConfig, out: Path, base_path: str | None, record: dict) -> None:
-    """Write the adapter directory ``out`` whole (a temporary directory renamed when complete)."""
+def write_adapter(adapters: dict, model_cfg: LlamaConfig, out: Path, base_path: str | None, record: dict,
+                  dtype: str = "float32") -> None:
+    """Write the adapter directory ``out`` whole (a temporary directory renamed when complete), tensors in ``dtype``."""
     partial = out.with_name(f"{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        save_file(to_peft(adapters, model_cfg), str(partial / WEIGHTS_FILE))
+        save_file({name: x.astype(np.dtype(dtype)) for name, x in to_peft(adapters, model_cfg).items()}, str(partial / WEIGHTS_FILE))
         (partial / CONFIG_FILE).write_text(json.dumps(adapter_config(model_cfg, base_path), indent=2) + "\n")
         (partial / JAXTRAIN_FILE).write_text(json.dumps(record, indent=2) + "\n")
         partial.rename(out)
