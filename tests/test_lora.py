@@ -210,6 +210,19 @@ def _generated(capsys, *args) -> str:
     return capsys.readouterr().out.strip()
 
 
+def test_a_peft_adapter_with_rank_stabilised_scaling_generates_what_peft_merges(hf_base, tmp_path, capsys):
+    """use_rslora scales by lora_alpha / sqrt(r): read as plain LoRA (alpha / r) it generated other text, exit 0."""
+    hf_dir, _ = hf_base
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True, init_lora_weights=False)
+    adapted = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), config)
+    adapted.save_pretrained(tmp_path / "rslora")
+    adapted.merge_and_unload().save_pretrained(tmp_path / "merged")
+    merged = _generated(capsys, str(tmp_path / "merged"))
+    assert merged != _generated(capsys, str(hf_dir))  # the adapter changes what is generated
+    assert _generated(capsys, str(hf_dir), "--adapter", str(tmp_path / "rslora")) == merged
+
+
 def test_generate_with_a_qlora_adapter_serves_the_model_it_trained(hf_base, corpus, tmp_path, capsys):
     """Adapters trained on an nf4 base (a run directory, or its PEFT export with our record) are applied to the float
     base quantized the same way: the model the merged export (and `generate RUN_DIR`) gives. Applied to the float base, the
@@ -251,11 +264,11 @@ def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path
     options = tmp_path / "options"
     shutil.copytree(pool_dir / "adapter-only", options)
     config = json.loads((options / "adapter_config.json").read_text())
-    (options / "adapter_config.json").write_text(json.dumps(config | {"use_rslora": True, "alpha_pattern": {"v_proj": 64}}))
+    (options / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True, "alpha_pattern": {"v_proj": 64}}))
     capsys.readouterr()
     assert cli.main(["generate", str(hf_dir), "--adapter", str(options), "--prompt", "1 2", "--max-new-tokens", "4"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"jaxtrain: error: {options / 'adapter_config.json'}: use_rslora=True, alpha_pattern={{'v_proj': 64}}: jaxtrain applies "
+        f"jaxtrain: error: {options / 'adapter_config.json'}: use_dora=True, alpha_pattern={{'v_proj': 64}}: jaxtrain applies "
         "plain LoRA adapters only (scaled lora_alpha / r, on every layer, no biases or other trained modules); merge this "
         "adapter into its base with peft (merge_and_unload) and give the merged model instead")
 

@@ -9,6 +9,7 @@ reloads it from there and refuses a base whose content differs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 import hashlib
 import json
@@ -229,7 +230,10 @@ def with_adapter(loaded, adapter: Path):
     run directory or a PEFT adapter directory merged into its weights; an adapter trained on another base is a UserError."""
     if peft.is_adapter_dir(adapter):
         config, tensors, record = peft.read_adapter(adapter)
-        lora = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=peft.targets_of(config, adapter, loaded.model_cfg))
+        rank = int(config["r"])
+        # rank-stabilised LoRA scales by lora_alpha / sqrt(r), ours by alpha / r: the same product with alpha x sqrt(r)
+        alpha = float(config["lora_alpha"]) * (math.sqrt(rank) if config.get("use_rslora") else 1.0)
+        lora = LoraConfig(rank=rank, alpha=alpha, targets=peft.targets_of(config, adapter, loaded.model_cfg))
         # our record says what base the adapters trained on; another tool's adapters apply to the float base, as PEFT does
         model_cfg = dataclasses.replace(loaded.model_cfg, lora=lora, base_quant=(record or {}).get("base_quant", "none"))
         adapters = {"layers": peft.from_peft(tensors, model_cfg, adapter)}

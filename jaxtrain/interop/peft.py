@@ -32,8 +32,8 @@ from models.lora import adapter_name
 
 CONFIG_FILE = "adapter_config.json"
 # adapter_config.json keys whose non-empty values PEFT computes with and jaxtrain's adapters do not
-UNSUPPORTED_OPTIONS = ("use_rslora", "use_dora", "alpha_pattern", "rank_pattern", "layers_to_transform", "layers_pattern",
-                       "modules_to_save", "fan_in_fan_out", "lora_bias")
+UNSUPPORTED_OPTIONS = ("use_dora", "alpha_pattern", "rank_pattern", "layers_to_transform", "layers_pattern", "modules_to_save",
+                       "fan_in_fan_out", "lora_bias")
 WEIGHTS_FILE = "adapter_model.safetensors"
 JAXTRAIN_FILE = "jaxtrain_adapter.json"  # our record beside PEFT's files: the base's content hash, steps, eval loss
 EXPERTS_MODULE = "model.layers.{layer}.mlp.experts"  # Mixtral's and Qwen2-MoE's, transformers >= 5
