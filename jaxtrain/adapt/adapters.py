@@ -81,14 +81,15 @@ def pool(directory: Path) -> list[dict]:
         if (path / BASE_RECORD).is_file():
             rows.append({"adapter": str(path), "kind": "run"} | summary(path))
         elif peft.is_adapter_dir(path):
-            record = path / peft.JAXTRAIN_FILE
+            record, config = path / peft.JAXTRAIN_FILE, json.loads((path / peft.CONFIG_FILE).read_text())
+            unsupported = {"unsupported": peft.unsupported_options(config)}  # what generate --adapter refuses
             if record.is_file():
-                rows.append({"adapter": str(path), "kind": "peft"} | json.loads(record.read_text()))
+                rows.append({"adapter": str(path), "kind": "peft"} | json.loads(record.read_text()) | unsupported)
             else:  # exported elsewhere: PEFT's own fields only
-                config = json.loads((path / peft.CONFIG_FILE).read_text())
                 rows.append({"adapter": str(path), "kind": "peft", "hash": None, "path": config.get("base_model_name_or_path"),
                              "rank": config.get("r"), "steps": None,
-                             "targets": (config.get("target_modules") or []) + (config.get("target_parameters") or []), "eval_loss": None})
+                             "targets": (config.get("target_modules") or []) + (config.get("target_parameters") or []), "eval_loss": None}
+                            | unsupported)
     return sorted(rows, key=lambda r: (r["hash"] or "", r["adapter"]))
 
 
@@ -103,5 +104,5 @@ def format_pool(rows: list[dict]) -> str:
         loss = "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
         targets = ",".join(r["targets"]) if isinstance(r["targets"], list) else str(r["targets"])
         lines.append(f"  {r['adapter']}  {r['kind']}  rank {r['rank']}  targets {targets}  steps {r['steps'] if r['steps'] is not None else '-'}  "
-                     f"eval loss {loss}")
+                     f"eval loss {loss}" + (f"  (not applied by jaxtrain: {', '.join(r['unsupported'])})" if r.get("unsupported") else ""))
     return "\n".join(lines) if lines else "no adapters found"

@@ -171,6 +171,13 @@ def write_adapter(adapters: dict, model_cfg: LlamaConfig, out: Path, base_path: 
         raise
 
 
+def unsupported_options(config: dict) -> list[str]:
+    """adapter_config.json's options that change what the adapter computes and jaxtrain's plain LoRA (alpha / r, or
+    alpha / sqrt(r) with use_rslora, on every layer) does not do, as key=value."""
+    return [f"{key}={config[key]!r}" for key in UNSUPPORTED_OPTIONS if config.get(key)] + \
+        ([f"bias={config['bias']!r}"] if config.get("bias", "none") != "none" else [])
+
+
 def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict | None]:
     """(adapter_config.json, PEFT tensors, our record or None) of an adapter directory."""
     try:
@@ -181,11 +188,8 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict |
                         f"{CONFIG_FILE} and {WEIGHTS_FILE}") from None
     if config.get("peft_type") != "LORA":
         raise UserError(f"{adapter_dir / CONFIG_FILE}: peft_type {config.get('peft_type')!r} is not LORA; only LoRA adapters are supported")
-    # options that change what the adapter computes, which jaxtrain's plain LoRA (alpha / r on every layer) does not do:
-    # read as plain adapters they generated other text with exit 0
-    options = [f"{key}={config[key]!r}" for key in UNSUPPORTED_OPTIONS if config.get(key)] + \
-        ([f"bias={config['bias']!r}"] if config.get("bias", "none") != "none" else [])
-    if options:
+    # read as plain adapters, they generated other text with exit 0
+    if options := unsupported_options(config):
         raise UserError(f"{adapter_dir / CONFIG_FILE}: {', '.join(options)}: jaxtrain applies plain LoRA adapters only (scaled "
                         "lora_alpha / r, on every layer, no biases or other trained modules); merge this adapter into its "
                         "base with peft (merge_and_unload) and give the merged model instead")
