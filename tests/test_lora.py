@@ -269,8 +269,8 @@ def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path
     assert cli.main(["generate", str(hf_dir), "--adapter", str(options), "--prompt", "1 2", "--max-new-tokens", "4"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"jaxtrain: error: {options / 'adapter_config.json'}: use_dora=True, alpha_pattern={{'v_proj': 64}}: jaxtrain applies "
-        "plain LoRA adapters only (scaled lora_alpha / r, on every layer, no biases or other trained modules); merge this "
-        "adapter into its base with peft (merge_and_unload) and give the merged model instead")
+        "plain LoRA adapters only (scaled lora_alpha / r, or / sqrt(r) with use_rslora, on every layer, no biases or other "
+        "trained modules); merge this adapter into its base with peft (merge_and_unload) and give the merged model instead")
     assert cli.main(["adapters", str(options)]) == 0  # listed, marked
     assert capsys.readouterr().out.splitlines()[1].endswith("  (not applied by jaxtrain: use_dora=True, alpha_pattern={'v_proj': 64})")
 

@@ -9,10 +9,10 @@ reloads it from there and refuses a base whose content differs.
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 

@@ -191,7 +191,7 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict |
     # read as plain adapters, they generated other text with exit 0
     if options := unsupported_options(config):
         raise UserError(f"{adapter_dir / CONFIG_FILE}: {', '.join(options)}: jaxtrain applies plain LoRA adapters only (scaled "
-                        "lora_alpha / r, on every layer, no biases or other trained modules); merge this adapter into its "
-                        "base with peft (merge_and_unload) and give the merged model instead")
+                        "lora_alpha / r, or / sqrt(r) with use_rslora, on every layer, no biases or other trained modules); "
+                        "merge this adapter into its base with peft (merge_and_unload) and give the merged model instead")
     record_path = adapter_dir / JAXTRAIN_FILE
     return config, tensors, json.loads(record_path.read_text()) if record_path.is_file() else None
