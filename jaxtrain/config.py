@@ -411,14 +411,15 @@ def profile_range(spec: str) -> tuple[int, int]:
     return int(start), int(end)
 
 
-def resolve_for_devices(cfg: Config, nvidia_gpu: bool, cpu: bool = False) -> Config:
+def resolve_for_devices(cfg: Config, nvidia_gpu: bool, cpu: bool = False, pipelined: bool = False) -> Config:
     """The model's ``auto`` keys made concrete for the devices; explicit values stay.
 
     ``model.attention``: cuDNN flash attention on NVIDIA GPUs where it takes the model (half-precision compute, a
     head dimension that is a multiple of 8 up to 128: jax's cuDNN checks, 256 on Hopper kept out to hold on every
     GPU), chunked causal attention on CPUs (XLA:CPU has no fused kernel: models/attention.py), XLA elsewhere.
 
-    ``model.scan_layers``: unrolled on CPUs, scanned elsewhere. On XLA:CPU the layer scan stacks what each layer
+    ``model.scan_layers``: unrolled on CPUs, scanned elsewhere and under pipeline stages (``pipelined``: each
+    stage's layers run in the pipeline's scan whatever this says, models/pipeline.py). On XLA:CPU the layer scan stacks what each layer
     saves and slices it back, and unrolled steps measured 1.12-1.22x faster at 2 to 32 layers for about 0.4 s of
     compile per layer (README, "Benchmarks and performance"); on GPUs the scan keeps compile time flat and memory
     lower (the unrolled program holds 13% more on an H200), and the memory planner models the scanned program.
@@ -434,7 +435,7 @@ def resolve_for_devices(cfg: Config, nvidia_gpu: bool, cpu: bool = False) -> Con
         cudnn = nvidia_gpu and m.dtype in ("bfloat16", "float16") and m.resolved_head_dim % 8 == 0 and m.resolved_head_dim <= 128
         m = dataclasses.replace(m, attention="cudnn" if cudnn else "chunked" if cpu else "xla")
     if m.scan_layers == "auto":
-        m = dataclasses.replace(m, scan_layers=not cpu)
+        m = dataclasses.replace(m, scan_layers=pipelined or not cpu)
     return dataclasses.replace(cfg, model=m)
 
 

@@ -25,7 +25,7 @@ from jaxtrain.memory import offload
 from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_rules_against_mesh, load_rules, load_state_rules,
                                   logical_ways, model_tracing, param_shardings, spec_axes)
-from jaxtrain.stages import check_pipeline
+from jaxtrain.stages import check_pipeline, schedule
 from jaxtrain.state import ModelSpec, Placement, TrainState, abstract_state, in_device_memory, model_spec, state_shardings
 from jaxtrain.step import make_eval_step, make_train_step
 
@@ -97,9 +97,10 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
     config_lib.check(cfg)
     mesh = build_mesh(cfg.mesh, devices)
     device = mesh.devices.flat[0]
-    cfg = config_lib.resolve_for_devices(cfg, is_nvidia_gpu(device), cpu=device.platform == "cpu")  # before the model is built
     rules = load_rules(cfg.rules)
     check_rules_against_mesh(rules, mesh, cfg.rules)
+    cfg = config_lib.resolve_for_devices(cfg, is_nvidia_gpu(device), cpu=device.platform == "cpu",  # before the model is built
+                                         pipelined=schedule(cfg, rules, mesh).stages > 1)
     check_pipeline(cfg, rules, mesh)
     experts, expert_ways = cfg.model.moe.num_experts, logical_ways(rules, mesh, "experts")
     if experts % expert_ways:

@@ -19,6 +19,7 @@ from jaxtrain import stages as stages_lib
 from jaxtrain.config import AxisSizes, MeshConfig, SamplingConfig
 from jaxtrain.generate import generate, load
 from jaxtrain.layout import make_layout
+from jaxtrain.observe.metrics import format_summary, startup_summary
 from jaxtrain.partitioning import model_tracing
 from jaxtrain.stages import Schedule
 from jaxtrain.train import build, train
@@ -71,6 +72,21 @@ def test_stage2_fsdp2_tensor2_matches_one_device_and_its_checkpoint_moves_to_a_p
     on_pipeline = generate(load(run_dir), prompts, sampling).tokens
     assert len(np.unique(on_pipeline)) > 4  # a varied continuation
     np.testing.assert_array_equal(on_pipeline, generate(load(run_dir, mesh="cpu8", rules="fsdp_tp"), prompts, sampling).tokens)
+
+
+def test_explicit_unrolled_layers_under_stages_are_named_in_the_start_up_summary():
+    """model.scan_layers=auto resolves to true under stages (what runs there); an explicit false, which has no
+    effect there, gets a note in the printed summary. Without stages false stays false and gets none."""
+    pipelined = _config("pp_fsdp", (1, 2, 1, 4), PipelineConfig(microbatches=4))
+    summary = lambda cfg: startup_summary(make_layout(cfg), 0.0, None, "test", None, "none")  # noqa: E731
+    assert make_layout(pipelined).cfg.model.scan_layers is True
+    auto, explicit = summary(pipelined), summary(with_(pipelined, model={"scan_layers": False}))
+    assert auto["layers"] == explicit["layers"] == "scanned"
+    assert not auto["scan_layers_ignored"] and explicit["scan_layers_ignored"]
+    assert "model.scan_layers=false has no effect with pipeline stages" in format_summary(explicit)
+    assert "scan_layers" not in format_summary(auto)
+    plain = summary(with_(_config("fsdp", (1, 8, 1, 1)), model={"scan_layers": False}))
+    assert plain["layers"] == "unrolled" and not plain["scan_layers_ignored"]
 
 
 def test_circular_schedule_with_more_microbatches_than_stages_matches_plain_layers():

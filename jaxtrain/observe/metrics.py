@@ -120,13 +120,16 @@ def memory_gib() -> tuple[float, float, str]:
 def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None, data: str, peak: float | None,
                     peak_source: str) -> dict[str, Any]:
     cfg, mesh, state = layout.cfg, layout.mesh, layout.abstract_state()
+    pipelined = schedule(cfg, layout.rules, mesh).stages > 1
     return {
         "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count(),
         "mesh": dict(mesh.shape), "rules": cfg.rules, "attention": cfg.model.attention,
         # model.moe.grouped_matmul as resolved (auto), for dropless dispatch; null without it
         "grouped_matmul": cfg.model.moe.grouped_matmul if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "dropless" else None,
-        # pipeline stages loop over their layers with a scan whatever model.scan_layers says (models/pipeline.py)
-        "layers": "scanned" if cfg.model.scan_layers or schedule(cfg, layout.rules, mesh).stages > 1 else "unrolled",
+        # pipeline stages loop over their layers with a scan whatever model.scan_layers says (models/pipeline.py);
+        # its auto resolves to true there, so false is the user's and the summary says it has no effect
+        "layers": "scanned" if cfg.model.scan_layers or pipelined else "unrolled",
+        "scan_layers_ignored": pipelined and cfg.model.scan_layers is False,
         # a quantized base (QLoRA) counted as the model's parameters, not its packed codes and scales
         "params": layout.spec.num_params if cfg.model.base_quant == "none" else
                   model_spec(dataclasses.replace(cfg.model, base_quant="none")).num_params,
@@ -181,6 +184,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"({describe_cache(s['compile_cache'])})",
         f"  data: {s['data']}",
         *([f"  {note}"] if (note := idle_axes_note(s["idle_axes"], s["rules"])) else []),
+        *([f"  note: model.scan_layers=false has no effect with pipeline stages (rules {s['rules']}): each stage's layers run in the "
+           "pipeline's scan; drop the key, or use a rule set without pp_ to unroll them"] if s.get("scan_layers_ignored") else []),
         *([f"  note: optim.warmup_steps={s['configured_warmup_steps']} is more than train.steps={s['warmup_steps']}: the learning rate "
            f"warms up over the {s['warmup_steps']} steps, reaching optim.lr at the last, and never decays; raise train.steps or "
            "lower optim.warmup_steps"] if s["configured_warmup_steps"] > s["warmup_steps"] else []),
