@@ -9,8 +9,8 @@ from jaxtrain.config import Config
 
 
 def warmup_steps(cfg: Config) -> int:
-    """The steps the learning rate warms up over: ``optim.warmup_steps``, at most ``train.steps`` (a short run reaches
-    ``optim.lr`` at its last step; the start-up summary says so)."""
+    """The steps the learning rate warms up over, as the start-up summary counts them: ``optim.warmup_steps``, at most
+    ``train.steps`` (a short run reaches ``optim.lr`` at its last step; the summary says so)."""
     return min(cfg.optim.warmup_steps, cfg.train.steps)
 
 
@@ -19,7 +19,9 @@ def learning_rate_schedule(cfg: Config) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=o.lr,
-        warmup_steps=warmup_steps(cfg),
+        # optax counts the updates from 0, so step k gets lr * (k - 1) / warmup: a run shorter than its warmup
+        # warms up over one count fewer than its steps, so its last step applies optim.lr (a 1-step run: at once)
+        warmup_steps=min(o.warmup_steps, cfg.train.steps - 1),
         decay_steps=max(cfg.train.steps, o.warmup_steps + 1),
         end_value=o.lr * o.min_lr_ratio,
     )

@@ -23,6 +23,7 @@ from jaxtrain.observe import metrics as metrics_lib
 from jaxtrain.observe import step_profile
 from jaxtrain import train as train_lib
 from jaxtrain.checkpoint import Preempted
+from jaxtrain.config import Config, OptimConfig
 from jaxtrain.errors import UserError
 from jaxtrain.observe.exporters import check_port_free
 from jaxtrain.observe.flops import flops_per_token
@@ -126,6 +127,8 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     assert "\n  note: optim.warmup_steps=20 is more than train.steps=12: the learning rate warms up over the 12 steps, reaching " \
         "optim.lr at the last, and never decays; raise train.steps or lower optim.warmup_steps" in \
         format_summary(summary | {"configured_warmup_steps": 20, "warmup_steps": 12})
+    assert "the learning rate is optim.lr at the run's one step and never decays;" in \
+        format_summary(summary | {"configured_warmup_steps": 20, "warmup_steps": 1})
     assert "\n  note: mesh axis tensor 2 splits neither the batch nor any parameter under rule set fsdp_tp: the same work runs 2 " \
         "times over;" in format_summary(summary | {"idle_axes": {"tensor": 2}})
     # fsdp_tp shards every matrix 4 ways (fsdp x tensor); float32, and AdamW keeps two moments per parameter
@@ -333,6 +336,20 @@ def test_first_record_times_the_step_not_the_start_up(trainer, tmp_path, monkeyp
     train_lib.train(every_step.cfg, tmp_path / "run", every_step)
     times = [r["step_time_s"] for r in _records(tmp_path / "run") if "step_time_s" in r]
     assert len(times) == STEPS and times[0] < 1.0, times
+
+
+def test_a_run_shorter_than_its_warmup_applies_the_full_learning_rate_at_its_last_step():
+    """Step k applies the schedule at update count k - 1 (optax counts from 0): a warmup of 20 over a 4-step run
+    gives 0, lr/3, 2lr/3, lr (a QA report: it stopped at 3lr/4); a 1-step run applies lr; a warmup shorter than
+    the run is optax's as configured, lr reached at count warmup_steps, then the cosine."""
+    cfg = Config(optim=OptimConfig(lr=3e-3, warmup_steps=20))
+    rates = lambda steps, warmup=20: [float(learning_rate_schedule(with_(cfg, train={"steps": steps}, optim={"warmup_steps": warmup}))(k))  # noqa: E731
+                                      for k in range(steps)]
+    np.testing.assert_allclose(rates(4), [0.0, 1e-3, 2e-3, 3e-3], rtol=1e-6)
+    np.testing.assert_allclose(rates(1), [3e-3], rtol=1e-6)
+    short = rates(12, warmup=4)
+    np.testing.assert_allclose(short[:5], [0.0, 0.75e-3, 1.5e-3, 2.25e-3, 3e-3], rtol=1e-6)
+    assert short[5] < 3e-3 and short[-1] < short[5]  # then decays
 
 
 def test_logged_learning_rate_is_the_applied_one_after_a_skip(trainer, tmp_path, monkeypatch):

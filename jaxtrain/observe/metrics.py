@@ -187,8 +187,9 @@ def format_summary(s: dict[str, Any]) -> str:
         *([f"  note: model.scan_layers=false has no effect with pipeline stages (rules {s['rules']}): each stage's layers run in the "
            "pipeline's scan; drop the key, or use a rule set without pp_ to unroll them"] if s.get("scan_layers_ignored") else []),
         *([f"  note: optim.warmup_steps={s['configured_warmup_steps']} is more than train.steps={s['warmup_steps']}: the learning rate "
-           f"warms up over the {s['warmup_steps']} steps, reaching optim.lr at the last, and never decays; raise train.steps or "
-           "lower optim.warmup_steps"] if s["configured_warmup_steps"] > s["warmup_steps"] else []),
+           + (f"warms up over the {s['warmup_steps']} steps, reaching optim.lr at the last," if s["warmup_steps"] > 1 else
+              "is optim.lr at the run's one step")
+           + " and never decays; raise train.steps or lower optim.warmup_steps"] if s["configured_warmup_steps"] > s["warmup_steps"] else []),
         *([f"  note: {s['cpu_devices_per_core']:.3g} simulated CPU devices per core, each an XLA:CPU thread, crowd the cores: "
            "for speed, a mesh of at most one device per core (--mesh gpu1 runs on one)"] if (s["cpu_devices_per_core"] or 0) > 1 else []),
         *([f"  note: {s['host_malloc']} malloc hands XLA:CPU's step buffers back to the system, so each step maps and zeroes "
