@@ -42,21 +42,26 @@ class LoraConfig:
                 if any(_matches(item, name) or _matches(item, f"{module}.{weight}") for item in items)]
 
     def problems(self) -> list[str]:
-        if self.rank == 0:
-            return []
+        """The values are checked with the adapters off too (rank 0): a mistyped key is found before it is used."""
         out = []
         if self.rank < 0:
             out.append(f"model.lora.rank={self.rank} must be 0 (off) or positive")
-        if not self.alpha > 0:
-            out.append(f"model.lora.alpha={self.alpha} must be positive")
+        if not _finite_positive(self.alpha):
+            out.append(f"model.lora.alpha={self.alpha} must be a finite positive number")
         if not 0 <= self.dropout < 1:
             out.append(f"model.lora.dropout={self.dropout} must be at least 0 and below 1 (the share of adapter inputs dropped); e.g. 0.05")
+        if self.rank <= 0:
+            return out
         choices = ", ".join(f"{n} ({m}.{w})" for n, (m, w, _) in LORA_TARGETS.items())
         for item in (t.strip() for t in self.targets.split(",")):
             names = LoraConfig(targets=item).target_names() if item else []
             if not names:
                 out.append(f"model.lora.targets item {item!r} matches no weight; targets are {choices}, or regular expressions over them")
         return out
+
+
+def _finite_positive(value: float) -> bool:
+    return 0 < value < math.inf  # NaN fails both
 
 
 def _matches(pattern: str, text: str) -> bool:
@@ -90,14 +95,14 @@ class RopeScaling:
     original_max_len: int = 8192
 
     def problems(self) -> list[str]:
+        """Checked with the scaling off too (type none): a mistyped value is found before it is used."""
         out = []
         if self.type not in ROPE_SCALING_TYPES:
             out.append(f"model.rope_scaling.type={self.type!r} is unknown; choose one of {', '.join(ROPE_SCALING_TYPES)}")
-        elif self.type == "llama3":
-            if self.factor <= 0 or self.original_max_len <= 0:
-                out.append(f"model.rope_scaling.factor={self.factor} and original_max_len={self.original_max_len} must be positive")
-            if not 0 < self.low_freq_factor < self.high_freq_factor:
-                out.append(f"model.rope_scaling needs 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor ({self.high_freq_factor})")
+        if not _finite_positive(self.factor) or self.original_max_len <= 0:
+            out.append(f"model.rope_scaling.factor={self.factor} and original_max_len={self.original_max_len} must be finite and positive")
+        if not 0 < self.low_freq_factor < self.high_freq_factor < math.inf:
+            out.append(f"model.rope_scaling needs 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor ({self.high_freq_factor}), both finite")
         return out
 
 
@@ -153,13 +158,13 @@ class MoEConfig:
     router_z_loss_weight: float = 0.001  # mean squared log-sum-exp of the router logits (ST-MoE), mean over layers
 
     def problems(self) -> list[str]:
-        if self.num_experts == 0:
-            return []
+        """Checked with a dense model too (num_experts 0): a mistyped value is found before it is used."""
         out = []
         if self.num_experts < 0:
             out.append(f"model.moe.num_experts={self.num_experts} must be 0 (dense MLP) or positive")
         if self.top_k < 1 or self.top_k > self.num_experts > 0:
-            out.append(f"model.moe.top_k={self.top_k} must be between 1 and model.moe.num_experts={self.num_experts}")
+            out.append(f"model.moe.top_k={self.top_k} must be between 1 and model.moe.num_experts={self.num_experts}" if self.num_experts > 0
+                       else f"model.moe.top_k={self.top_k} must be at least 1")
         if self.num_shared_experts < 0:
             out.append(f"model.moe.num_shared_experts={self.num_shared_experts} must be 0 or positive")
         if self.grouped_matmul not in GROUPED_MATMULS:
@@ -168,12 +173,12 @@ class MoEConfig:
             out.append(f"model.moe.grouped_matmul=tokamax: {tokamax_problem()}; or set model.moe.grouped_matmul=xla")
         if self.dispatch not in MOE_DISPATCH:
             out.append(f"model.moe.dispatch={self.dispatch!r} is unknown; choose one of {', '.join(MOE_DISPATCH)}")
-        elif self.dispatch == "capacity" and not self.capacity_factor > 0:
-            out.append(f"model.moe.capacity_factor={self.capacity_factor} must be positive with model.moe.dispatch=capacity "
+        if not _finite_positive(self.capacity_factor):
+            out.append(f"model.moe.capacity_factor={self.capacity_factor} must be a finite positive number "
                        "(1.25 is usual; num_experts / top_k drops nothing)")
         for key in ("aux_loss_weight", "router_z_loss_weight"):
-            if not getattr(self, key) >= 0:
-                out.append(f"model.moe.{key}={getattr(self, key)} must be 0 (off) or positive")
+            if not 0 <= getattr(self, key) < math.inf:
+                out.append(f"model.moe.{key}={getattr(self, key)} must be 0 (off) or a finite positive number")
         return out
 
 
@@ -281,8 +286,8 @@ class LlamaConfig:
         if self.head_dim is not None and self.head_dim <= 0:
             out.append(f"model.head_dim={self.head_dim} must be positive, or none for model.d_model / model.num_heads")
         for key in ("rope_theta", "norm_eps", "init_std"):
-            if not getattr(self, key) > 0:  # NaN too
-                out.append(f"model.{key}={getattr(self, key)} must be positive")
+            if not _finite_positive(getattr(self, key)):
+                out.append(f"model.{key}={getattr(self, key)} must be a finite positive number")
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
             out.append(
                 f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}; "

@@ -131,8 +131,16 @@ def test_an_unknown_key_suggests_ours_for_other_frameworks_names(key, ours):
     ("checkpoint.keep_every=-2", "checkpoint.keep_every=-2 must be at least 0"),
     ("train.microbatches=0", "train.microbatches=0 must be at least 1 or 'auto'"),
     ("mesh.ici.data=0", r"mesh.ici.data=0 must be a positive integer or -1 \(fill\)"),
-    ("model.norm_eps=0", "model.norm_eps=0.0 must be positive"),
-    ("model.rope_theta=-1", "model.rope_theta=-1.0 must be positive"),
+    ("model.norm_eps=0", "model.norm_eps=0.0 must be a finite positive number"),
+    ("model.rope_theta=-1", "model.rope_theta=-1.0 must be a finite positive number"),
+    ("model.rope_theta=inf", "model.rope_theta=inf must be a finite positive number"),
+    ("model.init_std=inf", "model.init_std=inf must be a finite positive number"),
+    # the sub-keys of a feature that is off are checked too (a QA report: accepted, ignored)
+    ("model.moe.top_k=0", "model.moe.top_k=0 must be at least 1"),
+    ("model.moe.capacity_factor=-1", "model.moe.capacity_factor=-1.0 must be a finite positive number"),
+    ("model.moe.aux_loss_weight=inf", r"model.moe.aux_loss_weight=inf must be 0 \(off\) or a finite positive number"),
+    ("model.lora.alpha=inf", "model.lora.alpha=inf must be a finite positive number"),
+    ("model.rope_scaling.factor=inf", "model.rope_scaling.factor=inf and original_max_len=8192 must be finite and positive"),
     ("model.head_dim=0", "model.head_dim=0 must be positive, or none for model.d_model / model.num_heads"),
     ("model.head_dim=-2", "model.head_dim=-2 must be positive"),
 ])

@@ -229,7 +229,7 @@ BAD_INPUT = {
     "experts not divisible by the expert axis": (["model.moe.num_experts=5"],
                                                  "model.moe.num_experts=5 is not divisible by the 2 ways rule set fsdp_tp_ep splits the experts over"),
     "capacity factor not positive": (["model.moe.capacity_factor=0"],
-                                     "model.moe.capacity_factor=0.0 must be positive with model.moe.dispatch=capacity"),
+                                     "model.moe.capacity_factor=0.0 must be a finite positive number"),
     # PEFT's experts.gate_up_proj: one adapter on both; and PEFT has no dropout on parameter targets
     "the experts' gate without up": (["model.lora.rank=4", "model.lora.targets=q,gate,down"],
                                      "model.lora.targets names gate without up: a mixture of experts takes one adapter on its experts' gate and up"),
