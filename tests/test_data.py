@@ -80,9 +80,9 @@ def test_user_text_directory_and_token_files(tmp_path):
         corpus = load_corpus(DataConfig(path=str(tmp_path / name), val_fraction=0.1))
         assert corpus.vocab_size == 1000 and len(corpus.train) == 4500
         np.testing.assert_array_equal(corpus.validation, tokens[4500:])
-    (tmp_path / "t.csv").write_text("1,2")
-    with pytest.raises(UserError, match="unknown file type"):
-        load_corpus(DataConfig(path=str(tmp_path / "t.csv")))
+    (tmp_path / "t.txt").write_text("one document")  # which a split by document cannot divide: the way on is named
+    with pytest.raises(UserError, match=f"unknown file type; .*for one text file, jaxtrain tokenize {tmp_path / 't.txt'} --out DATA.bin"):
+        load_corpus(DataConfig(path=str(tmp_path / "t.txt")))
 
 
 def _bad_token_files(tmp_path):
