@@ -524,9 +524,10 @@ def check(cfg: Config) -> None:
     elif cfg.optim.grad_sync == "microbatch" and cfg.optim.grad_dtype != "float32":
         problems.append(f"optim.grad_sync=microbatch with optim.grad_dtype={cfg.optim.grad_dtype}: narrower sums run once per step, "
                         "after the last micro-batch; use optim.grad_sync=auto or step, or optim.grad_dtype=float32")
-    if cfg.model.dtype == "float16" and cfg.model.param_dtype == "float16":
-        problems.append("model.dtype=float16 with model.param_dtype=float16 keeps no float32 master weights, so small updates "
-                        "vanish and loss scaling cannot help; set model.param_dtype=float32")
+    if cfg.model.param_dtype == "float16":  # bfloat16 parameters (LoRA runs) keep float32's range; float16's do not
+        problems.append(f"model.param_dtype=float16 (with model.dtype={cfg.model.dtype}) keeps no float32 master weights: small updates "
+                        "vanish and small float16 gradients underflow, which loss scaling (model.dtype=float16) cannot undo; "
+                        "set model.param_dtype=float32, or bfloat16 to halve the weights' memory")
     microbatches = 1 if isinstance(t.microbatches, str) else t.microbatches
     if t.loss_chunk < 0 or (t.loss_chunk > 0 and d.seq_len > 0 and d.seq_len % t.loss_chunk):
         problems.append(f"train.loss_chunk={t.loss_chunk} must be 0 (off) or a positive divisor of data.seq_len={d.seq_len}")

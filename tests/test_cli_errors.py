@@ -90,7 +90,7 @@ CASES = {
     "unknown model.scan_layers": (lambda t: ["model.scan_layers=sometimes"],
                                   "model.scan_layers='sometimes' is unknown; choose true, false or auto"),
     "float16 without master weights": (lambda t: ["model.dtype=float16", "model.param_dtype=float16"],
-                                       "model.dtype=float16 with model.param_dtype=float16 keeps no float32 master weights"),
+                                       "model.param_dtype=float16 (with model.dtype=float16) keeps no float32 master weights"),
     "unknown gradient dtype": (lambda t: ["optim.grad_dtype=float16"], "optim.grad_dtype='float16' must be float32 or bfloat16"),
     "bfloat16 gradient sums with split weights": (lambda t: ["optim.grad_dtype=bfloat16"],
                                                   "optim.grad_dtype=bfloat16 needs pure data parallelism"),
