@@ -34,7 +34,8 @@ def experiment(model: LlamaConfig, *, seq_len: int, batch_tokens: int, lr: float
 
 
 def run(experiment_file: str) -> None:
-    """``python experiments/NAME.py [jaxtrain train options]`` does ``jaxtrain train NAME ...``."""
-    from jaxtrain.cli import main
+    """``python experiments/NAME.py [jaxtrain train options]`` does ``jaxtrain train NAME ...``, restarting itself
+    with jemalloc as the command does (``JAXTRAIN_HOST_MALLOC=jemalloc``)."""
+    from jaxtrain.__main__ import main
 
     sys.exit(main(["train", experiment_file, *sys.argv[1:]]))

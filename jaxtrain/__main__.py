@@ -8,7 +8,8 @@ from jaxtrain.errors import UserError
 from jaxtrain.memory import host_malloc
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """The command with ``argv`` (default: this process's arguments); `python experiments/NAME.py` passes its own."""
     try:
         host_malloc.reexec_with_jemalloc()
     except UserError as e:
@@ -19,7 +20,7 @@ def main() -> int:
     except KeyboardInterrupt:
         print("jaxtrain: interrupted", file=sys.stderr)
         return 130
-    return cli.main()
+    return cli.main(argv)
 
 
 if __name__ == "__main__":

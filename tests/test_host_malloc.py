@@ -86,6 +86,16 @@ def test_the_jaxtrain_command_starts_again_with_jemalloc_where_main_in_process_c
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@needs_jemalloc
+def test_an_experiment_file_run_with_python_starts_again_with_jemalloc_as_the_command_does():
+    """`python experiments/tiny.py` is `jaxtrain train tiny` (README): it gets past the malloc check (a QA report:
+    refused, 'for your own script ...') to the config's own one-line error."""
+    env = subprocess_env() | {host_malloc.ENV: "jemalloc"}
+    done = subprocess.run([sys.executable, str(REPO / "experiments" / "tiny.py"), "train.steps=abc"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (2, "jaxtrain: error: train.steps expects int, got 'abc'\n")
+
+
 def test_jemalloc_chosen_but_missing_or_not_loading_is_one_line_and_exit_status_2(monkeypatch, capsys):
     def no_exec(*args):
         raise AssertionError("must not replace the test's process")
