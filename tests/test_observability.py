@@ -313,6 +313,12 @@ def test_skip_nonfinite_leaves_state_unchanged_and_logs_each_skip(trainer, tmp_p
     jax.tree.map(np.testing.assert_array_equal, jax.device_get((after.params, after.opt_state)),
                  (before.params, before.opt_state))
 
+    # one more bad step than allowed stops the run; the advice is to allow more, not to set what is set
+    _poison(monkeypatch, {3, 5}, trainer.cfg.model.vocab_size)
+    with pytest.raises(NonFiniteError, match=r"^step 5: .*more than train.skip_nonfinite=1 updates skipped .*or raise "
+                                             r"train.skip_nonfinite above 1 to skip such steps$"):
+        train_lib.train(cfg, tmp_path / "twice", skipping)
+
 
 def _checkpoint_steps(run_dir):
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())

@@ -153,8 +153,10 @@ def grad_reduction(cfg: Config, rules: Rules, mesh: Mesh, param_shardings: dict,
     if grad_dtype != "float32":
         if split or other:
             raise UserError(f"optim.grad_dtype={grad_dtype} needs pure data parallelism (parameters whole on every device, every "
-                            f"mesh axis a batch axis), but rule set {cfg.rules} on mesh {dict(mesh.shape)} splits parameters "
-                            f"over {', '.join(sorted(split)) or 'no axis'} and has other axes {', '.join(other) or 'none'}; use rules=dp, "
+                            f"mesh axis a batch axis), but rule set {cfg.rules} on mesh {dict(mesh.shape)} "
+                            + " and ".join(filter(None, (split and f"splits parameters over {', '.join(sorted(split))}",
+                                                         other and f"has axes that split no batch: {', '.join(other)}")))
+                            + "; use rules=dp, "
                             f"zero1 or zero2 with a data-only mesh, or optim.grad_dtype=float32")
         return GradReduction(mesh, batch_axes, jnp.dtype(grad_dtype), specs)
     pipe = schedule(cfg, rules, mesh)

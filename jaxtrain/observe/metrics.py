@@ -378,8 +378,9 @@ class MetricsLog:
             last = "no finite values before it in this run"
         allowed = self.cfg.train.skip_nonfinite
         policy = f"more than train.skip_nonfinite={allowed} updates skipped" if allowed else "the update was not applied"
+        skip = f"raise train.skip_nonfinite above {allowed}" if allowed else "set train.skip_nonfinite=N"
         return (f"step {step}: {' and '.join(bad)} not finite ({values}); {last}; {policy} and no checkpoint was "
-                f"written after it; check the data, lower optim.lr, or set train.skip_nonfinite=N to skip such steps")
+                f"written after it; check the data, lower optim.lr, or {skip} to skip such steps")
 
     def _record(self, step: int) -> None:
         fetched = self._check_pending()
