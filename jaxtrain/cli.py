@@ -22,7 +22,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import distributed, xla_env
 from jaxtrain.config import SamplingConfig
 from jaxtrain.errors import UserError
-from jaxtrain.interop import hf_config, hf_weights
+from jaxtrain.interop import hf_config, hf_weights, peft
 from jaxtrain.memory import host_malloc
 
 DEFAULT_CPU_DEVICES = 8
@@ -219,6 +219,8 @@ def cmd_generate(args) -> int:
         raise UserError(f"{path} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json); "
                         "give the --run-dir of a training run or a model directory")
     run_cfg = None if hf_config.is_hf_dir(path) else config_lib.load_run_config(path)
+    if args.adapter:
+        peft.check_adapter_source(Path(args.adapter))
     if args.adapter and run_cfg is not None and run_cfg.model.lora.rank:
         raise UserError(f"{path} is a LoRA run, and `jaxtrain generate {path}` already applies its adapters on its base; drop "
                         f"--adapter, or give the base the adapter {args.adapter} was trained on")

@@ -148,6 +148,8 @@ def test_generate_command_prints_the_runs_greedy_text(byte_run):
     (["--top-p", "0"], "--top-p 0 must be in (0, 1]"),
     ("no checkpoints", "jaxtrain generate {run}: no checkpoints there"),
     ("no run", "{run} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json)"),
+    # before any weight is read (a QA report: the base's read came first, a second stderr line)
+    (["--adapter", "/no/such/adapter"], "--adapter /no/such/adapter is neither a LoRA run directory (config.yaml) nor a PEFT adapter directory"),
 ])
 def test_generate_command_bad_input(args, message, byte_run, tmp_path):
     run = byte_run

@@ -228,6 +228,7 @@ def merged_run_params(layout: Layout, run_dir: Path, source: str) -> dict:
 def with_adapter(loaded, adapter: Path):
     """``jaxtrain generate BASE --adapter PATH``: a loaded base model (generate.Loaded) with the adapters of a LoRA
     run directory or a PEFT adapter directory merged into its weights; an adapter trained on another base is a UserError."""
+    peft.check_adapter_source(adapter)
     if peft.is_adapter_dir(adapter):
         config, tensors, record = peft.read_adapter(adapter)
         rank = int(config["r"])
@@ -237,7 +238,7 @@ def with_adapter(loaded, adapter: Path):
         # our record says what base the adapters trained on; another tool's adapters apply to the float base, as PEFT does
         model_cfg = dataclasses.replace(loaded.model_cfg, lora=lora, base_quant=(record or {}).get("base_quant", "none"))
         adapters = {"layers": peft.from_peft(tensors, model_cfg, adapter)}
-    elif (adapter / "config.yaml").is_file():
+    else:  # a LoRA run directory
         record = summary(adapter)
         # restored onto the mesh and rules the base generates with, whatever the run trained on
         cfg = dataclasses.replace(config_lib.load_run_config(adapter), mesh=loaded.mesh_config, rules=loaded.rules_name)
@@ -245,9 +246,6 @@ def with_adapter(loaded, adapter: Path):
         layout = make_layout(cfg)
         restored = checkpoint_lib.restore_from(adapter, layout.abstract_state(), None, params_only=True, source="--adapter")
         adapters = multihost_utils.process_allgather(restored, tiled=True)
-    else:
-        raise UserError(f"--adapter {adapter} is neither a LoRA run directory (config.yaml) nor a PEFT adapter directory "
-                        f"({peft.CONFIG_FILE}); give one of them")
     if record is not None:
         found = content_hash(loaded.params)
         if found != record["hash"]:

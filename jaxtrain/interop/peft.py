@@ -45,6 +45,14 @@ def is_adapter_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file()
 
 
+def check_adapter_source(adapter: Path) -> None:
+    """``--adapter PATH`` names a LoRA run directory or a PEFT adapter directory (else a UserError): checked before
+    any weight is read."""
+    if not (is_adapter_dir(adapter) or (adapter / "config.yaml").is_file()):
+        raise UserError(f"--adapter {adapter} is neither a LoRA run directory (config.yaml) nor a PEFT adapter directory "
+                        f"({CONFIG_FILE}); give one of them")
+
+
 def _modules(model_cfg: LlamaConfig) -> dict[str, str]:
     """LoRA target -> its Hugging Face module name with '{layer}' (e.g. model.layers.{layer}.self_attn.q_proj)."""
     by_path = {tm.path: tm.name.removesuffix(".weight") for tm in tensor_maps(model_cfg)}
