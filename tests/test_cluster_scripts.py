@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 
 from conftest import REPO
@@ -21,7 +22,7 @@ def _fake_commands(tmp_path, **scripts) -> dict:
     """An environment whose PATH finds the given stand-in commands first."""
     for name, body in scripts.items():
         path = tmp_path / name
-        path.write_text("#!/bin/bash\n" + body)
+        path.write_text(body if body.startswith("#!") else "#!/bin/bash\n" + body)
         path.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JOB_COMPLETION", "NUM_PROCESSES", "COORDINATOR"))}
     return env | {"PATH": f"{tmp_path}:{env['PATH']}"}
@@ -38,11 +39,44 @@ def test_k8s_entrypoint_derives_the_three_flags_from_the_pod(tmp_path):
                                           "--num-processes", "8", "--process-id", "3"]
 
 
-def test_k8s_entrypoint_outside_an_indexed_job_is_one_line(tmp_path):
-    env = _fake_commands(tmp_path, jaxtrain=PRINT_ARGS) | {"NUM_PROCESSES": "8", "COORDINATOR_HOST": "h"}
+POD = {"JOB_COMPLETION_INDEX": "3", "NUM_PROCESSES": "8", "COORDINATOR_HOST": "jaxtrain-0.jaxtrain"}
+MISSING_PYTHON = "#!/no/such/venv/bin/python\nprint('unreachable')\n"  # a virtual environment copied from elsewhere
+
+
+def _one_line_exit_2(result, prefix: str, message: str) -> None:
+    """A user mistake: one line on stderr, exit status 2, nothing run."""
+    assert (result.returncode, result.stdout) == (2, ""), (result.returncode, result.stdout, result.stderr)
+    assert result.stderr.startswith(prefix) and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+# Exit 2 is the manifest's FailJob code: bash's own 1 (`${VAR:?}`) and 127 (command not found) were retried
+# up to backoffLimit although every retry fails the same way.
+@pytest.mark.parametrize("pod, jaxtrain, message", [
+    ({"JOB_COMPLETION_INDEX": None}, PRINT_ARGS, "JOB_COMPLETION_INDEX: not set: run this in a pod of an Indexed Job"),
+    ({"NUM_PROCESSES": None}, PRINT_ARGS, "NUM_PROCESSES: not set: the manifest sets it"),
+    ({"COORDINATOR_HOST": ""}, PRINT_ARGS, "COORDINATOR_HOST: not set: the manifest sets it"),
+    ({"NUM_PROCESSES": "eight"}, PRINT_ARGS, "NUM_PROCESSES='eight' is not a positive integer"),
+    ({"NUM_PROCESSES": "0"}, PRINT_ARGS, "NUM_PROCESSES='0' is not a positive integer"),
+    ({"JOB_COMPLETION_INDEX": "8"}, PRINT_ARGS, "JOB_COMPLETION_INDEX='8' is not a process index 0..7 (NUM_PROCESSES=8)"),
+    ({"COORDINATOR_PORT": "1 2"}, PRINT_ARGS, "COORDINATOR_PORT='1 2' is not a port 1..65535"),
+    ({}, None, "cannot run 'jaxtrain' (not on PATH, or not executable): install jaxtrain in the image"),
+    ({}, MISSING_PYTHON, "its interpreter '/no/such/venv/bin/python' does not exist"),
+], ids=["no-index", "no-num-processes", "empty-host", "num-processes-eight", "num-processes-0", "index-out-of-range",
+        "port-two-words", "no-jaxtrain", "jaxtrain-interpreter-gone"])
+def test_k8s_entrypoint_mistakes_are_one_line_and_exit_2(tmp_path, pod, jaxtrain, message):
+    env = _fake_commands(tmp_path, **({"jaxtrain": jaxtrain} if jaxtrain else {}))
+    env["PATH"] = f"{tmp_path}:/usr/bin:/bin"  # no other jaxtrain (the test environment's own) to find
+    env |= {k: v for k, v in (POD | pod).items() if v is not None}
     result = subprocess.run([K8S / "entrypoint.sh", "tiny"], env=env, capture_output=True, text=True)
-    assert result.returncode != 0 and result.stdout == ""
-    assert "JOB_COMPLETION_INDEX: not set: run this in a pod of an Indexed Job" in result.stderr
+    _one_line_exit_2(result, "entrypoint.sh: ", message)
+
+
+@pytest.mark.parametrize("status", [1, 2, 143])
+def test_k8s_entrypoint_passes_jaxtrain_exit_status_through(tmp_path, status):
+    """143 (preempted, checkpoint committed) must reach the podFailurePolicy as it is, and so must every other."""
+    env = _fake_commands(tmp_path, jaxtrain=f"echo ran >&2; exit {status}\n") | POD
+    result = subprocess.run([K8S / "entrypoint.sh", "tiny"], env=env, capture_output=True, text=True)
+    assert (result.returncode, result.stderr) == (status, "ran\n")
 
 
 def test_k8s_manifest_parts_agree():
@@ -65,6 +99,8 @@ def test_k8s_manifest_parts_agree():
     rules = spec["podFailurePolicy"]["rules"]
     assert {"action": "Ignore", "onExitCodes": {"containerName": "jaxtrain", "operator": "In", "values": [143]}} in rules
     assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
+    # exit 2, the entrypoint's and jaxtrain's code for a user mistake, fails the Job at once: a retry cannot help
+    assert {"action": "FailJob", "onExitCodes": {"containerName": "jaxtrain", "operator": "In", "values": [2]}} in rules
     assert pod["restartPolicy"] == "Never" and pod["terminationGracePeriodSeconds"] >= 120
     # the run directory is on the volume every pod mounts
     run_dir = container["args"][container["args"].index("--run-dir") + 1]
@@ -97,6 +133,49 @@ def test_slurm_script_runs_the_jaxtrain_it_is_given_or_says_it_has_none(tmp_path
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr == ("train.sbatch: cannot run 'jaxtrain' (not on PATH, or not executable); activate the environment "
                               "jaxtrain is installed in before sbatch, or set JAXTRAIN=/path/to/bin/jaxtrain\n")
+
+
+SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
+SRUN = 'while [[ "$1" == --* ]]; do shift; done\nSLURM_NTASKS=2 SLURM_PROCID=1 exec "$@"\n'
+
+
+@pytest.mark.parametrize("job, fakes, message", [
+    # `bash train.sbatch` outside a job: was set -u's raw "SLURM_JOB_NODELIST: unbound variable", exit 1
+    ({"SLURM_JOB_NODELIST": None}, {}, "SLURM_JOB_NODELIST is not set: this script runs inside a SLURM job; submit it with sbatch"),
+    ({}, {"scontrol": None}, "'scontrol' is not on PATH: run this script on a SLURM cluster"),
+    ({}, {"srun": None}, "'srun' is not on PATH: run this script on a SLURM cluster"),
+    ({}, {"scontrol": "echo 'scontrol: error: bad list' >&2; exit 1\n"}, "scontrol show hostnames 'node-[1-2]' failed (see above)"),
+    ({}, {"scontrol": "exit 0\n"}, "scontrol show hostnames 'node-[1-2]' gave no host"),
+    ({"COORDINATOR_PORT": "12 355"}, {}, "COORDINATOR_PORT='12 355' is not a port 1..65535"),
+    ({"COORDINATOR_PORT": "70000"}, {}, "COORDINATOR_PORT='70000' is not a port 1..65535"),
+    ({}, {"jaxtrain": MISSING_PYTHON}, "its interpreter '/no/such/venv/bin/python' does not exist"),
+    # in each task: srun's variables, and a jaxtrain the node itself can run (not only the batch node)
+    ({}, {"srun": 'while [[ "$1" == --* ]]; do shift; done\nunset SLURM_NTASKS SLURM_PROCID\nexec "$@"\n'},
+     "srun set SLURM_NTASKS='' SLURM_PROCID='', expected integers"),
+    ({}, {"srun": 'while [[ "$1" == --* ]]; do shift; done\nPATH=/usr/bin:/bin SLURM_NTASKS=2 SLURM_PROCID=1 exec "$@"\n'},
+     "cannot run 'jaxtrain' on "),
+], ids=["outside-slurm", "no-scontrol", "no-srun", "scontrol-fails", "scontrol-no-hosts", "port-two-words", "port-70000", "jaxtrain-interpreter-gone",
+        "task-without-srun-variables", "task-node-without-jaxtrain"])
+def test_slurm_script_mistakes_are_one_line_and_exit_2(tmp_path, job, fakes, message):
+    fakes = {"jaxtrain": PRINT_ARGS, "srun": SRUN, "scontrol": "echo node-1; echo node-2\n"} | fakes
+    env = _fake_commands(tmp_path, **{name: body for name, body in fakes.items() if body is not None})
+    env |= {"PATH": f"{tmp_path}:/usr/bin:/bin"}  # only the fakes: no real SLURM or jaxtrain of the test machine
+    env |= {k: v for k, v in ({"SLURM_JOB_NODELIST": "node-[1-2]"} | job).items() if v is not None}
+    result = subprocess.run(["bash", SBATCH, "tiny"], env=env, capture_output=True, text=True)
+    result.stderr = result.stderr.removeprefix("scontrol: error: bad list\n")  # a failing scontrol's own reason comes first
+    _one_line_exit_2(result, "train.sbatch: ", message)
+
+
+def test_slurm_script_passes_any_characters_through(tmp_path):
+    """JAXTRAIN and the arguments reach each task as they are: none is pasted into the task's command text (a '"'
+    in JAXTRAIN broke its quoting there)."""
+    odd = tmp_path / 'venv "$HOME" x'
+    odd.mkdir()
+    _fake_commands(odd, jaxtrain=PRINT_ARGS)
+    env = _fake_commands(tmp_path, srun=SRUN, scontrol="echo node-1\n") | {"JAXTRAIN": str(odd / "jaxtrain"), "SLURM_JOB_NODELIST": "node-1"}
+    args = ["tiny", 'a "b" $c', "d; e"]
+    result = subprocess.run(["bash", SBATCH, *args], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.splitlines() == ["train", *args, "--coordinator", "node-1:12355", "--num-processes", "2", "--process-id", "1"]
 
 
 def test_local_launcher_reports_the_failed_process_not_the_ones_it_stopped(tmp_path):
