@@ -13,6 +13,7 @@ import datetime
 import json
 import logging
 import math
+import re
 import shutil
 import signal
 import sys
@@ -114,7 +115,8 @@ def _first_line(error: BaseException) -> str:
     while error.__cause__ is not None:
         error = error.__cause__
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+    line = f"{type(error).__name__}: {text[0] if text else ''}"
+    return line if len(line) <= 300 else line[:300].rsplit(" ", 1)[0] + " ..."  # cut between words, and said to be
 
 
 def _flat_shapes(tree) -> dict[str, tuple]:
@@ -185,6 +187,7 @@ class DataPositionRestore(ocp.args.CheckpointArgs):
 
 def _manager(directory: Path, cfg: CheckpointConfig | None) -> ocp.CheckpointManager:
     """The run's own manager (``cfg``), or, without ``cfg``, one that only reads."""
+    _quiet_abandoned_reads()  # before any read: a failed one's abandoned siblings print as it unwinds
     if cfg is None:
         options = ocp.CheckpointManagerOptions(save_interval_steps=0, create=False)
     else:
@@ -249,8 +252,11 @@ def _quiet_abandoned_reads() -> None:
 
 
 def _not_from_abandoned_read(record: logging.LogRecord) -> bool:
+    """False for asyncio's report of an abandoned read: an Orbax task, or a TensorStore future (its error names the
+    array store it could not open or read)."""
     message = record.getMessage()
-    return not (message.startswith("Task exception was never retrieved") and "/orbax/" in message)
+    return not (message.startswith(("Task exception was never retrieved", "Future exception was never retrieved"))
+                and ("/orbax/" in message or "OCDBT database" in message or re.search(r'Error opening "\w+" driver', message)))
 
 
 def _quiet_replaced_partial_saves() -> None:
@@ -281,7 +287,6 @@ def _newest_readable(steps, read) -> tuple[int | None, object, list[tuple[int, s
             raise
         except Exception as e:  # noqa: BLE001 - any unreadable file must lead to the previous checkpoint
             restored, error = None, e
-            _quiet_abandoned_reads()
         if _all_processes(error is None):
             return step, restored, unreadable
         unreadable.append((step, _first_line(error) if error else "unreadable on another process"))
