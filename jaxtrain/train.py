@@ -234,7 +234,12 @@ def _loop(trainer: Trainer, state: TrainState, batches: data_lib.GlobalBatches, 
     """The steps from ``state``'s to ``train.steps``, with their records, checkpoints and evaluations."""
     t = trainer.cfg.train
     checkpoints.preemption.watch_interrupts()  # a Ctrl-C from here on stops after the step, with a checkpoint
-    for step in range(int(state.step) + 1, t.steps + 1):
+    resumed = int(state.step)
+    if 0 < resumed < t.steps and t.eval_every and resumed % t.eval_every == 0:
+        # a stop at an evaluation step comes after its checkpoint, before its evaluation: done now, recorded unless it
+        # was (every process evaluates, as only process 0 reads the records)
+        _evaluate(trainer, state, eval_data, log, resumed)
+    for step in range(resumed + 1, t.steps + 1):
         with log.timer("data_wait_s"):
             batch = next(batches)
         log.before_step(step)
@@ -247,10 +252,14 @@ def _loop(trainer: Trainer, state: TrainState, batches: data_lib.GlobalBatches, 
             if checkpoints.after_step(step, state, batches.iterator, preempted=preempted):  # raises Preempted once committed
                 log.checkpoint_saved(step)
         if step == t.steps or (t.eval_every and step % t.eval_every == 0):
-            with log.timer("eval_s"):
-                eval_loss, eval_tokens = evaluate(trainer, state.model_params, eval_data)
-            log.write({"step": step, "eval_loss": eval_loss, "eval_tokens": eval_tokens})
+            _evaluate(trainer, state, eval_data, log, step)
     return state
+
+
+def _evaluate(trainer: Trainer, state: TrainState, eval_data: list[dict], log: MetricsLog, step: int) -> None:
+    with log.timer("eval_s"):
+        eval_loss, eval_tokens = evaluate(trainer, state.model_params, eval_data)
+    log.write({"step": step, "eval_loss": eval_loss, "eval_tokens": eval_tokens})
 
 
 def _say(line: str) -> None:

@@ -5,9 +5,14 @@ imported only when its key is set (config.log_problems checks it is installed).
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
+import queue
 import socket
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,39 +22,93 @@ from jaxtrain.errors import UserError
 from jaxtrain.observe.plot import plot_runs
 
 MLFLOW_RUN_ID_FILE = "mlflow_run_id"  # in the run directory: a resumed run continues the same MLflow run
+MLFLOW_PARAMS_PER_BATCH = 100  # the most params MLflow's log_batch takes at once
+MLFLOW_CLOSE_TIMEOUT_S = 30  # at the end, the wait for an MLflow server still working through the run's calls
 PLOT_FILE = "metrics.png"
 
 
 class MlflowRun:
     """One MLflow run per run directory (``MLFLOW_TRACKING_URI`` picks the server or store): the resolved
-    config as params, the records' scalars as metrics, ``config.yaml`` and the plot as artifacts at the end."""
+    config as params, the records' scalars as metrics, ``config.yaml`` and the plot as artifacts at the end.
+
+    The run is opened before training (``check_mlflow`` found the store answering moments before); everything after
+    goes to the server from a thread of its own, in order. A server that stops answering costs the run one warning,
+    never a stalled or failed step: MLflow retries a request for minutes, and in the step loop that froze training,
+    then ended it with a traceback and no checkpoint (a QA report)."""
 
     def __init__(self, cfg: Config, run_dir: Path):
         import mlflow
+        from mlflow.entities import Param
 
-        self.mlflow, self.run_dir = mlflow, run_dir
+        self.client, self.run_dir, self.uri = mlflow.MlflowClient(), run_dir, mlflow.get_tracking_uri()
+        # urllib3 logs a line per retry of every unanswered request: the one warning below says it instead
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
         id_file = run_dir / MLFLOW_RUN_ID_FILE
-        mlflow.set_experiment(cfg.log.mlflow)
         if id_file.is_file():
-            self.run = mlflow.start_run(run_id=id_file.read_text().strip())
+            self.run_id = id_file.read_text().strip()
+            self.client.update_run(self.run_id, status="RUNNING")
         else:
-            self.run = mlflow.start_run(run_name=run_dir.name)
-            id_file.write_text(self.run.info.run_id + "\n")
+            found = self.client.get_experiment_by_name(cfg.log.mlflow)
+            experiment = found.experiment_id if found else self.client.create_experiment(cfg.log.mlflow)
+            self.run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
+            id_file.write_text(self.run_id + "\n")
             # MLflow refuses to change a param, so a resumed run keeps the ones it started with
-            mlflow.log_params(config_lib.flatten(config_lib.to_dict(cfg)))
+            params = [Param(key, str(value)) for key, value in config_lib.flatten(config_lib.to_dict(cfg)).items()]
+            for start in range(0, len(params), MLFLOW_PARAMS_PER_BATCH):
+                self.client.log_batch(self.run_id, params=params[start:start + MLFLOW_PARAMS_PER_BATCH])
+        self.calls: queue.Queue = queue.Queue()
+        self.unsent = 0
+        self.sender = threading.Thread(target=self._send, name="jaxtrain-mlflow", daemon=True)
+        self.sender.start()
+
+    def _send(self) -> None:
+        while (call := self.calls.get()) is not None:
+            what, send = call
+            try:
+                send()
+            except Exception as e:  # noqa: BLE001 -- whatever the client raises, training goes on
+                self.unsent += 1
+                if self.unsent == 1:
+                    first = str(e).strip().split("\n")[0][:200]
+                    print(f"jaxtrain: warning: MLflow at {self.uri} did not take {what} ({type(e).__name__}: {first}); training goes "
+                          "on, and the records are in metrics.jsonl and TensorBoard", file=sys.stderr, flush=True)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
-        self.mlflow.log_metrics(scalars, step=step, run_id=self.run.info.run_id)
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, value, now, step) for key, value in scalars.items()]
+        self.calls.put((f"step {step}'s metrics", lambda: self.client.log_batch(self.run_id, metrics=metrics)))
 
     def close(self, status: str) -> None:
-        """``status``: FINISHED, KILLED (preempted) or FAILED."""
-        try:
-            if (self.run_dir / "metrics.jsonl").stat().st_size:
-                plot_runs([self.run_dir], self.run_dir / PLOT_FILE)
-                self.mlflow.log_artifact(str(self.run_dir / PLOT_FILE), run_id=self.run.info.run_id)
-            self.mlflow.log_artifact(str(self.run_dir / "config.yaml"), run_id=self.run.info.run_id)
-        finally:
-            self.mlflow.end_run(status)
+        """``status``: FINISHED, KILLED (preempted) or FAILED. Waits at most ``MLFLOW_CLOSE_TIMEOUT_S`` for the server."""
+        if (self.run_dir / "metrics.jsonl").stat().st_size:
+            plot_runs([self.run_dir], self.run_dir / PLOT_FILE)
+            self.calls.put(("the plot", lambda: self.client.log_artifact(self.run_id, str(self.run_dir / PLOT_FILE))))
+        self.calls.put(("config.yaml", lambda: self.client.log_artifact(self.run_id, str(self.run_dir / "config.yaml"))))
+        self.calls.put((f"the run's end ({status})", lambda: self.client.set_terminated(self.run_id, status)))
+        self.calls.put(None)
+        self.sender.join(MLFLOW_CLOSE_TIMEOUT_S)
+        if self.sender.is_alive():  # the queue's size: the calls waiting, with the end marker for the one in flight
+            print(f"jaxtrain: warning: MLflow at {self.uri} did not answer within {MLFLOW_CLOSE_TIMEOUT_S} s at the end: "
+                  f"{self.calls.qsize()} of this run's calls, its end ({status}) among them, were not sent; the records are "
+                  "in metrics.jsonl and TensorBoard", file=sys.stderr, flush=True)
+        elif self.unsent > 1:
+            print(f"jaxtrain: warning: MLflow at {self.uri} did not take {self.unsent} of this run's calls", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _answer_soon():
+    """MLflow's requests, unless the user set otherwise, tried once for at most 10 s: by default an unreachable
+    server takes minutes of retries to report."""
+    settings = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+    added = {key: value for key, value in settings.items() if key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def check_mlflow(experiment: str, run_dir: Path) -> None:
@@ -58,6 +117,11 @@ def check_mlflow(experiment: str, run_dir: Path) -> None:
     a resumed run's MLflow run is there. Only reads the store."""
     import mlflow
 
+    with _answer_soon():
+        _check_mlflow(mlflow, experiment, run_dir)
+
+
+def _check_mlflow(mlflow, experiment: str, run_dir: Path) -> None:
     uri = mlflow.get_tracking_uri()
     try:
         found = mlflow.MlflowClient(uri).get_experiment_by_name(experiment)
@@ -117,7 +181,8 @@ class PrometheusGauges:
             "memory_peak_gib": gauge("memory_peak_gib", "peak memory of the fullest device (host RSS on CPU), GiB"),
         }
         self.checkpoint_step = gauge("last_checkpoint_step", "step of the latest checkpoint saved by this process; NaN before one")
-        self.checkpoint_step.set(float("nan"))
+        for unknown in (*self.gauges.values(), self.checkpoint_step):  # NaN until known: a 0 loss or step would read as one
+            unknown.set(float("nan"))
         self.checkpoint_time = None
         gauge("last_checkpoint_age_seconds", "seconds since that checkpoint was saved; NaN before one").set_function(
             lambda: float("nan") if self.checkpoint_time is None else time.time() - self.checkpoint_time)

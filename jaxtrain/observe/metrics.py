@@ -250,17 +250,34 @@ def _finite_or_none(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def drop_records_after(path: Path, step: int) -> None:
+def drop_records_after(path: Path, step: int) -> list[dict]:
     """Forget records of steps after ``step``: a run killed after its last checkpoint logged steps it
-    will now redo, and each step must appear once."""
+    will now redo, and each step must appear once. Returns the records kept."""
     if not path.exists():
-        return
+        return []
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    records = [json.loads(line) for line in lines]
+    kept = [line for line, record in zip(lines, records) if record["step"] <= step]
     if len(kept) < len(lines):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(kept))
         tmp.replace(path)
+    return [record for record in records if record["step"] <= step]
+
+
+def resumed_profile(spec: str | None, initial_step: int) -> tuple[tuple[int, int] | None, str | None]:
+    """The steps ``log.profile_steps`` profiles in a run that starts after ``initial_step``, and a note where a resume
+    cut the range short or past its end (a QA report: no trace, and not a word)."""
+    if spec is None:
+        return None, None
+    start, end = config_lib.profile_range(spec)
+    if initial_step < start:
+        return (start, end), None
+    if initial_step < end:
+        return (initial_step + 1, end), (f"jaxtrain: note: the run resumes at step {initial_step + 1}, inside "
+                                         f"log.profile_steps={spec}: steps {initial_step + 1}-{end} are profiled")
+    return None, (f"jaxtrain: note: log.profile_steps={spec} ends before the run resumes at step {initial_step + 1}: "
+                  f"nothing is profiled; give steps after {initial_step}")
 
 
 class MetricsLog:
@@ -276,7 +293,7 @@ class MetricsLog:
         self.tokens_per_step = layout.tokens_per_step
         self.devices = layout.mesh.size
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        self.profile = config_lib.profile_range(cfg.log.profile_steps) if cfg.log.profile_steps else None
+        self.profile, profile_note = resumed_profile(cfg.log.profile_steps, initial_step)
         self.profiling = False
         self.pending: list[tuple[int, dict]] = []  # (step, metrics) not yet fetched from the devices
         self.timers = {"data_wait_s": 0.0, "checkpoint_s": 0.0, "eval_s": 0.0}  # since the last record
@@ -292,13 +309,16 @@ class MetricsLog:
             except BaseException:
                 self.close()
                 raise
+        if profile_note:
+            self._say(profile_note)
         # the first record's step time starts here, after the start-up work (peak benchmark, summary, loggers)
         self.last_time = time.perf_counter()
 
     def _open(self, summary: dict[str, Any], initial_step: int) -> None:
         cfg, run_dir = self.cfg, self.run_dir
         (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
-        drop_records_after(run_dir / "metrics.jsonl", initial_step)
+        kept = drop_records_after(run_dir / "metrics.jsonl", initial_step)
+        self.evaluated = {record["step"] for record in kept if "eval_loss" in record}
         self.file = open(run_dir / "metrics.jsonl", "a")
         if cfg.log.tensorboard:
             # an earlier attempt's events past the resumed step hidden, as its metrics.jsonl records are dropped (a
@@ -412,6 +432,8 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         """Append one record (must have ``step``) to metrics.jsonl, TensorBoard and W&B (process 0)."""
         if not self.enabled:
+            return
+        if "eval_loss" in record and record["step"] in self.evaluated:  # a resume's evaluation of a step already recorded
             return
         record = {k: _finite_or_none(v) for k, v in record.items()}
         self.file.write(json.dumps(record) + "\n")
