@@ -253,6 +253,7 @@ def cmd_generate(args) -> int:
     codec = generate_lib.load_codec(path, chat=args.chat)
     prompt = codec[0](args.prompt)  # a prompt too long or out of the vocabulary is refused before any weight is read
     check_context(len(prompt))
+    generate_lib.check_request(path, args.mesh, args.rules, 1, len(prompt), sampling.max_new_tokens)  # its cache, from the configs
     with compile_cache.using(cache) as folder, compile_cache.counting() as compiled:
         loaded = generate_lib.load(path, args.mesh, args.rules, codec=codec)
         if args.adapter:

@@ -142,14 +142,24 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus sampling: draw among the most likely tokens whose probability reaches top_p
     seed: int = 0
 
+    # jax keys keep a seed's low 32 bits (2**32 is seed 0 again, 2**63 overflows); grain's shuffle takes no more either
+    SEED_MAX = 2**32 - 1
+
     def problems(self) -> list[str]:
         out = []
         if self.max_new_tokens < 1:
             out.append(f"--max-new-tokens {self.max_new_tokens} must be at least 1")
-        if not self.temperature >= 0:
+        elif self.max_new_tokens > 2**31 - 2:  # positions are int32, and the prompt takes one at least
+            out.append(f"--max-new-tokens {self.max_new_tokens} must be at most {2**31 - 2} (positions are int32), "
+                       "less the prompt's tokens")
+        if self.temperature == math.inf:  # every logit / inf is 0 or nan: noise, not a sample
+            out.append("--temperature inf must be finite; give 0 (greedy) or a positive number, e.g. 1")
+        elif not self.temperature >= 0:
             out.append(f"--temperature {self.temperature:g} must be 0 (greedy) or positive")
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # also refuses nan
             out.append(f"--top-p {self.top_p:g} must be in (0, 1]; 1 samples from the whole distribution")
+        if not 0 <= self.seed <= self.SEED_MAX:
+            out.append(f"--seed {self.seed} must be in [0, {self.SEED_MAX}]")
         return out
 
 
@@ -299,13 +309,17 @@ def save_yaml(cfg: Config, path: Path, extra: dict | None = None) -> None:
 
 
 def with_absolute_paths(cfg: Config) -> Config:
-    """``cfg`` with data.path, data.tokenizer and a rule-set file given by a relative path made absolute."""
+    """``cfg`` with data.path, data.tokenizer, train.compile_cache and a rule-set file given by a relative path made
+    absolute."""
     def absolute(value: str | None) -> str | None:
         return value if value is None or Path(value).is_absolute() else str(Path(value).absolute())
 
     rules = cfg.rules if not Path(cfg.rules).is_file() else absolute(cfg.rules)  # a name stays a name
+    cache = cfg.train.compile_cache
     return dataclasses.replace(cfg, rules=rules,
-                               data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path), tokenizer=absolute(cfg.data.tokenizer)))
+                               data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path), tokenizer=absolute(cfg.data.tokenizer)),
+                               train=dataclasses.replace(cfg.train, compile_cache=cache if isinstance(cache, bool) or cache == "auto"
+                                                         else absolute(cache)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,7 +458,8 @@ def log_problems(cfg: Config) -> list[str]:
     if log.profile_steps is not None:
         try:
             if profile_range(log.profile_steps)[1] > cfg.train.steps:
-                problems.append(f"log.profile_steps={log.profile_steps} ends after train.steps={cfg.train.steps}")
+                problems.append(f"log.profile_steps={log.profile_steps} ends after train.steps={cfg.train.steps}; end the range "
+                                f"by step {cfg.train.steps} or raise train.steps")
         except UserError as e:
             problems.append(str(e))
     for key, value, package, pip_name in (("log.wandb", log.wandb, "wandb", "wandb"), ("log.mlflow", log.mlflow, "mlflow", "mlflow-skinny"),
@@ -481,7 +496,8 @@ def range_problems(cfg: Config) -> list[str]:
         r("checkpoint.keep_every", c.keep_every, 0, meaning=" (0: off)"),
         r("log.layer_every", cfg.log.layer_every, 0, meaning=" (0: off)"),
         r("train.skip_nonfinite", t.skip_nonfinite, 0, meaning=" (0: stop at the first)"),
-        r("train.seed", t.seed, 0), r("data.seed", d.seed, 0),
+        *(r(key, seed, 0) or (f"{key}={seed} must be in [0, {SamplingConfig.SEED_MAX}]" if seed > SamplingConfig.SEED_MAX else None)
+          for key, seed in (("train.seed", t.seed), ("data.seed", d.seed))),  # r's :g would print the bound as 4.29497e+09
         r("data.val_fraction", d.val_fraction, 0, 1, low_open=True, high_open=True),
         r("optim.lr", o.lr, 0, high_open=True),
         r("optim.warmup_steps", o.warmup_steps, 0),

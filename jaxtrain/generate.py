@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -18,6 +19,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import psutil
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -32,7 +34,8 @@ from jaxtrain.data.tokenizer import TOKENIZER_FILE, RawBytes, TextTokenizer, loa
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import, hf_weights
 from jaxtrain.layout import make_layout
-from jaxtrain.partitioning import Rules, batch_sharding, logical_to_spec, logical_ways, model_tracing
+from jaxtrain.mesh import build_mesh
+from jaxtrain.partitioning import Rules, batch_sharding, load_rules, logical_to_spec, logical_ways, model_tracing
 from jaxtrain.state import model_spec
 from models.config import LlamaConfig
 from models.llama import KVCache
@@ -208,6 +211,64 @@ def _in_vocab(ids: list[int], vocab: int, what: str) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------
+# what a request needs, before any weight is read
+
+MAX_POSITIONS = 2**31 - 1  # positions (the cache's length, rotary positions) are int32
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:,.1f} MiB"
+
+
+def check_request(path: Path, mesh: str | None, rules: str | None, batch: int, prompt_len: int, new: int) -> None:
+    """Raise UserError when ``batch`` prompts of ``prompt_len`` tokens and ``new`` new tokens need more positions than
+    int32 holds, or a key/value cache (``KVCache.zeros``: prompt + new positions in the compute dtype, sharded as
+    ``_compiled`` shards it) larger than the memory there is: a device's ``bytes_limit`` where jax reports one, else
+    (CPU devices, which all hold their shards in the host's memory) the host's available memory. Reads only the
+    configs, so a request that cannot run fails in a line, not in an allocation after the weights are read."""
+    length = prompt_len + new
+    if length > MAX_POSITIONS:
+        raise UserError(f"--max-new-tokens {new} with a prompt of {prompt_len} tokens makes {length} positions, more than the "
+                        f"{MAX_POSITIONS} an int32 position holds; give --max-new-tokens {MAX_POSITIONS - prompt_len} or less")
+    cfg = _hf_model_config(path, _with_layout(Config(), mesh, rules)) if hf_config.is_hf_dir(path) else \
+        _with_layout(config_lib.load_run_config(path), mesh, rules)
+    model = lora_lib.plain_config(cfg.model)
+    built = build_mesh(cfg.mesh)
+    cache_rules = generation_rules(load_rules(cfg.rules), built, batch)
+    itemsize = jnp.dtype(model.dtype).itemsize
+    # (layers, batch, length, kv heads, head dim); the length is counted apart, to find the most that fits
+    sizes = (model.num_layers, batch, 1, model.num_kv_heads, model.resolved_head_dim)
+    ways = [logical_ways(cache_rules, built, axis) for axis in KVCache.AXES]
+    # bytes of keys and values per position on one device: its shard of every other dimension
+    shard_position = 2 * itemsize * math.prod(-(-size // w) for size, w in zip(sizes, ways, strict=True))
+    stats = [d.memory_stats() or {} for d in built.devices.flat]
+    if all("bytes_limit" in s for s in stats):
+        available, copies = min(s["bytes_limit"] for s in stats), 1
+        where = f"a device's {_gib(available)} (memory_stats bytes_limit)"
+    else:  # CPU devices: each one's shard, and copies of what is replicated, all in the host's memory
+        available, copies = psutil.virtual_memory().available, built.devices.size
+        where = f"the {_gib(available)} of host memory available"
+    per_position = shard_position * copies
+    needed = per_position * -(-length // ways[2])
+    if needed <= available:
+        return
+    total = 2 * model.num_layers * batch * length * model.num_kv_heads * model.resolved_head_dim * itemsize
+    formula = (f"{model.num_layers} layers x 2 (keys, values) x batch {batch} x {length} positions x {model.num_kv_heads} kv heads "
+               f"x {model.resolved_head_dim} head dim x {itemsize} bytes ({model.dtype})")
+    if needed == total:
+        held = ""
+    elif copies == 1:
+        held = f", {_gib(needed)} of it on each device"
+    else:
+        held = f", {_gib(needed)} with the copies its sharding keeps on the {copies} CPU devices"
+    fits = min(available // per_position * ways[2], MAX_POSITIONS) - prompt_len
+    # the cache alone: the weights and activations need room too, so this is an upper bound
+    fix = f"give --max-new-tokens {fits} or less (the weights need room too)" if fits >= 1 else "shorten the prompt"
+    raise UserError(f"--max-new-tokens {new} with a prompt of {prompt_len} tokens needs a key/value cache of {_gib(total)} "
+                    f"({formula}){held}, more than {where}; {fix}")
+
+
+# ---------------------------------------------------------------------------------------------
 # sampling
 
 
@@ -268,7 +329,8 @@ def generate(loaded: Loaded, prompts: np.ndarray, sampling: SamplingConfig) -> G
 
 
 def _knobs(sampling: SamplingConfig) -> dict[str, np.ndarray]:
-    return {"seed": np.int32(sampling.seed), "temperature": np.float32(sampling.temperature), "top_p": np.float32(sampling.top_p)}
+    # uint32: every seed SamplingConfig allows (jax keys keep 32 bits), and the same key as an int32 below 2**31
+    return {"seed": np.uint32(sampling.seed), "temperature": np.float32(sampling.temperature), "top_p": np.float32(sampling.top_p)}
 
 
 def _sample_at(logits, knobs, index):

@@ -102,7 +102,8 @@ class RopeScaling:
         if not _finite_positive(self.factor) or self.original_max_len <= 0:
             out.append(f"model.rope_scaling.factor={self.factor} and original_max_len={self.original_max_len} must be finite and positive")
         if not 0 < self.low_freq_factor < self.high_freq_factor < math.inf:
-            out.append(f"model.rope_scaling needs 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor ({self.high_freq_factor}), both finite")
+            out.append(f"model.rope_scaling needs 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor "
+                       f"({self.high_freq_factor}), both finite")
         return out
 
 
@@ -163,8 +164,8 @@ class MoEConfig:
         if self.num_experts < 0:
             out.append(f"model.moe.num_experts={self.num_experts} must be 0 (dense MLP) or positive")
         if self.top_k < 1 or self.top_k > self.num_experts > 0:
-            out.append(f"model.moe.top_k={self.top_k} must be between 1 and model.moe.num_experts={self.num_experts}" if self.num_experts > 0
-                       else f"model.moe.top_k={self.top_k} must be at least 1")
+            out.append(f"model.moe.top_k={self.top_k} must be between 1 and model.moe.num_experts={self.num_experts}"
+                       if self.num_experts > 0 else f"model.moe.top_k={self.top_k} must be at least 1")
         if self.num_shared_experts < 0:
             out.append(f"model.moe.num_shared_experts={self.num_shared_experts} must be 0 or positive")
         if self.grouped_matmul not in GROUPED_MATMULS:

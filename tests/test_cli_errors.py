@@ -92,11 +92,11 @@ CASES = {
     "float16 without master weights": (lambda t: ["model.dtype=float16", "model.param_dtype=float16"],
                                        "model.param_dtype=float16 (with model.dtype=float16) keeps no float32 master weights"),
     "unknown gradient dtype": (lambda t: ["optim.grad_dtype=float16"], "optim.grad_dtype='float16' must be float32 or bfloat16"),
-    "bfloat16 gradient sums with split weights": (lambda t: ["optim.grad_dtype=bfloat16"],
-                                                  "optim.grad_dtype=bfloat16 needs pure data parallelism (parameters whole on every device, "
-                                                  "every mesh axis a batch axis), but rule set fsdp_tp on mesh {'data': 2, 'fsdp': 2, 'tensor': 2, "
-                                                  "'stage': 1, 'expert': 1} splits parameters over fsdp, tensor and has axes that split no batch: "
-                                                  "tensor; use rules=dp"),
+    "bfloat16 gradient sums with split weights": (
+        lambda t: ["optim.grad_dtype=bfloat16"],
+        "optim.grad_dtype=bfloat16 needs pure data parallelism (parameters whole on every device, every mesh axis a batch axis), "
+        "but rule set fsdp_tp on mesh {'data': 2, 'fsdp': 2, 'tensor': 2, 'stage': 1, 'expert': 1} splits parameters over fsdp, "
+        "tensor and has axes that split no batch: tensor; use rules=dp"),
     "unknown gradient sync": (lambda t: ["optim.grad_sync=never"], "optim.grad_sync='never' must be one of auto, step, microbatch"),
     "compilation cache in a folder that cannot be made": (lambda t: [f"train.compile_cache={_random_bytes(t / 'notes')}/xla"],
                                                           "/notes/xla (NotADirectoryError: Not a directory); give a writable folder, or train.compile_cache=false"),

@@ -154,8 +154,8 @@ SRUN = 'while [[ "$1" == --* ]]; do shift; done\nSLURM_NTASKS=2 SLURM_PROCID=1 e
      "srun set SLURM_NTASKS='' SLURM_PROCID='', expected integers"),
     ({}, {"srun": 'while [[ "$1" == --* ]]; do shift; done\nPATH=/usr/bin:/bin SLURM_NTASKS=2 SLURM_PROCID=1 exec "$@"\n'},
      "cannot run 'jaxtrain' on "),
-], ids=["outside-slurm", "no-scontrol", "no-srun", "scontrol-fails", "scontrol-no-hosts", "port-two-words", "port-70000", "jaxtrain-interpreter-gone",
-        "task-without-srun-variables", "task-node-without-jaxtrain"])
+], ids=["outside-slurm", "no-scontrol", "no-srun", "scontrol-fails", "scontrol-no-hosts", "port-two-words", "port-70000",
+        "jaxtrain-interpreter-gone", "task-without-srun-variables", "task-node-without-jaxtrain"])
 def test_slurm_script_mistakes_are_one_line_and_exit_2(tmp_path, job, fakes, message):
     fakes = {"jaxtrain": PRINT_ARGS, "srun": SRUN, "scontrol": "echo node-1; echo node-2\n"} | fakes
     env = _fake_commands(tmp_path, **{name: body for name, body in fakes.items() if body is not None})
@@ -172,7 +172,8 @@ def test_slurm_script_passes_any_characters_through(tmp_path):
     odd = tmp_path / 'venv "$HOME" x'
     odd.mkdir()
     _fake_commands(odd, jaxtrain=PRINT_ARGS)
-    env = _fake_commands(tmp_path, srun=SRUN, scontrol="echo node-1\n") | {"JAXTRAIN": str(odd / "jaxtrain"), "SLURM_JOB_NODELIST": "node-1"}
+    env = _fake_commands(tmp_path, srun=SRUN, scontrol="echo node-1\n") | {"JAXTRAIN": str(odd / "jaxtrain"),
+                                                                         "SLURM_JOB_NODELIST": "node-1"}
     args = ["tiny", 'a "b" $c', "d; e"]
     result = subprocess.run(["bash", SBATCH, *args], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.splitlines() == ["train", *args, "--coordinator", "node-1:12355", "--num-processes", "2", "--process-id", "1"]

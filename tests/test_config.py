@@ -141,6 +141,7 @@ def test_an_unknown_key_suggests_ours_for_other_frameworks_names(key, ours):
     ("model.moe.aux_loss_weight=inf", r"model.moe.aux_loss_weight=inf must be 0 \(off\) or a finite positive number"),
     ("model.lora.alpha=inf", "model.lora.alpha=inf must be a finite positive number"),
     ("model.rope_scaling.factor=inf", "model.rope_scaling.factor=inf and original_max_len=8192 must be finite and positive"),
+    ("log.profile_steps=5:200", "log.profile_steps=5:200 ends after train.steps=100; end the range by step 100 or raise train.steps"),
     ("model.head_dim=0", "model.head_dim=0 must be positive, or none for model.d_model / model.num_heads"),
     ("model.head_dim=-2", "model.head_dim=-2 must be positive"),
 ])
@@ -168,12 +169,16 @@ def test_a_runs_config_records_its_files_by_absolute_path(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "rules").mkdir()
     (tmp_path / "rules" / "mine.yaml").write_text("extends: fsdp\n")
-    cfg = apply_overrides(Config(), ["data.path=data/tokens.bin", "data.tokenizer=tok", "rules=rules/mine.yaml"])
+    cfg = apply_overrides(Config(), ["data.path=data/tokens.bin", "data.tokenizer=tok", "rules=rules/mine.yaml",
+                                     "train.compile_cache=cache"])  # a QA report: generate made a new cache beside it
     config_lib.save_yaml(cfg, tmp_path / "config.yaml")
     saved = config_lib.load_run_config(tmp_path)
-    assert (saved.data.path, saved.data.tokenizer, saved.rules) == (
-        str(tmp_path / "data" / "tokens.bin"), str(tmp_path / "tok"), str(tmp_path / "rules" / "mine.yaml"))
+    assert (saved.data.path, saved.data.tokenizer, saved.rules, saved.train.compile_cache) == (
+        str(tmp_path / "data" / "tokens.bin"), str(tmp_path / "tok"), str(tmp_path / "rules" / "mine.yaml"), str(tmp_path / "cache"))
     by_name = apply_overrides(Config(), ["rules=fsdp", "data.tokenizer=/abs/tok"])
     config_lib.save_yaml(by_name, tmp_path / "config.yaml")
     saved = config_lib.load_run_config(tmp_path)
-    assert (saved.rules, saved.data.path, saved.data.tokenizer) == ("fsdp", None, "/abs/tok")
+    assert (saved.rules, saved.data.path, saved.data.tokenizer, saved.train.compile_cache) == ("fsdp", None, "/abs/tok", "auto")
+    for off in ("false", "true"):
+        config_lib.save_yaml(apply_overrides(Config(), [f"train.compile_cache={off}"]), tmp_path / "config.yaml")
+        assert config_lib.load_run_config(tmp_path).train.compile_cache is (off == "true")

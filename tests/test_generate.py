@@ -146,10 +146,19 @@ def test_generate_command_prints_the_runs_greedy_text(byte_run):
     (["--max-new-tokens", "0", "--temperature", "-1", "--top-p", "1.5"],
      "--max-new-tokens 0 must be at least 1; --temperature -1 must be 0 (greedy) or positive; --top-p 1.5 must be in (0, 1]"),
     (["--top-p", "0"], "--top-p 0 must be in (0, 1]"),
+    # QA: inf sampled noise; seeds past int32 and int64 overflowed after the weights were read; -1 was taken
+    (["--temperature", "inf", "--top-p", "nan"],
+     "--temperature inf must be finite; give 0 (greedy) or a positive number, e.g. 1; --top-p nan must be in (0, 1]"),
+    (["--seed", "4294967296"], "--seed 4294967296 must be in [0, 4294967295]"),
+    (["--seed", "-1"], "--seed -1 must be in [0, 4294967295]"),
+    (["--seed", str(2**64)], f"--seed {2**64} must be in [0, 4294967295]"),
+    # QA: a jit OverflowError traceback (int32 positions)
+    (["--max-new-tokens", "100000000000"], "--max-new-tokens 100000000000 must be at most 2147483646 (positions are int32)"),
     ("no checkpoints", "jaxtrain generate {run}: no checkpoints there"),
     ("no run", "{run} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json)"),
     # before any weight is read (a QA report: the base's read came first, a second stderr line)
-    (["--adapter", "/no/such/adapter"], "--adapter /no/such/adapter is neither a LoRA run directory (config.yaml) nor a PEFT adapter directory"),
+    (["--adapter", "/no/such/adapter"],
+     "--adapter /no/such/adapter is neither a LoRA run directory (config.yaml) nor a PEFT adapter directory"),
 ])
 def test_generate_command_bad_input(args, message, byte_run, tmp_path):
     run = byte_run
@@ -274,3 +283,44 @@ def test_lora_run_whose_base_changed_asks_for_that_base_back(corpus, tmp_path, c
         assert len(errors) == 1 and f"is not the base run {run_dir} was trained on ({hf_dir.absolute()}, hash " in errors[0], errors
         assert errors[0].endswith(f"; restore the base {run_dir / 'lora_base.json'} records (the run's adapters are reloaded onto it)")
     assert not list(tmp_path.glob("out*"))
+
+
+def test_seeds_up_to_32_bits_sample_and_train_and_data_seeds_share_the_bound():
+    """A QA report: --seed 2147483648 overflowed the int32 the seed reached the sampler as. jax keys keep a seed's low
+    32 bits (2**32 would sample as seed 0) and grain's shuffle takes no more, so every seed is in [0, 2**32 - 1]."""
+    from jaxtrain import config as config_lib
+
+    loaded = _loaded("dp", (1, 1, 1), 1)
+    run = lambda seed: generate(loaded, _prompts(2), SamplingConfig(max_new_tokens=8, temperature=1.0, seed=seed)).tokens  # noqa: E731
+    assert not np.array_equal(run(SamplingConfig.SEED_MAX), run(0))
+    np.testing.assert_array_equal(run(2**31 + 5), run(2**31 + 5))
+    for section in ("train", "data"):
+        config_lib.check(with_(small_config(), **{section: {"seed": 2**32 - 1}}))
+        with pytest.raises(config_lib.UserError, match=f"^{section}.seed=4294967296 must be in \\[0, 4294967295\\]$"):
+            config_lib.check(with_(small_config(), **{section: {"seed": 2**32}}))
+
+
+def test_a_cache_larger_than_memory_is_one_line_before_the_weights(byte_run, capsys, monkeypatch):
+    """A QA report: --max-new-tokens 1000000000 failed in an allocation (RESOURCE_EXHAUSTED) after the weights were read.
+    The byte run's cache: 2 layers x 2 x 1 x positions x 2 kv heads x 8 x 4 bytes, kv heads split 2 ways over tensor and
+    the rest copied on the 8 CPU devices: 1 KiB of host memory per position, so 1 GiB holds 2**20 positions."""
+    from types import SimpleNamespace
+
+    from jaxtrain import cli
+    from jaxtrain import generate as generate_lib
+
+    monkeypatch.setattr(generate_lib.psutil, "virtual_memory", lambda: SimpleNamespace(available=2**30))
+    monkeypatch.setattr(generate_lib, "load", lambda *a, **k: pytest.fail("read the weights first"))
+    capsys.readouterr()
+    assert cli.main(["generate", str(byte_run), "--prompt", "the quick", "--max-new-tokens", "1000000000"]) == 2
+    assert capsys.readouterr().err == (
+        "jaxtrain: error: --max-new-tokens 1000000000 with a prompt of 9 tokens needs a key/value cache of 238.4 GiB (2 layers x 2 "
+        "(keys, values) x batch 1 x 1000000009 positions x 2 kv heads x 8 head dim x 4 bytes (float32)), 953.7 GiB with the copies "
+        "its sharding keeps on the 8 CPU devices, more than the 1.0 GiB of host memory available; give --max-new-tokens 1048567 "
+        "or less (the weights need room too)\n")
+    generate_lib.check_request(byte_run, None, None, 1, 9, 2**20 - 9)  # the most that fits
+    with pytest.raises(generate_lib.UserError, match="give --max-new-tokens 1048567 or less"):
+        generate_lib.check_request(byte_run, None, None, 1, 9, 2**20 - 8)
+    with pytest.raises(generate_lib.UserError, match="^--max-new-tokens 2147483640 with a prompt of 9 tokens makes 2147483649 "
+                       "positions, more than the 2147483647 an int32 position holds; give --max-new-tokens 2147483638 or less$"):
+        generate_lib.check_request(byte_run, None, None, 1, 9, 2**31 - 8)

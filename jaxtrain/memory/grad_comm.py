@@ -156,8 +156,7 @@ def grad_reduction(cfg: Config, rules: Rules, mesh: Mesh, param_shardings: dict,
                             f"mesh axis a batch axis), but rule set {cfg.rules} on mesh {dict(mesh.shape)} "
                             + " and ".join(filter(None, (split and f"splits parameters over {', '.join(sorted(split))}",
                                                          other and f"has axes that split no batch: {', '.join(other)}")))
-                            + "; use rules=dp, "
-                            f"zero1 or zero2 with a data-only mesh, or optim.grad_dtype=float32")
+                            + "; use rules=dp, zero1 or zero2 with a data-only mesh, or optim.grad_dtype=float32")
         return GradReduction(mesh, batch_axes, jnp.dtype(grad_dtype), specs)
     pipe = schedule(cfg, rules, mesh)
     sums_per_step = cfg.train.microbatches * (pipe.iterations / pipe.repeats if pipe.stages > 1 else 1)

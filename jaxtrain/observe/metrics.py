@@ -189,7 +189,8 @@ def format_summary(s: dict[str, Any]) -> str:
         *([f"  note: optim.warmup_steps={s['configured_warmup_steps']} is more than train.steps={s['warmup_steps']}: the learning rate "
            + (f"warms up over the {s['warmup_steps']} steps, reaching optim.lr at the last," if s["warmup_steps"] > 1 else
               "is optim.lr at the run's one step")
-           + " and never decays; raise train.steps or lower optim.warmup_steps"] if s["configured_warmup_steps"] > s["warmup_steps"] else []),
+           + " and never decays; raise train.steps or lower optim.warmup_steps"]
+          if s["configured_warmup_steps"] > s["warmup_steps"] else []),
         *([f"  note: {s['cpu_devices_per_core']:.3g} simulated CPU devices per core, each an XLA:CPU thread, crowd the cores: "
            "for speed, a mesh of at most one device per core (--mesh gpu1 runs on one)"] if (s["cpu_devices_per_core"] or 0) > 1 else []),
         *([f"  note: {s['host_malloc']} malloc hands XLA:CPU's step buffers back to the system, so each step maps and zeroes "
@@ -257,7 +258,7 @@ def drop_records_after(path: Path, step: int) -> list[dict]:
         return []
     lines = path.read_text().splitlines(keepends=True)
     records = [json.loads(line) for line in lines]
-    kept = [line for line, record in zip(lines, records) if record["step"] <= step]
+    kept = [line for line, record in zip(lines, records, strict=True) if record["step"] <= step]
     if len(kept) < len(lines):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(kept))

@@ -38,10 +38,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{path} does not exist; give run directories written by 'jaxtrain train'")
-    try:
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} line {e.lineno} is not JSON ({e.msg}); the file is damaged") from None
+    lines = path.read_text().split("\n")  # after the last newline: "" or a partial last line
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # no newline after it yet: a record the run is still writing
+                break
+            # e.lineno counts within the one line parsed, so always 1
+            raise UserError(f"{path} line {number} is not JSON ({e.msg}); the file is damaged") from None
     if not records:
         raise UserError(f"{path} holds no records yet; plot the run once it has logged a step (every log.every steps)")
     return records
