@@ -260,19 +260,26 @@ def _not_from_abandoned_read(record: logging.LogRecord) -> bool:
 
 
 def _quiet_replaced_partial_saves() -> None:
-    """Drop Orbax's warning, in the middle of the progress lines, that it replaces the temporary directory a killed or
+    """Drop Orbax's errors (``_not_orbax_error``) and its warning, in the middle of the progress lines, that it replaces the temporary directory a killed or
     interrupted save left (``Attempted to create temporary directory .../8.orbax-checkpoint-tmp which already exists.
     Removing existing directory since it is not finalized.``): that directory was never a checkpoint. Only that
     message: absl's other warnings still print."""
     absl_log = logging.getLogger("absl")
-    if _not_a_replaced_partial_save not in absl_log.filters:
-        absl_log.addFilter(_not_a_replaced_partial_save)
+    for keep in (_not_a_replaced_partial_save, _not_orbax_error):
+        if keep not in absl_log.filters:
+            absl_log.addFilter(keep)
 
 
 def _not_a_replaced_partial_save(record: logging.LogRecord) -> bool:
     message = record.getMessage()
     return not (message.startswith("Attempted to create temporary directory") and _TMP_MARK in message
                 and "since it is not finalized" in message)
+
+
+def _not_orbax_error(record: logging.LogRecord) -> bool:
+    """False for Orbax's errors: a failed write (a full disk) is logged at ERROR, with its traceback, by each thread
+    that took part (hundreds of lines), and raised to the save or the wait, where ``_write_error`` says it in one."""
+    return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname)
 
 
 def _newest_readable(steps, read) -> tuple[int | None, object, list[tuple[int, str]]]:

@@ -5,7 +5,6 @@ meshes, --init-from."""
 import dataclasses
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -374,8 +373,8 @@ def test_full_disk_is_one_line_error_and_earlier_checkpoints_stay(reference, tmp
     status = _start(run_dir, f"train.steps={STEPS + 4}", limit_file_size=200_000).wait(timeout=300)
     errors = [line for line in _stderr(run_dir).splitlines() if "jaxtrain: error:" in line]
     assert status == 2 and len(errors) == 1 and f"could not write checkpoint step {STEPS + 2} " in errors[0], errors
-    # no traceback through our code (Orbax's threads may still print their own)
-    assert not re.search(r'File ".*/jaxtrain/[\w/]+\.py"', _stderr(run_dir)), _stderr(run_dir)
+    # no traceback, ours or Orbax's threads' (a QA run: 487 lines of them before the one line)
+    assert "Traceback" not in _stderr(run_dir) and "ERROR:absl" not in _stderr(run_dir), _stderr(run_dir)[:3000]
     assert _complete_steps(run_dir) == before
     _assert_identical(_state(run_dir, reference[1])[0], _state(reference[0], reference[1])[0])
 
