@@ -18,6 +18,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import grain.checkpoint
@@ -252,11 +253,13 @@ def _quiet_abandoned_reads() -> None:
 
 
 def _not_from_abandoned_read(record: logging.LogRecord) -> bool:
-    """False for asyncio's report of an abandoned read: an Orbax task, or a TensorStore future (its error names the
-    array store it could not open or read)."""
+    """False for asyncio's report of an abandoned read or write (a task, future or gathering future): an Orbax one
+    (by its message or its traceback), or a TensorStore future (its error names the array store)."""
     message = record.getMessage()
-    return not (message.startswith(("Task exception was never retrieved", "Future exception was never retrieved"))
-                and ("/orbax/" in message or "OCDBT database" in message or re.search(r'Error opening "\w+" driver', message)))
+    frames = traceback.extract_tb(record.exc_info[2]) if record.exc_info and record.exc_info[2] else []
+    return not ("exception was never retrieved" in message
+                and ("/orbax/" in message or any("/orbax/" in frame.filename for frame in frames)
+                     or "OCDBT database" in message or re.search(r'Error opening "\w+" driver', message)))
 
 
 def _quiet_replaced_partial_saves() -> None:

@@ -241,6 +241,28 @@ def test_orbax_replacing_a_partial_save_warns_nothing_and_other_absl_warnings_st
     assert [r.getMessage() for r in seen] == ["Attempted to create temporary directory /elsewhere"]
 
 
+def test_asyncio_reports_of_orbax_work_left_behind_are_dropped_and_others_kept():
+    """After a failed read or write, asyncio reports the tasks and futures Orbax left unretrieved (a CI run of the
+    full-disk test: a `_GatheringFuture` from Orbax's write); its other reports still print."""
+    import logging
+
+    def failure(filename):
+        try:
+            exec(compile("raise ValueError('OUT_OF_RANGE: Error writing')", filename, "exec"))
+        except ValueError:
+            return sys.exc_info()
+
+    def kept(message, filename):
+        return checkpoint_lib._not_from_abandoned_read(logging.LogRecord("asyncio", logging.ERROR, "x", 1, message, (), failure(filename)))
+
+    orbax = "/venv/site-packages/orbax/checkpoint/_src/serialization/serialization.py"
+    assert not kept("_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished>", orbax)
+    assert not kept("Task exception was never retrieved", orbax)
+    assert not kept('Future exception was never retrieved\nfuture: <Future exception=ValueError(\'Error opening "zarr" driver\')>', "app.py")
+    assert kept("_GatheringFuture exception was never retrieved", "/home/me/app.py")
+    assert kept("Executing <Task> took 0.2 seconds", orbax)
+
+
 def _truncate(run_dir, step, *, arrays_only=True):
     """A disk fault: the array chunk files of checkpoint ``step`` cut to 10 bytes (its index of names still reads); or,
     not ``arrays_only``, every data file cut in half, that index too."""
