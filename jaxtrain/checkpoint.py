@@ -263,10 +263,10 @@ def _not_from_abandoned_read(record: logging.LogRecord) -> bool:
 
 
 def _quiet_replaced_partial_saves() -> None:
-    """Drop Orbax's errors (``_not_orbax_error``) and its warning, in the middle of the progress lines, that it replaces the temporary directory a killed or
-    interrupted save left (``Attempted to create temporary directory .../8.orbax-checkpoint-tmp which already exists.
-    Removing existing directory since it is not finalized.``): that directory was never a checkpoint. Only that
-    message: absl's other warnings still print."""
+    """Drop Orbax's errors (``_not_orbax_error``) and its warning, in the middle of the progress lines, that it replaces
+    the temporary directory a killed or interrupted save left (``Attempted to create temporary directory
+    .../8.orbax-checkpoint-tmp which already exists. Removing existing directory since it is not finalized.``): that
+    directory was never a checkpoint. Of its warnings only that one: absl's others still print."""
     absl_log = logging.getLogger("absl")
     for keep in (_not_a_replaced_partial_save, _not_orbax_error):
         if keep not in absl_log.filters:

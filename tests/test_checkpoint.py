@@ -258,7 +258,8 @@ def test_asyncio_reports_of_orbax_work_left_behind_are_dropped_and_others_kept()
     orbax = "/venv/site-packages/orbax/checkpoint/_src/serialization/serialization.py"
     assert not kept("_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished>", orbax)
     assert not kept("Task exception was never retrieved", orbax)
-    assert not kept('Future exception was never retrieved\nfuture: <Future exception=ValueError(\'Error opening "zarr" driver\')>', "app.py")
+    assert not kept("Future exception was never retrieved\nfuture: <Future exception=ValueError('Error opening \"zarr\" driver')>",
+                    "app.py")
     assert kept("_GatheringFuture exception was never retrieved", "/home/me/app.py")
     assert kept("Executing <Task> took 0.2 seconds", orbax)
 
