@@ -81,13 +81,19 @@ class MlflowRun:
         self.calls.put((f"step {step}'s metrics", lambda: self.client.log_batch(self.run_id, metrics=metrics)))
 
     def close(self, status: str) -> None:
-        """``status``: FINISHED, KILLED (preempted) or FAILED. Waits at most ``MLFLOW_CLOSE_TIMEOUT_S`` for the server."""
-        if (self.run_dir / "metrics.jsonl").stat().st_size:
-            plot_runs([self.run_dir], self.run_dir / PLOT_FILE)
-            self.calls.put(("the plot", lambda: self.client.log_artifact(self.run_id, str(self.run_dir / PLOT_FILE))))
-        self.calls.put(("config.yaml", lambda: self.client.log_artifact(self.run_id, str(self.run_dir / "config.yaml"))))
-        self.calls.put((f"the run's end ({status})", lambda: self.client.set_terminated(self.run_id, status)))
-        self.calls.put(None)
+        """``status``: FINISHED, KILLED (preempted) or FAILED. Waits at most ``MLFLOW_CLOSE_TIMEOUT_S`` for the server.
+        MLflow's own asynchronous logging (``synchronous=False``) would wait for its queue at exit without a limit."""
+        try:
+            if (self.run_dir / "metrics.jsonl").stat().st_size:
+                plot_runs([self.run_dir], self.run_dir / PLOT_FILE)
+                self.calls.put(("the plot", lambda: self.client.log_artifact(self.run_id, str(self.run_dir / PLOT_FILE))))
+        finally:  # the run's end is sent whatever the plot did
+            self.calls.put(("config.yaml", lambda: self.client.log_artifact(self.run_id, str(self.run_dir / "config.yaml"))))
+            self.calls.put((f"the run's end ({status})", lambda: self.client.set_terminated(self.run_id, status)))
+            self.calls.put(None)
+            self._wait(status)
+
+    def _wait(self, status: str) -> None:
         self.sender.join(MLFLOW_CLOSE_TIMEOUT_S)
         if self.sender.is_alive():  # the queue's size: the calls waiting, with the end marker for the one in flight
             print(f"jaxtrain: warning: MLflow at {self.uri} did not answer within {MLFLOW_CLOSE_TIMEOUT_S} s at the end: "
