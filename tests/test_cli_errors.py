@@ -168,7 +168,8 @@ def test_run_dir_that_is_a_file(tmp_path):
 
 
 DROPPED_INTERRUPT = """
-import gc, sys, time
+import gc, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal leaves it (pytest-xdist's workers ignore it)
 from jaxtrain.__main__ import redeliver_dropped_interrupts
 if sys.argv[1] == "command":
     redeliver_dropped_interrupts()  # as the jaxtrain command does first
