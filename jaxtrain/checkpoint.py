@@ -321,11 +321,13 @@ class RunCheckpoints:
         self.preemption = PreemptionWatch()
         self.closed = False
         self.started = None  # the step of the latest save started: an async write fails later, on wait
+        self.resumed_line = None
 
     def restore_latest(self, abstract_state, data_iterator):
         """The state of the latest readable checkpoint (restored onto ``abstract_state``'s shardings,
         with the data iterator moved to its position), or None when there is none. Unreadable
-        checkpoints are moved aside with a one-line warning."""
+        checkpoints are moved aside with a one-line warning. The caller prints ``resumed_line``: a finished run
+        started again resumes nothing."""
         step, restored, unreadable = _newest_readable(self.manager.all_steps(), lambda s: _read(
             self.manager, s, abstract_state, data_iterator, f"checkpoint step {s} in {self.directory}"))
         for bad, reason in unreadable:
@@ -334,7 +336,7 @@ class RunCheckpoints:
         if step is None:
             return None
         age = time.time() - restored.meta.get("time", time.time())
-        _say(f"jaxtrain: resuming from checkpoint step {step} in {self.directory} (written {_age(age)} ago)")
+        self.resumed_line = f"jaxtrain: resuming from checkpoint step {step} in {self.directory} (written {_age(age)} ago)"
         return restored.state
 
     def _quarantine(self, step: int, reason: str, then: str) -> None:

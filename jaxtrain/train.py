@@ -166,12 +166,15 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
     log = None
     try:  # from here on every exit closes the checkpoints (and the SIGTERM handler) and the metrics log
         state = checkpoints.restore_latest(layout.abstract_state(), batches.iterator)
+        finished = state is not None and int(state.step) >= t.steps
+        if state is not None and not finished:
+            _say(checkpoints.resumed_line)
         if state is not None and init_from is not None and base is None:
             _say(f"jaxtrain: note: --init-from {init_from} is not used: the run resumes from its own checkpoint "
                  "(--init-from starts a run only while it has none)")
         if base is not None:
             state = base.start_state(layout) if state is None else state.replace(frozen=base.frozen)
-        if state is not None and int(state.step) >= t.steps:  # a finished run started again: nothing to write
+        if finished:  # a finished run started again: nothing to write
             _say(f"jaxtrain: {run_dir} is already at step {int(state.step)} of train.steps={t.steps}, nothing to do; "
                  "raise train.steps to train on")
         else:

@@ -115,6 +115,7 @@ def test_a_finished_run_started_again_says_so_and_writes_nothing(short_run, tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"jaxtrain: {run_dir} is already at step 4 of train.steps=4, nothing to do; raise train.steps to train on\n" in result.stderr
     assert "parameters" not in result.stderr  # no start-up summary
+    assert "resuming" not in result.stderr  # a QA report: it said "resuming from checkpoint step 4", then "nothing to do"
     assert _files(run_dir) == before
 
 
