@@ -65,11 +65,15 @@ def _positive_int(text: str) -> int:
 
 
 def check_output_path(flag: str, path: Path) -> None:
-    """One line before any work where ``path`` cannot be created because a part of it that exists is a file."""
+    """One line before any work where ``path`` cannot be created: a part of it that exists is a file, or a
+    directory this user cannot write in (an existing directory, a run to resume, needs no write access above it)."""
     for part in path.parents:
         if part.exists():
             if not part.is_dir():
                 raise UserError(f"{flag} {path}: {part} is a file, not a directory; give a path inside a directory")
+            if not path.is_dir() and not os.access(part, os.W_OK | os.X_OK):
+                raise UserError(f"{flag} {path}: this user cannot write in {part} (permission denied); "
+                                "give a path in a directory you can write")
             return
 
 

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -709,3 +710,31 @@ def test_plot_names_the_damaged_line_and_skips_a_last_line_being_written(tmp_pat
     path.write_text('{"step": 1, "lo')  # the first record, half written: no records yet
     with pytest.raises(UserError, match="holds no records yet"):
         read_metrics(tmp_path)
+
+
+def test_an_image_path_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """A QA report: `--plot` to an existing directory, or where the file system refuses the file, printed a
+    traceback (exit 1) after the whole plan had run; a write that fails half-way must not leave a partial image."""
+    from matplotlib.figure import Figure
+
+    from jaxtrain.cli import check_output_path
+    from jaxtrain.observe.plot import check_image_path, plt, save_figure
+
+    (tmp_path / "taken.png").mkdir()
+    with pytest.raises(UserError, match=r"^--plot .*taken\.png is an existing directory; give a file name"):
+        check_image_path("--plot", tmp_path / "taken.png")
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)  # root writes anywhere: as another user
+    with pytest.raises(UserError, match=f"^--plot {tmp_path}/new/x.png: this user cannot write in {tmp_path} "):
+        check_output_path("--plot", tmp_path / "new" / "x.png")
+    monkeypatch.undo()
+    with pytest.raises(UserError, match=r"^cannot write /proc/jaxtrain-test/plan\.png: No such file or directory"):
+        save_figure(plt.figure(), Path("/proc/jaxtrain-test/plan.png"))
+
+    def full_disk(self, f, **kwargs):
+        f.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    with pytest.raises(UserError, match=r"^cannot write .*plan\.png: No space left on device; give another path"):
+        save_figure(plt.figure(), tmp_path / "plan.png")
+    assert [p.name for p in tmp_path.iterdir()] == ["taken.png"]

@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+from jaxtrain.atomic import atomic_file
 from jaxtrain.errors import UserError
 
 # matplotlib warns at import about its own cache folders (a home not writable on a cluster node, a font cache
@@ -71,13 +72,22 @@ IMAGE_SUFFIXES = (".png", ".pdf", ".svg")  # what the charts are written as (jax
 def check_image_path(flag: str, out: Path) -> None:
     if out.suffix.lower() not in IMAGE_SUFFIXES:
         raise UserError(f"{flag} {out} must end in {', '.join(IMAGE_SUFFIXES[:-1])} or {IMAGE_SUFFIXES[-1]}")
+    if out.is_dir():
+        raise UserError(f"{flag} {out} is an existing directory; give a file name, e.g. {out / ('plot' + out.suffix)}")
 
 
 def save_figure(fig, out: Path, **savefig_args) -> None:
-    """Write ``fig`` to ``out`` (checked by cli.check_output_path), making the directories it needs, and close it."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, **savefig_args)
-    plt.close(fig)
+    """Write ``fig`` to ``out`` (checked by cli.check_output_path) whole or not at all, making the directories it
+    needs, and close it. A path the early checks pass can still fail here (a file system that refuses it, e.g.
+    /proc): one line."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(out, "image") as f:
+            fig.savefig(f, format=out.suffix[1:].lower(), **savefig_args)
+    except OSError as e:
+        raise UserError(f"cannot write {out}: {e.strerror or e}; give another path") from None
+    finally:
+        plt.close(fig)
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> None:
