@@ -59,7 +59,7 @@ def default_cpu_devices(mesh_cfg: config_lib.MeshConfig, num_processes: int | No
 
 
 def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:  # int() also reads other scripts' digits
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return int(text)
 

@@ -69,6 +69,8 @@ CASES = {
     "batch does not split over the mesh": (lambda t: ["train.global_batch=6"], "do not split over the 4 batch shards"),
     "missing data path": (lambda t: ["data.path=/no/such/dir"], "data.path=/no/such/dir does not exist"),
     "bad flag": (lambda t: ["--devcies", "2"], "unrecognized arguments: --devcies (see 'jaxtrain train --help')"),
+    "device count in another script's digits": (lambda t: ["--devices", "\u0668"],  # int() reads it as 8
+                                                "argument --devices: expected a positive integer, got '\u0668'"),
     "cuDNN attention without a GPU": (lambda t: ["model.attention=cudnn"],
                                       "model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are cpu; use model.attention=auto or xla"),
     "negative learning rate": (lambda t: ["optim.lr=-1"], "optim.lr=-1.0 must be at least 0"),
