@@ -28,6 +28,7 @@ from jaxtrain.interop import hf_config, hf_import
 from jaxtrain.layout import Layout, compile_train_step
 from jaxtrain.observe.metrics import MetricsLog
 from jaxtrain.state import TrainState, model_spec, state_from_params, state_initializer
+from models.config import LlamaConfig
 
 
 @dataclasses.dataclass
@@ -150,6 +151,7 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
         trainer = trainer or compile_steps(checked)
     # a resumed run compiles only once its checkpoint is read: a finished one started again compiles nothing
     layout = checked.layout
+    requested = cfg.model
     cfg = layout.cfg  # model.attention and scan_layers resolved for the devices
     t = cfg.train
     batches = data_lib.train_batches(checked.corpus, cfg.data, t.global_batch, layout.batch_sharding)
@@ -185,7 +187,7 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
             if state is None:
                 state = trainer.init_state() if initial is None else initial
             if not fresh:
-                _note_model_changes(run_dir, cfg)
+                _note_model_changes(run_dir, cfg, requested)
             # only now, once the run's own checkpoint fits this config: a refused start leaves the run directory as it was
             _write_run_files(trainer, run_dir, base, init_from if fresh else None)
             eval_data = data_lib.eval_batches(checked.corpus, cfg.data, t.global_batch, layout.batch_sharding, t.eval_batches)
@@ -207,14 +209,17 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
     return state
 
 
-def _note_model_changes(run_dir: Path, cfg: Config) -> None:
+def _note_model_changes(run_dir: Path, cfg: Config, requested: LlamaConfig) -> None:
     """A note per model key whose value differs from the run's config.yaml (its last start): a resume with, say,
-    another model.rope_theta or model.lora.alpha fits the checkpoint's shapes but trains another function from here."""
+    another model.rope_theta or model.lora.alpha fits the checkpoint's shapes but trains another function from here.
+    A key left at ``auto`` is not one: jaxtrain chose it for these devices (a pipelined run resumed on a plain mesh,
+    a CPU run on a GPU), the same function computed another way, and the start-up summary names the choice."""
     if not (run_dir / "config.yaml").is_file():
         return
     before = config_lib.flatten(config_lib.to_dict(config_lib.load_run_config(run_dir).model), "model.")
+    chosen_here = {key for key, value in config_lib.flatten(config_lib.to_dict(requested), "model.").items() if value == "auto"}
     for key, value in config_lib.flatten(config_lib.to_dict(cfg.model), "model.").items():
-        if before.get(key) != value:
+        if key not in chosen_here and before.get(key) != value:
             _say(f"jaxtrain: note: {key}={value} here but {before.get(key)} in {run_dir / 'config.yaml'}, which the checkpoints "
                  f"trained with: from this step on the run trains with {value}; give {key}={before.get(key)} to continue as before")
 
