@@ -106,6 +106,9 @@ def cmd_train(args) -> int:
     if args.params_only and not args.init_from:
         raise UserError("--params-only needs --init-from PATH (the checkpoint whose parameters to start from)")
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before jax sees devices
+    distributed.check_same_start(config_lib.flatten(config_lib.to_dict(config_lib.with_absolute_paths(cfg))) | {
+        "--run-dir": str(run_dir.absolute()), "--num-processes": args.num_processes,
+        "--init-from": args.init_from and str(Path(args.init_from).absolute()), "--params-only": args.params_only})
     from jaxtrain import checkpoint as checkpoint_lib  # starts jax
     from jaxtrain import train as train_lib
 

@@ -3,7 +3,12 @@ environment. Must run before anything asks jax for devices."""
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
+import sys
+import threading
+import zlib
 
 from jaxtrain.errors import UserError
 
@@ -30,12 +35,93 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         raise UserError(f"--coordinator {coordinator!r} must be HOST:PORT, e.g. 127.0.0.1:12355 (process 0's address)")
     if not given and _cluster_tasks() == 1:
         return
+    if given and process_id == 0:  # it serves the coordinator: a busy port was a traceback after a gRPC log line
+        port = int(coordinator.rsplit(":", 1)[1])
+        if (why := port_problem(port)) is not None:
+            raise UserError(f"--coordinator {coordinator}: process 0 cannot serve the job's coordinator on port {port} ({why}); "
+                            "give every process another port")
 
     import jax
 
     # CPU devices talk across processes through gloo; GPU and TPU backends ignore this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if given:
-        jax.distributed.initialize(coordinator, num_processes, process_id)
-    else:
-        jax.distributed.initialize()
+    timeout_s = join_timeout_s()
+    where = f"the coordinator {coordinator}" if given else "the cluster's coordinator"
+    count = num_processes if given else _cluster_tasks()
+    # jax aborts with a C++ stack trace when the job is not whole by its deadline: this one line comes first
+    watchdog = threading.Timer(timeout_s, _give_up_joining, (where, count, timeout_s))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        if given:
+            jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=int(timeout_s) + 60)
+        else:
+            jax.distributed.initialize(initialization_timeout=int(timeout_s) + 60)
+    finally:
+        watchdog.cancel()
+
+
+def join_timeout_s() -> float:
+    """How long a process waits for the whole job to join (``JAXTRAIN_JOIN_TIMEOUT_S``, default jax's 300 s)."""
+    text = os.environ.get("JAXTRAIN_JOIN_TIMEOUT_S", "300")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise UserError(f"JAXTRAIN_JOIN_TIMEOUT_S={text!r} must be a positive number of seconds, e.g. 600")
+    return seconds
+
+
+def _give_up_joining(where: str, count: int, timeout_s: float) -> None:
+    print(f"jaxtrain: error: the job's {count} processes did not all join {where} within {timeout_s:g} s; start every "
+          "process with the same --coordinator and --num-processes and its own --process-id (a process that stopped at "
+          "start printed why), or raise JAXTRAIN_JOIN_TIMEOUT_S", file=sys.stderr, flush=True)
+    os._exit(2)  # the main thread is inside jax's join, which no exception reaches
+
+
+def port_problem(port: int) -> str | None:
+    """Why a server of this process cannot listen on ``port`` (the job's coordinator, the Prometheus gauges), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers set it
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            return bind_error_reason(e)
+    return None
+
+
+def bind_error_reason(error: OSError) -> str:
+    return "already in use" if error.errno == errno.EADDRINUSE else error.strerror
+
+
+def check_same_start(settings: dict[str, object]) -> None:
+    """Every process of the job started with the same settings, or one line on each before anything is compiled or
+    written. A hand-written cluster command that differs between processes (another train.steps, optim.lr, model
+    shape or --run-dir) otherwise trained each process's copy of the weights differently without a word, deadlocked
+    in a collective, or wrote two half run directories. One all-gather of a CRC per setting."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    names = sorted(settings)
+
+    def gathered(values: list) -> np.ndarray:  # (processes, values)
+        digests = np.array([zlib.crc32(repr(v).encode()) for v in values], np.uint32)
+        return np.asarray(multihost_utils.process_allgather(digests)).reshape(jax.process_count(), len(values))
+
+    # the names first: the second gather needs the same length everywhere, which another jaxtrain version may not have
+    names_digest = gathered([names])
+    if (names_digest != names_digest[0]).any():
+        raise UserError("the job's processes run different versions of jaxtrain (their config keys differ); install the same "
+                        "jaxtrain on every node")
+    digests = gathered([settings[name] for name in names])
+    differ = [name for i, name in enumerate(names) if (digests[:, i] != digests[0, i]).any()]
+    if differ:
+        here = ", ".join(f"{name}={settings[name]}" for name in differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise UserError(f"the job's processes were started with different settings: this one, process {jax.process_index()}, "
+                        f"has {here}, another process other values; start every process with the same command line, "
+                        "only --process-id differs")

@@ -6,11 +6,9 @@ imported only when its key is set (config.log_problems checks it is installed).
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 
 from jaxtrain import config as config_lib
 from jaxtrain.config import Config
+from jaxtrain.distributed import bind_error_reason, port_problem
 from jaxtrain.errors import UserError
 from jaxtrain.observe.plot import plot_runs
 
@@ -153,16 +152,11 @@ def _check_mlflow(mlflow, experiment: str, run_dir: Path) -> None:
 
 def check_port_free(port: int) -> None:
     """Before the run directory is touched: ``log.prometheus_port`` must be free to serve on."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server sets it
-        try:
-            probe.bind(("", port))
-        except OSError as e:
-            raise _port_error(port, e) from None
+    if (why := port_problem(port)) is not None:
+        raise _port_error(port, why)
 
 
-def _port_error(port: int, error: OSError) -> UserError:
-    why = "already in use" if error.errno == errno.EADDRINUSE else error.strerror
+def _port_error(port: int, why: str) -> UserError:
     return UserError(f"log.prometheus_port={port}: cannot serve metrics there ({why}); choose a free port or drop log.prometheus_port")
 
 
@@ -195,7 +189,7 @@ class PrometheusGauges:
         try:
             self.server, _ = start_http_server(port, registry=self.registry)
         except OSError as e:
-            raise _port_error(port, e) from None
+            raise _port_error(port, bind_error_reason(e)) from None
 
     def record(self, record: dict) -> None:
         for key, gauge in self.gauges.items():

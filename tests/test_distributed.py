@@ -1,0 +1,83 @@
+"""Starting a job of several processes: the mistakes of a hand-written cluster command are one line on each
+process, before anything is compiled or written (a QA report: they deadlocked, trained silently with mixed settings,
+or aborted with C++ stack traces)."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, subprocess_env
+from jaxtrain import distributed
+from jaxtrain.errors import UserError
+
+FAST = ["train.steps=2", "model.num_layers=2", "data.seq_len=32", "train.global_batch=8", "train.eval_batches=1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_process(index: int, port: int, run_dir, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    """One process of a 2-process job on the cpu2x4 mesh, started by hand as a cluster command would start it."""
+    return subprocess.Popen([sys.executable, "-m", "jaxtrain.cli", "train", "tiny", "--mesh", "cpu2x4", "--devices", "4",
+                             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(index),
+                             "--run-dir", str(run_dir), *FAST, *overrides],
+                            cwd=REPO, env=subprocess_env() | (env or {}), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _one_line_error(process: subprocess.Popen) -> str:
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode == 2, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxtrain: error: "), stderr[-3000:]
+    return lines[0]
+
+
+def test_processes_started_with_different_settings_stop_at_once_with_one_line_each(tmp_path):
+    port = _free_port()
+    first = _start_process(0, port, tmp_path / "run", "optim.lr=0.003")
+    second = _start_process(1, port, tmp_path / "run", "optim.lr=0.03")
+    said = [_one_line_error(first), _one_line_error(second)]
+    assert said == [f"jaxtrain: error: the job's processes were started with different settings: this one, process {i}, has "
+                    f"optim.lr={lr}, another process other values; start every process with the same command line, only "
+                    "--process-id differs" for i, lr in ((0, 0.003), (1, 0.03))]
+    assert not (tmp_path / "run").exists()
+    port = _free_port()  # a run directory each: they wrote two half run directories and hung
+    first, second = _start_process(0, port, tmp_path / "a"), _start_process(1, port, tmp_path / "b")
+    assert f"has --run-dir={tmp_path / 'a'}, another" in _one_line_error(first)
+    assert f"has --run-dir={tmp_path / 'b'}, another" in _one_line_error(second)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_job_that_never_becomes_whole_is_one_line_at_the_join_timeout(tmp_path):
+    """Process 1 never starts (it failed, or was given another --num-processes): jax waited 5 minutes, then aborted
+    with a C++ stack trace."""
+    started, port = time.monotonic(), _free_port()
+    alone = _start_process(0, port, tmp_path / "run", env={"JAXTRAIN_JOIN_TIMEOUT_S": "3"})
+    assert _one_line_error(alone) == (
+        f"jaxtrain: error: the job's 2 processes did not all join the coordinator 127.0.0.1:{port} "
+        "within 3 s; start every process with the same --coordinator and --num-processes and its own --process-id (a process "
+        "that stopped at start printed why), or raise JAXTRAIN_JOIN_TIMEOUT_S")
+    assert time.monotonic() - started < 60 and not (tmp_path / "run").exists()
+
+
+def test_a_busy_coordinator_port_is_one_line_before_jax_starts_the_job():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(UserError, match=f"^--coordinator 127.0.0.1:{port}: process 0 cannot serve the job's coordinator on "
+                                            f"port {port} \\(already in use\\); give every process another port$"):
+            distributed.initialize(f"127.0.0.1:{port}", 2, 0)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
+def test_the_join_timeout_must_be_a_positive_number_of_seconds(value, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_JOIN_TIMEOUT_S", value)
+    with pytest.raises(UserError, match=f"^JAXTRAIN_JOIN_TIMEOUT_S='{value}' must be a positive number of seconds"):
+        distributed.join_timeout_s()
