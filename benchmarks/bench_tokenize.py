@@ -17,6 +17,7 @@ Writes under a temporary directory; deletes what it wrote.
 from __future__ import annotations
 
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,8 @@ INPUT_BYTES = 8_000_000
 TRAIN_BYTES = 4_000_000
 VOCAB = 16_384
 ROUNDS = 3
+FAILURE_STDERR_LINES = 20
+FAILURE_COMMAND_CHARS = 300
 
 BASELINE = """
 import sys
@@ -53,10 +56,24 @@ def _first_files(files: list[Path], limit: int) -> list[Path]:
     return chosen
 
 
+def _shortened(command: list[str]) -> str:
+    """The command as a shell line, its middle cut: it names every input file, thousands of them."""
+    line = shlex.join(command)
+    if len(line) <= FAILURE_COMMAND_CHARS:
+        return line
+    half = FAILURE_COMMAND_CHARS // 2
+    return f"{line[:half]} ...[{len(line) - 2 * half} characters]... {line[-half:]}"
+
+
 def _seconds(command: list[str]) -> float:
+    """Wall seconds of the command; a failing one raises with the end of its stderr, which says why."""
     start = time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True)
-    return time.perf_counter() - start
+    done = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        stderr = "\n".join(done.stderr.splitlines()[-FAILURE_STDERR_LINES:])
+        raise RuntimeError(f"{_shortened(command)} exited {done.returncode}; its stderr ends:\n{stderr}")
+    return seconds
 
 
 def run() -> dict:
@@ -68,12 +85,12 @@ def run() -> dict:
         train_tokenizer(map(str, _first_files(files, TRAIN_BYTES)), VOCAB, scratch / "tokenizer")
         listing = scratch / "files.txt"
         listing.write_text("\n".join(map(str, inputs)))
-        ours = [sys.executable, "-m", "jaxtrain.cli", "tokenize", *map(str, inputs), "--tokenizer", str(scratch / "tokenizer"),
-                "--out", str(scratch / "tokens.bin")]
+        ours = [sys.executable, "-m", "jaxtrain.cli", "tokenize", *map(str, inputs), "--tokenizer", str(scratch / "tokenizer")]
         baseline = [sys.executable, "-c", BASELINE, str(scratch / "tokenizer" / "tokenizer.json"), str(listing)]
-        rounds = [(_seconds(ours), _seconds([*baseline, "encode_batch"]), _seconds([*baseline, "encode_batch_fast"]))
-                  for _ in range(ROUNDS)]
-        tokens = os.path.getsize(scratch / "tokens.bin") // 2
+        # a new --out each round: tokenize never overwrites a token file
+        rounds = [(_seconds([*ours, "--out", str(scratch / f"tokens{i}.bin")]), _seconds([*baseline, "encode_batch"]),
+                   _seconds([*baseline, "encode_batch_fast"])) for i in range(ROUNDS)]
+        tokens = os.path.getsize(scratch / "tokens0.bin") // 2
     ours_s, baseline_s, fast_s = (statistics.median(r[i] for r in rounds) for i in range(3))
     return {
         "tokenize_mb_per_s": round(megabytes / ours_s, 2),

@@ -1,4 +1,5 @@
-"""Markdown tables of bench_perf's keys in a results file (default benchmarks/results/latest.json), for README.
+"""Markdown tables of a results file's keys (default benchmarks/results/latest.json), for README: a section for
+each module in its ``runs``, bench_perf's laid out for its comparisons, every other module's as key and value.
 
     python benchmarks/report.py [RESULTS.json]
 """
@@ -12,11 +13,25 @@ from pathlib import Path
 from run import DEFAULT_OUT
 
 
-def main(argv: list[str]) -> int:
-    r = json.loads(Path(argv[0] if argv else DEFAULT_OUT).read_text())
-    m = r["machine"]
-    print(f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['device_count']} x {m['device_kind']} "
-          f"devices, jax {m['jax']}; run finished {r['runs']['perf']['finished']} in {r['runs']['perf']['seconds']:.0f}s.\n")
+def _rounded(value):
+    """Floats to 4 significant digits, inside lists and dicts too: a table to read, not to compute from."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {key: _rounded(v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def print_keys(r: dict, name: str) -> None:
+    print("| key | value |\n|---|---|")
+    for key in r["runs"][name]["keys"]:
+        value = json.dumps(_rounded(r[key]), ensure_ascii=False).replace("|", "\\|")  # a bare | would end the cell
+        print(f"| {key} | {value} |")
+
+
+def print_perf(r: dict) -> None:
     o = r["overhead_step_s"]
     rows = [
         ("overhead_ratio (1 device, dp)", f"{r['overhead_ratio']:.2f}",
@@ -41,6 +56,30 @@ def main(argv: list[str]) -> int:
     print("\n| compute dtype | remat | step (ms) | tokens/s | compiled temp memory per device (MiB) |\n|---|---|---|---|---|")
     for row in r["remat_precision"]:
         print(f"| {row['dtype']} | {row['remat']} | {row['step_s'] * 1e3:.0f} | {row['tokens_per_s']:,.0f} | {row['temp_mib_per_device']:.1f} |")
+
+
+def main(argv: list[str]) -> int:
+    path = Path(argv[0] if argv else DEFAULT_OUT)
+    try:
+        r = json.loads(path.read_text())
+    except OSError as e:
+        print(f"error: cannot read {path} ({e.strerror})", file=sys.stderr)
+        return 2
+    except ValueError as e:  # not UTF-8, or not JSON
+        print(f"error: {path} is not a results file: not JSON ({e})", file=sys.stderr)
+        return 2
+    if not (isinstance(r, dict) and isinstance(r.get("runs"), dict) and isinstance(r.get("machine"), dict)):
+        print(f"error: {path} is not a results file of benchmarks/run.py (an object with 'machine' and 'runs')", file=sys.stderr)
+        return 2
+    m = r["machine"]
+    print(f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['device_count']} x {m['device_kind']} "
+          f"devices, jax {m['jax']}.")
+    for name, run in sorted(r["runs"].items()):
+        print(f"\n### {name}: run finished {run['finished']} in {run['seconds']:.0f}s\n")
+        if name == "perf":
+            print_perf(r)
+        else:
+            print_keys(r, name)
     return 0
 
 

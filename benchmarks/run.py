@@ -25,6 +25,7 @@ import time
 import traceback
 from pathlib import Path
 
+from jaxtrain.atomic import atomic_file
 from jaxtrain.cli import simulate_cpu_devices
 from jaxtrain.errors import UserError
 from jaxtrain.memory import host_malloc
@@ -62,6 +63,16 @@ def machine() -> dict:
     }
 
 
+def keys_of(name: str) -> dict:
+    """bench_{name}.run()'s keys, checked here so that a module returning something else fails alone instead of
+    the merge or the final write failing for every module."""
+    found = importlib.import_module(f"bench_{name}").run()
+    if not (isinstance(found, dict) and all(isinstance(key, str) for key in found)):
+        raise TypeError(f"bench_{name}.run() returned {str(found)[:200]}, not a dict with string keys")
+    json.dumps(found, sort_keys=True)  # a TypeError now for a value the results file cannot hold
+    return found
+
+
 def run_module(name: str) -> tuple[dict, int]:
     """(bench_{name}.run(), the simulated CPU devices it ran with): in a process of its own when the module asks
     for another count (XLA:CPU gives every device a thread, so idle simulated devices are extra threads on the
@@ -69,7 +80,7 @@ def run_module(name: str) -> tuple[dict, int]:
     module = importlib.import_module(f"bench_{name}")
     devices = getattr(module, "SIMULATED_CPU_DEVICES", SIMULATED_CPU_DEVICES)
     if devices == SIMULATED_CPU_DEVICES:
-        return module.run(), devices
+        return keys_of(name), devices
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "keys.json"
         child = subprocess.run([sys.executable, __file__, "--only", name, "--devices", str(devices), "--keys-out", str(out)])
@@ -79,31 +90,54 @@ def run_module(name: str) -> tuple[dict, int]:
 
 
 def write_atomically(path: Path, results: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        json.dump(results, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(f.name, path)
+    with atomic_file(path, "--out") as f:
+        f.write((json.dumps(results, indent=2, sort_keys=True) + "\n").encode())
+
+
+def check_out(path: Path, keep_keys: bool) -> dict:
+    """The results to start from (``path``'s when ``keep_keys``), or a UserError before any module runs: a path
+    that cannot take the results file would otherwise lose the whole suite's results at its end."""
+    if path.is_dir():
+        raise UserError(f"--out {path} is a directory; give a file path such as {path / DEFAULT_OUT.name}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {path}: cannot make the directory {path.parent} ({e.strerror})") from None
+    if not (keep_keys and path.exists()):
+        return {}
+    try:
+        results = json.loads(path.read_text())
+    except OSError as e:
+        raise UserError(f"--out {path} cannot be read ({e.strerror}); give another --out") from None
+    except ValueError as e:  # not UTF-8, or not JSON
+        raise UserError(f"--out {path} is not a results file: not JSON ({e}); give another --out, or remove it "
+                        "to start afresh") from None
+    if not (isinstance(results, dict) and isinstance(results.get("runs", {}), dict)):
+        raise UserError(f"--out {path} is JSON but not a results file (an object whose 'runs' is an object); give "
+                        "another --out, or remove it to start afresh")
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     available = discover()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help=f"comma-separated modules to run (of: {', '.join(available)}); default all")
+    parser.add_argument("--only", help=f"comma-separated modules to run (of: {', '.join(available)}); default all")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     # run_module's child process: one module, its keys to a file
     parser.add_argument("--devices", type=int, default=SIMULATED_CPU_DEVICES, help=argparse.SUPPRESS)
     parser.add_argument("--keys-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    chosen = [name.strip() for name in args.only.split(",") if name.strip()] or available
+    chosen = available if args.only is None else [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(available))
-    if unknown:
-        print(f"error: --only names unknown benchmark(s) {', '.join(unknown)}; available: {', '.join(available)}", file=sys.stderr)
-        return 2
-
-    # before jax starts: the simulated device count and malloc's setting only take effect then; both as `jaxtrain train`
-    simulate_cpu_devices(args.devices)
     try:
+        if not chosen:
+            raise UserError(f"--only {args.only!r} names no benchmark; available: {', '.join(available)}")
+        if unknown:
+            raise UserError(f"--only names unknown benchmark(s) {', '.join(unknown)}; available: {', '.join(available)}")
+        # a subset run keeps the other modules' keys from the previous run
+        results = {} if args.keys_out else check_out(args.out, keep_keys=args.only is not None)
+        # before jax starts: the simulated device count and malloc's setting only take effect then; both as `jaxtrain train`
+        simulate_cpu_devices(args.devices)
         host_malloc.reexec_with_jemalloc()
         host_malloc.configure()
     except UserError as e:
@@ -112,11 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(BENCH_DIR))
     if args.keys_out:
-        write_atomically(args.keys_out, importlib.import_module(f"bench_{chosen[0]}").run())
+        write_atomically(args.keys_out, keys_of(chosen[0]))
         return 0
 
-    # a subset run keeps the other modules' keys from the previous run
-    results = json.loads(args.out.read_text()) if args.out.is_file() and args.only else {}
     runs, failed = results.setdefault("runs", {}), []
     for name in chosen:
         print(f"bench {name} ...", file=sys.stderr, flush=True)

@@ -1,10 +1,13 @@
 """benchmarks/run.py: discovers bench_*.py modules, merges their keys with the machine description,
-keeps other modules' keys on a subset run, and refuses a key two modules claim; and bench_checkpoint runs."""
+keeps other modules' keys on a subset run, refuses a key two modules claim or a return it cannot store, and a bad
+--out or --only before any module runs; report.py; and bench_checkpoint and bench_tokenize run."""
 
 import json
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -31,6 +34,7 @@ def test_discovers_merges_and_keeps_keys_of_modules_not_run(tmp_path):
     second = json.loads(out.read_text())
     assert (second["alpha_s"], second["beta_s"]) == (1.5, 3)
     assert list(out.parent.iterdir()) == [out]  # no temporary file left behind
+    assert out.stat().st_mode & 0o777 == 0o644  # readable by all, as jaxtrain's own outputs
 
     (tmp_path / "bench_gamma.py").write_text("def run():\n    return {'alpha_s': 9}\n")
     clash = _run(tmp_path, "--only", "gamma")
@@ -72,3 +76,103 @@ def test_checkpoint_benchmark_runs_at_a_small_size(tmp_path, monkeypatch):
     assert set(times) == {"jaxtrain", "orbax_default"} and all(len(t) == 2 and min(t) > 0 for t in times.values())
     assert results["small_replicated_first_save_ratio"] == times["orbax_default"][0] / times["jaxtrain"][0]
     assert bench_checkpoint.checkpoint_lib.REPLICA_SLICE_MIN_BYTES == 1 << 20
+
+
+def _bench_dir_with_marking_module(tmp_path):
+    """run.py beside a module that leaves a file when it runs, to show that a refused command ran nothing."""
+    shutil.copy(REPO / "benchmarks" / "run.py", tmp_path / "run.py")
+    (tmp_path / "bench_marker.py").write_text(
+        "from pathlib import Path\ndef run():\n    (Path(__file__).parent / 'ran').touch()\n    return {'marker': 1}\n")
+    return tmp_path
+
+
+def test_a_module_returning_what_the_results_file_cannot_hold_fails_alone(tmp_path):
+    shutil.copy(REPO / "benchmarks" / "run.py", tmp_path / "run.py")
+    (tmp_path / "bench_alist.py").write_text("def run():\n    return [1, 2]\n")
+    (tmp_path / "bench_aset.py").write_text("def run():\n    return {'aset_values': {1, 2}}\n")
+    (tmp_path / "bench_cheap.py").write_text("def run():\n    return {'cheap_s': 1}\n")
+    (tmp_path / "bench_solo.py").write_text("SIMULATED_CPU_DEVICES = 1\ndef run():\n    return {1: 'not a key'}\n")
+    result = _run(tmp_path)
+    assert result.returncode == 1 and "failed: alist, aset, solo" in result.stderr
+    assert "bench_alist.run() returned [1, 2], not a dict with string keys" in result.stderr
+    out = json.loads((tmp_path / "results" / "latest.json").read_text())
+    assert out["cheap_s"] == 1 and list(out["runs"]) == ["cheap"]
+
+
+def test_a_bad_out_or_only_is_one_line_before_any_module_runs(tmp_path):
+    bench_dir = _bench_dir_with_marking_module(tmp_path)
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "garbage.json").write_text("garbage\n")
+    (tmp_path / "list.json").write_text("[1, 2]\n")
+    for args, message in [
+            (["--out", str(tmp_path / "a_dir")], f"--out {tmp_path / 'a_dir'} is a directory; give a file path such as"),
+            (["--out", str(tmp_path / "a_file" / "results.json")], "cannot make the directory"),
+            (["--only", "marker", "--out", str(tmp_path / "garbage.json")], "is not a results file: not JSON (Expecting value"),
+            (["--only", "marker", "--out", str(tmp_path / "list.json")], "is JSON but not a results file"),
+            (["--only", " , ", "--out", str(tmp_path / "comma.json")], "--only ' , ' names no benchmark; available: marker"),
+            (["--only", "nosuch", "--out", str(tmp_path / "unknown.json")], "--only names unknown benchmark(s) nosuch")]:
+        result = _run(bench_dir, *args)
+        assert (result.returncode, result.stderr.splitlines()) == (2, [result.stderr.strip()]), args
+        assert result.stderr.startswith("error: ") and message in result.stderr, args
+    assert not (tmp_path / "ran").exists()
+    assert (tmp_path / "garbage.json").read_text() == "garbage\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "a_file", "bench_marker.py", "garbage.json", "list.json", "run.py"]
+
+
+def _report(*args):
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"), *args], capture_output=True, text=True,
+                          timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"})
+
+
+def test_report_shows_every_module_run_and_refuses_a_file_that_is_not_results_in_one_line(tmp_path):
+    latest = json.loads((REPO / "benchmarks" / "results" / "latest.json").read_text())
+    results = tmp_path / "tokenize_only.json"
+    results.write_text(json.dumps({
+        "machine": latest["machine"], "tokenize_ratio": 1.11349, "tokenize_detail": {"rounds": [0.5, 2 / 3]},
+        "runs": {"tokenize": {"seconds": 11.8, "keys": ["tokenize_detail", "tokenize_ratio"], "finished": "2026-12-05T06:00:00+00:00"}}}))
+    report = _report(str(results))
+    assert report.returncode == 0, report.stderr
+    assert "### tokenize: run finished 2026-12-05T06:00:00+00:00 in 12s" in report.stdout and "perf" not in report.stdout
+    assert '| tokenize_detail | {"rounds": [0.5, 0.6667]} |\n| tokenize_ratio | 1.113 |' in report.stdout
+
+    # the checked-in results: perf's own tables, and a section for each of the other modules
+    full = _report(str(REPO / "benchmarks" / "results" / "latest.json"))
+    assert full.returncode == 0, full.stderr
+    assert "| overhead_ratio (1 device, dp) |" in full.stdout and "| compute dtype | remat |" in full.stdout
+    assert all(f"\n### {name}: run finished " in full.stdout for name in latest["runs"])
+
+    (tmp_path / "garbage.json").write_text("garbage")
+    (tmp_path / "list.json").write_text("[]")
+    for path, message in [(tmp_path / "missing.json", "cannot read {} (No such file or directory)"),
+                          (tmp_path / "garbage.json", "{} is not a results file: not JSON (Expecting value"),
+                          (tmp_path / "list.json", "{} is not a results file of benchmarks/run.py")]:
+        refused = _report(str(path))
+        assert (refused.returncode, refused.stderr.splitlines()) == (2, [refused.stderr.strip()]), path
+        assert refused.stderr.startswith("error: " + message.format(path)), path
+
+
+def test_tokenize_benchmark_runs_its_rounds_at_a_small_size(monkeypatch):
+    """More than one round: `jaxtrain tokenize` never overwrites a token file, so each round needs an --out of its own
+    (the module failed in round 2 for days, unseen)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bench_tokenize
+
+    for name, value in {"INPUT_BYTES": 20_000, "TRAIN_BYTES": 20_000, "VOCAB": 300, "ROUNDS": 2}.items():
+        monkeypatch.setattr(bench_tokenize, name, value)
+    results = bench_tokenize.run()
+    assert results["tokenize_vocab"] == 300 and results["tokenize_tokens"] > 1000
+    assert all(results[key] > 0 for key in ("tokenize_mb_per_s", "tokenize_ratio", "tokenize_ratio_vs_fast"))
+
+
+def test_tokenize_benchmark_reports_a_failing_command_by_its_stderr_not_its_thousands_of_arguments(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bench_tokenize
+
+    fails = "import sys; print('noise', file=sys.stderr); sys.exit('jaxtrain: error: the reason')"
+    command = [sys.executable, "-c", fails, *(f"/usr/lib/python3/module{i}.py" for i in range(600)), "--out", "/tmp/round1.bin"]
+    with pytest.raises(RuntimeError) as failure:
+        bench_tokenize._seconds(command)
+    message = str(failure.value)
+    assert message.endswith("exited 1; its stderr ends:\nnoise\njaxtrain: error: the reason")
+    assert message.startswith(f"{sys.executable} -c ") and "--out /tmp/round1.bin exited 1" in message and len(message) < 500
