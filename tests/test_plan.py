@@ -199,6 +199,56 @@ def test_usable_memory_is_at_most_jaxs_allocator_pool_in_the_plan_and_in_the_tra
         assert plan_lib.memory_limit([gpu]) == pytest.approx(min(fraction, 0.9) * device_memory)
 
 
+def test_a_larger_allocator_pool_is_offered_only_as_a_fraction_that_fits(monkeypatch):
+    """The "0." line offered XLA_CLIENT_MEM_FRACTION=1.00 "or more" with no headroom, and "or with it unset" where
+    jaxtrain's default 0.92 was the pool that did not fit: it names the fraction the step needs, at most 1, and unset
+    only where the default fits."""
+    from jaxtrain import xla_env
+
+    for name in xla_env.MEMORY_FRACTION_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    plan = plan_lib.make_plan(small_config(dtype="bfloat16"), gpu="h100")
+    need = plan.accelerator_total
+
+    def advice(memory: float, headroom: float, fraction: float) -> str | None:
+        text = plan_lib.render(dataclasses.replace(plan, device_memory=int(memory), headroom=headroom, allocator_fraction=fraction))
+        return next((line for line in text.splitlines() if line.startswith("  0. a larger allocator pool")), None)
+
+    whole = advice(need / 0.995, 0.0, 0.92)  # only the whole device holds it: jaxtrain's default pool does not
+    assert "XLA_CLIENT_MEM_FRACTION=1.00; the same step time" in whole and "unset" not in whole and "or more" not in whole
+    part = advice(need / 0.85, 0.0, 0.75)  # the user's 0.75 is too small, 0.86 or jaxtrain's default 0.92 holds it
+    assert "XLA_CLIENT_MEM_FRACTION=0.86 or more, up to 1, or with it unset (jaxtrain then sets 0.92)" in part
+    assert advice(need / 0.93, 0.1, 0.75) is None  # beyond the headroom: no pool holds it
+
+
+def test_a_throughput_target_above_the_gpus_peak_is_called_impossible():
+    plan = plan_lib.make_plan(small_config(dtype="bfloat16"), gpu="h100")
+    peak_rate = 8 * 989.4e12 / plan.flops_per_token  # tokens/s at 100% MFU on the 8 H100s
+
+    def target_line(tokens_per_s: float) -> str:
+        text = plan_lib.render(dataclasses.replace(plan, tokens_per_s=tokens_per_s))
+        return next(line for line in text.splitlines() if " tokens/s on 8 x h100 needs MFU " in line)
+
+    assert "impossible" not in target_line(0.5 * peak_rate)
+    estimated = plan.tokens_per_step / plan.step_time.total_s
+    assert target_line(2 * peak_rate).endswith(
+        f"needs MFU 200.0%: impossible, above the GPU's peak; the plan's estimated step time gives {estimated:,.0f} tokens/s")
+
+
+def test_a_memory_size_without_a_gpu_is_planned_as_for_the_gpu_the_step_time_assumes():
+    """--device-memory 80 planned the CPU's program (chunked attention, its micro-batch count and verdict) where
+    --gpu h100 planned the GPU's, for the same memory."""
+    from jaxtrain.plan.gpu_targets import gpu_memory_bytes
+
+    cfg = with_(small_config(dtype="bfloat16"), train={"microbatches": "auto"})
+    h100 = plan_lib.make_plan(cfg, gpu="h100")
+    sized = plan_lib.make_plan(cfg, device_memory=gpu_memory_bytes("h100"))
+    assert sized.cfg == h100.cfg and sized.cfg.model.attention == "cudnn"
+    assert (sized.accelerator_estimate, sized.fits, sized.step_time) == (h100.accelerator_estimate, h100.fits, h100.step_time)
+    note = "note: --device-memory without --gpu: attention, layer scan and grouped matmul chosen as for an H100"
+    assert note in plan_lib.render(sized) and "--device-memory without --gpu" not in plan_lib.render(h100)
+
+
 def test_target_devices_are_the_accelerators_when_there_are_enough(monkeypatch):
     import jax
 
@@ -235,6 +285,31 @@ def test_suggestions_fit_and_are_ranked_by_step_time():
     assert offload.describe(2**31).startswith("optim.offload=true: saves")
 
 
+def test_suggestions_save_what_they_take_off_the_planned_micro_batch_count():
+    """Each suggestion's saving is measured from the plan itself: with 2 micro-batches it was measured from 1, whose
+    larger activations made llama3_8b's optim.offload=true "save 249.6 GiB" of a 26.9 GiB plan."""
+    cfg = make_layout(medium_config("fsdp", "none", mesh=(1, 8, 1), microbatches=2)).cfg  # resolved, as make_plan passes it
+    planned = total(cfg, plan_lib.ACCELERATOR)
+    suggestions = plan_lib.suggest(cfg, planned * 0.8)
+    assert suggestions
+    assert all(s.saved == planned - s.total == planned - plan_lib.estimate_total(s.breakdown) for s in suggestions)
+
+
+def test_suggestions_and_techniques_leave_no_mesh_axis_idle_that_the_plan_uses():
+    """On a mesh with a stage axis every plain rule set leaves it idle, its devices repeating each other's work
+    (llama3_405b_pp on h100x512_pp was told train.microbatches=64 and rules=fsdp_tp): none is offered."""
+    from models.config import PipelineConfig
+
+    cfg = with_(medium_config("pp_fsdp_tp", "none", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2)})
+    layout = make_layout(cfg)
+    assert layout.idle_axes == {} and all(make_layout(dataclasses.replace(cfg, rules=rules)).idle_axes.get("stage") == 2
+                                          for rules in plan_lib.RULE_SETS)
+    suggestions = plan_lib.suggest(layout.cfg, total(layout.cfg, plan_lib.ACCELERATOR) * 0.7, gpu="h100", count=100)
+    assert suggestions and all("rules" not in s.changes for s in suggestions)
+    techniques = [t.change for t in plan_lib.technique_effects(layout, "h100")]
+    assert techniques and not any(change.startswith("rules=") for change in techniques)
+
+
 @pytest.mark.parametrize("name,params", [("llama3_1b", 1_235_814_400), ("llama3_3b", 3_212_749_824),
                                          ("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496),
                                          ("llama3_405b", 405_853_388_800)])
@@ -250,7 +325,8 @@ def test_every_experiment_loads_and_checks():
 
 
 def test_cli_plan_json_with_auto_microbatches(tmp_path):
-    cfg = load_experiment("tiny")  # cpu8 mesh: batch over data 2 x fsdp 2
+    # cpu8 mesh: batch over data 2 x fsdp 2; a memory size alone is planned for a GPU
+    cfg = resolve_for_devices(load_experiment("tiny"), nvidia_gpu=True)
     totals = {k: total(with_(cfg, train={"microbatches": k}), plan_lib.ACCELERATOR) for k in (1, 2)}
     memory_gib = (totals[1] + totals[2]) / 2 / (1 - plan_lib.DEFAULT_HEADROOM) / GIB  # room for 2 micro-batches, not 1
     png = tmp_path / "new" / "plan.png"  # the directories it needs made, as jaxtrain plot --out does
@@ -262,6 +338,14 @@ def test_cli_plan_json_with_auto_microbatches(tmp_path):
     assert body["devices"] == 8 and body["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1}
     assert set(body["estimate_bytes"]) == {"parameters", "optimizer state", "gradients", "gradient accumulator",
                                            "activations", "logits and loss", "layer backward", "total"}
+    # the items live at the peak, which the totals add up (the text puts the others in parentheses)
+    for kind in ("estimate", "accelerator_estimate"):
+        peak = body[f"{kind}_peak_items"]
+        assert peak and set(peak) < set(body[f"{kind}_bytes"]) - {"total"}
+        assert sum(body[f"{kind}_bytes"][item] for item in peak) == body[f"{kind}_bytes"]["total"]
+    # techniques name their units as suggestions do
+    assert body["techniques"] and all(set(t) == {"change", "saved_bytes", "relative_step_time", "host_transfer_s"}
+                                      for t in body["techniques"])
     assert body["accelerator_estimate_bytes"]["total"] == total(with_(cfg, train={"microbatches": k}), plan_lib.ACCELERATOR)
     compiled = body["compiled_bytes"]
     assert body["compiled_platform"] == "cpu"

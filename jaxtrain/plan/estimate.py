@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +41,8 @@ from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
 from jaxtrain.stages import pipelined_variants, schedule, stage_memory
 from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.memory.offload import HOST, offloads_master_weights
-from jaxtrain.plan.step_cost import StepTime, duration, embedding_gradient_by_columns, step_time
+from jaxtrain.plan.step_cost import (DEFAULT_GPU, StepTime, acting_remat, activation_widths, duration, embedding_gradient_by_columns,
+                                     step_time)
 from jaxtrain.layout import Layout, idle_axes_note, lower_steps, make_layout, peak_bytes
 from models.attention import scored_fraction
 from models.pipeline import STAGES
@@ -88,7 +90,6 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # optim.offload and the offload_* remat policies keep their arrays in host memory; the CPU backend has one
     # memory, where the compile counts them as it would unmoved arrays
     optimizer = 0 if cfg.optim.offload and not on_cpu else bytes_per_device(state.opt_state)
-    remat = m.remat.replace("offload_", "save_") if on_cpu else m.remat
     as_placed = lambda shardings: bytes_per_device(jax.tree.map(lambda x, sh: x.update(sharding=sh), state.params, shardings))  # noqa: E731
     grads, updates = as_placed(layout.gradient_shardings()), as_placed(layout.optimizer_shardings())
     k = cfg.train.microbatches
@@ -100,8 +101,9 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # the save_ policies also keep cuDNN's fused attention output and its float32 softmax statistics (per query and
     # head; models/llama.py), stages or not
     keeps_fused_attention = m.remat.startswith("save_") and m.attention == "cudnn"
-    if pipe.stages > 1 and remat.endswith("_dots"):  # vmapped over stages every dot has a batch dimension: none is saved
-        remat = "full"
+    remat = acting_remat(m.remat, pipe.stages)
+    if on_cpu:
+        remat = remat.replace("offload_", "save_")
     tokens = b / pipe.microbatches * seq
     per_stage = m.num_layers / (pipe.stages * pipe.repeats)  # layers a stage runs in one iteration
     layers_saved = pipe.iterations * per_stage
@@ -112,13 +114,11 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     hd = m.resolved_head_dim
     embed = tokens * m.d_model  # elements of one residual-stream tensor (the embed axis is never sharded)
     heads = m.num_heads / _ways(layout, "activation_heads")
-    qkv = tokens * hd * (heads + 2 * m.num_kv_heads / _ways(layout, "activation_kv_heads"))
     # a mixture of experts: each token's hidden states in its top_k experts (capacity_factor x that many slots on
     # the capacity path; dropless: the tokens of the device's whole expert group, gathered over the expert axes)
     # and the shared experts
-    moe = m.moe
-    routed = moe.top_k * (moe.capacity_factor if moe.dispatch == "capacity" else _ways(layout, "experts")) if moe.num_experts else 0
-    mlp = tokens * m.mlp_dim * (routed + moe.num_shared_experts if moe.num_experts else 1) / _ways(layout, "activation_mlp")
+    moe, widths = m.moe, activation_widths(layout)
+    qkv, mlp, routed = tokens * widths.qkv, tokens * widths.mlp, widths.routed
     # attention through XLA materialises a score for every (query, key) pair and head; flash attention (cudnn)
     # keeps only blocks of them; chunked attention the pairs of each query chunk with the keys up to its end
     scored = {"cudnn": 0.0, "chunked": scored_fraction(seq)}.get(m.attention, 1.0)
@@ -435,7 +435,7 @@ class Suggestion:
     relative_step_time: float  # vs. the planned config, by step_cost.step_time
     compiled: int | None = None  # the compiled step's bytes per device on the accelerator, when it was compiled
     saved: int = 0  # estimated bytes per device below the planned config
-    host_s: float = 0.0  # optim.offload: the optimizer state's round trip over PCIe per step
+    host_s: float = 0.0  # step_cost.StepTime.host_s: optim.offload's or an offload_* remat policy's copies over PCIe per step
 
     def describe(self, limit: int) -> str:
         change = " and ".join(f"{k}={_as_typed(v)}" for k, v in self.changes.items())
@@ -452,20 +452,23 @@ def _as_typed(value) -> str:
 
 
 def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = None, count: int = 5) -> list[Suggestion]:
-    """Configurations that fit, over rule set (ZeRO-1/2 among them) x remat x optim.offload x micro-batches (the fewest
-    that fit for each),
+    """Configurations that fit, over rule set (ZeRO-1/2 among them; none that leaves a mesh axis idle the plan uses)
+    x remat x optim.offload x micro-batches (the fewest that fit for each),
     ranked by estimated step time on ``gpu`` (recompute and communication). Micro-batches are how the
     per-device batch shrinks: the global batch, a training hyper-parameter, is left alone."""
     layouts = _layouts_by_rules(cfg, devices, dict.fromkeys((cfg.rules, *RULE_SETS)))
-    base = step_time(_with_cfg(layouts[cfg.rules], cfg), gpu)
+    planned = _with_cfg(layouts[cfg.rules], cfg)  # the layouts are built at one micro-batch: the plan's own count here
+    base = step_time(planned, gpu)
     base_time = base.total_s
-    base_total = estimate_total(estimate(layouts[cfg.rules], ACCELERATOR))
+    base_total = estimate_total(estimate(planned, ACCELERATOR))
     options = {rules: (_replace(cfg, rules=rules), layout) for rules, layout in layouts.items()}
     if base.communication_s["fsdp"] > base.compute_s:  # FSDP's gathers dominate: weigh pipeline stages across nodes
         options |= _pipelined_layouts(cfg, devices)
     found = []
     current = flatten(to_dict(cfg))
     for variant, layout in options.values():
+        if _idles_more(layout, planned):
+            continue
         for remat, offload in itertools.product(SEARCHED_REMAT, dict.fromkeys((cfg.optim.offload, True))):
             for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh) * schedule(variant, layout.rules, layout.mesh).microbatches):
                 candidate = _replace(variant, remat=remat, microbatches=k, offload=offload)
@@ -478,6 +481,12 @@ def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = Non
                                             saved=base_total - total, host_s=timed.host_s))
                     break  # more micro-batches only cost time
     return sorted(found, key=lambda s: (s.relative_step_time, len(s.changes), s.total))[:count]
+
+
+def _idles_more(layout: Layout, planned: Layout) -> bool:
+    """Whether ``layout`` leaves a mesh axis idle that the planned one uses: its devices would repeat each other's work
+    (e.g. fsdp_tp on a mesh with a stage axis: half the GPUs redoing the other half's)."""
+    return not set(layout.idle_axes) <= set(planned.idle_axes)
 
 
 # each memory technique alone, as a config change the planner itemises (rule sets, offload, activation offload)
@@ -499,7 +508,8 @@ class Technique:
 
 def technique_effects(layout: Layout, gpu: str | None = None) -> list[Technique]:
     """What each memory technique alone would change of the planned layout: estimated bytes per device on the
-    accelerator and step time (``step_cost``); those the config already uses, or the mesh cannot take, left out."""
+    accelerator and step time (``step_cost``); those the config already uses, the mesh cannot take, or that leave a mesh
+    axis idle, left out."""
     cfg = layout.cfg
     base_total, base_time = estimate_total(estimate(layout, ACCELERATOR)), step_time(layout, gpu).total_s
     out = []
@@ -510,6 +520,8 @@ def technique_effects(layout: Layout, gpu: str | None = None) -> list[Technique]
         try:
             changed = make_layout(candidate, list(layout.mesh.devices.flat)) if "rules" in change else _with_cfg(layout, candidate)
         except UserError:
+            continue
+        if _idles_more(changed, layout):
             continue
         timed = step_time(changed, gpu)
         key, value = next(iter(change.items()))
@@ -603,6 +615,9 @@ class Plan:
             "device_memory_bytes": self.device_memory, "headroom": self.headroom,
             "allocator_fraction": self.allocator_fraction, "usable_bytes": self.usable,
             "estimate_bytes": self.estimate | {"total": self.estimate_total},
+            # the items the totals count: those live at the peak's moment (the text's items not in parentheses)
+            "estimate_peak_items": list(peak_items(self.estimate)),
+            "accelerator_estimate_peak_items": list(peak_items(self.accelerator_estimate)),
             "compiled_platform": c.platform, "compiled_device_kind": c.device_kind, "compiled_attention": c.attention,
             "compiled_bytes": {"argument": c.argument, "output": c.output, "alias": c.alias, "temp": c.temp, "total": c.total},
             "estimate_vs_compiled": self.estimate_total / c.total - 1,
@@ -617,7 +632,8 @@ class Plan:
             "suggestions": [{"changes": s.changes, "total_bytes": s.total, "compiled_bytes": s.compiled,
                              "relative_step_time": s.relative_step_time, "saved_bytes": s.saved, "host_transfer_s": s.host_s}
                             for s in self.suggestions],
-            "techniques": [dataclasses.asdict(t) for t in self.techniques],
+            "techniques": [{"change": t.change, "saved_bytes": t.saved, "relative_step_time": t.relative_step_time,
+                            "host_transfer_s": t.host_s} for t in self.techniques],
         } | ({} if self.per_stage is None else {"per_stage_bytes": self.per_stage}) | ({} if c.hlo is None else {"hlo_report": c.hlo.to_json() | {
             "traffic_bytes": {"predicted": self.step_time.traffic_bytes, "compiled": self.compiled_traffic}}})
 
@@ -645,8 +661,10 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     if allocator_fraction is None:
         allocator_fraction = xla_env.memory_fraction(default=xla_env.MEMORY_FRACTION)
     usable = None if device_memory is None else usable_bytes(device_memory, headroom, allocator_fraction)
-    if gpu is not None:  # a plan for a GPU gets its attention and layer scan even when compiled on CPUs; every GPU known is NVIDIA's
-        cfg = resolve_for_devices(cfg, gpu.lower() in GPU_MEMORY_MIB)
+    if gpu is not None or device_memory is not None:
+        # a plan for a GPU gets its attention and layer scan even when compiled on CPUs; every GPU known is NVIDIA's. A
+        # memory size alone is an accelerator's too: planned as the step time is, for DEFAULT_GPU
+        cfg = resolve_for_devices(cfg, (gpu or DEFAULT_GPU).lower() in GPU_MEMORY_MIB)
     elif cfg.model.scan_layers == "auto":  # the estimate models the scanned program, as accelerators run it
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
     devices = compile_devices(cfg, devices)
@@ -685,6 +703,8 @@ def render(plan: Plan) -> str:
                 "FLOPs and a dense (experts, rows, hidden) array per product, the estimate's layer backward counts its gate "
                 "and up); pip install 'jaxtrain[moe-gpu]' for tokamax's kernels (model.moe.grouped_matmul=auto picks them)"]
                if grouped and moe.grouped_matmul == "xla" and plan.gpu else []),
+             *([f"note: --device-memory without --gpu: attention, layer scan and grouped matmul chosen as for an "
+                f"{DEFAULT_GPU.upper()} (--gpu NAME for another)"] if plan.gpu is None and plan.device_memory is not None else []),
              *([note] if (note := idle_axes_note(plan.idle_axes, cfg.rules)) else []),
              "", f"{'per device':<22}{'estimate':>12}   compiled by XLA for {c.device_kind}, {c.attention} attention"]
     compiled_rows = [("arguments (state, batch)", c.argument), ("outputs not aliased", c.output - c.alias), ("temporaries", c.temp)]
@@ -719,9 +739,13 @@ def render(plan: Plan) -> str:
                      f"({_size(plan.device_memory)}, {plan.usable_because})")
         with_headroom = plan.device_memory * (1 - plan.headroom)
         if not plan.fits and plan.accelerator_total <= with_headroom:  # only the allocator's pool is too small
+            # the smallest pool that holds the step, rounded up to the printed digits: at most 1 - headroom, so never above 1
+            fraction = math.ceil(round(100 * plan.accelerator_total / plan.device_memory, 6)) / 100
+            default_fits = plan.accelerator_total <= usable_bytes(plan.device_memory, plan.headroom, xla_env.MEMORY_FRACTION)
             lines.append(f"  0. a larger allocator pool: {_size(plan.accelerator_total)} fits in {_size(with_headroom)} "
-                         f"with {xla_env.MEMORY_FRACTION_NAMES[0]}={1 - plan.headroom:.2f} or more, or with it unset (jaxtrain then sets "
-                         f"{xla_env.MEMORY_FRACTION}); the same step time")
+                         f"with {xla_env.MEMORY_FRACTION_NAMES[0]}={fraction:.2f}" + (" or more, up to 1" if fraction < 1 else "")
+                         + (f", or with it unset (jaxtrain then sets {xla_env.MEMORY_FRACTION})" if default_fits else "")
+                         + "; the same step time")
     for i, s in enumerate(plan.suggestions, 1):
         lines.append(f"  {i}. {s.describe(plan.usable)}")
     own = estimate_total(plan.accelerator_estimate)
@@ -738,7 +762,9 @@ def render(plan: Plan) -> str:
     lines.append(f"FLOPs per token: {plan.flops_per_token:.4g} (PaLM formula, causal attention halved)"
                  + ("" if xla is None else f"; XLA cost analysis {xla:.4g} (counts each loop body - layer scan, micro-batch scan - once)"))
     if plan.mfu_needed is not None:
-        lines.append(f"{plan.tokens_per_s:,.0f} tokens/s on {plan.devices} x {plan.gpu} needs MFU {100 * plan.mfu_needed:.1f}%")
+        impossible = (f": impossible, above the GPU's peak; the plan's estimated step time gives "
+                      f"{plan.tokens_per_step / plan.step_time.total_s:,.0f} tokens/s") if plan.mfu_needed > 1 else ""
+        lines.append(f"{plan.tokens_per_s:,.0f} tokens/s on {plan.devices} x {plan.gpu} needs MFU {100 * plan.mfu_needed:.1f}%{impossible}")
     lines.append(f"compiled in {c.compile_s:.1f}s")
     if c.hlo is not None:
         lines += ["", *render_hlo(plan)]

@@ -1,6 +1,8 @@
 """Estimated step time of a layout on a GPU model, to rank the planner's suggestions.
 
-Compute: the PaLM FLOPs plus what the remat policy recomputes, at ASSUMED_MFU of the datasheet peak.
+Compute: the PaLM FLOPs plus what the remat policy recomputes, at ASSUMED_MFU of the datasheet peak; a LoRA run's
+frozen base takes no weight gradients (its 2N of the 6N left out, the adapters' own FLOPs added). Under pipeline
+stages the dot-saving policies save no dot and recompute as full (``acting_remat``).
 Communication: the collectives the rule set implies, with ring algorithms (an all-gather or
 reduce-scatter of N bytes over n devices moves N (n-1)/n per device, an all-reduce twice that), each over
 NVLink when all its mesh axes sit inside a node and over the network otherwise:
@@ -22,7 +24,9 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
   half an all-reduce; ZeRO-1/2 (optimizer state split so): each updated float32 weight all-gathered once per
   step over those axes;
 - optim.offload: the optimizer state (and the float32 master weights under narrower compute) copied from host
-  memory to the device and back once per step over PCIe (not overlapped);
+  memory to the device and back once per step over PCIe (not overlapped); an offload_* remat policy: per micro-batch
+  and layer, the activations it offloads copied to the host in the forward and back in the backward (counted as not
+  overlapped either: an upper bound where XLA hides the copies behind the layer's compute);
 - tensor parallel: per micro-batch and layer, the residual stream all-reduced after attention and the MLP
   in the forward and the backward, and again for each of those the remat policy recomputes; a vocabulary split
   over tensor, per micro-batch the looked-up rows and the output layer's input gradient;
@@ -59,8 +63,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxtrain.adapt.adapters import split_frozen
-from jaxtrain.config import Config
-from jaxtrain.observe.flops import active_mlps, flops_per_token, peak_flops
+from jaxtrain.observe.flops import active_mlps, flops_per_token, matmul_params, peak_flops
 from jaxtrain.plan.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.layout import Layout
 from jaxtrain.memory.offload import offloads_master_weights
@@ -104,6 +107,7 @@ def adapter_all_reduces(layout: Layout) -> float:
     x @ A there in the forward, and again where the remat policy recomputes it; one whose output is split (q, k, v,
     gate, up), the gradient of x @ A in the backward. Experts' adapters run inside the dispatch's own collectives."""
     m, act = layout.cfg.model, np.dtype(layout.cfg.model.dtype).itemsize
+    remat = acting_remat(m.remat, schedule(layout.cfg, layout.rules, layout.mesh).stages)
     trained = split_frozen(layout.spec.logical_axes)[0]
     moved = 0.0
     for path, axes in jax.tree_util.tree_leaves_with_path(trained, is_leaf=lambda s: isinstance(s, PartitionSpec)):
@@ -113,24 +117,83 @@ def adapter_all_reduces(layout: Layout) -> float:
         dims = tuple(a for a in axes if a != "layers")
         split = dims[:-1] if factor == "a" else dims[1:]  # A's input dimensions, B's output dimensions
         ways = math.prod(logical_ways(layout.rules, layout.mesh, f"activation_{a}") for a in split if a)
-        times = 1 + ADAPTER_PRODUCT_RECOMPUTED[m.remat] if factor == "a" else 1
+        times = 1 + ADAPTER_PRODUCT_RECOMPUTED[remat] if factor == "a" else 1
         layers = m.num_layers if "layers" in axes else 1
         moved += layers * times * m.lora.rank * act * 2 * (ways - 1) / ways
     return moved
 
 
-def recompute_factor(cfg: Config) -> float:
-    """Step FLOPs relative to no remat: the forward work each policy repeats in the backward pass."""
-    m, seq = cfg.model, cfg.data.seq_len
-    total = flops_per_token(m, seq)
+def acting_remat(remat: str, stages: int) -> str:
+    """The remat policy as the step runs it: under pipeline stages the layers are vmapped over the stages
+    (models/pipeline.py), every dot has a batch dimension and a dot-saving (or -offloading) policy keeps none: full."""
+    return "full" if stages > 1 and remat.endswith("_dots") else remat
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationWidths:
+    """Elements per token of a device's micro-batch in one layer's activations, split as the layout splits them."""
+
+    qkv: float  # q, k and v
+    mlp: float  # one MLP intermediate (gate, up): a mixture of experts' in each of the token's expert slots and the shared experts
+    routed: float  # a mixture of experts' expert slots per token: top_k x capacity_factor, or (dropless) the expert group's top_k
+
+
+def activation_widths(layout: Layout) -> ActivationWidths:
+    """The layout's ActivationWidths (the memory estimate's activation terms and the offloaded bytes use them)."""
+    m, moe = layout.cfg.model, layout.cfg.model.moe
+
+    def ways(logical: str) -> int:
+        return logical_ways(layout.rules, layout.mesh, logical)
+
+    qkv = m.resolved_head_dim * (m.num_heads / ways("activation_heads") + 2 * m.num_kv_heads / ways("activation_kv_heads"))
+    routed = moe.top_k * (moe.capacity_factor if moe.dispatch == "capacity" else ways("experts")) if moe.num_experts else 0
+    mlp = m.mlp_dim * (routed + moe.num_shared_experts if moe.num_experts else 1) / ways("activation_mlp")
+    return ActivationWidths(qkv, mlp, routed)
+
+
+def offloaded_bytes_per_token(layout: Layout, stages: int) -> float:
+    """Bytes an offload_* remat policy moves to host memory per token of a device's micro-batch and per layer: what
+    its save_ counterpart keeps on the device but the layer's input (the layer scan keeps that there): the attention's
+    output projection, q, k, v and, for offload_dots, the MLP's gate and up and a mixture of experts' routed rows and
+    outputs (models/llama.py EXPERT_SAVED)."""
+    m = layout.cfg.model
+    remat = acting_remat(m.remat, stages)
+    if not remat.startswith("offload_"):
+        return 0.0
+    widths = activation_widths(layout)
+    elements = m.d_model + widths.qkv
+    if remat == "offload_dots":
+        elements += 2 * widths.mlp + 2 * m.d_model * widths.routed
+    return elements * np.dtype(m.dtype).itemsize
+
+
+def adapter_params_per_token(layout: Layout) -> float:
+    """A LoRA run's adapter parameters each token multiplies (of experts' adapters, those of its top_k experts)."""
+    m = layout.cfg.model
+    trained, axes = split_frozen(layout.spec.shapes)[0], split_frozen(layout.spec.logical_axes)[0]
+    return sum(x.size * (m.moe.top_k / m.moe.num_experts if "experts" in a else 1)
+               for x, a in zip(jax.tree.leaves(trained), jax.tree.leaves(axes, is_leaf=lambda s: isinstance(s, PartitionSpec))))
+
+
+def step_flops_per_token(layout: Layout) -> float:
+    """FLOPs per token the train step computes: the PaLM count (observe/flops.py, MFU's convention) and the forward
+    work the remat policy repeats in the backward. A LoRA run's frozen base takes no weight gradients: its 2 N of the
+    6 N are left out, and its adapters' own 6 per parameter added, with their forward (counted whole) where the policy
+    recomputes x @ A."""
+    cfg, m, seq = layout.cfg, layout.cfg.model, layout.cfg.data.seq_len
+    remat = acting_remat(m.remat, schedule(cfg, layout.rules, layout.mesh).stages)
     attention_core = 2 * m.num_layers * seq * m.num_heads * m.resolved_head_dim  # causal fwd (the 6x formula / 3)
     mlp_matmuls = 2 * m.num_layers * 3 * m.d_model * m.mlp_dim * active_mlps(m)
     layer_matmuls = 2 * m.num_layers * m.d_model * m.resolved_head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + mlp_matmuls
-    extra = {"none": 0, "save_dots": attention_core, "save_qkv_out": attention_core + mlp_matmuls,
-             "full": attention_core + layer_matmuls}[m.remat.replace("offload_", "save_")]  # offloading recomputes as saving
+    recomputed = {"none": 0, "save_dots": attention_core, "save_qkv_out": attention_core + mlp_matmuls,
+                  "full": attention_core + layer_matmuls}[remat.replace("offload_", "save_")]  # offloading recomputes as saving
     if m.remat.startswith("save_") and m.attention == "cudnn":  # they keep flash attention's output (models/llama.py)
-        extra -= attention_core
-    return 1 + extra / total
+        recomputed -= attention_core
+    flops = flops_per_token(m, seq) + recomputed
+    if split_frozen(layout.spec.shapes)[1] is not None:  # a LoRA run: every base weight is frozen
+        adapters = adapter_params_per_token(layout)
+        flops += 6 * adapters - 2 * matmul_params(m) + 2 * adapters * ADAPTER_PRODUCT_RECOMPUTED[remat]
+    return flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +202,7 @@ class StepTime:
     compute_s: float
     communication_s: dict  # "fsdp", "data", "tensor" (and "pipeline" with stages, "expert" for a mixture of experts) -> seconds
     traffic_bytes: dict  # the same kinds -> bytes each device sends per step
-    host_s: float = 0.0  # optim.offload: the optimizer state's (and master weights') round trip over PCIe
+    host_s: float = 0.0  # over PCIe: optim.offload's optimizer state (and master weights), an offload_* remat policy's activations
     gradients: str = ""  # how and when gradients are summed across devices (optim.grad_dtype, grad_sync), as describe() says it
     after_backward_s: float = 0.0  # the part of communication_s["data"] summed once after the last micro-batch: not overlapped
 
@@ -186,7 +249,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     # devices along an idle axis (one that splits neither the batch nor a parameter) repeat each other's work
     tokens_per_device = cfg.train.global_batch * seq / (layout.mesh.size / math.prod(layout.idle_axes.values()))
     pipe = schedule(cfg, layout.rules, layout.mesh)
-    compute = flops_per_token(m, seq) * recompute_factor(cfg) * tokens_per_device / (peak_flops(name, m.dtype) * ASSUMED_MFU)
+    compute = step_flops_per_token(layout) * tokens_per_device / (peak_flops(name, m.dtype) * ASSUMED_MFU)
     compute /= 1 - pipe.bubble  # the stages idle that share of the pass
 
     batch_axes = layout.rules.get("activation_batch") or ()
@@ -281,7 +344,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
             fsdp += passes_of(axes) * gathers_per_pass(axes) * gathered * itemsize * (split - 1) / split
             fsdp_axes.update(a for a in batch_axes if a in spec_axes(x.sharding.spec))
     tensor_ways = logical_ways(layout.rules, layout.mesh, "activation_mlp")
-    all_reduces = k * m.num_layers * (4 + RECOMPUTED_ALL_REDUCES[m.remat])
+    all_reduces = k * m.num_layers * (4 + RECOMPUTED_ALL_REDUCES[acting_remat(m.remat, pipe.stages)])
     tensor = all_reduces * sequences * seq * m.d_model * act * 2 * (tensor_ways - 1) / tensor_ways
     tensor += k * sequences * seq * adapter_all_reduces(layout)
     # a vocabulary split over tensor: per micro-batch the looked-up rows summed over the table's shards, and the output
@@ -303,7 +366,11 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         return traffic / (network if across_nodes else nvlink)
 
     offloaded = (layout.abstract_state().opt_state, params if offloads_master_weights(m) else {})  # optim.offload: each way per step
-    host = 2 * bytes_per_device(offloaded) / PCIE_BYTES_PER_S[name] if cfg.optim.offload else 0.0
+    host = 2 * bytes_per_device(offloaded) if cfg.optim.offload else 0.0
+    # an offload_* remat policy: each layer's offloaded activations to the host in the forward and back for the backward,
+    # every micro-batch (a stage runs its share of the layers); counted as not overlapped with compute, as the above
+    host += 2 * k * sequences * seq * m.num_layers / pipe.stages * offloaded_bytes_per_token(layout, pipe.stages)
+    host /= PCIE_BYTES_PER_S[name]
     data += after_backward
     communication = {"fsdp": seconds(fsdp, fsdp_axes), "data": seconds(data, data_axes),
                      "tensor": seconds(tensor, layout.rules.get("activation_mlp") or ())}
