@@ -6,11 +6,16 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator, TypeVar
 
 from jaxtrain.errors import UserError
+
+T = TypeVar("T")
 
 
 def _check_parent(path: Path, what: str) -> None:
@@ -18,11 +23,37 @@ def _check_parent(path: Path, what: str) -> None:
         raise UserError(f"{what} {path}: directory {path.parent} does not exist; create it first or choose another path")
 
 
+def _temporary(path: Path, what: str, make: Callable[..., T]) -> T:
+    """``make`` (a tempfile function) beside ``path``; a UserError where its directory is not writable."""
+    try:
+        return make(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot write in {path.parent} ({e.strerror}); give a path in a writable directory") from None
+
+
+@contextlib.contextmanager
+def made_parents(path: Path, what: str) -> Iterator[None]:
+    """Make the missing directories above ``path`` for the block; remove them again (where still empty) when it
+    fails, so a failed command leaves no empty directories behind."""
+    missing = [p for p in reversed(path.parents) if not p.exists()]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot make the directory {path.parent} ({e.strerror}); give a path in a writable directory") from None
+    try:
+        yield
+    except BaseException:
+        for directory in reversed(missing):
+            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+                directory.rmdir()
+        raise
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path, what: str = "output file") -> Iterator[BinaryIO]:
     """A binary file object that becomes ``path`` (replacing any file there) when the block ends without error."""
     _check_parent(path, what)
-    f = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
+    f = _temporary(path, what, lambda **where: tempfile.NamedTemporaryFile(delete=False, **where))
     try:
         with f:
             yield f
@@ -40,7 +71,7 @@ def atomic_dir(path: Path, what: str = "output directory") -> Iterator[Path]:
     if path.exists() and not (path.is_dir() and not any(path.iterdir())):
         raise UserError(f"{what} {path} already exists and is not an empty directory; choose a new path or remove it")
     _check_parent(path, what)
-    temp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    temp = Path(_temporary(path, what, tempfile.mkdtemp))
     try:
         yield temp
         temp.chmod(0o755)  # temporary directories are created private
@@ -48,3 +79,27 @@ def atomic_dir(path: Path, what: str = "output directory") -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
+
+
+class Terminated(SystemExit):
+    """SIGTERM, raised where the command is, so that the temporary outputs are removed on the way out."""
+
+
+@contextlib.contextmanager
+def sigterm_cleans_up() -> Iterator[None]:
+    """For the block, SIGTERM (``kill``, a scheduler) exits like Ctrl-C does, through the atomic writers' cleanup
+    (status 143) instead of killing the process at once with its temporary files left beside the output. Only in
+    the main thread, where Python runs signal handlers; the previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        print("jaxtrain: terminated", file=sys.stderr)
+        raise Terminated(128 + signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

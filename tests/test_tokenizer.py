@@ -1,8 +1,14 @@
 """Tokenizers and text data: train-tokenizer -> tokenize -> train, JSONL sources, transformers loading the
 trained tokenizer, token-file sidecars, and every bad input as one line with exit status 2."""
 
+import errno
+import io
 import json
+import os
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +17,8 @@ import pytest
 from jaxtrain import cli
 from jaxtrain.config import DataConfig
 from jaxtrain.data import hf_tokenizer_files, load_corpus, load_tokenizer, stdlib_files
-from jaxtrain.data.token_file import sidecar_path
-from jaxtrain.data.tokenizer import END_OF_TEXT, token_dtype
+from jaxtrain.data.token_file import sidecar_path, tokenizer_of
+from jaxtrain.data.tokenizer import END_OF_TEXT, MAX_PRE_TOKEN, MAX_VOCAB_SIZE, TextTokenizer, token_dtype
 from jaxtrain.errors import UserError
 
 VOCAB = 384
@@ -217,13 +223,24 @@ def bad_inputs(trained, texts):
     (where / "few.jsonl").write_text("".join(json.dumps({"text": f"a b {i}"}) + "\n" for i in range(40)))
     (where / "blank.jsonl").write_text("\n \n")  # no documents
     (where / "surrogate.jsonl").write_text('{"text": "fine"}\n{"text": "half a pair: \\ud800"}\n')  # valid JSON, not text
+    (where / "number.jsonl").write_text('{"text": 5}\n')
+    (where / "loop1").symlink_to("loop2")
+    (where / "loop2").symlink_to("loop1")
+    (where / "broken").symlink_to("nowhere")
+    (where / "long_run.txt").write_text("a few words, then " + "x" * (MAX_PRE_TOKEN + 1) + "\n")
     tokens = where / "tokens.bin"
     assert cli.main(["tokenize", str(where / "few.jsonl"), "--tokenizer", str(trained), "--out", str(tokens)]) == 0
+    # its sidecar's vocab_size edited down to the largest id: the model would be sized below the ids it trains on
+    (where / "vocab_below_ids.bin").write_bytes(tokens.read_bytes())
+    sidecar = json.loads(sidecar_path(tokens).read_text())
+    largest = int(np.fromfile(tokens, np.uint16).max())
+    sidecar_path(where / "vocab_below_ids.bin").write_text(json.dumps(sidecar | {"vocab_size": largest}))
     other = where / "other_tokenizer"
     assert cli.main(["train-tokenizer", str(sorted(texts.iterdir())[0]), "--vocab-size", "300", "--out", str(other)]) == 0
     return {"tokens": tokens, "tokenizer": trained, "other": other, "texts": texts, "notext": where / "notext.jsonl", "few": where / "few.jsonl",
             "latin1": where / "latin1", "latin1_jsonl": where / "latin1.jsonl", "blank": where / "blank.jsonl",
-            "surrogate": where / "surrogate.jsonl"}
+            "surrogate": where / "surrogate.jsonl", "number": where / "number.jsonl", "loop": where / "loop1", "broken": where / "broken",
+            "long_run": where / "long_run.txt", "vocab_below_ids": where / "vocab_below_ids.bin", "largest": largest}
 
 
 TRAIN_ERRORS = {
@@ -238,12 +255,17 @@ TRAIN_ERRORS = {
     "JSONL without text": (lambda p: [f"data.path={p['notext']}"], "notext.jsonl:2 has no string 'text' field (keys body)"),
     "text that is not UTF-8": (lambda p: [f"data.path={p['latin1']}"], "latin1/a.txt is not UTF-8 text (byte 0xe9 at offset 1); convert it"),
     "JSONL of blank lines": (lambda p: [f"data.path={p['blank']}"], "blank.jsonl: no documents; a train/validation split needs at least 2"),
+    # it trained on ids past the model's vocabulary and stopped on a NaN loss, advising a lower learning rate
+    "token file holding ids past its sidecar's vocab_size": (
+        lambda p: [f"data.path={p['vocab_below_ids']}"],
+        "holds token ids up to {largest}, not below its sidecar"),
 }
 
 
 @pytest.mark.parametrize("case", TRAIN_ERRORS)
 def test_bad_training_data_is_one_line_and_writes_nothing(case, bad_inputs, tmp_path, capsys):
     make_args, message = TRAIN_ERRORS[case]
+    message = message.format(**bad_inputs)
     run = tmp_path / "run"
     status, err = jaxtrain(capsys, "train", "tiny", "--run-dir", str(run), *TINY_MODEL, "train.steps=1",
                            *make_args(bad_inputs))
@@ -297,6 +319,32 @@ COMMAND_ERRORS = {
     "train a tokenizer into a directory in use": (
         lambda p, out: ["train-tokenizer", str(p["texts"]), "--vocab-size", "300", "--out", str(p["texts"])],
         "already exists and is not an empty directory"),
+    # the directories tokenize makes for --out are removed again when a later input fails
+    "tokenize into new directories, a later input failing": (
+        lambda p, out: ["tokenize", str(p["texts"]), str(p["latin1"]), "--tokenizer", str(p["tokenizer"]),
+                        "--out", str(out / "new" / "sub" / "t.bin")],
+        "latin1/a.txt is not UTF-8 text"),
+    # an OverflowError traceback, or a Rust abort allocating hundreds of GB that left its temporary directory
+    "train a tokenizer with a vocabulary past the cap": (
+        lambda p, out: ["train-tokenizer", str(p["texts"]), "--vocab-size", str(MAX_VOCAB_SIZE + 1), "--out", str(out / "tok")],
+        f"--vocab-size {MAX_VOCAB_SIZE + 1} is too large: at most {MAX_VOCAB_SIZE} (2**24)"),
+    "train a tokenizer with a vocabulary past int64": (
+        lambda p, out: ["train-tokenizer", str(p["texts"]), "--vocab-size", "99999999999999999999", "--out", str(out / "tok")],
+        "--vocab-size 99999999999999999999 is too large"),
+    # training time grows with the square of a pre-token's length: one 5 MB line never finished, Ctrl-C ignored
+    "train a tokenizer on a run too long for BPE": (
+        lambda p, out: ["train-tokenizer", str(p["long_run"]), "--vocab-size", "300", "--out", str(out / "tok")],
+        f"document long_run.txt holds a run of {MAX_PRE_TOKEN + 1} characters of one kind (letters, digits, symbols or whitespace) "
+        f"at character 18; BPE training time grows with the square"),
+    "train a tokenizer on a looping symbolic link": (
+        lambda p, out: ["train-tokenizer", str(p["loop"]), "--vocab-size", "300", "--out", str(out / "tok")],
+        "loop1 is a broken or looping symbolic link (to loop2)"),
+    "tokenize a broken symbolic link": (
+        lambda p, out: ["tokenize", str(p["broken"]), "--tokenizer", str(p["tokenizer"]), "--out", str(out / "t.bin")],
+        "broken is a broken or looping symbolic link (to nowhere)"),
+    "train a tokenizer on a JSONL whose text is a number": (
+        lambda p, out: ["train-tokenizer", str(p["number"]), "--vocab-size", "300", "--out", str(out / "tok")],
+        "number.jsonl:1 has 'text' as a JSON number, not a string"),
 }
 
 
@@ -323,3 +371,162 @@ def test_a_file_named_twice_is_tokenized_once(trained, texts, tmp_path, capsys):
     assert jaxtrain(capsys, "tokenize", str(texts), "--tokenizer", str(trained), "--out", str(once))[0] == 0
     assert jaxtrain(capsys, "tokenize", str(texts), str(first), "--tokenizer", str(trained), "--out", str(twice))[0] == 0
     assert once.read_bytes() == twice.read_bytes()
+
+
+def _deny(monkeypatch, *paths: Path) -> None:
+    """Refuse to open, list or create anything at or under ``paths`` with EACCES, as chmod 000 does to a user
+    that is not root. Tests run as root too, which chmod does not stop, so the OSError is raised where the code
+    meets it: os.scandir (os.walk), io.open (Path.open), os.open and os.mkdir (tempfile, Path.mkdir)."""
+    denied = [os.fspath(p) for p in paths]
+
+    def guard(function):
+        def guarded(*args, **kwargs):
+            name = os.fspath(args[0]) if args and isinstance(args[0], (str, os.PathLike)) else ""
+            if any(name == d or name.startswith(d + os.sep) for d in denied):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name)
+            return function(*args, **kwargs)
+        return guarded
+
+    for module, name in ((os, "scandir"), (os, "open"), (os, "mkdir"), (io, "open")):
+        monkeypatch.setattr(module, name, guard(getattr(module, name)))
+
+
+DENIED = {  # (what is denied, the command, its one line): each was a traceback, or a silent skip of the directory
+    "train a tokenizer on an unreadable file": (
+        "in/b.txt", lambda t, tok: ["train-tokenizer", str(t / "in"), "--vocab-size", "300", "--out", str(t / "out" / "tok")],
+        "cannot read {t}/in/b.txt (Permission denied); make it readable, or leave it out of the inputs"),
+    "tokenize an unreadable JSONL": (
+        "in/d.jsonl", lambda t, tok: ["tokenize", str(t / "in" / "d.jsonl"), "--tokenizer", str(tok), "--out", str(t / "out" / "t.bin")],
+        "cannot read {t}/in/d.jsonl (Permission denied)"),
+    "train a tokenizer on a directory holding an unreadable one": (
+        "in/sub", lambda t, tok: ["train-tokenizer", str(t / "in"), "--vocab-size", "300", "--out", str(t / "out" / "tok")],
+        "cannot read the directory {t}/in/sub (Permission denied)"),
+    "tokenize an unreadable directory (which does hold files)": (
+        "in", lambda t, tok: ["tokenize", str(t / "in"), "--tokenizer", str(tok), "--out", str(t / "out" / "t.bin")],
+        "cannot read the directory {t}/in (Permission denied)"),
+    "train on a directory holding an unreadable one": (
+        "in/sub", lambda t, tok: ["train", "tiny", "--run-dir", str(t / "out" / "run"), f"data.path={t / 'in'}", *TINY_MODEL],
+        "cannot read the directory {t}/in/sub (Permission denied)"),
+    "train on a token file with an unreadable sidecar": (
+        "in/t.bin.json", lambda t, tok: ["train", "tiny", "--run-dir", str(t / "out" / "run"), f"data.path={t / 'in' / 't.bin'}", *TINY_MODEL],
+        "token file sidecar {t}/in/t.bin.json cannot be read (Permission denied); remake it with jaxtrain tokenize"),
+    "tokenize into an unwritable directory": (
+        "out", lambda t, tok: ["tokenize", str(t / "in"), "--tokenizer", str(tok), "--out", str(t / "out" / "t.bin")],
+        "token file {t}/out/t.bin: cannot write in {t}/out (Permission denied); give a path in a writable directory"),
+    "train a tokenizer into an unwritable directory": (
+        "out", lambda t, tok: ["train-tokenizer", str(t / "in"), "--vocab-size", "300", "--out", str(t / "out" / "tok")],
+        "tokenizer directory {t}/out/tok: cannot write in {t}/out (Permission denied)"),
+}
+
+
+@pytest.mark.parametrize("case", DENIED)
+def test_what_cannot_be_read_or_written_is_one_line(case, bad_inputs, tmp_path, monkeypatch, capsys):
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("hello\n")
+    (tmp_path / "in" / "b.txt").write_text("x\n")
+    (tmp_path / "in" / "sub" / "c.txt").write_text("more\n")
+    (tmp_path / "in" / "d.jsonl").write_text('{"text": "hello"}\n')
+    shutil.copy(bad_inputs["tokens"], tmp_path / "in" / "t.bin")
+    shutil.copy(sidecar_path(bad_inputs["tokens"]), tmp_path / "in" / "t.bin.json")
+    denied, make_args, message = DENIED[case]
+    before = sorted(tmp_path.rglob("*"))
+    _deny(monkeypatch, tmp_path / denied)
+    status, err = jaxtrain(capsys, *make_args(tmp_path, bad_inputs["tokenizer"]))
+    assert status == 2 and len(err) == 1 and err[0].startswith("jaxtrain: error: ") and message.format(t=tmp_path) in err[0], err
+    monkeypatch.undo()
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+SIDECAR_EDITS = {  # each was a KeyError or TypeError traceback, or (uint8) a run on the uint16 bytes read as uint8
+    "missing dtype": (lambda d: d.pop("dtype"), "is missing 'dtype'"),
+    "missing tokens": (lambda d: d.pop("tokens"), "is missing 'tokens'"),
+    "missing vocab_size": (lambda d: d.pop("vocab_size"), "is missing 'vocab_size'"),
+    "missing tokenizer": (lambda d: d.pop("tokenizer"), "is missing 'tokenizer'"),
+    "missing tokenizer_sha256": (lambda d: d.pop("tokenizer_sha256"), "is missing 'tokenizer_sha256'"),
+    "tokens as a string": (lambda d: d.update(tokens=str(d["tokens"])), "has 'tokens': \"{tokens}\", not a non-negative JSON integer"),
+    "sha256 as a number": (lambda d: d.update(tokenizer_sha256=5), "has 'tokenizer_sha256': 5, not a JSON string"),
+    "unknown dtype": (lambda d: d.update(dtype="banana"), f"has dtype 'banana' for vocab_size {VOCAB}, where tokenize writes uint16"),
+    "uint8, the count doubled to match the bytes": (lambda d: d.update(dtype="uint8", tokens=2 * d["tokens"]), "has dtype 'uint8'"),
+}
+
+
+@pytest.mark.parametrize("case", [*SIDECAR_EDITS, "a directory"])
+def test_a_malformed_sidecar_is_one_line(case, bad_inputs, tmp_path):
+    tokens = tmp_path / "t.bin"
+    shutil.copy(bad_inputs["tokens"], tokens)
+    sidecar = json.loads(sidecar_path(bad_inputs["tokens"]).read_text())
+    count = sidecar["tokens"]
+    if case == "a directory":  # it was ignored: the .bin read as raw uint16
+        sidecar_path(tokens).mkdir()
+        message = "is not a file"
+    else:
+        edit, message = SIDECAR_EDITS[case]
+        edit(sidecar)
+        sidecar_path(tokens).write_text(json.dumps(sidecar))
+    # training reads it, and so do generate and export-hf (for the tokenizer it names)
+    for read in (lambda: load_corpus(DataConfig(path=str(tokens), tokenizer=str(bad_inputs["tokenizer"]))), lambda: tokenizer_of(str(tokens))):
+        with pytest.raises(UserError) as refused:
+            read()
+        assert str(refused.value).startswith(f"token file sidecar {sidecar_path(tokens)} {message.format(tokens=count)}")
+        assert str(refused.value).endswith("; remake it with jaxtrain tokenize") and "\n" not in str(refused.value)
+
+
+# just under MAX_PRE_TOKEN, runs the Rust trainer takes seconds over (about 3 s on 2 slow cores), never looking at signals
+SLOW_DOCUMENTS = [chr(97 + i) * (MAX_PRE_TOKEN - 1) + " " + chr(97 + 7 * i % 26) * (MAX_PRE_TOKEN - 2 - i) for i in range(12)]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_tokenizer_training_at_once_and_leaves_nothing(signum, tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    for i, text in enumerate(SLOW_DOCUMENTS):
+        (tmp_path / "in" / f"{i}.txt").write_text(text)
+    command = ["train-tokenizer", str(tmp_path / "in"), "--vocab-size", "300", "--out", str(tmp_path / "tok")]
+
+    class Outside(Exception):
+        pass
+
+    def outside(*_):  # the test's own SIGTERM handler: without the command's, the default one would end pytest
+        raise Outside
+    previous = signal.signal(signal.SIGTERM, outside)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signum))
+    try:
+        timer.start()
+        start = time.perf_counter()
+        if signum == signal.SIGINT:  # Ctrl-C: the command's one line and status 130
+            assert cli.main(command) == 130 and capsys.readouterr().err.strip() == "jaxtrain: interrupted"
+        else:  # SIGTERM: 143, through the same cleanup
+            with pytest.raises(SystemExit) as stopped:
+                cli.main(command)
+            assert stopped.value.code == 143 and capsys.readouterr().err.strip() == "jaxtrain: terminated"
+        elapsed = time.perf_counter() - start
+        assert signal.getsignal(signal.SIGTERM) is outside  # the command's handler is gone with the command
+    finally:
+        timer.cancel()  # where the command ended first (a machine much faster than this one), no signal lands on pytest
+        signal.signal(signal.SIGTERM, previous)
+    assert elapsed < 1.5, f"stopped {elapsed:.1f}s after it started, the signal sent at 0.5s"
+    assert [p.name for p in tmp_path.iterdir()] == ["in"]  # no temporary directory beside --out
+
+
+def test_sigterm_during_tokenize_exits_143_and_leaves_nothing(trained, texts, tmp_path, monkeypatch, capsys):
+    encode = TextTokenizer.encode
+
+    def encode_then_terminated(self, documents):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return encode(self, documents)
+    monkeypatch.setattr(TextTokenizer, "encode", encode_then_terminated)
+
+    class Outside(Exception):
+        pass
+
+    def outside(*_):  # without the command's handler, the default one would end pytest
+        raise Outside
+    previous = signal.signal(signal.SIGTERM, outside)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["tokenize", str(texts), "--tokenizer", str(trained), "--out", str(tmp_path / "new" / "t.bin")])
+        assert signal.getsignal(signal.SIGTERM) is outside
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 143 and capsys.readouterr().err.strip() == "jaxtrain: terminated"
+    assert list(tmp_path.iterdir()) == []  # neither the temporary file nor the directory made for it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sysconfig
 import zlib
 from pathlib import Path
@@ -31,8 +32,29 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     return root, sorted(files)
 
 
+def unreadable(path: Path | str, error: OSError, what: str = "") -> UserError:
+    """The one-line error for a source that exists but cannot be read (permissions, I/O)."""
+    return UserError(f"cannot read {what}{path} ({error.strerror or error}); make it readable, or leave it out of the inputs")
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()  # False for broken and looping symbolic links, which are skipped
+    except OSError as e:  # a file in a directory that can be listed but not entered
+        raise unreadable(path, e) from None
+
+
 def text_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    """The files under ``root``, hidden ones (and hidden directories) skipped; a UserError naming any directory that
+    cannot be read, rather than training on part of the data (``Path.rglob`` skips those silently)."""
+    def refuse(error: OSError):
+        raise unreadable(error.filename, error, "the directory ")
+
+    found = []
+    for directory, subdirectories, names in os.walk(root, onerror=refuse):
+        subdirectories[:] = [d for d in subdirectories if not d.startswith(".")]
+        found.extend(p for p in (Path(directory, n) for n in names if not n.startswith(".")) if _is_file(p))
+    return sorted(found)
 
 
 SPLIT_BUCKETS = 10_000
@@ -71,10 +93,17 @@ def input_files(inputs: Iterable[str]) -> list[tuple[Path, Path]]:
     found, names = [], list(inputs)
     for name in names:
         path = Path(name)
-        if path.is_dir():
+        try:
+            is_dir, is_file, is_link = path.is_dir(), path.is_file(), path.is_symlink()
+        except OSError as e:  # a directory on the way that cannot be entered
+            raise unreadable(name, e) from None
+        if is_dir:
             found.extend((path, f) for f in text_files(path))
-        elif path.is_file():
+        elif is_file:
             found.append((path.parent, path))
+        elif is_link:
+            raise UserError(f"input {name} is a broken or looping symbolic link (to {os.readlink(path)}); give the file it was meant to "
+                            "point at, or fix the link")
         else:
             raise UserError(f"input {name} does not exist; give text files, .jsonl files or directories of them")
     if not found:
@@ -118,8 +147,19 @@ def check_utf8(data: bytes, where: str) -> None:
                         "(iconv -f ITS_ENCODING -t UTF-8) or leave it out") from None
 
 
+def _open(path: Path):  # a UserError, not a traceback, where it cannot be read
+    try:
+        return path.open("rb")
+    except OSError as e:
+        raise unreadable(path, e) from None
+
+
+JSON_TYPES = {  # what JSON calls each type json.loads returns
+    dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+
+
 def _jsonl_documents(path: Path, key: str) -> Iterator[Document]:
-    with path.open("rb") as f:
+    with _open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -130,9 +170,13 @@ def _jsonl_documents(path: Path, key: str) -> Iterator[Document]:
                 raise UserError(f"{path}:{number} is not valid JSON ({e.msg}); each line of a {JSONL_SUFFIX} file must be a JSON object") from None
             text = record.get("text") if isinstance(record, dict) else None
             if not isinstance(text, str):
-                found = f"keys {', '.join(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-                raise UserError(f"{path}:{number} has no string 'text' field ({found}); each line of a {JSONL_SUFFIX} file "
-                                "must be a JSON object with the document in 'text'")
+                if isinstance(record, dict) and "text" in record:
+                    problem = f"has 'text' as a JSON {JSON_TYPES[type(text)]}, not a string"
+                else:
+                    found = f"keys {', '.join(record)}" if isinstance(record, dict) else f"a JSON {JSON_TYPES[type(record)]}"
+                    problem = f"has no string 'text' field ({found})"
+                raise UserError(f"{path}:{number} {problem}; each line of a {JSONL_SUFFIX} file must be a JSON object with the "
+                                "document in 'text'")
             yield Document(f"{key}#{number}", utf8_of(text, f"{path}:{number}"), len(line))
 
 
@@ -146,7 +190,8 @@ def documents(files: Iterable[tuple[Path, Path]]) -> Iterator[Document]:
             raise UserError(f"{path} is a token file ({path.suffix}), not text: train on it with data.path={path}, "
                             "or leave it out of the text inputs")
         else:
-            text = path.read_bytes()
+            with _open(path) as f:
+                text = f.read()
             check_utf8(text, str(path))
             yield Document(key, text, len(text))
 

@@ -17,7 +17,7 @@ from typing import Iterable
 import numpy as np
 from tqdm import tqdm
 
-from jaxtrain.atomic import atomic_file
+from jaxtrain.atomic import atomic_file, made_parents, sigterm_cleans_up
 from jaxtrain.data.documents import TOKEN_FILE_SUFFIXES, batches, input_documents
 from jaxtrain.data.tokenizer import TextTokenizer, load_tokenizer, token_dtype
 from jaxtrain.errors import UserError
@@ -49,13 +49,10 @@ def write_token_file(inputs: Iterable[str], tokenizer_path: str, out: str | Path
                         "tokenize never overwrites a token file, which a run may be training on")
     tokenizer = load_tokenizer(tokenizer_path)
     files, source = input_documents(inputs)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)  # as plot --out does; the files themselves appear only when complete
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot make the directory {out.parent} ({e.strerror}); give a path in a writable directory") from None
     dtype = token_dtype(tokenizer.vocab_size)
     count = docs = 0
-    with atomic_file(out, "token file") as f, \
+    # missing directories are made, as plot --out does, and removed again if a later input fails
+    with sigterm_cleans_up(), made_parents(out, "token file"), atomic_file(out, "token file") as f, \
             tqdm(total=sum(path.stat().st_size for _, path in files), unit="B", unit_scale=True, desc="tokenize",
                  disable=None, file=sys.stderr) as progress:  # shown only on a terminal
         for batch in batches(source):
@@ -72,16 +69,38 @@ def write_token_file(inputs: Iterable[str], tokenizer_path: str, out: str | Path
     return sidecar
 
 
+# what readers take from a sidecar, and its JSON type
+SIDECAR_KEYS = {"dtype": str, "tokens": int, "vocab_size": int, "tokenizer": str, "tokenizer_sha256": str}
+
+
 def _sidecar(path: Path) -> dict | None:
+    """The sidecar of the token file ``path``, its keys and types checked once here (None where there is none)."""
     side = sidecar_path(path)
-    if not side.is_file():
+    if not side.exists():
         return None
+
+    def refuse(problem: str):
+        raise UserError(f"token file sidecar {side} {problem}; remake it with jaxtrain tokenize")
+
+    if not side.is_file():
+        refuse("is not a file")  # else the .bin would be read as raw uint16, its sidecar ignored
     try:
-        sidecar = json.loads(side.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"token file sidecar {side} is not valid JSON ({e.msg}); remake it with jaxtrain tokenize") from None
+        sidecar = json.loads(side.read_bytes())
+    except OSError as e:
+        refuse(f"cannot be read ({e.strerror})")
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        refuse(f"is not valid JSON ({e.msg if isinstance(e, json.JSONDecodeError) else 'not UTF-8'})")
     if not isinstance(sidecar, dict) or sidecar.get("format") != SIDECAR_FORMAT:
-        raise UserError(f"{side} is not a jaxtrain token file sidecar (format {SIDECAR_FORMAT}); remake it with jaxtrain tokenize")
+        refuse(f"is not a jaxtrain token file sidecar (format {SIDECAR_FORMAT})")
+    for key, kind in SIDECAR_KEYS.items():
+        if key not in sidecar:
+            refuse(f"is missing '{key}'")
+        value = sidecar[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            refuse(f"has '{key}': {json.dumps(value)}, not a{'' if kind is str else ' non-negative'} JSON {'string' if kind is str else 'integer'}")
+    if sidecar["dtype"] != token_dtype(sidecar["vocab_size"]).name:  # what tokenize writes for that vocabulary
+        refuse(f"has dtype {sidecar['dtype']!r} for vocab_size {sidecar['vocab_size']}, where tokenize writes "
+               f"{token_dtype(sidecar['vocab_size']).name} (uint16 for up to 65536 tokens, uint32 above)")
     return sidecar
 
 
@@ -106,7 +125,7 @@ def read_token_file(path: Path, tokenizer: TextTokenizer | None) -> TokenFile:
         raise UserError(f"data.path={path}: unknown file type; use a directory of text files, a .jsonl file, "
                         "or a token file: .npy (any integer dtype) or .bin (uint16, or as its .bin.json sidecar says); "
                         f"for one text file, jaxtrain tokenize {path} --out DATA.bin, then data.path=DATA.bin (split by position)")
-    dtype = RAW_BIN_DTYPE if sidecar is None else np.dtype(sidecar["dtype"]).newbyteorder("<")
+    dtype = RAW_BIN_DTYPE if sidecar is None else np.dtype(sidecar["dtype"]).newbyteorder("<")  # checked by _sidecar
     if sidecar is not None and path.suffix == ".bin" and path.is_file() and path.stat().st_size != sidecar["tokens"] * dtype.itemsize:
         _refuse_count(path, f"{path.stat().st_size} bytes", sidecar, f" ({sidecar['tokens'] * dtype.itemsize} bytes of {dtype.name})")
     expected = "a .npy file of a 1-D integer array (numpy.save)" if path.suffix == ".npy" else f"raw little-endian {dtype.name} tokens"
@@ -130,12 +149,16 @@ def read_token_file(path: Path, tokenizer: TextTokenizer | None) -> TokenFile:
     if np.issubdtype(tokens.dtype, np.signedinteger) and (least := int(tokens.min())) < 0:  # the lookup would wrap them
         raise UserError(f"data.path={path} holds negative token ids (the least is {least}); token ids run from 0 to the "
                         "vocabulary size - 1: fix the file")
+    largest = int(tokens.max())
     if sidecar is None:
         # without a record of its tokenizer, the ids themselves bound the vocabulary
-        vocab_size = max(int(tokens.max()) + 1, tokenizer.vocab_size if tokenizer else 0)
+        vocab_size = max(largest + 1, tokenizer.vocab_size if tokenizer else 0)
         return TokenFile(tokens, vocab_size, None)
     if len(tokens) != sidecar["tokens"]:
         _refuse_count(path, f"{len(tokens)} tokens", sidecar)
+    if largest >= sidecar["vocab_size"]:  # the model would be sized to the sidecar, and the ids past it train on NaN
+        raise UserError(f"token file {path} holds token ids up to {largest}, not below its sidecar {sidecar_path(path)}'s vocab_size "
+                        f"{sidecar['vocab_size']}: the two do not belong together; remake them with jaxtrain tokenize")
     if tokenizer is not None and tokenizer.sha256 != sidecar["tokenizer_sha256"]:
         raise UserError(f"token file {path} was made with tokenizer {sidecar['tokenizer']} (sha256 {sidecar['tokenizer_sha256'][:12]}) "
                         f"but data.tokenizer={tokenizer.path} is another (sha256 {tokenizer.sha256[:12]}); retokenize with "

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import sys
+import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -18,8 +20,8 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from jaxtrain.atomic import atomic_dir
-from jaxtrain.data.documents import input_documents
+from jaxtrain.atomic import atomic_dir, sigterm_cleans_up
+from jaxtrain.data.documents import Document, input_documents
 from jaxtrain.errors import UserError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -29,6 +31,17 @@ HF_SIDE_FILES = (CONFIG_FILE, "special_tokens_map.json", "added_tokens.json", "c
 END_OF_TEXT = "<|endoftext|>"  # the one special token of a trained tokenizer: document separator, bos and eos
 # how tokenizer families spell their document separator (GPT-2 / Qwen2, Llama 3, Llama 2 / Mistral, Gemma)
 END_OF_TEXT_NAMES = (END_OF_TEXT, "<|end_of_text|>", "</s>", "<eos>")
+# 64 times the largest vocabularies models use (Gemma's 262,144), and ids that uint32 token files hold; the trainer
+# allocates for every token asked for up front (2**31 aborted asking for 141 GB)
+MAX_VOCAB_SIZE = 1 << 24
+# BPE training time grows with the square of a pre-token's length (measured, vocabulary 300: 10k characters
+# 0.06 s, 100k 5 s, 200k 36 s, 5M unfinished after 12 minutes); words and code stay far below
+MAX_PRE_TOKEN = 10_000
+# the runs the byte-level pre-tokenizer (GPT-2's pattern) keeps whole: letters, digits, other symbols, whitespace;
+# each must start where its class starts, so that a long run is scanned once, not from each of its characters
+_CLASSES = (r"[^\W\d_]", r"\d", r"(?:[^\s\w]|_)", r"\s")
+LONG_PRE_TOKEN = re.compile("|".join(f"(?<!{c}){c}{{{MAX_PRE_TOKEN + 1},}}" for c in _CLASSES))
+LONG_WHITESPACE = re.compile(rf"\s{{{MAX_PRE_TOKEN + 1}}}")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -132,15 +145,51 @@ def train_tokenizer(inputs: Iterable[str], vocab_size: int, out: str | Path) -> 
     if vocab_size < len(alphabet) + 1:
         raise UserError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs the {len(alphabet)} bytes "
                         f"and {END_OF_TEXT}, at least {len(alphabet) + 1}")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise UserError(f"--vocab-size {vocab_size} is too large: at most {MAX_VOCAB_SIZE} (2**24), 64 times the largest "
+                        "vocabularies models use (about 256k); the trainer allocates memory for every token asked for")
     _, docs = input_documents(inputs)
-    with atomic_dir(Path(out), "tokenizer directory") as temp:
+    with sigterm_cleans_up(), atomic_dir(Path(out), "tokenizer directory") as temp:
         bpe = tokenizers.Tokenizer(models.BPE())
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         bpe.decoder = decoders.ByteLevel()
         bpe.post_processor = processors.ByteLevel(trim_offsets=False)
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], initial_alphabet=alphabet,
                                       show_progress=sys.stderr.isatty())
-        bpe.train_from_iterator((doc.text.decode("utf-8", "replace") for doc in docs), trainer)
+        _interruptible(bpe.train_from_iterator, map(_checked_text, docs), trainer)
         bpe.save(str(temp / TOKENIZER_FILE))
         (temp / CONFIG_FILE).write_bytes(_hf_config(END_OF_TEXT))
     return load_tokenizer(out)
+
+
+def _checked_text(doc: Document) -> str:
+    """The document's text; a UserError where it holds a pre-token too long to train on in reasonable time."""
+    text = doc.text.decode("utf-8", "replace")
+    # only a stretch without whitespace that long (or such a whitespace run) can hold one; str.split finds those
+    # several times faster than LONG_PRE_TOKEN searches (stdlib, 12 MB: 0.3 s against 2.7 s on 2 slow cores)
+    could_hold = max(map(len, text.split()), default=0) > MAX_PRE_TOKEN or LONG_WHITESPACE.search(text)
+    if could_hold and (match := LONG_PRE_TOKEN.search(text)):
+        raise UserError(f"document {doc.key} holds a run of {len(match[0])} characters of one kind (letters, digits, symbols or "
+                        f"whitespace) at character {match.start()}; BPE training time grows with the square of such a run's "
+                        f"length (5 million characters: unfinished after 12 minutes), so at most {MAX_PRE_TOKEN} are taken: split "
+                        "it with spaces or leave the document out")
+    return text
+
+
+def _interruptible(function, *args) -> None:
+    """``function(*args)`` in a worker thread, the main thread waiting where Python can raise KeyboardInterrupt: the
+    Rust trainer never looks at signals, so Ctrl-C waited for it to finish (minutes to hours on long pre-tokens).
+    The daemon worker is abandoned on an interrupt; the process exits without waiting for it."""
+    failure: list[BaseException] = []
+
+    def run():
+        try:
+            function(*args)
+        except BaseException as e:  # re-raised in the main thread: the documents' UserErrors among them
+            failure.append(e)
+
+    worker = threading.Thread(target=run, name="train-tokenizer", daemon=True)
+    worker.start()
+    worker.join()
+    if failure:
+        raise failure[0]
