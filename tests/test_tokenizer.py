@@ -438,6 +438,16 @@ def test_what_cannot_be_read_or_written_is_one_line(case, bad_inputs, tmp_path, 
     assert sorted(tmp_path.rglob("*")) == before
 
 
+def test_unreadable_instruction_data_is_one_line(tmp_path, monkeypatch):
+    from jaxtrain.data import sft
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"prompt": "hi", "completion": "hello"}\n')
+    _deny(monkeypatch, chats)
+    with pytest.raises(UserError, match=f"^cannot read {chats} \\(Permission denied\\); make it readable"):
+        next(sft._conversations(chats))
+
+
 SIDECAR_EDITS = {  # each was a KeyError or TypeError traceback, or (uint8) a run on the uint16 bytes read as uint8
     "missing dtype": (lambda d: d.pop("dtype"), "is missing 'dtype'"),
     "missing tokens": (lambda d: d.pop("tokens"), "is missing 'tokens'"),

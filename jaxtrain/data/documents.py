@@ -147,7 +147,7 @@ def check_utf8(data: bytes, where: str) -> None:
                         "(iconv -f ITS_ENCODING -t UTF-8) or leave it out") from None
 
 
-def _open(path: Path):  # a UserError, not a traceback, where it cannot be read
+def open_readable(path: Path):  # a UserError, not a traceback, where it cannot be read (text, JSONL, instruction data)
     try:
         return path.open("rb")
     except OSError as e:
@@ -159,7 +159,7 @@ JSON_TYPES = {  # what JSON calls each type json.loads returns
 
 
 def _jsonl_documents(path: Path, key: str) -> Iterator[Document]:
-    with _open(path) as f:
+    with open_readable(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -190,7 +190,7 @@ def documents(files: Iterable[tuple[Path, Path]]) -> Iterator[Document]:
             raise UserError(f"{path} is a token file ({path.suffix}), not text: train on it with data.path={path}, "
                             "or leave it out of the text inputs")
         else:
-            with _open(path) as f:
+            with open_readable(path) as f:
                 text = f.read()
             check_utf8(text, str(path))
             yield Document(key, text, len(text))

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxtrain.config import DataConfig
-from jaxtrain.data.documents import JSONL_SUFFIX, check_split, check_utf8, is_validation_file, utf8_of
+from jaxtrain.data.documents import JSONL_SUFFIX, check_split, check_utf8, is_validation_file, open_readable, utf8_of
 from jaxtrain.data.pipeline import GlobalBatches, process_rows
 from jaxtrain.data.tokenizer import TextTokenizer, load_tokenizer
 from jaxtrain.errors import UserError
@@ -106,7 +106,7 @@ def _messages(record, where: str) -> list[dict]:
 
 def _conversations(path: Path) -> Iterator[tuple[str, list[dict]]]:
     """(key, messages) of every non-empty line; the key ("FILE#LINE") decides the train/validation split."""
-    with path.open("rb") as f:
+    with open_readable(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
