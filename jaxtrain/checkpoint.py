@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxtrain.config import CheckpointConfig, check_run_dir
+from jaxtrain.distributed import LostPeer
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
 
@@ -383,11 +384,9 @@ class RunCheckpoints:
         except Exception as e:  # noqa: BLE001
             raise self._write_error(self.started, e) from e
 
-    def _write_error(self, step, error: BaseException) -> UserError:
+    def _write_error(self, step, error: BaseException) -> UserError | LostPeer:
         if jax.process_count() > 1 and isinstance(error, jax.errors.JaxRuntimeError):  # a collective among the processes
-            return UserError(f"the save of checkpoint step {step} under {self.directory} stopped ({_first_line(error)}): "
-                             "another process of the job stopped or lost its connection; restart the job, which resumes "
-                             "from the latest committed checkpoint (`jaxtrain checkpoints` lists them)")
+            return LostPeer(f"the save of checkpoint step {step} under {self.directory}", error)
         return UserError(f"could not write checkpoint step {step} under {self.directory} ({_first_line(error)}); "
                          f"free disk space or fix permissions there; earlier checkpoints are intact")
 

@@ -117,6 +117,11 @@ def cmd_train(args) -> int:
     except checkpoint_lib.Preempted as e:  # SIGTERM (143), or Ctrl-C in the training loop (130)
         print(f"jaxtrain: {e}", file=sys.stderr)
         return e.status
+    except distributed.LostPeer as e:
+        print(f"jaxtrain: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # out now: jax's shutdown would wait on the gone process at its barrier, then abort with C++ logs
+        os._exit(distributed.LOST_PEER_EXIT_STATUS)
     except checkpoint_lib.Interrupted as e:  # a second Ctrl-C in the loop: out now
         print(f"jaxtrain: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()

@@ -61,6 +61,31 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         watchdog.cancel()
 
 
+# not a user's mistake (2, which a k8s Job's podFailurePolicy takes as FailJob) nor a preemption (143): a failure the
+# cluster retries, whose restart resumes from the latest committed checkpoint
+LOST_PEER_EXIT_STATUS = 1
+# how a collective among the processes reads when a peer is gone (gloo on CPUs, NCCL on GPUs, jax's coordination service)
+_LOST_PEER_SIGNS = ("gloo", "nccl", "connection", "socket closed", "unavailable", "deadline_exceeded", "heartbeat", "coordination")
+
+
+class LostPeer(Exception):
+    """A collective with the job's other processes failed: one of them stopped or lost its connection."""
+
+    def __init__(self, during: str, error: BaseException):
+        first = (str(error).strip().splitlines() or [""])[0]
+        super().__init__(f"{during} stopped ({type(error).__name__}: {first}): another process of the job stopped or lost its "
+                         "connection (its own output says why); restart the job, which resumes from the latest committed "
+                         "checkpoint (`jaxtrain checkpoints` lists them)")
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that failed because another process of the job is gone."""
+    import jax
+
+    return (jax.process_count() > 1 and isinstance(error, jax.errors.JaxRuntimeError)
+            and any(sign in str(error).lower() for sign in _LOST_PEER_SIGNS))
+
+
 def join_timeout_s() -> float:
     """How long a process waits for the whole job to join (``JAXTRAIN_JOIN_TIMEOUT_S``, default jax's 300 s)."""
     text = os.environ.get("JAXTRAIN_JOIN_TIMEOUT_S", "300")

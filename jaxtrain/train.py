@@ -23,6 +23,7 @@ from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.adapt.adapters import read_record, split_frozen
 from jaxtrain.plan import estimate as plan
 from jaxtrain.config import Config
+from jaxtrain.distributed import LostPeer, lost_peer
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import
 from jaxtrain.layout import Layout, compile_train_step
@@ -198,6 +199,11 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
                              step_program=getattr(trainer.train_step, "as_text", None))
             state = _loop(trainer, state, batches, eval_data, checkpoints, log)
     except BaseException as e:  # the error in flight is the one to report: one in closing is only a warning
+        if isinstance(e, LostPeer) or lost_peer(e):  # the saves in flight wait on processes that are gone: wait for nothing
+            checkpoints.abandon()
+            if log is not None:
+                log.close("FAILED")
+            raise e if isinstance(e, LostPeer) else LostPeer("a collective with the job's other processes", e) from None
         _close(log, checkpoints, error=e)
         if isinstance(e, KeyboardInterrupt) and checkpoints.preemption.watching:  # a second Ctrl-C, in the loop
             raise checkpoints.interrupted_error() from None

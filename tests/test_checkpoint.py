@@ -19,6 +19,7 @@ import yaml
 from conftest import REPO, run_cli, subprocess_env, with_
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain.config import AxisSizes, MeshConfig, from_dict
+from jaxtrain.distributed import LostPeer
 from jaxtrain.errors import UserError
 from jaxtrain.layout import make_layout
 from jaxtrain.train import build, train
@@ -381,10 +382,12 @@ def test_a_save_that_a_stopped_process_broke_is_not_blamed_on_the_disk(tmp_path,
     peer = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: [external/gloo/transport/tcp/pair.cc:538] Connection closed by peer")
     assert "free disk space" in str(checkpoints._write_error(4, peer))
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    message = str(checkpoints._write_error(4, peer))
+    lost = checkpoints._write_error(4, peer)
+    assert isinstance(lost, LostPeer)  # not a UserError: its exit status 2 is a k8s Job's FailJob, where a restart resumes
+    message = str(lost)
     assert message.startswith(f"the save of checkpoint step 4 under {tmp_path / 'checkpoints'} stopped (JaxRuntimeError: UNKNOWN: Gloo")
-    assert message.endswith("another process of the job stopped or lost its connection; restart the job, which resumes from the "
-                            "latest committed checkpoint (`jaxtrain checkpoints` lists them)")
+    assert message.endswith("another process of the job stopped or lost its connection (its own output says why); restart the "
+                            "job, which resumes from the latest committed checkpoint (`jaxtrain checkpoints` lists them)")
     assert "free disk space" in str(checkpoints._write_error(4, OSError(28, "No space left on device")))
     checkpoints.close()
 

@@ -81,3 +81,25 @@ def test_the_join_timeout_must_be_a_positive_number_of_seconds(value, monkeypatc
     monkeypatch.setenv("JAXTRAIN_JOIN_TIMEOUT_S", value)
     with pytest.raises(UserError, match=f"^JAXTRAIN_JOIN_TIMEOUT_S='{value}' must be a positive number of seconds"):
         distributed.join_timeout_s()
+
+
+def test_the_survivor_of_a_killed_process_says_so_in_one_line_and_exits_for_a_restart(tmp_path):
+    """A process killed mid-run (its node lost): the other printed a Python traceback, then jax's C++ logs and a
+    stack trace from its shutdown barrier, 50 s later. Now one line and status 1 (a failure the cluster retries, not
+    a user's mistake), at once; the checkpoints stay, and the same command resumes."""
+    port, run_dir = _free_port(), tmp_path / "run"
+    survivor = _start_process(0, port, run_dir, "train.steps=500", "log.every=1", "checkpoint.every=2")
+    killed = _start_process(1, port, run_dir, "train.steps=500", "log.every=1", "checkpoint.every=2")
+    metrics = run_dir / "metrics.jsonl"
+    while survivor.poll() is None and (not metrics.exists() or metrics.read_text().count('"loss"') < 3):
+        time.sleep(0.1)
+    killed.kill()
+    killed.wait()
+    started = time.monotonic()
+    _, stderr = survivor.communicate(timeout=240)
+    assert survivor.returncode == distributed.LOST_PEER_EXIT_STATUS, stderr[-3000:]
+    assert time.monotonic() - started < 30, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("jaxtrain: error: ")]
+    assert len(errors) == 1 and "another process of the job stopped or lost its connection" in errors[0], stderr[-3000:]
+    assert errors[0].endswith("restart the job, which resumes from the latest committed checkpoint (`jaxtrain checkpoints` lists them)")
+    assert "Traceback" not in stderr and "Check failure" not in stderr, stderr[-3000:]
