@@ -39,7 +39,8 @@ def made_parents(path: Path, what: str) -> Iterator[None]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"{what} {path}: cannot make the directory {path.parent} ({e.strerror}); give a path in a writable directory") from None
+        raise UserError(f"{what} {path}: cannot make the directory {path.parent} ({e.strerror}); give a path in a writable "
+                        "directory") from None
     try:
         yield
     except BaseException:

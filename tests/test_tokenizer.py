@@ -408,7 +408,8 @@ DENIED = {  # (what is denied, the command, its one line): each was a traceback,
         "in/sub", lambda t, tok: ["train", "tiny", "--run-dir", str(t / "out" / "run"), f"data.path={t / 'in'}", *TINY_MODEL],
         "cannot read the directory {t}/in/sub (Permission denied)"),
     "train on a token file with an unreadable sidecar": (
-        "in/t.bin.json", lambda t, tok: ["train", "tiny", "--run-dir", str(t / "out" / "run"), f"data.path={t / 'in' / 't.bin'}", *TINY_MODEL],
+        "in/t.bin.json",
+        lambda t, tok: ["train", "tiny", "--run-dir", str(t / "out" / "run"), f"data.path={t / 'in' / 't.bin'}", *TINY_MODEL],
         "token file sidecar {t}/in/t.bin.json cannot be read (Permission denied); remake it with jaxtrain tokenize"),
     "tokenize into an unwritable directory": (
         "out", lambda t, tok: ["tokenize", str(t / "in"), "--tokenizer", str(tok), "--out", str(t / "out" / "t.bin")],
@@ -475,7 +476,8 @@ def test_a_malformed_sidecar_is_one_line(case, bad_inputs, tmp_path):
         edit(sidecar)
         sidecar_path(tokens).write_text(json.dumps(sidecar))
     # training reads it, and so do generate and export-hf (for the tokenizer it names)
-    for read in (lambda: load_corpus(DataConfig(path=str(tokens), tokenizer=str(bad_inputs["tokenizer"]))), lambda: tokenizer_of(str(tokens))):
+    corpus = lambda: load_corpus(DataConfig(path=str(tokens), tokenizer=str(bad_inputs["tokenizer"])))  # noqa: E731
+    for read in (corpus, lambda: tokenizer_of(str(tokens))):
         with pytest.raises(UserError) as refused:
             read()
         assert str(refused.value).startswith(f"token file sidecar {sidecar_path(tokens)} {message.format(tokens=count)}")

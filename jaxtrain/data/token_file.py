@@ -97,7 +97,8 @@ def _sidecar(path: Path) -> dict | None:
             refuse(f"is missing '{key}'")
         value = sidecar[key]
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
-            refuse(f"has '{key}': {json.dumps(value)}, not a{'' if kind is str else ' non-negative'} JSON {'string' if kind is str else 'integer'}")
+            expected = "a JSON string" if kind is str else "a non-negative JSON integer"
+            refuse(f"has '{key}': {json.dumps(value)}, not {expected}")
     if sidecar["dtype"] != token_dtype(sidecar["vocab_size"]).name:  # what tokenize writes for that vocabulary
         refuse(f"has dtype {sidecar['dtype']!r} for vocab_size {sidecar['vocab_size']}, where tokenize writes "
                f"{token_dtype(sidecar['vocab_size']).name} (uint16 for up to 65536 tokens, uint32 above)")

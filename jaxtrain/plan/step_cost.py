@@ -172,7 +172,8 @@ def adapter_params_per_token(layout: Layout) -> float:
     m = layout.cfg.model
     trained, axes = split_frozen(layout.spec.shapes)[0], split_frozen(layout.spec.logical_axes)[0]
     return sum(x.size * (m.moe.top_k / m.moe.num_experts if "experts" in a else 1)
-               for x, a in zip(jax.tree.leaves(trained), jax.tree.leaves(axes, is_leaf=lambda s: isinstance(s, PartitionSpec))))
+               for x, a in zip(jax.tree.leaves(trained), jax.tree.leaves(axes, is_leaf=lambda s: isinstance(s, PartitionSpec)),
+                               strict=True))
 
 
 def step_flops_per_token(layout: Layout) -> float:
