@@ -501,6 +501,8 @@ def test_a_signal_stops_tokenizer_training_at_once_and_leaves_nothing(signum, tm
     def outside(*_):  # the test's own SIGTERM handler: without the command's, the default one would end pytest
         raise Outside
     previous = signal.signal(signal.SIGTERM, outside)
+    # Python's Ctrl-C handler, whatever this process inherited: a background CI job starts its children with SIGINT ignored
+    previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signum))
     try:
         timer.start()
@@ -516,6 +518,7 @@ def test_a_signal_stops_tokenizer_training_at_once_and_leaves_nothing(signum, tm
     finally:
         timer.cancel()  # where the command ended first (a machine much faster than this one), no signal lands on pytest
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_interrupt)
     assert elapsed < 1.5, f"stopped {elapsed:.1f}s after it started, the signal sent at 0.5s"
     assert [p.name for p in tmp_path.iterdir()] == ["in"]  # no temporary directory beside --out
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -87,6 +88,10 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     if cfg.optim.offload and offloads_master_weights(m) and not on_cpu:  # master weights on the host, a compute copy here
         trained = trained * np.dtype(m.dtype).itemsize // np.dtype(m.param_dtype).itemsize
     params = trained + bytes_per_device(state.frozen)
+    if on_cpu and state.frozen:  # XLA:CPU converts a LoRA run's frozen bfloat16 layer stacks to float32 copies for the
+        # layer loops (mixtral_8x7b_lora: 21 GiB a device); a GPU reads them as stored. nf4 codes are not floats
+        params += sum(4 * bytes_per_device(x) // x.dtype.itemsize for x in jax.tree.leaves(state.frozen["layers"])
+                      if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4)
     # optim.offload and the offload_* remat policies keep their arrays in host memory; the CPU backend has one
     # memory, where the compile counts them as it would unmoved arrays
     optimizer = 0 if cfg.optim.offload and not on_cpu else bytes_per_device(state.opt_state)
@@ -146,8 +151,8 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
 
     layer_weights = per_layer(state.params, trained_axes)
     # a LoRA run's frozen layer: gathered in storage, dequantized to the compute dtype (counted as one compute copy
-    # of its weights: nf4 codes hold two per byte), no gradient
-    frozen_layer = act * per_layer(state.frozen, frozen_axes) * (2 if m.base_quant == "nf4" else 1) if state.frozen else 0
+    # of its weights: nf4 codes hold two per byte; the CPU compile also holds a float32 one), no gradient
+    frozen_layer = (act + 4 * on_cpu) * per_layer(state.frozen, frozen_axes) * (2 if m.base_quant == "nf4" else 1) if state.frozen else 0
     vocab_table = m.d_model * m.vocab_size / _ways(layout, "vocab")  # elements, gathered over fsdp
     # the embedding lookup's gradient: the columns the device holds (models/llama.py), or where those are split over
     # an axis the batch is not, autodiff's lookup: the whole gathered table's; none for a frozen table (LoRA)
@@ -164,10 +169,14 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # a mixture of experts' routed rows in the backward: their hidden states (gate, up, their product) recomputed or
     # read and the gradients of those, the rows in and out and theirs, in the compute dtype
     routed_backward = act * tokens * routed * (6 * m.mlp_dim / _ways(layout, "activation_mlp") + 4 * m.d_model)
-    # XLA's GPU compiler expands jax.lax.ragged_dot (dropless, model.moe.grouped_matmul=xla) into a dense product
-    # over every expert the device holds: in a layer's backward the rows' gate and up products for each of them
-    if moe.num_experts and moe.dispatch == "dropless" and moe.grouped_matmul == "xla" and not on_cpu:
-        routed_backward += act * moe.num_experts / _ways(layout, "experts") * tokens * routed * 2 * m.mlp_dim / _ways(layout, "activation_mlp")
+    # a dropless grouped matmul expanded into a dense product over every expert the device holds, (rows, experts,
+    # hidden) arrays in a layer's backward: XLA's GPU compiler expands jax.lax.ragged_dot (model.moe.grouped_matmul=xla),
+    # holding the rows' gate and up products for each expert; XLA:CPU expands every grouped matmul (tokamax's runs its
+    # XLA fallback there), holding three such arrays in float32 (jax's) or two in the compute dtype (tokamax's)
+    if moe.num_experts and moe.dispatch == "dropless" and (on_cpu or moe.grouped_matmul == "xla"):
+        expanded = 3 * 4 if on_cpu and moe.grouped_matmul == "xla" else 2 * act  # arrays x bytes per element
+        routed_backward += (expanded * moe.num_experts / _ways(layout, "experts") * tokens * routed * m.mlp_dim
+                            / _ways(layout, "activation_mlp"))
     # the MLP's backward: gate and up (recomputed, or copies of the saved ones), the SwiGLU product's gradient and the
     # gate's and up's, in the compute dtype; routed experts' rows are routed_backward's
     dense_rows = moe.num_shared_experts if moe.num_experts else 1
@@ -706,20 +715,39 @@ def render(plan: Plan) -> str:
              *([f"note: --device-memory without --gpu: attention, layer scan and grouped matmul chosen as for an "
                 f"{DEFAULT_GPU.upper()} (--gpu NAME for another)"] if plan.gpu is None and plan.device_memory is not None else []),
              *([note] if (note := idle_axes_note(plan.idle_axes, cfg.rules)) else []),
-             "", f"{'per device':<22}{'estimate':>12}   compiled by XLA for {c.device_kind}, {c.attention} attention"]
+             ""]
+    # compiled on CPUs for a GPU: beside the CPU program's estimate, the GPU's own, whose items and peak moment can differ
+    # in kind (llama3_8b on h100s: the CPU's peak is a layer's backward, 158 GiB; the GPU's the loss, 49 GiB)
+    target = (plan.gpu or DEFAULT_GPU) if c.platform == "cpu" and plan.device_memory is not None else None
+    target_header = f"estimate for {target}" if target else ""
+    width = len(target_header) + 2 if target else 0
+    on_target = peak_items(plan.accelerator_estimate)
+
+    def target_cell(value: int | None, live: bool = True) -> str:  # the units aligned, what is not live at its peak in parentheses
+        text = "" if value is None else gib(value).strip()
+        return f"{text + ' ' if live or value is None else f'({text})':>{width}}"
+
+    lines.append(f"{'per device':<22}{'estimate':>12}{target_header:>{width}}   "
+                 f"compiled by XLA for {c.device_kind}, {c.attention} attention")
     compiled_rows = [("arguments (state, batch)", c.argument), ("outputs not aliased", c.output - c.alias), ("temporaries", c.temp)]
     at_peak = peak_items(plan.estimate)
-    rows = [(key if key in at_peak else f"({key})", value) for key, value in plan.estimate.items()]
-    for i in range(max(len(rows), len(compiled_rows))):
-        left = f"{rows[i][0]:<22}{gib(rows[i][1]):>12}" if i < len(rows) else " " * 34
-        right = f"   {compiled_rows[i][0]:<25}{gib(compiled_rows[i][1])}" if i < len(compiled_rows) else ""
-        lines.append(left + right)
-    lines.append(f"{'total':<22}{gib(plan.estimate_total):>12}   {'total':<25}{gib(c.total)}   "
+    keys = list(dict.fromkeys([*plan.estimate, *(plan.accelerator_estimate if target else ())]))
+    for i, key in enumerate(keys):  # more items than compiled rows
+        left = (f"{key if key in at_peak else f'({key})':<22}{gib(plan.estimate[key]) if key in plan.estimate else '':>12}"
+                f"{target_cell(plan.accelerator_estimate.get(key) if target else None, key in on_target)}")
+        right = f"   {compiled_rows[i][0]:<24}{gib(compiled_rows[i][1])}" if i < len(compiled_rows) else ""
+        lines.append((left + right).rstrip())
+    target_total = target_cell(estimate_total(plan.accelerator_estimate)) if target else ""
+    lines.append(f"{'total':<22}{gib(plan.estimate_total):>12}{target_total}   {'total':<24}{gib(c.total)}   "
                  f"(estimate {100 * (plan.estimate_total / c.total - 1):+.1f}%)")
-    lines.append(f"(items in parentheses are not live at the peak, {peak_moment(plan.estimate)}: the total counts what is live then)")
+    target_peak = f" (for {target}: {peak_moment(plan.accelerator_estimate)})" if target else ""
+    lines.append(f"(items in parentheses are not live at the peak, {peak_moment(plan.estimate)}{target_peak}: "
+                 f"{'each' if target else 'the'} total counts what is live then)")
     if c.platform == "cpu":
         only_cpu = "float32 copies of saved stacks, extra score and table copies" + (
-            ", XLA attention's scores" if c.attention != cfg.model.attention else "")
+            ", XLA attention's scores" if c.attention != cfg.model.attention else "") + (
+            ", float32 copies of the frozen base" if cfg.model.lora.rank else "") + (
+            ", grouped matmuls expanded over every expert" if grouped else "")
         # that share is itself estimated: llama3_405b_pp's is 67.0 GiB where the estimate says 50.8 (README, "Pipeline").
         # A GPU the planner can describe compiled on CPUs without optim.offload (which no compile-only GPU takes): no plugin
         compilable = plan.gpu is not None and plan.gpu.lower() in GPU_MODELS and not cfg.optim.offload
