@@ -19,7 +19,6 @@ import ctypes
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -229,24 +228,24 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
 
-    cache = tempfile.mkdtemp(prefix="jaxtrain-gpu-cache-")  # empty: the cold row fills it, the warm row reads it
     env = environment(sys.executable)
     write({"row": "environment", "tiny": args.tiny, "budget_s": args.budget_s} | env)
     failed = False
-    for row in rows:
-        left = deadline - time.monotonic()
-        if left < (5 if args.tiny else row.min_s):
-            write({"row": row.name, "status": "skipped", "reason": f"{left:.0f} s of the budget left, the row needs {row.min_s} s"})
-            continue
-        if not args.tiny and env.get("devices", 0) < row.min_devices:
-            write({"row": row.name, "status": "skipped",
-                   "reason": f"needs {row.min_devices} or more devices, {env.get('devices', 0)} visible"})
-            continue
-        print(f"== {row.name} ({left:.0f} s of the budget left)", file=sys.stderr, flush=True)
-        record = {"row": row.name} | run_row(row, row.argv(sys.executable, args.steps, args.tiny, cache), left, row.env(args.tiny))
-        failed |= record["status"] != "ok"
-        write(record)
-    shutil.rmtree(cache, ignore_errors=True)
+    # empty: the cold row fills it, the warm row reads it; removed at the end, on an exception and on Ctrl-C
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-gpu-cache-") as cache:
+        for row in rows:
+            left = deadline - time.monotonic()
+            if left < (5 if args.tiny else row.min_s):
+                write({"row": row.name, "status": "skipped", "reason": f"{left:.0f} s of the budget left, the row needs {row.min_s} s"})
+                continue
+            if not args.tiny and env.get("devices", 0) < row.min_devices:
+                write({"row": row.name, "status": "skipped",
+                       "reason": f"needs {row.min_devices} or more devices, {env.get('devices', 0)} visible"})
+                continue
+            print(f"== {row.name} ({left:.0f} s of the budget left)", file=sys.stderr, flush=True)
+            record = {"row": row.name} | run_row(row, row.argv(sys.executable, args.steps, args.tiny, cache), left, row.env(args.tiny))
+            failed |= record["status"] != "ok"
+            write(record)
     return 1 if failed else 0
 
 

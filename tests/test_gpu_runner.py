@@ -89,7 +89,8 @@ def test_a_row_dies_with_the_runner(tmp_path):
 
     runner = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "gpu_h200.py"), "--tiny", "--only", "mfu_1b",
                                "--out", str(tmp_path / "rows.jsonl")],
-                              env=subprocess_env() | {"JAX_PLATFORMS": "cpu"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              env=subprocess_env() | {"JAX_PLATFORMS": "cpu", "TMPDIR": str(tmp_path)},  # the killed runner's cache folder
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     children = Path(f"/proc/{runner.pid}/task/{runner.pid}/children")
     deadline = time.monotonic() + 60
     while not (rows := [int(pid) for pid in children.read_text().split() if "throughput.py" in _cmdline(pid)]) \
