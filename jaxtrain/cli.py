@@ -194,7 +194,7 @@ def cmd_plan(args) -> int:
         print(f"jaxtrain: note: experiment {args.experiment} sets no model shape of its own (it takes one from --init-from "
               "HF_DIR): this plans a placeholder model; give --init-from HF_DIR (its config.json will do)", file=sys.stderr)
     if args.device_memory is not None and not 0 < args.device_memory < math.inf:
-        raise UserError(f"--device-memory {args.device_memory:g} must be positive (GiB per device)")
+        raise UserError(f"--device-memory {args.device_memory:g} must be a positive, finite size in GiB per device, e.g. 80")
     if not 0 <= args.headroom < 1:
         raise UserError(f"--headroom {args.headroom:g} must be in [0, 1): the share of device memory kept free, e.g. 0.1")
     if args.tokens_per_s is not None and not 0 < args.tokens_per_s < math.inf:

@@ -404,7 +404,8 @@ def test_cli_plan_takes_the_models_shape_from_a_hugging_face_config_alone(tmp_pa
 
 @pytest.mark.parametrize("args,message", [
     (["--gpu", "h900"], "unknown GPU 'h900'; known: h100, h200, a100"),
-    (["--device-memory", "0"], "--device-memory 0 must be positive"),
+    (["--device-memory", "0"], "--device-memory 0 must be a positive, finite size in GiB"),
+    (["--device-memory", "inf"], "--device-memory inf must be a positive, finite size in GiB"),
     (["--rules", "tp", "mesh.ici.data=1", "mesh.ici.fsdp=1", "mesh.ici.tensor=8"],
      "(logical axis 'kv_heads', size 2) is not divisible by mesh axes tensor 8"),
     (["--mesh", "h100x8", "mesh.dcn.data=-1"], "pass --devices N"),
