@@ -334,6 +334,17 @@ def test_suggestions_and_techniques_leave_no_mesh_axis_idle_that_the_plan_uses()
     assert techniques and not any(change.startswith("rules=") for change in techniques)
 
 
+def test_techniques_that_change_nothing_are_left_out():
+    """On one device every rule set compiles the same program: `tiny_moe --mesh gpu1` listed rules=zero1, zero2 and
+    fsdp as "saves 0 KiB per device, step time x1.00"."""
+    import jax
+
+    layout = make_layout(medium_config("fsdp_tp", "none", mesh=(1, 1, 1)), jax.devices()[:1])
+    techniques = plan_lib.technique_effects(layout, "h100")
+    assert [t.change for t in techniques] == ["optim.offload=true", "model.remat=offload_dots"]
+    assert all(t.saved > 0 and t.relative_step_time > 1 for t in techniques)
+
+
 @pytest.mark.parametrize("name,params", [("llama3_1b", 1_235_814_400), ("llama3_3b", 3_212_749_824),
                                          ("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496),
                                          ("llama3_405b", 405_853_388_800)])

@@ -517,8 +517,8 @@ class Technique:
 
 def technique_effects(layout: Layout, gpu: str | None = None) -> list[Technique]:
     """What each memory technique alone would change of the planned layout: estimated bytes per device on the
-    accelerator and step time (``step_cost``); those the config already uses, the mesh cannot take, or that leave a mesh
-    axis idle, left out."""
+    accelerator and step time (``step_cost``); those the config already uses, the mesh cannot take, that leave a mesh
+    axis idle, or that change neither memory nor step time, left out."""
     cfg = layout.cfg
     base_total, base_time = estimate_total(estimate(layout, ACCELERATOR)), step_time(layout, gpu).total_s
     out = []
@@ -533,10 +533,13 @@ def technique_effects(layout: Layout, gpu: str | None = None) -> list[Technique]
         if _idles_more(changed, layout):
             continue
         timed = step_time(changed, gpu)
+        saved = base_total - estimate_total(estimate(changed, ACCELERATOR))
+        if saved == 0 and timed.total_s == base_time:  # e.g. another rule set on one device: the same program
+            continue
         key, value = next(iter(change.items()))
         name = {"rules": "rules", "offload": "optim.offload", "remat": "model.remat"}[key]
         out.append(Technique(f"{name}={str(value).lower() if isinstance(value, bool) else value}",
-                             base_total - estimate_total(estimate(changed, ACCELERATOR)), timed.total_s / base_time, timed.host_s))
+                             saved, timed.total_s / base_time, timed.host_s))
     return out
 
 
