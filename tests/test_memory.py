@@ -208,7 +208,8 @@ def test_planner_itemises_each_technique_and_suggests_them():
     layout = make_layout(_medium())
     params = layout.spec.num_params
     effects = {t.change: t for t in plan_lib.technique_effects(layout, "h100")}
-    assert set(effects) == {"rules=zero1", "rules=zero2", "rules=fsdp", "optim.offload=true", "model.remat=offload_dots"}
+    # rules=fsdp is left out: on this mesh its fsdp axis has one device, so it compiles data parallelism's program
+    assert set(effects) == {"rules=zero1", "rules=zero2", "optim.offload=true", "model.remat=offload_dots"}
     # per device at the peak, one layer's backward: ZeRO-1 splits the moments (8 bytes a parameter); ZeRO-2 also the
     # gradients (4). Both split the update too, which a GPU applies in place: no buffer of its own
     assert plan_lib.peak_moment(plan_lib.estimate(layout, plan_lib.ACCELERATOR)) == "layer backward"
