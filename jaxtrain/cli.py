@@ -237,13 +237,13 @@ def cmd_generate(args) -> int:
         raise UserError(f"{path} is a LoRA run, and `jaxtrain generate {path}` already applies its adapters on its base; drop "
                         f"--adapter, or give the base the adapter {args.adapter} was trained on")
     # the model's context: a Hugging Face model's, or that of the one a run was initialised from (RUN_DIR/hf)
-    context = hf_config.context_length(path if run_cfg is None else path / hf_config.RUN_SUBDIR)
+    context, context_key = hf_config.context_length(path if run_cfg is None else path / hf_config.RUN_SUBDIR) or (None, None)
 
     def check_context(prompt_tokens: int | None) -> None:
         """None: before the prompt is encoded (and jax started), the new tokens alone."""
         if context is None or (prompt_tokens or 0) + sampling.max_new_tokens <= context:
             return
-        limit = f"the model's context of {context} positions (max_position_embeddings)"
+        limit = f"the model's context of {context} positions ({context_key})"
         if prompt_tokens is None:
             raise UserError(f"--max-new-tokens {sampling.max_new_tokens} runs past {limit} before any prompt; give fewer than "
                             f"{context}, less the prompt's tokens")

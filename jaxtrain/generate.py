@@ -119,7 +119,8 @@ def load_run(run_dir: Path, mesh: str | None, rules: str | None, codec: tuple[En
 
 def _hf_model_config(hf_dir: Path, cfg: Config) -> Config:
     """``cfg`` with the Hugging Face model's shapes, computing in float32 (so greedy output equals transformers')."""
-    return dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, LlamaConfig(dtype="float32"), set(), cfg.data.seq_len))
+    # seq_len 0: no training sequence to hold within a sliding window; generate's context stops at it (cli.py)
+    return dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, LlamaConfig(dtype="float32"), set(), seq_len=0))
 
 
 def load_hf(hf_dir: Path, mesh: str | None, rules: str | None, codec: tuple[Encode, Decode]) -> Loaded:
@@ -166,11 +167,15 @@ def chat_codec(path: Path, vocab: int) -> tuple[Encode, Decode]:
     template = ChatTemplate(load_tokenizer(file))
 
     def decode(ids: Sequence[int]) -> str:
-        ids = [int(i) for i in ids]
-        end = template.end_of_turn()
-        return template.tokenizer.tokenizer.decode(ids[:ids.index(end)] if end in ids else ids, skip_special_tokens=True)
+        return template.tokenizer.tokenizer.decode(_until(ids, template.end_of_turn()), skip_special_tokens=True)
 
     return (lambda text: _in_vocab(template.prompt_tokens(text), vocab, "a prompt token id")), decode
+
+
+def _until(ids: Sequence[int], end: int | None) -> list[int]:
+    """``ids`` up to the first ``end`` token: what the model generates after it belongs to another text."""
+    ids = [int(i) for i in ids]
+    return ids[:ids.index(end)] if end in ids else ids
 
 
 def _hf_codec(vocab: int, hf_dir: Path) -> tuple[Encode, Decode]:
@@ -179,12 +184,14 @@ def _hf_codec(vocab: int, hf_dir: Path) -> tuple[Encode, Decode]:
 
 
 def _token_codec(vocab: int, tokenizer: TextTokenizer | None) -> tuple[Encode, Decode]:
-    """A ``tokenizers`` tokenizer when there is one, else token ids written as numbers, each after a space (so the
-    prompt's ids and the new ones print as one sequence, as text prompts print with their continuation)."""
+    """A ``tokenizers`` tokenizer when there is one (the output decoded up to its end-of-text token), else token ids
+    written as numbers, each after a space (so the prompt's ids and the new ones print as one sequence, as text prompts
+    print with their continuation)."""
     if tokenizer is None:
         return (lambda text: _in_vocab(_ids(text), vocab, "a prompt token id")), lambda ids: "".join(f" {int(i)}" for i in ids)
+    # up to the end of text, as byte-level runs' output stops at theirs (it was printed on into the next document)
     return ((lambda text: _in_vocab(tokenizer.tokenizer.encode(text).ids, vocab, "a prompt token id")),
-            lambda ids: tokenizer.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
+            lambda ids: tokenizer.tokenizer.decode(_until(ids, tokenizer.end_of_text), skip_special_tokens=True))
 
 
 def _bytes_to_text(ids: Sequence[int]) -> str:

@@ -211,9 +211,12 @@ def test_text_codecs(tmp_path):
                                   tokenizers.trainers.BpeTrainer(vocab_size=60, special_tokens=["<|endoftext|>"]))
     (tmp_path / "hf").mkdir()
     tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
+    end_of_text = tokenizer.token_to_id("<|endoftext|>")
     for run in (token_run, with_(byte_run, data={"tokenizer": str(tmp_path / "hf")})):
         encode, decode = codec(run, tmp_path)
         assert encode("the lazy fox") == tokenizer.encode("the lazy fox").ids and decode(encode("the lazy fox")) == "the lazy fox"
+        # up to the end of text, as the byte-level runs' output (a QA report: what followed it was printed on as continuation)
+        assert decode(encode("the lazy") + [end_of_text] + encode("fox")) == "the lazy"
 
 
 def test_token_id_prompt_is_printed_with_its_continuation(tmp_path, capsys):
@@ -256,6 +259,26 @@ def test_generating_past_the_models_context_is_one_line(tmp_path, capsys, monkey
     assert cli.main(["generate", str(tmp_path), "--prompt", long_prompt, "--max-new-tokens", "1"]) == 2
     assert capsys.readouterr().err == ("jaxtrain: error: the prompt is 1024 tokens and fills the model's context of 1024 positions "
                                        "(max_position_embeddings), leaving no room for a new token; shorten the prompt\n")
+
+
+def test_generating_past_a_sliding_window_is_one_line(tmp_path, capsys, monkeypatch):
+    """A Mistral attends within its sliding window, this model to every position. A QA report: generating past the window
+    gave other tokens than transformers from there on (from position 266 of a 260-position window), and a window under
+    256 positions was refused with train's message, 'set data.seq_len<=16', which generate has no way to set."""
+    from test_hf import _edit_config, _make_hf_model
+
+    from jaxtrain import cli
+    from jaxtrain import generate as generate_lib
+
+    _make_hf_model(tmp_path, "mistral")
+    _edit_config(tmp_path, sliding_window=16)
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "13"]) == 0  # the whole window
+    capsys.readouterr()
+    monkeypatch.setattr(generate_lib, "load", lambda *a, **k: pytest.fail("read the weights first"))
+    assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "14"]) == 2
+    assert capsys.readouterr().err == ("jaxtrain: error: --max-new-tokens 14 with a prompt of 3 tokens runs past the model's context "
+                                       "of 16 positions (sliding_window); give --max-new-tokens 13 or less\n")
 
 
 def test_lora_run_whose_base_changed_asks_for_that_base_back(corpus, tmp_path, capsys):

@@ -159,6 +159,33 @@ def test_import_train_export_reload_on_two_processes(hf_models, tmp_path):
     assert np.max(np.abs(ours - hf_models["llama3"][2])) > 1e-2 * np.max(np.abs(ours))  # it trained
 
 
+DEFAULTED_KEYS = ("rms_norm_eps", "rope_parameters", "rope_theta", "sliding_window", "num_key_value_heads", "num_local_experts",
+                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob")
+
+
+@pytest.mark.parametrize("config_cls", [transformers.LlamaConfig, transformers.MistralConfig, transformers.Qwen2Config,
+                                        transformers.MixtralConfig, transformers.Qwen2MoeConfig])
+def test_keys_config_json_leaves_out_are_what_transformers_makes_them(config_cls, tmp_path):
+    """Each architecture's config class has its own defaults. A QA report: a Mixtral config.json without rms_norm_eps and
+    rope_theta was read with 1e-6 and 10000 (transformers: 1e-5, 1e6), a Mistral one without sliding_window attended
+    past transformers' window of 4096, and a Qwen2-MoE one without moe_intermediate_size was a KeyError traceback."""
+    config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4).save_pretrained(tmp_path)
+    body = json.loads((tmp_path / "config.json").read_text())
+    body = {k: v for k, v in body.items() if k not in DEFAULTED_KEYS}
+    (tmp_path / "config.json").write_text(json.dumps(body))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    ours = hf_config.model_values(body, "config.json", seq_len=4096)
+    assert (ours["norm_eps"], ours["rope_theta"], ours["num_kv_heads"]) == \
+        (theirs.rms_norm_eps, theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads)
+    experts = getattr(theirs, "num_local_experts", getattr(theirs, "num_experts", 0))
+    assert (ours["moe.num_experts"], ours.get("moe.top_k"), ours["mlp_dim"] * (1 + ours.get("moe.num_shared_experts", 0))) == \
+        (experts, getattr(theirs, "num_experts_per_tok", None),
+         getattr(theirs, "moe_intermediate_size", theirs.intermediate_size) + getattr(theirs, "shared_expert_intermediate_size", 0))
+    if config_cls is transformers.MistralConfig:
+        with pytest.raises(hf_config.UserError, match="sliding_window=4096 is shorter than data.seq_len=8192"):
+            hf_config.model_values(body, "config.json", seq_len=8192)
+
+
 def _edit_config(hf_dir, **changes):
     config = json.loads((hf_dir / "config.json").read_text())
     config.update(changes)

@@ -223,6 +223,39 @@ def test_a_peft_adapter_with_rank_stabilised_scaling_generates_what_peft_merges(
     assert _generated(capsys, str(hf_dir), "--adapter", str(tmp_path / "rslora")) == merged
 
 
+@pytest.mark.parametrize("targets", ["all-linear", r".*\.(q_proj|v_proj)", ["self_attn.q_proj", "mlp.down_proj"]])
+def test_peft_adapters_whose_targets_peft_matches_by_module_name_generate_what_peft_merges(targets, hf_base, tmp_path, capsys):
+    """target_modules as PEFT matches them against the base's module names: "all-linear" (saved as every module's full
+    name, model.layers.0.self_attn.q_proj ...), a regular expression, names a module's name ends with. A QA report: all
+    three were refused ("not all Llama projections"), and `jaxtrain adapters` failed with a traceback on the expression."""
+    hf_dir, _ = hf_base
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    adapted = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), config)
+    adapted.save_pretrained(tmp_path / "adapter")
+    adapted.merge_and_unload().save_pretrained(tmp_path / "merged")
+    assert _generated(capsys, str(hf_dir), "--adapter", str(tmp_path / "adapter")) == _generated(capsys, str(tmp_path / "merged"))
+    assert cli.main(["adapters", str(tmp_path / "adapter")]) == 0
+    listed = {"all-linear": "down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj", r".*\.(q_proj|v_proj)": targets}
+    assert f"  targets {listed.get(str(targets), 'down_proj,q_proj')}  steps -" in capsys.readouterr().out
+
+
+def test_a_peft_adapter_holding_tensors_outside_its_targets_is_one_line(hf_base, tmp_path):
+    """Tensors the targets do not name (an edited adapter_config.json, embeddings PEFT saved beside the adapters) would be
+    left out of the model without a word."""
+    from jaxtrain.interop import peft as peft_io
+
+    hf_dir, _ = hf_base
+    adapted = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    tensors = {name: t.detach().numpy() for name, t in peft.get_peft_model_state_dict(adapted).items()}
+    model_cfg = dataclasses.replace(hf_config.model_config(hf_dir, small_config().model, set(), 16), lora=LoraConfig(rank=2, targets="q"))
+    assert set(peft_io.from_peft(tensors, model_cfg, tmp_path)["attn"]) == {"lora_q"}
+    tensors["base_model.model.lm_head.weight"] = np.zeros((64, 32), np.float32)
+    with pytest.raises(UserError, match=r"adapter_model.safetensors holds 1 tensor\(s\) jaxtrain does not apply "
+                       r"\(base_model.model.lm_head.weight\): adapters or weights outside its targets q; merge this adapter"):
+        peft_io.from_peft(tensors, model_cfg, tmp_path)
+
+
 def test_generate_with_a_qlora_adapter_serves_the_model_it_trained(hf_base, corpus, tmp_path, capsys):
     """Adapters trained on an nf4 base (a run directory, or its PEFT export with our record) are applied to the float
     base quantized the same way: the model the merged export (and `generate RUN_DIR`) gives. Applied to the float base, the

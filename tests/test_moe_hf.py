@@ -104,15 +104,34 @@ def test_expert_adapters_equal_peft_on_the_fused_expert_parameters_both_ways(nam
     _assert_close(_hf_logits(reloaded), expected)
 
 
+def test_a_qwen2_moe_without_a_shared_expert_is_one_line():
+    """It was read as a Mixtral, then refused for a Mixtral tensor missing from the files ("does not match its config.json")."""
+    from jaxtrain.errors import UserError
+
+    config = MODELS["qwen2_moe"][1].to_dict() | {"shared_expert_intermediate_size": 0}
+    with pytest.raises(UserError, match=r"^config.json: shared_expert_intermediate_size=0 is not supported \(a shared expert: a "
+                       r"positive multiple of moe_intermediate_size=16\)$"):
+        hf_config.model_values(config, "config.json", SEQ)
+
+
 @pytest.mark.parametrize("config, message", [
     ({"target_modules": ["q_proj", "gate_proj"]}, "target_modules gate_proj on a mixture of experts name the shared expert's projections"),
-    ({"target_modules": ["w1", "w2", "w3"]}, "target_modules ['w1', 'w2', 'w3'] are not all Llama projections"),  # transformers 4's experts
+    ({"target_modules": ["w1", "w2", "w3"]}, "target_modules ['w1', 'w2', 'w3'] name none of this base's layer projections"),  # transformers 4's experts
     ({"target_modules": ["q_proj"], "target_parameters": ["experts.w13"]}, "target_parameters ['experts.w13'] are not this base's"),
     ({"target_parameters": ["experts.gate_up_proj"], "dense": True}, "are not this base's expert parameters (a dense model has none)"),
+    # QA: read by their last name only, these were refused as "not all Llama projections" or taken as another base's
+    ({"target_modules": ["q_proj", "lm_head"], "dense": True}, "target_modules ['q_proj', 'lm_head'] adapt lm_head; jaxtrain takes "
+     "adapters on the layers' projections only"),
+    ({"target_modules": ".*embed_tokens|.*v_proj", "dense": True}, "adapt model.embed_tokens; jaxtrain takes adapters"),
+    ({"target_modules": ["q_proj", "v_proj"], "exclude_modules": ["model.layers.0.self_attn.q_proj"], "dense": True},
+     "the adapters are on q_proj in layers [1, 2, 3] only, of the base's 4 layers; jaxtrain applies adapters on every layer"),
+    ({"target_modules": [f"model.layers.{i}.self_attn.v_proj" for i in (0, 2)], "dense": True},
+     "the adapters are on v_proj in layers [0, 2] only, of the base's 4 layers"),
 ])
 def test_peft_adapters_jaxtrain_cannot_take_are_one_line(config, message, tmp_path):
     """What jaxtrain takes no adapter on: Qwen2-MoE's shared expert, transformers 4's per-expert modules, other
-    parameters; and expert parameters on a dense base."""
+    parameters; expert parameters on a dense base; the output head or the embedding, and some layers only, as PEFT
+    matches target_modules and exclude_modules to the base's module names."""
     from jaxtrain.errors import UserError
     from jaxtrain.interop import peft as peft_io
     from models.config import LlamaConfig, MoEConfig

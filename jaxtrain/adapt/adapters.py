@@ -86,10 +86,12 @@ def pool(directory: Path) -> list[dict]:
             if record.is_file():
                 rows.append({"adapter": str(path), "kind": "peft"} | json.loads(record.read_text()) | unsupported)
             else:  # exported elsewhere: PEFT's own fields only
+                modules = config.get("target_modules") or []
+                # a regular expression as it is; names ("all-linear" saves every module's full name) by their last part
+                modules = [modules] if isinstance(modules, str) else sorted({m.rsplit(".", 1)[-1] for m in modules})
                 rows.append({"adapter": str(path), "kind": "peft", "hash": None, "path": config.get("base_model_name_or_path"),
-                             "rank": config.get("r"), "steps": None,
-                             "targets": (config.get("target_modules") or []) + (config.get("target_parameters") or []), "eval_loss": None}
-                            | unsupported)
+                             "rank": config.get("r"), "steps": None, "targets": modules + (config.get("target_parameters") or []),
+                             "eval_loss": None} | unsupported)
     return sorted(rows, key=lambda r: (r["hash"] or "", r["adapter"]))
 
 

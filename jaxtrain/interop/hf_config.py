@@ -36,9 +36,18 @@ SHAPE_KEYS = {
 }
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 ROPE_TYPES = {"default": "none", "llama3": "llama3"}  # config.json rope_type -> model.rope_scaling.type
-# transformers' defaults for these architectures when config.json leaves a key out
+# transformers' defaults for these architectures when config.json leaves a key out; ARCHITECTURE_DEFAULTS: where an
+# architecture's config class has its own (read as the common ones, a Mixtral without rms_norm_eps and rope_theta was
+# another model, and a Mistral without sliding_window attended past transformers' window)
 DEFAULT_NORM_EPS = 1e-6
 DEFAULT_ROPE_THETA = 10000.0
+ARCHITECTURE_DEFAULTS = {
+    "MistralForCausalLM": {"num_key_value_heads": 8, "sliding_window": 4096},
+    "Qwen2ForCausalLM": {"num_key_value_heads": 32},
+    "MixtralForCausalLM": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "Qwen2MoeForCausalLM": {"num_key_value_heads": 16, "num_experts": 60, "moe_intermediate_size": 1408,
+                            "shared_expert_intermediate_size": 5632},
+}
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -93,6 +102,7 @@ def model_values(config: dict, where: str, seq_len: int) -> dict:
     """The model fields config.json decides, as flat ``model.*`` keys (``rope_scaling.type``); UserError
     naming the field and value for anything this model cannot reproduce exactly."""
     arch = architecture(config, where)
+    config = ARCHITECTURE_DEFAULTS.get(arch, {}) | config
     missing = [k for k in REQUIRED if k not in config]
     if missing:
         raise UserError(f"{where}: {', '.join(missing)} missing; a {arch} config.json needs {', '.join(REQUIRED)}")
@@ -102,9 +112,8 @@ def model_values(config: dict, where: str, seq_len: int) -> dict:
         raise _unsupported(where, "attention_bias", True, f"{arch} without projection biases only")
     if config.get("mlp_bias"):
         raise _unsupported(where, "mlp_bias", True, "MLP without biases only")
-    window = config.get("sliding_window")
-    windowed = window is not None and (arch in ("MistralForCausalLM", "MixtralForCausalLM") or config.get("use_sliding_window"))
-    if windowed and window < seq_len:
+    window = _sliding_window(config, arch)
+    if window is not None and window < seq_len:
         raise UserError(f"{where}: sliding_window={window} is shorter than data.seq_len={seq_len}, and this model attends to "
                         f"the whole sequence; set data.seq_len<={window}")
     heads = config["num_attention_heads"]
@@ -127,9 +136,10 @@ def _moe(config: dict, arch: str, where: str) -> dict:
     if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
         raise _unsupported(where, "decoder_sparse_step / mlp_only_layers", (config.get("decoder_sparse_step"), config.get("mlp_only_layers")),
                            "every layer a mixture of experts: decoder_sparse_step 1, mlp_only_layers []")
-    expert_dim, shared_dim = config["moe_intermediate_size"], config.get("shared_expert_intermediate_size", 0)
-    if shared_dim % expert_dim:
-        raise _unsupported(where, "shared_expert_intermediate_size", shared_dim, f"a multiple of moe_intermediate_size={expert_dim}")
+    expert_dim, shared_dim = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+    if shared_dim % expert_dim or not shared_dim:  # without one, it was read as a Mixtral: a tensor "missing" from the files
+        raise _unsupported(where, "shared_expert_intermediate_size", shared_dim,
+                           f"a shared expert: a positive multiple of moe_intermediate_size={expert_dim}")
     return {"mlp_dim": expert_dim, "moe.num_experts": config["num_experts"], "moe.top_k": config.get("num_experts_per_tok", 4),
             "moe.normalize_top_k": bool(config.get("norm_topk_prob", False)), "moe.num_shared_experts": shared_dim // expert_dim,
             "moe.shared_expert_gate": shared_dim > 0}
@@ -149,11 +159,27 @@ def flat_model(model: LlamaConfig) -> dict:
 RUN_SUBDIR = "hf"  # where a run initialised from a Hugging Face model keeps its config and tokenizer (hf_import.py)
 
 
-def context_length(directory: Path) -> int | None:
-    """A Hugging Face model's positions (config.json's max_position_embeddings), None where it does not say."""
+def _sliding_window(config: dict, arch: str) -> int | None:
+    """The attention window transformers applies (Mistral, Mixtral; Qwen2 with use_sliding_window); None: none."""
+    window = config.get("sliding_window")
+    windowed = arch in ("MistralForCausalLM", "MixtralForCausalLM") or config.get("use_sliding_window")
+    return window if window is not None and windowed else None
+
+
+def context_length(directory: Path) -> tuple[int, str] | None:
+    """A Hugging Face model's positions and the config.json key that decides them: max_position_embeddings, or a
+    shorter sliding window (this model attends to every position: within the window, as transformers does); None
+    where neither says."""
     path = directory / CONFIG_FILE
-    value = read_json(path).get("max_position_embeddings") if path.is_file() else None
-    return value if isinstance(value, int) and value > 0 else None
+    if not path.is_file():
+        return None
+    config = read_json(path)
+    arch = architecture(config, str(path))
+    config = ARCHITECTURE_DEFAULTS.get(arch, {}) | config
+    limits = [(value, key) for key, value in (("max_position_embeddings", config.get("max_position_embeddings")),
+                                              ("sliding_window", _sliding_window(config, arch)))
+              if isinstance(value, int) and value > 0]
+    return min(limits, default=None)
 
 
 def has_placeholder_shape(model: LlamaConfig) -> bool:

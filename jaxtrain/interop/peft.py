@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -39,6 +40,8 @@ JAXTRAIN_FILE = "jaxtrain_adapter.json"  # our record beside PEFT's files: the b
 EXPERTS_MODULE = "model.layers.{layer}.mlp.experts"  # Mixtral's and Qwen2-MoE's, transformers >= 5
 # our expert adapter -> the fused parameter it adapts, in the module's order (which decides PEFT's nesting)
 EXPERT_PARAMETERS = {"gate_up": "gate_up_proj", "down": "down_proj"}
+# a causal LM's modules besides the layers' projections that PEFT's target_modules can name (and jaxtrain takes no adapters on)
+OTHER_MODULES = ("lm_head", "model.embed_tokens")
 
 
 def is_adapter_dir(path: Path) -> bool:
@@ -92,7 +95,13 @@ def to_peft(adapters: dict, model_cfg: LlamaConfig) -> dict[str, np.ndarray]:
 def from_peft(tensors: dict[str, np.ndarray], model_cfg: LlamaConfig, where: Path) -> dict:
     """PEFT tensors -> our adapters (the ``layers`` subtree), shaped for ``model_cfg``."""
     shapes, rank = model_cfg.weight_shapes(), model_cfg.lora.rank
-    out = {}
+    out, read = {}, set()
+
+    def pair(prefix: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+        names = f"{prefix}lora_A.weight", f"{prefix}lora_B.weight"
+        read.update(names)
+        return tensors.get(names[0]), tensors.get(names[1])
+
     for name, prefix in _expert_prefixes(model_cfg).items():
         weights = EXPERT_LORA[name][1]
         inputs, outputs = shapes[EXPERT_LORA[name][0][0]]
@@ -100,7 +109,7 @@ def from_peft(tensors: dict[str, np.ndarray], model_cfg: LlamaConfig, where: Pat
         a_layers, b_layers = [], []
         for layer in range(model_cfg.num_layers):
             at = prefix.format(layer=layer)
-            a, b = tensors.get(f"{at}lora_A.weight"), tensors.get(f"{at}lora_B.weight")
+            a, b = pair(at)
             want_a, want_b = (experts * rank, inputs), (len(weights) * outputs, rank * experts)
             if a is None or b is None or a.shape != want_a or b.shape != want_b:
                 raise UserError(f"{where / WEIGHTS_FILE}: {at}lora_A/lora_B are {None if a is None else a.shape} / "
@@ -117,7 +126,7 @@ def from_peft(tensors: dict[str, np.ndarray], model_cfg: LlamaConfig, where: Pat
         a_layers, b_layers = [], []
         for layer in range(model_cfg.num_layers):
             prefix = f"base_model.model.{module.format(layer=layer)}"
-            a, b = tensors.get(f"{prefix}.lora_A.weight"), tensors.get(f"{prefix}.lora_B.weight")
+            a, b = pair(f"{prefix}.")
             want_a, want_b = (rank, math.prod(shape[:inputs])), (math.prod(shape[inputs:]), rank)
             if a is None or b is None or a.shape != want_a or b.shape != want_b:
                 raise UserError(f"{where / WEIGHTS_FILE}: {prefix}.lora_A/lora_B are {None if a is None else a.shape} / "
@@ -125,30 +134,63 @@ def from_peft(tensors: dict[str, np.ndarray], model_cfg: LlamaConfig, where: Pat
             a_layers.append(a.T.reshape(*shape[:inputs], rank))
             b_layers.append(b.T.reshape(rank, *shape[inputs:]))
         out.setdefault(module_name, {})[adapter_name(target)] = {"a": np.stack(a_layers), "b": np.stack(b_layers)}
+    unread = sorted(set(tensors) - read)
+    if unread:  # applied without them, the model would not be the adapter's
+        raise UserError(f"{where / WEIGHTS_FILE} holds {len(unread)} tensor(s) jaxtrain does not apply ({', '.join(unread[:2])}"
+                        f"{', ...' if len(unread) > 2 else ''}): adapters or weights outside its targets "
+                        f"{model_cfg.lora.targets}; merge this adapter into its base with peft (merge_and_unload) and give the merged "
+                        "model instead")
     return out
 
 
+def _peft_adapts(config: dict, module: str) -> bool:
+    """Whether PEFT puts an adapter on the base's module ``module`` (peft's check_target_module_exists): target_modules
+    a regular expression the whole name matches, or names the module's name equals or ends with after a dot
+    (``target_modules="all-linear"`` is saved as every module's full name); exclude_modules likewise."""
+    def named(patterns) -> bool:
+        if isinstance(patterns, str):
+            return re.fullmatch(patterns, module) is not None
+        return any(module == p or module.endswith(f".{p}") for p in patterns or ())
+
+    return named(config.get("target_modules")) and not named(config.get("exclude_modules"))
+
+
 def targets_of(config: dict, where: Path, model_cfg: LlamaConfig) -> str:
-    """adapter_config.json's target_modules (e.g. q_proj, v_proj) and target_parameters (a mixture of experts':
-    experts.gate_up_proj, experts.down_proj) -> our model.lora.targets for the base ``model_cfg`` (q,v)."""
-    ours = {module.rsplit(".", 1)[-1]: target for target, module in _modules(LlamaConfig()).items()}
+    """adapter_config.json's target_modules (e.g. q_proj, v_proj; full module names; a regular expression) and
+    target_parameters (a mixture of experts': experts.gate_up_proj, experts.down_proj) -> our model.lora.targets for
+    the base ``model_cfg`` (q,v); a UserError for adapters on anything else or on only some layers."""
     modules = config.get("target_modules") or []
-    modules = [modules] if isinstance(modules, str) else modules
     parameters = config.get("target_parameters") or []
-    unknown = [m for m in modules if m not in ours]
-    if unknown or not modules + parameters:
-        raise UserError(f"{where / CONFIG_FILE}: target_modules {modules} are not all Llama projections ({', '.join(ours)})")
-    mlp = [m for m in modules if LORA_TARGETS[ours[m]][0] == "mlp"]
+    if not modules and not parameters:
+        raise UserError(f"{where / CONFIG_FILE}: neither target_modules nor target_parameters: the adapter adapts nothing")
+    projections = _modules(LlamaConfig())  # q -> model.layers.{layer}.self_attn.q_proj, as transformers names it
+    names = ", ".join(module.rsplit(".", 1)[-1] for module in projections.values())
+    adapted = {target: [layer for layer in range(model_cfg.num_layers) if _peft_adapts(config, module.format(layer=layer))]
+               for target, module in projections.items()}
+    others = [module for module in OTHER_MODULES if _peft_adapts(config, module)]
+    if others:
+        raise UserError(f"{where / CONFIG_FILE}: target_modules {modules} adapt {', '.join(others)}; jaxtrain takes adapters on the "
+                        f"layers' projections only ({names})")
+    chosen = [target for target, layers in adapted.items() if layers]
+    if modules and not chosen:
+        raise UserError(f"{where / CONFIG_FILE}: target_modules {modules} name none of this base's layer projections ({names})")
+    mlp = [projections[t].rsplit(".", 1)[-1] for t in chosen if LORA_TARGETS[t][0] == "mlp"]
     if model_cfg.moe.num_experts and mlp:
         raise UserError(f"{where / CONFIG_FILE}: target_modules {', '.join(mlp)} on a mixture of experts name the shared expert's "
                         f"projections, which jaxtrain takes no adapters on; the experts' are target_parameters "
                         f"{', '.join('experts.' + p for p in EXPERT_PARAMETERS.values())}")
+    partial = {projections[t].rsplit(".", 1)[-1]: adapted[t] for t in chosen if len(adapted[t]) < model_cfg.num_layers}
+    if partial:
+        on = "; ".join(f"{name} in layers {layers}" for name, layers in partial.items())
+        raise UserError(f"{where / CONFIG_FILE}: the adapters are on {on} only, of the base's {model_cfg.num_layers} layers; jaxtrain "
+                        "applies adapters on every layer: merge this adapter into its base with peft (merge_and_unload) and give "
+                        "the merged model instead")
     experts = {f"experts.{parameter}": name for name, parameter in EXPERT_PARAMETERS.items()}
     named = [next((name for key, name in experts.items() if p == key or p.endswith(f".{key}")), None) for p in parameters]
     if parameters and (not model_cfg.moe.num_experts or None in named):
         raise UserError(f"{where / CONFIG_FILE}: target_parameters {parameters} are not this base's expert parameters "
                         f"({', '.join(experts) if model_cfg.moe.num_experts else 'a dense model has none'})")
-    chosen = {ours[m] for m in modules} | {t for name in named for t in EXPERT_LORA[name][0]}
+    chosen = set(chosen) | {t for name in named for t in EXPERT_LORA[name][0]}
     return ",".join(t for t in LORA_TARGETS if t in chosen)  # PEFT keeps its lists as sets: their order varies
 
 
