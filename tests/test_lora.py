@@ -240,6 +240,17 @@ def test_peft_adapters_whose_targets_peft_matches_by_module_name_generate_what_p
     assert f"  targets {listed.get(str(targets), 'down_proj,q_proj')}  steps -" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("key", ["target_modules", "exclude_modules"])
+def test_a_peft_adapter_whose_module_expression_is_invalid_is_one_line(key, tmp_path):
+    """An invalid expression was an re.error traceback."""
+    from jaxtrain.interop import peft as peft_io
+
+    config = {"target_modules": ["q_proj"]} | {key: "(q_proj"}
+    with pytest.raises(UserError, match=rf"adapter_config.json: {key} '\(q_proj' is not a regular expression \(missing \), "
+                       r"unterminated subpattern at position 0\); PEFT would not load this adapter either"):
+        peft_io.targets_of(config, tmp_path, small_config().model)
+
+
 def test_a_peft_adapter_holding_tensors_outside_its_targets_is_one_line(hf_base, tmp_path):
     """Tensors the targets do not name (an edited adapter_config.json, embeddings PEFT saved beside the adapters) would be
     left out of the model without a word."""

@@ -163,6 +163,13 @@ def targets_of(config: dict, where: Path, model_cfg: LlamaConfig) -> str:
     parameters = config.get("target_parameters") or []
     if not modules and not parameters:
         raise UserError(f"{where / CONFIG_FILE}: neither target_modules nor target_parameters: the adapter adapts nothing")
+    for key in ("target_modules", "exclude_modules"):
+        if isinstance(config.get(key), str):
+            try:
+                re.compile(config[key])
+            except re.error as e:
+                raise UserError(f"{where / CONFIG_FILE}: {key} {config[key]!r} is not a regular expression ({e}); PEFT would "
+                                "not load this adapter either: give a valid expression or a list of module names") from None
     projections = _modules(LlamaConfig())  # q -> model.layers.{layer}.self_attn.q_proj, as transformers names it
     names = ", ".join(module.rsplit(".", 1)[-1] for module in projections.values())
     adapted = {target: [layer for layer in range(model_cfg.num_layers) if _peft_adapts(config, module.format(layer=layer))]
