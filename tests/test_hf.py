@@ -213,6 +213,9 @@ BAD_INPUT = {
                                  "architectures=['GPT2LMHeadModel'] is not supported; supported: LlamaForCausalLM"),
     "unsupported rope type": ("llama_tied", lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
                               "rope_scaling.rope_type='yarn' is not supported"),
+    "llama3 rope without a factor": ("llama3", lambda d: _edit_config(d, rope_parameters={
+        k: v for k, v in LLAMA3_ROPE.items() if k != "low_freq_factor"} | {"factor": "8"}),
+        "rope_type llama3 needs numbers factor, low_freq_factor, high_freq_factor; it has factor='8', low_freq_factor=None"),
     "attention bias on a Llama": ("llama_tied", lambda d: _edit_config(d, attention_bias=True), "attention_bias=True is not supported"),
     "activation": ("llama_tied", lambda d: _edit_config(d, hidden_act="gelu"), "hidden_act='gelu' is not supported (only silu"),
     "sliding window shorter than the sequence": ("mistral", lambda d: _edit_config(d, sliding_window=8),

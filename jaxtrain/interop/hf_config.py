@@ -36,6 +36,7 @@ SHAPE_KEYS = {
 }
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 ROPE_TYPES = {"default": "none", "llama3": "llama3"}  # config.json rope_type -> model.rope_scaling.type
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")  # what transformers' llama3 rope requires
 # transformers' defaults for these architectures when config.json leaves a key out; ARCHITECTURE_DEFAULTS: where an
 # architecture's config class has its own (read as the common ones, a Mixtral without rms_norm_eps and rope_theta was
 # another model, and a Mistral without sliding_window attended past transformers' window)
@@ -91,6 +92,10 @@ def _rope(config: dict, where: str) -> dict:
         raise _unsupported(where, "partial_rotary_factor", partial, "rotary embeddings over the whole head only")
     values = {"rope_theta": float(theta), "rope_scaling.type": ROPE_TYPES[rope_type]}
     if rope_type == "llama3":
+        wrong = [f"{key}={params.get(key)!r}" for key in LLAMA3_ROPE_KEYS
+                 if isinstance(params.get(key), bool) or not isinstance(params.get(key), (int, float))]
+        if wrong:
+            raise UserError(f"{where}: rope_type llama3 needs numbers {', '.join(LLAMA3_ROPE_KEYS)}; it has {', '.join(wrong)}")
         values |= {"rope_scaling.factor": float(params["factor"]), "rope_scaling.low_freq_factor": float(params["low_freq_factor"]),
                    "rope_scaling.high_freq_factor": float(params["high_freq_factor"]),
                    "rope_scaling.original_max_len": int(params.get("original_max_position_embeddings",
