@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, help="where the bases, data and runs go (a new directory); default a temporary one")
     parser.add_argument("--steps", type=int, default=Setting.steps)
     args = parser.parse_args(argv)
+    from jaxtrain.cli import simulate_cpu_devices
+
+    # the run's cpu8 mesh needs 8 devices from jax's start, which scoring the base comes to first (as benchmarks/run.py does)
+    simulate_cpu_devices(None)
     setting = dataclasses.replace(Setting(), steps=args.steps)
     with tempfile.TemporaryDirectory(prefix="finetune_demo_") as tmp:
         root = args.work_dir or Path(tmp)

@@ -502,6 +502,12 @@ def restore_from(path: Path, abstract_state, data_iterator, *, params_only: bool
     ``abstract_state``. With ``params_only`` only the parameters are read (and returned); otherwise the
     whole state and the data position. A run directory gives its newest readable checkpoint: each newer,
     unreadable one is a warning and stays where it is (only ``jaxtrain train`` moves its own run's aside)."""
+    return restore_step_from(path, abstract_state, data_iterator, params_only=params_only, source=source)[1]
+
+
+def restore_step_from(path: Path, abstract_state, data_iterator, *, params_only: bool,
+                      source: str = "--init-from") -> tuple[Path, object]:
+    """``restore_from``, with the step directory it read (the checkpoint a run directory stood for then)."""
     directory, step = checkpoints_dir(path, source)
     manager = _manager(directory, None)
     steps = manager.all_steps() if step is None else [s for s in manager.all_steps() if s == step]
@@ -520,7 +526,7 @@ def restore_from(path: Path, abstract_state, data_iterator, *, params_only: bool
         _say(f"jaxtrain: warning: checkpoint step {bad} in {directory} is unreadable ({reason}); using step {found}, the newest "
              "readable one (left in place)")
     _say(f"jaxtrain: read {'the parameters' if params_only else 'the whole state'} of {directory / str(found)}")
-    return restored.state["params"] if params_only else restored.state
+    return directory / str(found), restored.state["params"] if params_only else restored.state
 
 
 def _size(path: Path) -> int:

@@ -56,12 +56,21 @@ class LoraConfig:
         for item in (t.strip() for t in self.targets.split(",")):
             names = LoraConfig(targets=item).target_names() if item else []
             if not names:
-                out.append(f"model.lora.targets item {item!r} matches no weight; targets are {choices}, or regular expressions over them")
+                what = f"is not a regular expression ({error})" if (error := _regex_error(item)) else "matches no weight"
+                out.append(f"model.lora.targets item {item!r} {what}; targets are {choices}, or regular expressions over them")
         return out
 
 
 def _finite_positive(value: float) -> bool:
     return 0 < value < math.inf  # NaN fails both
+
+
+def _regex_error(pattern: str) -> str | None:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        return str(e)
+    return None
 
 
 def _matches(pattern: str, text: str) -> bool:

@@ -4,12 +4,13 @@ it reaches 90% is the make target's to show, not this test's."""
 
 import importlib.util
 import json
+import subprocess
 import sys
 
 import pytest
 import transformers
 
-from conftest import REPO
+from conftest import REPO, subprocess_env
 from jaxtrain.data.sft import ChatTemplate
 from jaxtrain.data.tokenizer import load_tokenizer
 
@@ -53,3 +54,12 @@ def test_pipeline_runs_end_to_end_at_a_tiny_size(tmp_path):
     assert (record["path"], record["rank"]) == (str((tmp_path / "base").absolute()), setting.rank)
     assert (tmp_path / "run" / "checkpoints" / "2").is_dir()
     assert len(result["examples"]) == 3 and all(len(w) == demo.WORD_LENGTH for w, _ in result["examples"])
+
+
+def test_the_script_starts_jax_with_the_devices_its_training_mesh_needs():
+    """`python benchmarks/finetune_demo.py` (README) scores the base, which starts jax, before it trains on the cpu8 mesh:
+    started with jax's one CPU device, its training stopped with `the mesh has 8 devices ... but 1 device(s) are present`."""
+    code = ("import sys, jax; sys.path.insert(0, 'benchmarks'); import finetune_demo; "
+            "finetune_demo.run = lambda *args: sys.exit(len(jax.devices())); finetune_demo.main(['--seeds', '0'])")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 8, done.stderr[-2000:]

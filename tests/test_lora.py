@@ -131,6 +131,29 @@ def test_qlora_trains_only_the_adapters_and_resumes_exactly(corpus, tmp_path, ca
     assert _tree_equal(resumed.params, straight.params) and _tree_equal(resumed.opt_state, straight.opt_state)
 
 
+def test_a_base_run_that_trains_on_still_gives_the_adapters_their_base(corpus, tmp_path):
+    """--init-from another run: the record names the checkpoint read, not the run, whose newer checkpoints are other
+    weights (named the run, the adapters' own resume, also by the same command, and export refused them once the base
+    run trained on); a base moved away is one line saying so."""
+    cfg = with_(lora_config(mesh=(1, 1, 1)), train={"steps": 2})
+    plain = dataclasses.replace(cfg, model=lora_lib.plain_config(cfg.model))
+    devices = jax.devices()[:1]
+    train(plain, tmp_path / "base", build(plain, corpus, devices))
+    train(cfg, tmp_path / "lora", build(cfg, corpus, devices), init_from=tmp_path / "base")
+    record = json.loads((tmp_path / "lora" / lora_lib.BASE_RECORD).read_text())
+    assert record["path"] == str((tmp_path / "base" / "checkpoints" / "2").absolute())
+    train(with_(plain, train={"steps": 4}), tmp_path / "base", build(with_(plain, train={"steps": 4}), corpus, devices))
+    longer = with_(cfg, train={"steps": 4})  # the same command, resumed: --init-from the base run, which has trained on
+    assert int(train(longer, tmp_path / "lora", build(longer, corpus, devices), init_from=tmp_path / "base").step) == 4
+    _, base = lora_lib.run_model_params(make_layout(cfg, devices), tmp_path / "lora")  # export-hf's and generate's path
+    assert base.record["hash"] == record["hash"]
+    # a base moved away: said so, with what to do (it was "no checkpoints there; give a run directory, ...")
+    (tmp_path / "base").rename(tmp_path / "moved")
+    with pytest.raises(UserError, match=r"the LoRA base .*/base/checkpoints/2, which .*lora_base.json records, does not exist; put "
+                                        r"it back there, or set \"path\" in .*lora_base.json to where it is now"):
+        lora_lib.run_model_params(make_layout(cfg, devices), tmp_path / "lora")
+
+
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory):
     """A tiny random Llama in float32 (transformers): (directory, model)."""
@@ -191,6 +214,7 @@ def test_peft_export_loads_in_peft_and_merged_export_in_transformers(hf_base, co
 
 @pytest.mark.parametrize("override, message", [
     ("model.lora.targets=q,qq", "model.lora.targets item 'qq' matches no weight"),
+    ("model.lora.targets=q,(v", "model.lora.targets item '(v' is not a regular expression (missing ), unterminated subpattern"),
     ("model.lora.rank=200", "model.lora.rank=200 is larger than the q weight's dimensions 128 x 128"),
     ("model.base_quant=nf3", "model.base_quant='nf3' is unknown"),
     ("model.lora.dropout=1", "model.lora.dropout=1.0 must be at least 0 and below 1"),

@@ -47,18 +47,20 @@ def plain_abstract(layout: Layout) -> dict:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), spec.shapes, shardings)
 
 
-def load_plain(layout: Layout, source: Path | None) -> dict:
-    """The base's float parameters on the mesh: a Hugging Face model directory, another run's latest
-    checkpoint, or (``source`` None) initialised from train.seed."""
+def load_plain(layout: Layout, source: Path | None) -> tuple[dict, Path | None]:
+    """(the base's float parameters on the mesh, where they were read): a Hugging Face model directory, another
+    run's checkpoint (a run directory: its newest, and the step directory read is returned, so a record names the
+    weights, not a run that may train on), or (``source`` None) initialised from train.seed."""
     abstract = plain_abstract(layout)
     cfg = plain_config(layout.cfg.model)
     if source is None:
         init = lambda: nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(layout.cfg.train.seed))))  # noqa: E731
-        return jax.jit(init, out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
+        return jax.jit(init, out_shardings=jax.tree.map(lambda a: a.sharding, abstract))(), None
     if hf_config.is_hf_dir(source):
-        return hf_import.load_params(source, cfg, abstract)
+        return hf_import.load_params(source, cfg, abstract), source
     target = TrainState(step=None, params=abstract, opt_state=None)
-    return checkpoint_lib.restore_from(source, target, None, params_only=True, source="the LoRA base")
+    read, params = checkpoint_lib.restore_step_from(source, target, None, params_only=True, source="the LoRA base")
+    return params, read
 
 
 @jax.jit
@@ -151,8 +153,8 @@ def load_base(layout: Layout, source: Path | None, expected: dict | None = None,
               fix: str = "give that base, or a new --run-dir") -> Base:
     """Load the base from ``source`` and hash it; with ``expected`` (a run's record), a base of other content
     is a UserError ending in ``fix``, what the command's user can do about it."""
-    plain = load_plain(layout, source)
-    record = {"path": None if source is None else str(source.absolute()),
+    plain, read = load_plain(layout, source)
+    record = {"path": None if read is None else str(read.absolute()),
               "seed": layout.cfg.train.seed if source is None else None, "hash": content_hash(plain)}
     if expected is not None and expected["hash"] != record["hash"]:
         named = expected["path"] or f"the initialisation from train.seed={expected['seed']}"
@@ -166,10 +168,12 @@ def load_base(layout: Layout, source: Path | None, expected: dict | None = None,
 
 def run_base(layout: Layout, run_dir: Path, init_from: Path | None) -> Base:
     """The base of a LoRA training run: ``--init-from`` if given, else the one its record names; checked
-    against the record when the run has one."""
+    against the record when the run has one. The record's checkpoint wins over ``--init-from`` naming its run: the
+    same command resumes after that run trained on."""
     record = read_record(run_dir)
-    if init_from is None and record is not None and record["path"] is not None:
-        init_from = Path(record["path"])
+    recorded = None if record is None or record["path"] is None else Path(record["path"])
+    if recorded is not None and (init_from is None or recorded.is_relative_to(init_from.absolute())):
+        init_from = recorded
     if init_from is not None and not init_from.exists():
         raise UserError(f"the LoRA base {init_from} does not exist; give a Hugging Face model directory or a run directory")
     return load_base(layout, init_from, record, f"run {run_dir}")
@@ -185,10 +189,14 @@ def run_model_params(layout: Layout, run_dir: Path, step: int | None = None, sou
     """Every parameter of a LoRA run: its adapters restored from the latest checkpoint (or ``step``'s), on its base
     reloaded from the path its record names and checked against the recorded hash."""
     record = summary(run_dir)
+    # the base comes from the run's record, not from the command line: no flag can name another
+    base_path = None if record["path"] is None else Path(record["path"])
+    if base_path is not None and not base_path.exists():  # else taken for a run directory with no checkpoints
+        raise UserError(f"the LoRA base {base_path}, which {run_dir / BASE_RECORD} records, does not exist; put it back there, or "
+                        f"set \"path\" in {run_dir / BASE_RECORD} to where it is now (its content hash is checked)")
     where = run_dir if step is None else run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)
     adapters = checkpoint_lib.restore_from(where, layout.abstract_state(), None, params_only=True, source=source)
-    # the base comes from the run's record, not from the command line: no flag can name another
-    base = load_base(layout, None if record["path"] is None else Path(record["path"]), record, f"run {run_dir}",
+    base = load_base(layout, base_path, record, f"run {run_dir}",
                      f"restore the base {run_dir / BASE_RECORD} records (the run's adapters are reloaded onto it)")
     return join_frozen(base.frozen, adapters), base
 
