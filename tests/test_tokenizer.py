@@ -156,6 +156,16 @@ def test_train_tokenize_train_loss_falls(trained, texts, tmp_path, capsys):
     assert encode("def f(x):") == tokenizer.tokenizer.encode("def f(x):").ids
     assert hf_export.tokenizer_files(sidecar_only, None) == hf_export.tokenizer_files(saved, None)
 
+    # a tokenizer moved away: one line before any checkpoint is read (it came after restoring and writing the weights)
+    moved = dataclasses.replace(saved, data=dataclasses.replace(saved.data, tokenizer=str(tmp_path / "moved")))
+    config_lib.save_yaml(moved, run / "config.yaml")
+    capsys.readouterr()
+    status, err = jaxtrain(capsys, "export-hf", str(run), "--out", str(tmp_path / "export2"))
+    assert status == 2 and err == [f"jaxtrain: error: the run's data.tokenizer {tmp_path / 'moved'} is gone, and the export "
+                                   "carries it beside the weights; put it back, or set data.tokenizer in the run's config.yaml "
+                                   "to where it is now"], err
+    assert not list(tmp_path.glob("export2*"))
+
 
 def test_jsonl_source_matches_the_same_texts_as_files(trained, texts, tmp_path, capsys):
     docs = [f.read_text() for f in sorted(texts.iterdir())]

@@ -206,6 +206,9 @@ def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: st
     layout = make_layout(cfg)
     if step is not None and not (run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)).is_dir():
         raise UserError(f"--step {step}: {run_dir} has no checkpoint of that step; `jaxtrain checkpoints {run_dir}` lists them")
+    source_dir = hf_export.run_source_dir(run_dir)
+    # first: a tokenizer moved away is an error before minutes of restoring and merging
+    tokenizer = None if adapter_only else hf_export.tokenizer_files(cfg, source_dir)
     model_params, base = run_model_params(layout, run_dir, step)
     if adapter_only:
         adapters = multihost_utils.process_allgather(split_frozen(model_params)[0], tiled=True)
@@ -215,8 +218,7 @@ def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: st
     else:
         plain_cfg = dataclasses.replace(cfg, model=plain_config(cfg.model))
         plain = merge_on_devices(model_params, cfg.model, jax.tree.map(lambda a: a.sharding, plain_abstract(layout)))
-        source_dir = run_dir / hf_import.RUN_SUBDIR
-        hf_export.write_model(plain, plain_cfg, out, dtype, source_dir if source_dir.is_dir() else None)
+        hf_export.write_model(plain, plain_cfg, out, dtype, source_dir, tokenizer=tokenizer)
         what = f"merged model ({dtype})"
     if jax.process_index() == 0:
         print(f"jaxtrain: wrote {out}: {what}", file=sys.stderr, flush=True)

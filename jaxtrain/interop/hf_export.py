@@ -147,10 +147,13 @@ def _to_host(array: jax.Array) -> np.ndarray:
 
 
 def write_model(params: dict, cfg: Config, out: Path, dtype: str, source_dir: Path | None = None,
-                max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+                max_shard_bytes: int = MAX_SHARD_BYTES, tokenizer: dict[str, bytes] | None = None) -> list[str]:
     """Write ``params`` (sharded, on the mesh) as a Hugging Face model directory ``out``; every process
-    calls this, process 0 writes. ``source_dir`` holds the imported model's config and tokenizer files.
+    calls this, process 0 writes. ``source_dir`` holds the imported model's config and tokenizer files;
+    ``tokenizer``: the tokenizer files already read (``tokenizer_files``), else read here.
     Returns the shard file names."""
+    if tokenizer is None:
+        tokenizer = tokenizer_files(cfg, source_dir)
     dtype = np.dtype(dtype)
     model = cfg.model
     tensors = tensors_in_order(tensor_maps(model), model.num_layers)
@@ -173,7 +176,7 @@ def write_model(params: dict, cfg: Config, out: Path, dtype: str, source_dir: Pa
             if writer:
                 writer.close()
         if is_main:
-            _write_metadata(partial, cfg, dtype.name, shards, names, source_dir)
+            _write_metadata(partial, cfg, dtype.name, shards, names, source_dir, tokenizer)
             partial.rename(out)
     except BaseException:
         if is_main:
@@ -185,7 +188,7 @@ def write_model(params: dict, cfg: Config, out: Path, dtype: str, source_dir: Pa
 
 
 def _write_metadata(directory: Path, cfg: Config, dtype: str, shards: list[list[Tensor]], names: list[str],
-                    source_dir: Path | None) -> None:
+                    source_dir: Path | None, tokenizer: dict[str, bytes]) -> None:
     """config.json, generation_config.json, the shard index (several shards) and the source's tokenizer files."""
     config = hf_config.export_config(cfg.model, dtype, cfg.data.seq_len, _source_json(source_dir, hf_config.CONFIG_FILE))
     generation = hf_config.generation_config(config, _source_json(source_dir, hf_config.GENERATION_CONFIG_FILE))
@@ -195,7 +198,7 @@ def _write_metadata(directory: Path, cfg: Config, dtype: str, shards: list[list[
         index = {"metadata": {"total_size": sum(t.nbytes(np.dtype(dtype)) for shard in shards for t in shard)},
                  "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    for name, content in tokenizer_files(cfg, source_dir).items():
+    for name, content in tokenizer.items():
         (directory / name).write_bytes(content)
 
 
@@ -207,12 +210,21 @@ def tokenizer_files(cfg: Config, source_dir: Path | None) -> dict[str, bytes]:
     """File name -> contents of the tokenizer files a run carries: those of its ``data.tokenizer``, else those
     of the model it was imported from, else those of the tokenizer its token file was made with."""
     if cfg.data.tokenizer:
+        if not Path(cfg.data.tokenizer).exists():
+            raise UserError(f"the run's data.tokenizer {cfg.data.tokenizer} is gone, and the export carries it beside the weights; "
+                            "put it back, or set data.tokenizer in the run's config.yaml to where it is now")
         return hf_tokenizer_files(cfg.data.tokenizer)
     if source_dir is None:
         made_with = token_file.tokenizer_of(cfg.data.path)
         return {} if made_with is None else hf_tokenizer_files(made_with)
     return {n: (source_dir / n).read_bytes() for n in KEPT_FILES
             if n not in (hf_config.CONFIG_FILE, hf_config.GENERATION_CONFIG_FILE) and (source_dir / n).is_file()}
+
+
+def run_source_dir(run_dir: Path) -> Path | None:
+    """Where a run initialised from a Hugging Face model keeps that model's config and tokenizer; None: it was not."""
+    source_dir = run_dir / RUN_SUBDIR
+    return source_dir if source_dir.is_dir() else None
 
 
 def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: str) -> None:
@@ -222,8 +234,9 @@ def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: st
     where = run_dir if step is None else run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)
     if step is not None and not where.is_dir():
         raise UserError(f"--step {step}: {run_dir} has no checkpoint of that step; `jaxtrain checkpoints {run_dir}` lists them")
+    source_dir = run_source_dir(run_dir)
+    tokenizer = tokenizer_files(cfg, source_dir)  # first: a tokenizer moved away is an error before minutes of restoring
     params = checkpoint_lib.restore_from(where, layout.abstract_state(), None, params_only=True, source="jaxtrain export-hf")
-    source_dir = run_dir / RUN_SUBDIR
-    names = write_model(params, cfg, out, dtype, source_dir if source_dir.is_dir() else None)
+    names = write_model(params, cfg, out, dtype, source_dir, tokenizer=tokenizer)
     if jax.process_index() == 0:
         print(f"jaxtrain: wrote {out} ({len(names)} safetensors file(s), {dtype})", file=sys.stderr, flush=True)
