@@ -293,6 +293,7 @@ def test_generate_chat_from_a_hugging_face_model_equals_transformers(data, tmp_p
 @pytest.mark.parametrize("case, message", [
     ("no_template", r"tokenizer .*tok has no chat template \(neither chat_template.jinja nor 'chat_template' in tokenizer_config.json\)"),
     ("bad_line", r"bad.jsonl:2 has neither 'prompt' and 'completion' strings nor a 'messages' list \(keys text\)"),
+    ("both_forms", r"both.jsonl:2 has both 'messages' and 'prompt'/'completion'; which one trains is ambiguous"),
     ("too_long", r"long.jsonl:1: the example is \d+ tokens, longer than data.seq_len \+ 1 = 17"),
     ("answers_cut", (r"cut.jsonl: the \d+ train examples keep no answer token once data.truncate=true cut each to data.seq_len \+ 1 = "
                      r"17 tokens; raise data.seq_len so the answers fit$")),
@@ -319,6 +320,9 @@ def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path,
     elif case == "surrogate":
         path = tmp_path / "surrogate.jsonl"
         path.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "half: \\ud800", "completion": "b"}\n')
+    elif case == "both_forms":  # prompt/completion trained and the messages went unread
+        path = _jsonl(tmp_path / "both.jsonl", [{"prompt": "a", "completion": "b"},
+                                                {"prompt": "c", "completion": "d", "messages": [{"role": "user", "content": "e"}]}])
     elif case == "bad_line":
         path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": "b"}, {"text": "c"}])
     else:

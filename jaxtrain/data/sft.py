@@ -87,6 +87,8 @@ class ChatTemplate:
 
 def _messages(record, where: str) -> list[dict]:
     """A JSONL record as chat messages: prompt/completion becomes a user and an assistant message."""
+    if isinstance(record, dict) and "messages" in record and ("prompt" in record or "completion" in record):
+        raise UserError(f"{where} has both 'messages' and 'prompt'/'completion'; which one trains is ambiguous: keep one form per line")
     if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
         return [{"role": "user", "content": record["prompt"]}, {"role": ASSISTANT, "content": record["completion"]}]
     messages = record.get("messages") if isinstance(record, dict) else None
