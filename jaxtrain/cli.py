@@ -37,6 +37,13 @@ class _Parser(argparse.ArgumentParser):
         print(f"jaxtrain: error: {message} (see '{self.prog} --help')", file=sys.stderr)
         sys.exit(2)
 
+    def add_argument(self, *names, **kwargs):
+        # an option's text value may not be empty: `--init-from "$CKPT"` with CKPT unset read as no --init-from and
+        # trained from scratch (a QA report); --mesh, --rules and --run-dir fell back to their defaults the same way
+        if names[0].startswith("-") and kwargs.get("action", "store") == "store" and not {"type", "choices"} & set(kwargs):
+            kwargs["type"] = _non_empty
+        return super().add_argument(*names, **kwargs)
+
 
 def simulate_cpu_devices(count: int | None, default: int = DEFAULT_CPU_DEVICES) -> None:
     """Ask XLA for ``count`` CPU devices (ignored by GPU backends). When ``count`` is None: keeps an existing
@@ -56,6 +63,12 @@ def default_cpu_devices(mesh_cfg: config_lib.MeshConfig, num_processes: int | No
     --devices."""
     local = mesh_cfg.ici.as_tuple() if (num_processes or 1) > 1 else mesh_cfg.ici.as_tuple() + mesh_cfg.dcn.as_tuple()
     return DEFAULT_CPU_DEVICES if -1 in local else min(math.prod(local), DEFAULT_CPU_DEVICES)
+
+
+def _non_empty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a value, got an empty string (an unset shell variable?)")
+    return text
 
 
 def _positive_int(text: str) -> int:
@@ -401,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     adapters.set_defaults(func=cmd_adapters)
     plot = sub.add_parser("plot", help="one PNG of loss, eval loss, tokens/s, MFU and memory over steps; runs overlaid")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    plot.add_argument("--out", metavar="FILE.png", help="output image (default RUN_DIR/metrics.png of the first run)")
+    plot.add_argument("--out", metavar="FILE.png", help="output image, .png, .pdf or .svg (default RUN_DIR/metrics.png of the first run)")
     plot.set_defaults(func=cmd_plot)
     tokenize = sub.add_parser("tokenize", help="text files, directories or .jsonl files -> a token file (.bin) and its .bin.json sidecar")
     tokenize.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, .jsonl files (one JSON object with 'text' a line), or directories of them")

@@ -191,11 +191,16 @@ _OTHER_NAMES = {"learning_rate": "lr", "batch_size": "global_batch", "max_steps"
 
 
 def _did_you_mean(key: str, candidates) -> str:
+    """The hint after "unknown config key": a section's keys, the keys of that name (in the section given, else in
+    any: `lr` is optim.lr), else the closest spelling, else every key."""
+    inside = sorted(c for c in candidates if c.startswith(f"{key}."))
+    if inside:
+        return f", a section; give one of its keys: {', '.join(inside)}"
     section, _, name = key.rpartition(".")
-    known = [c for c in candidates if c.rpartition(".")[2] == _OTHER_NAMES.get(name)]
-    ours = [c for c in known if c.rpartition(".")[0] == section] or known
-    close = ours[:1] or difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(candidates))}"
+    named = [c for c in candidates if c.rpartition(".")[2] == _OTHER_NAMES.get(name, name)]
+    ours = [c for c in named if f".{c.rpartition('.')[0]}".endswith(f".{section}")] or named
+    close = ours or difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.5)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; valid keys: {', '.join(sorted(candidates))}"
 
 
 def _type_name(tp) -> str:
@@ -297,9 +302,13 @@ def load_run_config(run_dir: Path) -> Config:
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise UserError(f"{run_dir} has no config.yaml; give the --run-dir of a training run")
-    body = yaml.safe_load(path.read_text()) or {}
+    # a damaged file (a YAML error, a list) or a key another jaxtrain wrote: one line naming it, not a traceback
+    body = read_yaml_mapping(path, "run config", "a mapping of config sections (model, data, train, ...)")
     body.pop("resolved", None)
-    return from_dict(body)
+    try:
+        return from_dict(body)
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
 
 
 def save_yaml(cfg: Config, path: Path, extra: dict | None = None) -> None:
@@ -348,7 +357,8 @@ def load_experiment(name_or_path: str) -> Config:
             spec.loader.exec_module(module)
         except SyntaxError as e:  # the user's file, not ours: where, not a traceback through importlib
             raise UserError(f"experiment file {name_or_path} line {e.lineno}: {e.msg}; fix the file") from None
-        except Exception as e:  # noqa: BLE001 - whatever running it raised (a missing import, a NameError): one line too
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever running it raised (a missing import, a NameError, a
+            # sys.exit that ended the command with its status and no word): one line too
             detail = f"{type(e).__name__}: {e}".splitlines()[0]
             raise UserError(f"experiment file {name_or_path} failed to load: {detail}; fix the file") from None
     else:
@@ -373,7 +383,12 @@ def load_experiment(name_or_path: str) -> Config:
         raise UserError(f"experiment file {name_or_path}{where}: config() raised {detail}; fix the file") from None
     if not isinstance(cfg, Config):
         raise UserError(f"experiment {name_or_path}: config() returned {type(cfg).__name__}, expected jaxtrain.config.Config")
-    return cfg
+    # dataclasses check no types: each value read as an override's is (LogConfig(progress="false") was truthy, a
+    # string learning rate a traceback in the range checks)
+    try:
+        return from_dict(to_dict(cfg))
+    except UserError as e:
+        raise UserError(f"experiment {name_or_path}: in the Config its config() returned, {e}; fix the file") from None
 
 
 def read_yaml_mapping(path: Path, what: str, expected: str) -> dict:

@@ -31,12 +31,15 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         raise UserError(f"{', '.join(given)} given without {missing}; a multi-process run needs all three flags")
     if given and not 0 <= process_id < num_processes:
         raise UserError(f"--process-id {process_id} is outside 0..{num_processes - 1} (--num-processes {num_processes})")
-    if given and (":" not in coordinator or not coordinator.rsplit(":", 1)[1].isdigit()):
-        raise UserError(f"--coordinator {coordinator!r} must be HOST:PORT, e.g. 127.0.0.1:12355 (process 0's address)")
+    host, _, port_text = (coordinator or "").rpartition(":")
+    # a port past 65535 was an OverflowError traceback from the probe below (isascii: int() reads other scripts' digits)
+    if given and not (host and port_text.isascii() and port_text.isdigit() and 1 <= int(port_text) <= 65535):
+        raise UserError(f"--coordinator {coordinator!r} must be HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:12355 "
+                        "(process 0's address)")
     if not given and _cluster_tasks() == 1:
         return
     if given and process_id == 0:  # it serves the coordinator: a busy port was a traceback after a gRPC log line
-        port = int(coordinator.rsplit(":", 1)[1])
+        port = int(port_text)
         if (why := port_problem(port)) is not None:
             raise UserError(f"--coordinator {coordinator}: process 0 cannot serve the job's coordinator on port {port} ({why}); "
                             "give every process another port")

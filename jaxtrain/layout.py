@@ -117,7 +117,7 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
                           params_memory=offload.HOST if cfg.optim.offload and offload.offloads_master_weights(cfg.model) else None)
     shardings = state_shardings(spec, tx, rules, mesh, placement)
     differing = lambda section: None if state_rules[section] == rules else \
-        split_frozen(param_shardings(spec.logical_axes, spec.shapes, state_rules[section], mesh))[0]  # noqa: E731
+        split_frozen(param_shardings(spec.logical_axes, spec.shapes, state_rules[section], mesh, section))[0]  # noqa: E731
     t = cfg.train
     shards = batch_shards(rules, mesh)
     if (t.global_batch // t.microbatches) % shards:

@@ -4,6 +4,7 @@ axis names into PartitionSpecs / NamedShardings."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import sharding_rules
 from jaxtrain.config import read_yaml_mapping
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
-from models.sharding import MissingLogicalRule
+from models.sharding import LOGICAL_AXES, MissingLogicalRule
 
 RULES_DIR = Path(sharding_rules.__file__).parent
 
@@ -40,6 +41,12 @@ def _rule_file(name_or_path: str) -> tuple[Path, dict]:
 def _parse_rules(body: dict, where: str) -> Rules:
     rules: Rules = {}
     for logical, target in body.items():
+        if logical not in LOGICAL_AXES:
+            close = difflib.get_close_matches(str(logical), LOGICAL_AXES, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"the model's logical axes are {', '.join(LOGICAL_AXES)}"
+            raise UserError(f"rule set {where}: '{logical}' is not a logical axis of the model; {hint}")
+        if isinstance(target, list) and len(set(target)) < len(target):
+            raise UserError(f"rule set {where}: '{logical}' names a mesh axis twice in {target}; name each mesh axis once")
         if target is None:
             rules[logical] = None
         elif isinstance(target, str):
@@ -126,19 +133,21 @@ def logical_to_spec(logical_axes, rules: Rules, what: str) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def param_shardings(logical_axes: dict, shapes: dict, rules: Rules, mesh: Mesh) -> dict:
-    """NamedSharding per parameter; raises UserError for a dimension its mesh axes do not divide."""
+def param_shardings(logical_axes: dict, shapes: dict, rules: Rules, mesh: Mesh, section: str | None = None) -> dict:
+    """NamedSharding per parameter; raises UserError for a dimension its mesh axes do not divide. ``section``: the
+    rule-set section (STATE_SECTIONS) the rules are, named in those errors: the parameters' own rules may be fine."""
 
     def one(path, axes, shape):
         name = jax.tree_util.keystr(path, simple=True, separator="/")
-        spec = logical_to_spec(axes, rules, f"parameter {name}")
+        what = f"parameter {name}" + ("" if section is None else f" under rule-set section '{section}'")
+        spec = logical_to_spec(axes, rules, what)
         for dim, (logical, entry) in enumerate(zip(axes, spec)):
             mesh_axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
             ways = math.prod(mesh.shape[a] for a in mesh_axes)
             if shape.shape[dim] % ways:
                 sizes = describe_axes({a: mesh.shape[a] for a in mesh_axes})
                 raise UserError(
-                    f"parameter {name} {tuple(shape.shape)}: dimension {dim} (logical axis '{logical}', size {shape.shape[dim]}) "
+                    f"{what} {tuple(shape.shape)}: dimension {dim} (logical axis '{logical}', size {shape.shape[dim]}) "
                     f"is not divisible by mesh axes {sizes} = {ways}; change the mesh or map '{logical}' to other axes")
         return NamedSharding(mesh, spec)
 

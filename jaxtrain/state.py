@@ -91,7 +91,7 @@ def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation, rules: Ru
     optimizer state's own rules where the placement has them. A LoRA run's base is ``frozen``, with no moments."""
     params, frozen = split_frozen(param_shardings(spec.logical_axes, spec.shapes, rules, mesh))
     moments = params if placement.optimizer_rules is None else \
-        split_frozen(param_shardings(spec.logical_axes, spec.shapes, placement.optimizer_rules, mesh))[0]
+        split_frozen(param_shardings(spec.logical_axes, spec.shapes, placement.optimizer_rules, mesh, "optimizer_state"))[0]
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_state = optax.tree_map_params(
         tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, split_frozen(spec.shapes)[0]), moments,

@@ -15,6 +15,14 @@ from flax.core import spmd
 from jax.sharding import PartitionSpec
 
 
+# Every logical axis name the model gives its parameters and activations (README, "Sharding rule sets and meshes"): a
+# rule set's rule for any other name would be ignored, so the trainer refuses one (a misspelt `mpl: null`)
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers", "layer_stages", "experts",
+                "activation_batch", "activation_length", "activation_embed", "activation_heads", "activation_kv_heads",
+                "activation_head_dim", "activation_mlp", "activation_vocab", "activation_expert", "activation_batch_no_expert",
+                "cache_length")
+
+
 class MissingLogicalRule(KeyError):
     """The active rule set has no entry for a logical axis the model uses."""
 

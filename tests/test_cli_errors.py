@@ -51,6 +51,12 @@ def _text(path: Path, text: str) -> Path:
 CASES = {
     "rule names a missing mesh axis": (lambda t: ["--rules", _rules_file(t, embed="pipeline")],
                                        "'embed' maps to mesh axis 'pipeline', which the mesh does not have"),
+    # a misspelt name was ignored: the rule it meant to override stayed (a QA report)
+    "rule for a logical axis the model lacks": (lambda t: ["--rules", _rules_file(t, mpl=None)],
+                                                "rules.yaml: 'mpl' is not a logical axis of the model; did you mean 'mlp'?"),
+    # it said the mesh axis was used by two of the parameter's dimensions ('vocab', 'embed')
+    "rule naming a mesh axis twice": (lambda t: ["--rules", _rules_file(t, embed=["fsdp", "fsdp"])],
+                                      "rules.yaml: 'embed' names a mesh axis twice in ['fsdp', 'fsdp']; name each mesh axis once"),
     "parameter axis without rule": (lambda t: ["--rules", _rules_file(t, mlp=...)],
                                     "logical axis 'mlp' (used by parameter layers/mlp/w_down) has no rule"),
     "activation axis without rule": (lambda t: ["--rules", _rules_file(t, activation_mlp=...)],
@@ -69,6 +75,10 @@ CASES = {
     "batch does not split over the mesh": (lambda t: ["train.global_batch=6"], "do not split over the 4 batch shards"),
     "missing data path": (lambda t: ["data.path=/no/such/dir"], "data.path=/no/such/dir does not exist"),
     "bad flag": (lambda t: ["--devcies", "2"], "unrecognized arguments: --devcies (see 'jaxtrain train --help')"),
+    # `--init-from "$CKPT"` with CKPT unset trained from scratch, and an empty --run-dir, --mesh or --rules fell back to
+    # the default (a QA report)
+    "empty --init-from": (lambda t: ["--init-from", ""], "argument --init-from: expected a value, got an empty string (an unset shell variable?)"),
+    "empty --run-dir": (lambda t: ["--run-dir="], "argument --run-dir: expected a value, got an empty string"),
     "device count in another script's digits": (lambda t: ["--devices", "\u0668"],  # int() reads it as 8
                                                 "argument --devices: expected a positive integer, got '\u0668'"),
     "cuDNN attention without a GPU": (lambda t: ["model.attention=cudnn"],
@@ -90,6 +100,10 @@ CASES = {
     # memory techniques (issue 12): optim.offload on devices without host memory is tests/test_memory.py's (CPUs have it)
     "optimizer state over a mesh axis the mesh lacks": (lambda t: ["--rules", _zero1_over(t, "pipeline")],
                                                         "zero1_bad.yaml (optimizer_state): 'embed' maps to mesh axis 'pipeline', which the mesh does not have"),
+    # it named the parameter alone, whose own rules were fine (a QA report)
+    "optimizer state splitting two dimensions over one mesh axis": (
+        lambda t: ["--rules", _rules_file(t, optimizer_state={"embed": "tensor"})],
+        "parameter embed under rule-set section 'optimizer_state': mesh axis 'tensor' is used by two of its dimensions ('vocab', 'embed')"),
     "unknown model.quant": (lambda t: ["model.quant=int4"], "model.quant='int4' is unknown"),
     "unknown model.scan_layers": (lambda t: ["model.scan_layers=sometimes"],
                                   "model.scan_layers='sometimes' is unknown; choose true, false or auto"),

@@ -95,10 +95,40 @@ def test_an_experiment_path_must_be_a_python_file(tmp_path):
     with pytest.raises(UserError, match=rf"^experiment file {broken} failed to load: ModuleNotFoundError: No module named 'nosuchmod'; "
                                         "fix the file$"):
         config_lib.load_experiment(str(broken))
+    broken.write_text("import sys\nsys.exit(3)\n")  # it ended the command with status 3 and no word
+    with pytest.raises(UserError, match=rf"^experiment file {broken} failed to load: SystemExit: 3; fix the file$"):
+        config_lib.load_experiment(str(broken))
     # config() itself raising (a misspelt field): where in the file, one line
     broken.write_text("from models.config import LlamaConfig\n\ndef config():\n    return LlamaConfig(d_modle=64)\n")
     with pytest.raises(UserError, match=rf"^experiment file {broken} line 4: config\(\) raised TypeError: .*'d_modle'; fix the file$"):
         config_lib.load_experiment(str(broken))
+
+
+@pytest.mark.parametrize("key, hint", [
+    # a QA report: these printed all 90 keys, or a key of another name ('train' -> 'train.seed', 'model.moe' -> 'model.d_model')
+    ("lr", "; did you mean 'optim.lr'?"), ("seed", "; did you mean 'data.seed' or 'train.seed'?"),
+    ("mesh.data", "; did you mean 'mesh.ici.data' or 'mesh.dcn.data'?"),
+    ("mesh.ici", ", a section; give one of its keys: mesh.ici.data, mesh.ici.expert, mesh.ici.fsdp, mesh.ici.stage, mesh.ici.tensor"),
+    ("train", ", a section; give one of its keys: train.compile_cache, train.eval_batches,"),
+])
+def test_an_unknown_key_names_the_keys_of_that_name_or_section(key, hint):
+    with pytest.raises(UserError, match=f"^unknown config key '{key}'{hint}"):
+        config_lib.apply_overrides(config_lib.Config(), [f"{key}=1"])
+
+
+def test_an_experiment_files_values_are_read_as_overrides_are(tmp_path):
+    """Dataclasses check no types: a QA report: LogConfig(progress="false") was truthy, and a string learning rate
+    a traceback in the range checks."""
+    path = tmp_path / "mine.py"
+    path.write_text("from jaxtrain.config import Config, LogConfig, OptimConfig, TrainConfig\n\ndef config():\n"
+                    "    return Config(log=LogConfig(progress='false'), optim=OptimConfig(offload='no', lr='3e-4'),\n"
+                    "                  train=TrainConfig(compile_cache='false', steps='7'))\n")
+    cfg = config_lib.load_experiment(str(path))
+    assert (cfg.log.progress, cfg.optim.offload, cfg.optim.lr, cfg.train.compile_cache, cfg.train.steps) == (False, False, 3e-4, False, 7)
+    path.write_text("from jaxtrain.config import Config, TrainConfig\n\ndef config():\n    return Config(train=TrainConfig(steps=3.5))\n")
+    with pytest.raises(UserError, match=rf"^experiment {path}: in the Config its config\(\) returned, train.steps expects int, got 3.5; "
+                                        "fix the file$"):
+        config_lib.load_experiment(str(path))
 
 
 @pytest.mark.parametrize("key, ours", [("optim.learning_rate", "optim.lr"), ("train.batch_size", "train.global_batch"),
@@ -182,3 +212,30 @@ def test_a_runs_config_records_its_files_by_absolute_path(tmp_path, monkeypatch)
     for off in ("false", "true"):
         config_lib.save_yaml(apply_overrides(Config(), [f"train.compile_cache={off}"]), tmp_path / "config.yaml")
         assert config_lib.load_run_config(tmp_path).train.compile_cache is (off == "true")
+
+
+@pytest.mark.parametrize("body, message", [
+    ("train: {stepz: 2}\n", "config.yaml: unknown config key 'train.stepz'; did you mean 'train.steps'?"),
+    ("model: [1\n", "is not valid YAML"),
+    ("- 1\n", r"must be a mapping of config sections \(model, data, train, ...\), got list"),
+])
+def test_a_damaged_run_config_is_one_line_naming_it(tmp_path, body, message):
+    """A QA report: a config.yaml that is not a mapping, or not YAML, was a traceback for generate and export-hf, and a
+    key another jaxtrain wrote did not say which file held it."""
+    (tmp_path / "config.yaml").write_text(body)
+    with pytest.raises(UserError, match=message):
+        config_lib.load_run_config(tmp_path)
+
+
+def test_the_logical_axes_rule_sets_may_name_are_those_the_built_in_rule_sets_name():
+    """A rule for a name outside models.sharding.LOGICAL_AXES is refused (a misspelt `mpl` was ignored): the list must
+    hold every name the shipped rule sets give rules for, and nothing they never map (a name the model dropped)."""
+    import yaml
+
+    from jaxtrain.partitioning import RULES_DIR, STATE_SECTIONS
+    from models.sharding import LOGICAL_AXES
+
+    named = set()
+    for path in RULES_DIR.glob("*.yaml"):
+        named |= set(yaml.safe_load(path.read_text())) - {*STATE_SECTIONS, "extends"}
+    assert named == set(LOGICAL_AXES) and len(LOGICAL_AXES) == len(set(LOGICAL_AXES))

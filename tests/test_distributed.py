@@ -76,6 +76,13 @@ def test_a_busy_coordinator_port_is_one_line_before_jax_starts_the_job():
             distributed.initialize(f"127.0.0.1:{port}", 2, 0)
 
 
+@pytest.mark.parametrize("coordinator", ["host:99999", "host:0", ":12355", "host", "host:\u0663"])
+def test_a_coordinator_that_is_not_host_and_port_is_one_line(coordinator):
+    """A QA report: port 99999 was an OverflowError traceback."""
+    with pytest.raises(UserError, match=f"^--coordinator '{coordinator}' must be HOST:PORT with a port in 1..65535"):
+        distributed.initialize(coordinator, 2, 0)
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
 def test_the_join_timeout_must_be_a_positive_number_of_seconds(value, monkeypatch):
     monkeypatch.setenv("JAXTRAIN_JOIN_TIMEOUT_S", value)

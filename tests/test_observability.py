@@ -710,6 +710,14 @@ def test_plot_names_the_damaged_line_and_skips_a_last_line_being_written(tmp_pat
     path.write_text('{"step": 1, "lo')  # the first record, half written: no records yet
     with pytest.raises(UserError, match="holds no records yet"):
         read_metrics(tmp_path)
+    # JSON but no record (a QA report: KeyError, AttributeError and UnicodeDecodeError tracebacks)
+    for line in ('{"loss": 3.0}', "[1, 2]", '{"step": "1"}'):
+        path.write_text("".join(good) + line + "\n")
+        with pytest.raises(UserError, match=f"^{path} line 3 is not a metrics record \\(a JSON object with an integer 'step'\\)"):
+            read_metrics(tmp_path)
+    path.write_bytes(b"\xff\xfe\n")
+    with pytest.raises(UserError, match=f"^{path} is not UTF-8 text"):
+        read_metrics(tmp_path)
 
 
 def test_an_image_path_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
