@@ -77,7 +77,8 @@ CASES = {
     "bad flag": (lambda t: ["--devcies", "2"], "unrecognized arguments: --devcies (see 'jaxtrain train --help')"),
     # `--init-from "$CKPT"` with CKPT unset trained from scratch, and an empty --run-dir, --mesh or --rules fell back to
     # the default (a QA report)
-    "empty --init-from": (lambda t: ["--init-from", ""], "argument --init-from: expected a value, got an empty string (an unset shell variable?)"),
+    "empty --init-from": (lambda t: ["--init-from", ""],
+                          "argument --init-from: expected a value, got an empty string (an unset shell variable?)"),
     "empty --run-dir": (lambda t: ["--run-dir="], "argument --run-dir: expected a value, got an empty string"),
     "device count in another script's digits": (lambda t: ["--devices", "\u0668"],  # int() reads it as 8
                                                 "argument --devices: expected a positive integer, got '\u0668'"),

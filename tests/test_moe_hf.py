@@ -116,7 +116,8 @@ def test_a_qwen2_moe_without_a_shared_expert_is_one_line():
 
 @pytest.mark.parametrize("config, message", [
     ({"target_modules": ["q_proj", "gate_proj"]}, "target_modules gate_proj on a mixture of experts name the shared expert's projections"),
-    ({"target_modules": ["w1", "w2", "w3"]}, "target_modules ['w1', 'w2', 'w3'] name none of this base's layer projections"),  # transformers 4's experts
+    # transformers 4's experts
+    ({"target_modules": ["w1", "w2", "w3"]}, "target_modules ['w1', 'w2', 'w3'] name none of this base's layer projections"),
     ({"target_modules": ["q_proj"], "target_parameters": ["experts.w13"]}, "target_parameters ['experts.w13'] are not this base's"),
     ({"target_parameters": ["experts.gate_up_proj"], "dense": True}, "are not this base's expert parameters (a dense model has none)"),
     # QA: read by their last name only, these were refused as "not all Llama projections" or taken as another base's
