@@ -44,6 +44,15 @@ class AxisSizes:
     def as_tuple(self) -> tuple[int, ...]:
         return tuple(getattr(self, a) for a in MESH_AXES)
 
+    def __str__(self) -> str:  # in messages: 'data -1 x fsdp -1 x tensor 2', not the dataclass's repr
+        return describe_axes(dataclasses.asdict(self))
+
+
+def describe_axes(sizes: typing.Mapping[str, int]) -> str:
+    """'data 2 x fsdp 2 x tensor 2': how every message and listing shows mesh axis sizes (the stage and expert
+    axes only where they are used)."""
+    return " x ".join(f"{axis} {size}" for axis, size in sizes.items() if not (axis in ("stage", "expert") and size == 1))
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
@@ -408,6 +417,8 @@ def read_yaml_mapping(path: Path, what: str, expected: str) -> dict:
 def load_mesh_file(name_or_path: str) -> MeshConfig:
     """Mesh YAML: ``ici:`` and ``dcn:`` mappings of axis name to size (missing axes are 1)."""
     path = Path(name_or_path)
+    if path.is_dir():
+        raise UserError(f"--mesh {name_or_path} is a directory; give a mesh YAML file or one of: {_available(MESHES_DIR, '.yaml')}")
     if not path.is_file():
         path = MESHES_DIR / f"{name_or_path}.yaml"
     if not path.is_file():

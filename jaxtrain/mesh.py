@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxtrain.config import MESH_AXES, AxisSizes, MeshConfig
+from jaxtrain.config import MESH_AXES, AxisSizes, MeshConfig, describe_axes
 from jaxtrain.errors import UserError
 
 
@@ -22,12 +21,6 @@ def _fill(sizes: AxisSizes, total: int, what: str) -> tuple[int, ...]:
             raise UserError(f"cannot fill the -1 axis of {what}: {total} is not divisible by {known}, the product of the other axes")
         shape[shape.index(-1)] = total // known
     return tuple(shape)
-
-
-def describe_axes(sizes: Mapping[str, int]) -> str:
-    """'data 2 x fsdp 2 x tensor 2': how every message and listing shows mesh axis sizes (the stage and expert
-    axes only where they are used)."""
-    return " x ".join(f"{axis} {size}" for axis, size in sizes.items() if not (axis in ("stage", "expert") and size == 1))
 
 
 def _describe(shape: tuple[int, ...]) -> str:

@@ -74,6 +74,10 @@ CASES = {
                                         "passwd must be a mapping with only the keys 'ici' and 'dcn', got str"),  # not the file
     "batch does not split over the mesh": (lambda t: ["train.global_batch=6"], "do not split over the 4 batch shards"),
     "missing data path": (lambda t: ["data.path=/no/such/dir"], "data.path=/no/such/dir does not exist"),
+    # the sizes were the dataclass's repr, AxisSizes(data=-1, fsdp=-1, tensor=2, stage=1, expert=1)
+    "mesh file that is a directory": (lambda t: ["--mesh", str(t)], "is a directory; give a mesh YAML file or one of: "),
+    "two axes to fill": (lambda t: ["mesh.ici.data=-1", "mesh.ici.fsdp=-1"],
+                         "at most one mesh.ici axis may be -1, got data -1 x fsdp -1 x tensor 2"),
     "bad flag": (lambda t: ["--devcies", "2"], "unrecognized arguments: --devcies (see 'jaxtrain train --help')"),
     # `--init-from "$CKPT"` with CKPT unset trained from scratch, and an empty --run-dir, --mesh or --rules fell back to
     # the default (a QA report)
