@@ -271,6 +271,11 @@ def test_a_memory_size_without_a_gpu_is_planned_as_for_the_gpu_the_step_time_ass
     assert (sized.accelerator_estimate, sized.fits, sized.step_time) == (h100.accelerator_estimate, h100.fits, h100.step_time)
     note = "note: --device-memory without --gpu: attention, layer scan and grouped matmul chosen as for an H100"
     assert note in plan_lib.render(sized) and "--device-memory without --gpu" not in plan_lib.render(h100)
+    # without a memory size auto has nothing to fit: a QA report, llama3_70b's plan held 1.6 TiB of activations unexplained
+    unsized = plan_lib.render(plan_lib.make_plan(cfg))
+    assert "in 1 micro-batch(es) (auto)" in unsized and "micro-batch(es) (auto)" in plan_lib.render(h100)
+    assert ("verdict: no device memory given (--gpu NAME or --device-memory GiB); train.microbatches=auto planned as 1 "
+            "micro-batch for want of one") in unsized
 
 
 def test_target_devices_are_the_accelerators_when_there_are_enough(monkeypatch):

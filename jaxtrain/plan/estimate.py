@@ -583,6 +583,7 @@ class Plan:
     techniques: tuple = ()  # technique_effects of the planned layout
     per_stage: dict | None = None  # with pipeline stages: stages.stage_memory of the accelerator estimate
     idle_axes: dict = dataclasses.field(default_factory=dict)  # Layout.idle_axes: mesh axes whose devices repeat each other's work
+    microbatches_auto: bool = False  # train.microbatches=auto: fitted to the usable memory; 1 where no memory size was given
 
     @property
     def usable(self) -> int | None:
@@ -681,7 +682,8 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
     devices = compile_devices(cfg, devices)
     layout = unfitted_layout(cfg, devices)
-    if cfg.train.microbatches == "auto" and usable is not None:
+    microbatches_auto = cfg.train.microbatches == "auto"
+    if microbatches_auto and usable is not None:
         layout, (compiled, predicted) = fit_microbatches(layout, usable, functools.partial(_compile_and_predict, hlo_report=hlo_report))
     else:
         (compiled, predicted), _ = _compile_and_predict(layout, hlo_report)
@@ -696,7 +698,7 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, allocator_fraction, estimate_as_compiled(layout, compiled),
                 accelerator_estimate, compiled, predicted, step_time(layout, gpu), flops_per_token(cfg.model, cfg.data.seq_len),
                 cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic, tuple(technique_effects(layout, gpu)), per_stage,
-                layout.idle_axes)
+                layout.idle_axes, microbatches_auto)
 
 
 def render(plan: Plan) -> str:
@@ -710,7 +712,8 @@ def render(plan: Plan) -> str:
     moe = cfg.model.moe
     grouped = f"experts' grouped matmul {moe.grouped_matmul}, " if moe.num_experts and moe.dispatch == "dropless" else ""
     lines = [(f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat}, {cfg.model.attention} attention, "
-              f"{grouped}batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"),
+              f"{grouped}batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"
+              f"{' (auto)' if plan.microbatches_auto else ''}"),
              *([f"note: XLA's GPU compiler expands jax.lax.ragged_dot over every expert ({moe.num_experts}x the experts' "
                 "FLOPs and a dense (experts, rows, hidden) array per product, the estimate's layer backward counts its gate "
                 "and up); pip install 'jaxtrain[moe-gpu]' for tokamax's kernels (model.moe.grouped_matmul=auto picks them)"]
@@ -763,7 +766,9 @@ def render(plan: Plan) -> str:
                      + ", ".join(f"{key} {_size(value)}" for key, value in plan.per_stage.items()))
     lines.append("")
     if plan.usable is None:
-        lines.append("verdict: no device memory given (--gpu NAME or --device-memory GiB)")
+        # auto fits the micro-batches to a memory size: without one, a 70B model's plan held 1.6 TiB of activations unexplained
+        lines.append("verdict: no device memory given (--gpu NAME or --device-memory GiB)" +
+                     ("; train.microbatches=auto planned as 1 micro-batch for want of one" if plan.microbatches_auto else ""))
     else:
         verdict = "fits" if plan.fits else "DOES NOT FIT"
         lines.append(f"verdict: {verdict}: {_size(plan.accelerator_total)} of {_size(plan.usable)} usable "
