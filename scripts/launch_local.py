@@ -49,12 +49,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the command after --, e.g. -- jaxtrain train tiny --mesh cpu2x4")
     if args.num_processes < 1:
         parser.error(f"--num-processes {args.num_processes}: give at least 1")
+    # checked here, once: passed on, every process failed with its own copy of the error (and 0 was dropped unsaid)
+    if args.devices is not None and args.devices < 1:
+        parser.error(f"--devices {args.devices}: give at least 1")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        parser.error(f"--port {args.port}: give a TCP port in 1..65535")
     if command[0] == "jaxtrain" and not shutil.which("jaxtrain"):
         command = [sys.executable, "-m", "jaxtrain.cli", *command[1:]]
     elif not shutil.which(command[0]):
         parser.error(f"command {command[0]!r} not found (not on PATH, or not executable)")
     coordinator = f"127.0.0.1:{args.port or free_port()}"
-    extra = ["--devices", str(args.devices)] if args.devices else []
+    extra = [] if args.devices is None else ["--devices", str(args.devices)]
     procs, received = [], []
 
     def forward(signum, frame):

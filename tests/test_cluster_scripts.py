@@ -187,6 +187,8 @@ def test_local_launcher_reports_the_failed_process_not_the_ones_it_stopped(tmp_p
     result = subprocess.run([*launch, "--num-processes", "2", "--", "job"], env=env, capture_output=True, text=True, timeout=20, check=False)
     assert result.returncode == 2
     for args, message in ((["--num-processes", "0", "--", "job"], "--num-processes 0: give at least 1"),
+                          (["--num-processes", "2", "--devices", "0", "--", "job"], "--devices 0: give at least 1"),
+                          (["--num-processes", "2", "--port", "70000", "--", "job"], "--port 70000: give a TCP port in 1..65535"),
                           (["--num-processes", "2", "--", "no-such-command"], "command 'no-such-command' not found (not on PATH, or not executable)")):
         refused = subprocess.run([*launch, *args], env=env, capture_output=True, text=True, timeout=20, check=False)
         assert refused.returncode == 2 and refused.stderr.strip().endswith(message), refused.stderr
