@@ -388,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "KV-cache decoding, jitted, sharded with the run's rules; prints the text and tokens/s")
     generate.add_argument("path", metavar="RUN_DIR|HF_DIR", help="a training run directory (config.yaml and checkpoints/) or a "
                           "Hugging Face model directory (config.json, safetensors; computed in float32)")
-    generate.add_argument("--prompt", required=True, help="text (byte-level runs: its UTF-8 bytes; Hugging Face models: their "
+    # type=str: text, where empty is a value (an empty user message with --chat), not an unset variable
+    generate.add_argument("--prompt", required=True, type=str, help="text (byte-level runs: its UTF-8 bytes; Hugging Face models: their "
                           "tokenizer.json); token ids, e.g. '12 7 99', for models without a tokenizer")
     generate.add_argument("--chat", action="store_true", help="the prompt is one user message rendered with the tokenizer's chat "
                           "template (instruction-tuned models, data.format=sft runs); prints the answer up to the end of its turn")

@@ -216,3 +216,12 @@ def test_a_ctrl_c_python_drops_in_a_gc_callback_still_stops_the_command(hook, ou
     done = subprocess.run([sys.executable, "-c", DROPPED_INTERRUPT, hook], cwd=REPO, env=subprocess_env(), capture_output=True,
                           text=True, timeout=60)
     assert done.stdout.strip() == outcome, done.stderr[-2000:]
+
+
+def test_an_empty_prompt_is_a_prompt_where_other_empty_options_are_refused():
+    """Empty option values are refused (an unset shell variable: `--init-from "$CKPT"` trained from scratch); a prompt is
+    text, and an empty one is a value (with --chat an empty user message)."""
+    parser = cli.build_parser()
+    assert parser.parse_args(["generate", "run", "--prompt", ""]).prompt == ""
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "run", "--prompt", "hi", "--adapter", ""])
