@@ -1,7 +1,7 @@
 """Generation speed with the key/value cache (``jaxtrain.generate``), measured side by side in one process:
 
 - ``generate_prefill_tokens_per_s`` / ``generate_decode_tokens_per_s``: prompt tokens per second through
-  the prefill, and new tokens per second through the scanned one-token decoding steps, at batch 1 and 8
+  the prefill, and new tokens per second through the one-token decoding steps (no stop token: every step runs), at batch 1 and 8
   (``generate_tokens_per_s``: both, with step times and compile time).
 - ``generate_cache_speedup``: per new token, one forward over the whole sequence (what generating
   without a cache costs; timed at the mean sequence length of such a generation, prompt + new / 2)

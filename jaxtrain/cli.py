@@ -285,12 +285,12 @@ def cmd_generate(args) -> int:
             from jaxtrain.adapt import lora
 
             loaded = lora.with_adapter(loaded, Path(args.adapter))
-        out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling)
+        out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling, loaded.stop)
     new = out.tokens[0]
     text = loaded.decode(new) if args.chat else args.prompt + loaded.decode(new)
     print(text, flush=True)
     decode = f"{out.decode_tokens_per_s:,.1f} tokens/s" if out.decode_tokens_per_s else "no decoding steps"
-    print(f"jaxtrain: {len(new)} new tokens; prefill {out.prompt_tokens} tokens in {out.prefill_s:.3f} s "
+    print(f"jaxtrain: {1 + out.decode_steps} new tokens; prefill {out.prompt_tokens} tokens in {out.prefill_s:.3f} s "
           f"({out.prefill_tokens_per_s:,.0f} tokens/s); decode {decode}; compile {out.compile_s:.1f} s "
           f"({compile_cache.describe(compiled.record(folder))})", file=sys.stderr)
     return 0

@@ -3,7 +3,8 @@ sharded with the run's rules.
 
 ``load(path)`` gives a ``Loaded`` model (config, parameters on the mesh, encode, decode) from a run
 directory or a Hugging Face model directory; ``generate`` runs a prefill of the prompts, which fills a
-fixed-size cache (prompt + max_new_tokens), then a ``lax.scan`` of one-token decoding steps over it:
+fixed-size cache (prompt + max_new_tokens), then a ``lax.while_loop`` of one-token decoding steps over it, until
+every sequence has made the stop token:
 greedy at temperature 0, else temperature and top-p (nucleus) sampling from a seed.
 """
 
@@ -14,7 +15,7 @@ import functools
 import math
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,14 @@ Encode = Callable[[str], list[int]]
 Decode = Callable[[Sequence[int]], str]
 
 
+class Codec(NamedTuple):
+    """How a model reads a prompt and writes its output."""
+
+    encode: Encode  # prompt text -> token ids
+    decode: Decode  # token ids -> text to print after the prompt, up to ``stop``
+    stop: int | None  # the token that ends a text (end of text, of the chat turn); None: none, generate them all
+
+
 @dataclasses.dataclass(frozen=True)
 class Loaded:
     """A model ready to generate: what every source (``load_run``, ``load_hf``) gives."""
@@ -56,15 +65,17 @@ class Loaded:
     rules_name: str
     encode: Encode  # prompt text -> token ids
     decode: Decode  # token ids -> text to print after the prompt
+    stop: int | None = None  # Codec.stop: generation ends once every sequence has made it
 
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    tokens: np.ndarray  # (batch, max_new_tokens) int32: the new tokens only
+    tokens: np.ndarray  # (batch, max_new_tokens) int32: the new tokens only; after a sequence's stop token, that token again
     prompt_tokens: int  # across the batch
     prefill_s: float  # prompt through the layers and the first new token (compiled, timed apart from compiling)
-    decode_s: float  # the other max_new_tokens - 1 tokens
+    decode_s: float  # the decoding steps after it
     compile_s: float
+    decode_steps: int  # at most max_new_tokens - 1: fewer where every sequence made its stop token sooner
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -72,7 +83,7 @@ class Generation:
 
     @property
     def decode_tokens_per_s(self) -> float | None:
-        steps = self.tokens.size - self.tokens.shape[0]
+        steps = self.tokens.shape[0] * self.decode_steps
         return steps / self.decode_s if steps else None
 
 
@@ -81,7 +92,7 @@ class Generation:
 
 
 def load(path: Path, mesh: str | None = None, rules: str | None = None, chat: bool = False,
-         codec: tuple[Encode, Decode] | None = None) -> Loaded:
+         codec: Codec | None = None) -> Loaded:
     """The model of ``path``: a training run directory (config.yaml, checkpoints/) or a Hugging Face model
     directory (config.json, safetensors). ``mesh`` / ``rules`` replace the run's own (e.g. generating on one
     GPU from a run trained on many); a Hugging Face model defaults to every device on fsdp, rules fsdp_tp.
@@ -90,7 +101,7 @@ def load(path: Path, mesh: str | None = None, rules: str | None = None, chat: bo
     return load_hf(path, mesh, rules, codec) if hf_config.is_hf_dir(path) else load_run(path, mesh, rules, codec)
 
 
-def load_codec(path: Path, chat: bool = False) -> tuple[Encode, Decode]:
+def load_codec(path: Path, chat: bool = False) -> Codec:
     """How ``load(path)``'s model reads a prompt and writes its output, known before any weight is read. With
     ``chat`` a prompt is one user message rendered with the tokenizer's chat template."""
     if hf_config.is_hf_dir(path):
@@ -106,7 +117,7 @@ def _with_layout(cfg: Config, mesh: str | None, rules: str | None) -> Config:
     return dataclasses.replace(cfg, rules=rules) if rules else cfg
 
 
-def load_run(run_dir: Path, mesh: str | None, rules: str | None, codec: tuple[Encode, Decode]) -> Loaded:
+def load_run(run_dir: Path, mesh: str | None, rules: str | None, codec: Codec) -> Loaded:
     """A run's parameters from its latest checkpoint (a LoRA run's adapters merged into its base)."""
     cfg = _with_layout(config_lib.load_run_config(run_dir), mesh, rules)
     layout = make_layout(cfg)
@@ -123,7 +134,7 @@ def _hf_model_config(hf_dir: Path, cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, LlamaConfig(dtype="float32"), set(), seq_len=0))
 
 
-def load_hf(hf_dir: Path, mesh: str | None, rules: str | None, codec: tuple[Encode, Decode]) -> Loaded:
+def load_hf(hf_dir: Path, mesh: str | None, rules: str | None, codec: Codec) -> Loaded:
     """A Hugging Face model's weights, computing in float32."""
     cfg = _hf_model_config(hf_dir, _with_layout(Config(), mesh, rules))
     hf_weights.check_dir(hf_dir, cfg.model)
@@ -132,13 +143,14 @@ def load_hf(hf_dir: Path, mesh: str | None, rules: str | None, codec: tuple[Enco
     return Loaded(cfg.model, params, layout.mesh, cfg.mesh, layout.rules, cfg.rules, *codec)
 
 
-def codec(cfg: Config, run_dir: Path) -> tuple[Encode, Decode]:
+def codec(cfg: Config, run_dir: Path) -> Codec:
     """The run's own encoding: its ``data.tokenizer``; else UTF-8 bytes for byte-level text runs (the standard
     library or a text directory); else, for a token file, the tokenizer its sidecar or ``--init-from HF_DIR``
     names (kept in RUN_DIR/hf/), or token ids written as numbers when there is none."""
     vocab = cfg.model.vocab_size
     if not cfg.data.tokenizer and (cfg.data.path is None or Path(cfg.data.path).suffix not in TOKEN_FILE_SUFFIXES):
-        return (lambda text: _in_vocab(list(text.encode("utf-8")), vocab, "a byte of the prompt's UTF-8")), _bytes_to_text
+        return Codec(lambda text: _in_vocab(list(text.encode("utf-8")), vocab, "a byte of the prompt's UTF-8"), _bytes_to_text,
+                     RawBytes().end_of_text)
     found = run_tokenizer(cfg, run_dir)
     return _token_codec(vocab, None if found is None else load_tokenizer(found))
 
@@ -155,7 +167,7 @@ def run_tokenizer(cfg: Config, run_dir: Path) -> Path | None:
     return None if made_with is None else Path(made_with)
 
 
-def chat_codec(path: Path, vocab: int) -> tuple[Encode, Decode]:
+def chat_codec(path: Path, vocab: int) -> Codec:
     """A prompt as one user turn of the chat template, ready for the answer; the answer decoded up to the end of its turn."""
     if hf_config.is_hf_dir(path):
         file = path / TOKENIZER_FILE
@@ -165,11 +177,12 @@ def chat_codec(path: Path, vocab: int) -> tuple[Encode, Decode]:
         raise UserError(f"--chat: {path} has no tokenizer, so no chat template; generate without --chat, or from a model "
                         "with a tokenizer directory holding a chat template")
     template = ChatTemplate(load_tokenizer(file))
+    end = template.end_of_turn()
 
     def decode(ids: Sequence[int]) -> str:
-        return template.tokenizer.tokenizer.decode(_until(ids, template.end_of_turn()), skip_special_tokens=True)
+        return template.tokenizer.tokenizer.decode(_until(ids, end), skip_special_tokens=True)
 
-    return (lambda text: _in_vocab(template.prompt_tokens(text), vocab, "a prompt token id")), decode
+    return Codec(lambda text: _in_vocab(template.prompt_tokens(text), vocab, "a prompt token id"), decode, end)
 
 
 def _until(ids: Sequence[int], end: int | None) -> list[int]:
@@ -178,20 +191,22 @@ def _until(ids: Sequence[int], end: int | None) -> list[int]:
     return ids[:ids.index(end)] if end in ids else ids
 
 
-def _hf_codec(vocab: int, hf_dir: Path) -> tuple[Encode, Decode]:
+def _hf_codec(vocab: int, hf_dir: Path) -> Codec:
     """A Hugging Face model's tokenizer.json when it has one, else token ids."""
     return _token_codec(vocab, load_tokenizer(hf_dir) if (hf_dir / TOKENIZER_FILE).is_file() else None)
 
 
-def _token_codec(vocab: int, tokenizer: TextTokenizer | None) -> tuple[Encode, Decode]:
+def _token_codec(vocab: int, tokenizer: TextTokenizer | None) -> Codec:
     """A ``tokenizers`` tokenizer when there is one (the output decoded up to its end-of-text token), else token ids
     written as numbers, each after a space (so the prompt's ids and the new ones print as one sequence, as text prompts
     print with their continuation)."""
     if tokenizer is None:
-        return (lambda text: _in_vocab(_ids(text), vocab, "a prompt token id")), lambda ids: "".join(f" {int(i)}" for i in ids)
+        return Codec(lambda text: _in_vocab(_ids(text), vocab, "a prompt token id"), lambda ids: "".join(f" {int(i)}" for i in ids),
+                     None)
     # up to the end of text, as byte-level runs' output stops at theirs (it was printed on into the next document)
-    return ((lambda text: _in_vocab(tokenizer.tokenizer.encode(text).ids, vocab, "a prompt token id")),
-            lambda ids: tokenizer.tokenizer.decode(_until(ids, tokenizer.end_of_text), skip_special_tokens=True))
+    return Codec(lambda text: _in_vocab(tokenizer.tokenizer.encode(text).ids, vocab, "a prompt token id"),
+                 lambda ids: tokenizer.tokenizer.decode(_until(ids, tokenizer.end_of_text), skip_special_tokens=True),
+                 tokenizer.end_of_text)
 
 
 def _bytes_to_text(ids: Sequence[int]) -> str:
@@ -312,8 +327,9 @@ def generation_rules(rules: Rules, mesh: Mesh, batch: int) -> Rules:
     return rules
 
 
-def generate(loaded: Loaded, prompts: np.ndarray, sampling: SamplingConfig) -> Generation:
-    """``prompts`` (batch, length) int32, all of one length -> ``sampling.max_new_tokens`` new tokens each.
+def generate(loaded: Loaded, prompts: np.ndarray, sampling: SamplingConfig, stop: int | None = None) -> Generation:
+    """``prompts`` (batch, length) int32, all of one length -> ``sampling.max_new_tokens`` new tokens each; with ``stop``
+    (e.g. ``loaded.stop``) decoding ends once every sequence has made that token, and each holds it from there on.
     The compiled prefill and decode are kept for later calls with the same shapes and max_new_tokens."""
     batch, prompt_len = prompts.shape
     rules = generation_rules(loaded.rules, loaded.mesh, batch)
@@ -323,21 +339,22 @@ def generate(loaded: Loaded, prompts: np.ndarray, sampling: SamplingConfig) -> G
                                 (param_shardings[1], tuple(param_shardings[0])), batch, prompt_len, sampling.max_new_tokens)
     compile_s = time.perf_counter() - start
     prompt = jax.device_put(np.asarray(prompts, np.int32), batch_sharding(rules, loaded.mesh))
-    knobs = jax.device_put(_knobs(sampling), NamedSharding(loaded.mesh, PartitionSpec()))
+    knobs = jax.device_put(_knobs(sampling, stop), NamedSharding(loaded.mesh, PartitionSpec()))
 
     start = time.perf_counter()
     cache, first = jax.block_until_ready(prefill(loaded.params, prompt, knobs))
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    rest = jax.block_until_ready(decode(loaded.params, cache, first, knobs)[0]) if decode else np.zeros((batch, 0), np.int32)
+    rest, steps = jax.block_until_ready(decode(loaded.params, cache, first, knobs)[::2]) if decode else (np.zeros((batch, 0), np.int32), 0)
     decode_s = time.perf_counter() - start
     tokens = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
-    return Generation(tokens, batch * prompt_len, prefill_s, decode_s, compile_s)
+    return Generation(tokens, batch * prompt_len, prefill_s, decode_s, compile_s, int(steps))
 
 
-def _knobs(sampling: SamplingConfig) -> dict[str, np.ndarray]:
-    # uint32: every seed SamplingConfig allows (jax keys keep 32 bits), and the same key as an int32 below 2**31
-    return {"seed": np.uint32(sampling.seed), "temperature": np.float32(sampling.temperature), "top_p": np.float32(sampling.top_p)}
+def _knobs(sampling: SamplingConfig, stop: int | None = None) -> dict[str, np.ndarray]:
+    # uint32: every seed SamplingConfig allows (jax keys keep 32 bits), and the same key as an int32 below 2**31; stop -1: none
+    return {"seed": np.uint32(sampling.seed), "temperature": np.float32(sampling.temperature), "top_p": np.float32(sampling.top_p),
+            "stop": np.int32(-1 if stop is None else stop)}
 
 
 def _sample_at(logits, knobs, index):
@@ -352,7 +369,8 @@ def _compiled(cfg: LlamaConfig, mesh: Mesh, rule_items: tuple, rules_name: str, 
     """(prefill, decode) compiled for these shapes and shardings; decode is None for a single new token.
 
     prefill(params, prompt, knobs) -> (cache, first token); decode(params, cache (donated), token, knobs) ->
-    (the other new - 1 tokens (batch, new - 1), cache). knobs: seed, temperature, top_p (``_knobs``)."""
+    (the other new - 1 tokens (batch, new - 1), cache, the decoding steps run). knobs: seed, temperature, top_p, stop
+    (``_knobs``)."""
     rules = dict(rule_items)
     spec = model_spec(cfg)
     graphdef, params_sharding = spec.graphdef, jax.tree.unflatten(*param_shardings)
@@ -371,15 +389,21 @@ def _compiled(cfg: LlamaConfig, mesh: Mesh, rule_items: tuple, rules_name: str, 
 
     def decode(params, cache, token, knobs):
         model = nnx.merge(graphdef, params)
+        stop = knobs["stop"]
 
-        def step(carry, index):
-            cache, token = carry
+        def going(carry):  # a step left, and a sequence that has not made its stop token (-1: none ever does)
+            index, _, _, _, done = carry
+            return (index < new) & ~jnp.all(done)
+
+        def step(carry):
+            index, cache, token, tokens, done = carry
             hidden, cache = model.extend(token[:, None], cache)
-            token = _sample_at(model.logits(hidden)[:, 0], knobs, index)
-            return (cache, token), token
+            token = jnp.where(done, stop, _sample_at(model.logits(hidden)[:, 0], knobs, index))
+            return index + 1, cache, token, tokens.at[:, index - 1].set(token), done | (token == stop)
 
-        (cache, _), tokens = jax.lax.scan(step, (cache, token), jnp.arange(1, new))
-        return tokens.T, cache  # returned, so the donated cache's buffers can hold it
+        tokens = jnp.full((batch, new - 1), stop, jnp.int32)  # what a sequence holds after its stop token
+        index, cache, _, tokens, _ = jax.lax.while_loop(going, step, (jnp.int32(1), cache, token, tokens, token == stop))
+        return tokens, cache, index - 1  # the cache returned, so the donated cache's buffers can hold it
 
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), spec.shapes, params_sharding)
     prompt = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=batch_sharding(rules, mesh))
@@ -389,5 +413,5 @@ def _compiled(cfg: LlamaConfig, mesh: Mesh, rule_items: tuple, rules_name: str, 
         if new == 1:
             return prefill, None
         cache, token = prefill.out_info
-        decode = jax.jit(decode, out_shardings=(sharding("activation_batch", None), cache_sharding), donate_argnums=1)
+        decode = jax.jit(decode, out_shardings=(sharding("activation_batch", None), cache_sharding, replicated), donate_argnums=1)
         return prefill, decode.lower(params, cache, token, knobs).compile()

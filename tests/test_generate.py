@@ -70,6 +70,23 @@ def test_greedy_with_cache_equals_full_forward(rules, mesh, devices, batch, expe
     assert out.prefill_tokens_per_s > 0 and out.decode_tokens_per_s > 0
 
 
+def test_decoding_ends_once_every_sequence_has_made_its_stop_token():
+    """A model's end of text (``Loaded.stop``): decoding ran on to --max-new-tokens after it (a QA report). A sequence
+    holds the stop token after its own; the steps end when the last sequence has made it."""
+    loaded = _loaded("dp", (1, 1, 1), 1)
+    for batch in (1, 2):
+        prompts = _prompts(batch)
+        greedy = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS)).tokens
+        stop = int(greedy[0, 1])  # early in the first sequence; in a second (the seeded model's), not at all
+        ends = [list(row).index(stop) if stop in row else NEW_TOKENS - 1 for row in greedy]
+        out = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS), stop=stop)
+        expected = [np.concatenate([row[:end + 1], np.full(NEW_TOKENS - end - 1, stop)])
+                    for row, end in zip(greedy, ends, strict=True)]
+        np.testing.assert_array_equal(out.tokens, np.stack(expected))
+        assert out.decode_steps == max(ends) and (batch > 1 or out.decode_steps <= 1)
+        assert out.decode_tokens_per_s == pytest.approx(batch * out.decode_steps / out.decode_s)
+
+
 def test_prefill_logits_equal_training_forward():
     loaded = _loaded("fsdp_tp", (2, 2, 2), 8)
     cfg, prompts = loaded.model_cfg, _prompts(4, 12)
@@ -200,11 +217,11 @@ def test_text_codecs(tmp_path):
     from jaxtrain.generate import codec
 
     byte_run = small_config(vocab_size=256)
-    encode, decode = codec(byte_run, tmp_path)
-    assert encode("é!") == [0xC3, 0xA9, 0x21] and decode([0xC3, 0xA9, 0x21, 0, 0x41]) == "é!"
+    encode, decode, stop = codec(byte_run, tmp_path)
+    assert encode("é!") == [0xC3, 0xA9, 0x21] and decode([0xC3, 0xA9, 0x21, 0, 0x41]) == "é!" and stop == 0
     token_run = with_(byte_run, data={"path": "tokens.bin"})
-    encode, decode = codec(token_run, tmp_path)
-    assert encode("12, 7 99") == [12, 7, 99] and decode([4, 18]) == " 4 18"  # printed after the prompt's ids
+    encode, decode, stop = codec(token_run, tmp_path)
+    assert encode("12, 7 99") == [12, 7, 99] and decode([4, 18]) == " 4 18" and stop is None  # printed after the prompt's ids
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.train_from_iterator(["the quick brown fox", "the lazy dog"] * 10,
@@ -213,8 +230,8 @@ def test_text_codecs(tmp_path):
     tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
     end_of_text = tokenizer.token_to_id("<|endoftext|>")
     for run in (token_run, with_(byte_run, data={"tokenizer": str(tmp_path / "hf")})):
-        encode, decode = codec(run, tmp_path)
-        assert encode("the lazy fox") == tokenizer.encode("the lazy fox").ids and decode(encode("the lazy fox")) == "the lazy fox"
+        encode, decode, stop = codec(run, tmp_path)
+        assert stop == end_of_text and encode("the lazy fox") == tokenizer.encode("the lazy fox").ids and decode(encode("the lazy fox")) == "the lazy fox"
         # up to the end of text, as the byte-level runs' output (a QA report: what followed it was printed on as continuation)
         assert decode(encode("the lazy") + [end_of_text] + encode("fox")) == "the lazy"
 

@@ -152,7 +152,7 @@ def test_train_tokenize_train_loss_falls(trained, texts, tmp_path, capsys):
     sidecar_only = dataclasses.replace(saved, data=dataclasses.replace(saved.data, tokenizer=None))
     (tmp_path / "sidecar_only").mkdir()
     config_lib.save_yaml(sidecar_only, tmp_path / "sidecar_only" / "config.yaml")
-    encode, _ = generate_lib.load_codec(tmp_path / "sidecar_only")
+    encode = generate_lib.load_codec(tmp_path / "sidecar_only").encode
     assert encode("def f(x):") == tokenizer.tokenizer.encode("def f(x):").ids
     assert hf_export.tokenizer_files(sidecar_only, None) == hf_export.tokenizer_files(saved, None)
 
