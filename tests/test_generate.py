@@ -231,7 +231,8 @@ def test_text_codecs(tmp_path):
     end_of_text = tokenizer.token_to_id("<|endoftext|>")
     for run in (token_run, with_(byte_run, data={"tokenizer": str(tmp_path / "hf")})):
         encode, decode, stop = codec(run, tmp_path)
-        assert stop == end_of_text and encode("the lazy fox") == tokenizer.encode("the lazy fox").ids and decode(encode("the lazy fox")) == "the lazy fox"
+        assert stop == end_of_text
+        assert encode("the lazy fox") == tokenizer.encode("the lazy fox").ids and decode(encode("the lazy fox")) == "the lazy fox"
         # up to the end of text, as the byte-level runs' output (a QA report: what followed it was printed on as continuation)
         assert decode(encode("the lazy") + [end_of_text] + encode("fox")) == "the lazy"
 
