@@ -275,6 +275,18 @@ def test_a_peft_adapter_whose_module_expression_is_invalid_is_one_line(key, tmp_
         peft_io.targets_of(config, tmp_path, small_config().model)
 
 
+def test_peft_adapters_made_on_a_rewritten_base_are_refused():
+    """PiSSA, OLoRA, CorDA and LoftQ also rewrite the base's weights: an adapter saved unconverted is a difference from
+    that base, and applied to the model's own it generated other text with exit 0. Converted on save, PEFT writes
+    init_lora_weights=True; the inits that leave the base alone are plain adapters."""
+    from jaxtrain.interop import peft as peft_io
+
+    for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq"):
+        assert peft_io.unsupported_options({"init_lora_weights": init}) == [f"init_lora_weights={init!r}"]
+    for init in (True, False, "gaussian", "eva", "orthogonal", "mica"):
+        assert peft_io.unsupported_options({"init_lora_weights": init}) == []
+
+
 def test_a_peft_adapter_holding_tensors_outside_its_targets_is_one_line(hf_base, tmp_path):
     """Tensors the targets do not name (an edited adapter_config.json, embeddings PEFT saved beside the adapters) would be
     left out of the model without a word."""
@@ -338,7 +350,8 @@ def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"jaxtrain: error: {options / 'adapter_config.json'}: use_dora=True, alpha_pattern={{'v_proj': 64}}: jaxtrain applies "
         "plain LoRA adapters only (scaled lora_alpha / r, or / sqrt(r) with use_rslora, on every layer, no biases or other "
-        "trained modules); merge this adapter into its base with peft (merge_and_unload) and give the merged model instead")
+        "trained modules, on the base as it is); merge this adapter into its base with peft (merge_and_unload) and give the "
+        "merged model instead")
     assert cli.main(["adapters", str(options)]) == 0  # listed, marked
     assert capsys.readouterr().out.splitlines()[1].endswith("  (not applied by jaxtrain: use_dora=True, alpha_pattern={'v_proj': 64})")
 

@@ -35,6 +35,10 @@ CONFIG_FILE = "adapter_config.json"
 # adapter_config.json keys whose non-empty values PEFT computes with and jaxtrain's adapters do not
 UNSUPPORTED_OPTIONS = ("use_dora", "alpha_pattern", "rank_pattern", "layers_to_transform", "layers_pattern", "modules_to_save",
                        "fan_in_fan_out", "lora_bias")
+# init_lora_weights that also rewrite the base's weights (PiSSA, OLoRA, CorDA subtract the adapter's start from them,
+# LoftQ quantizes them): saved unconverted, the adapter is a difference from that rewritten base, not from the model's
+# own (PEFT's conversion on save, path_initial_model_for_weight_conversion, writes init_lora_weights=True)
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
 WEIGHTS_FILE = "adapter_model.safetensors"
 JAXTRAIN_FILE = "jaxtrain_adapter.json"  # our record beside PEFT's files: the base's content hash, steps, eval loss
 EXPERTS_MODULE = "model.layers.{layer}.mlp.experts"  # Mixtral's and Qwen2-MoE's, transformers >= 5
@@ -231,8 +235,10 @@ def write_adapter(adapters: dict, model_cfg: LlamaConfig, out: Path, base_path: 
 def unsupported_options(config: dict) -> list[str]:
     """adapter_config.json's options that change what the adapter computes and jaxtrain's plain LoRA (alpha / r, or
     alpha / sqrt(r) with use_rslora, on every layer) does not do, as key=value."""
+    init = config.get("init_lora_weights")
     return [f"{key}={config[key]!r}" for key in UNSUPPORTED_OPTIONS if config.get(key)] + \
-        ([f"bias={config['bias']!r}"] if config.get("bias", "none") != "none" else [])
+        ([f"bias={config['bias']!r}"] if config.get("bias", "none") != "none" else []) + \
+        ([f"init_lora_weights={init!r}"] if isinstance(init, str) and init.startswith(BASE_REWRITING_INITS) else [])
 
 
 def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict | None]:
@@ -248,7 +254,8 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict |
     # read as plain adapters, they generated other text with exit 0
     if options := unsupported_options(config):
         raise UserError(f"{adapter_dir / CONFIG_FILE}: {', '.join(options)}: jaxtrain applies plain LoRA adapters only (scaled "
-                        "lora_alpha / r, or / sqrt(r) with use_rslora, on every layer, no biases or other trained modules); "
+                        "lora_alpha / r, or / sqrt(r) with use_rslora, on every layer, no biases or other trained modules, on the base "
+                        "as it is); "
                         "merge this adapter into its base with peft (merge_and_unload) and give the merged model instead")
     record_path = adapter_dir / JAXTRAIN_FILE
     return config, tensors, json.loads(record_path.read_text()) if record_path.is_file() else None
