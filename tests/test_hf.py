@@ -38,6 +38,9 @@ MODELS = {  # class, config class, config, max shard size, file dtype
                    torch.bfloat16),
     "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(sliding_window=4096, head_dim=8), None, torch.float32),
     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, dict(tie_word_embeddings=True), None, torch.float16),  # q/k/v biases
+    # a window from layer max_window_layers on: here no layer's, so seq 16 > window 8 is the model (it was refused)
+    "qwen2_window_unused": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
+                            dict(use_sliding_window=True, sliding_window=8, max_window_layers=2), None, torch.float32),
 }
 
 
@@ -220,6 +223,10 @@ BAD_INPUT = {
     "activation": ("llama_tied", lambda d: _edit_config(d, hidden_act="gelu"), "hidden_act='gelu' is not supported (only silu"),
     "sliding window shorter than the sequence": ("mistral", lambda d: _edit_config(d, sliding_window=8),
                                                  "sliding_window=8 is shorter than data.seq_len=16"),
+    # its second layer attends within the window, which this model does not
+    "a Qwen2 layer's window shorter than the sequence": (
+        "qwen2_window_unused", lambda d: _edit_config(d, max_window_layers=1, layer_types=["full_attention", "sliding_attention"]),
+        "sliding_window=8 is shorter than data.seq_len=16"),
     "model key that disagrees": ("llama_tied", lambda d: None, "model.d_model=64 (experiment or command line) disagrees with hidden_size=32"),
 }
 

@@ -42,6 +42,7 @@ LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")  # what tra
 # another model, and a Mistral without sliding_window attended past transformers' window)
 DEFAULT_NORM_EPS = 1e-6
 DEFAULT_ROPE_THETA = 10000.0
+QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2's and Qwen2-MoE's default: the first layer with a sliding window, if any
 ARCHITECTURE_DEFAULTS = {
     "MistralForCausalLM": {"num_key_value_heads": 8, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"num_key_value_heads": 32},
@@ -165,9 +166,16 @@ RUN_SUBDIR = "hf"  # where a run initialised from a Hugging Face model keeps its
 
 
 def _sliding_window(config: dict, arch: str) -> int | None:
-    """The attention window transformers applies (Mistral, Mixtral; Qwen2 with use_sliding_window); None: none."""
+    """The attention window transformers applies to some layer (Mistral, Mixtral: every layer; Qwen2 with
+    use_sliding_window: the layers from max_window_layers on, which may be none); None: none."""
     window = config.get("sliding_window")
-    windowed = arch in ("MistralForCausalLM", "MixtralForCausalLM") or config.get("use_sliding_window")
+    if "layer_types" in config:  # transformers 5 writes each layer's attention
+        windowed = "sliding_attention" in config["layer_types"]
+    elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        windowed = True
+    else:  # read as every layer's, a Qwen2 window no layer uses was refused at a longer data.seq_len
+        windowed = bool(config.get("use_sliding_window")) and config.get("max_window_layers", QWEN2_MAX_WINDOW_LAYERS) < \
+            config.get("num_hidden_layers", 0)
     return window if window is not None and windowed else None
 
 
