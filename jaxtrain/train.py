@@ -140,6 +140,8 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
         exporters.check_mlflow(cfg.log.mlflow, run_dir)
     if checkpoint_lib.has_checkpoints(run_dir):  # a resume with another model fails before the compile
         checkpoint_lib.check_resume_shapes(run_dir, split_frozen(model_spec(cfg.model).shapes)[0])
+        if cfg.model.lora.rank:
+            lora_lib.check_resume_dtype(run_dir, cfg.model)
     with compile_cache.using(cfg.train.compile_cache) as cache_dir:
         return _train(cfg, run_dir, trainer, init_from, params_only, cache_dir)
 

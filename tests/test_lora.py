@@ -147,6 +147,11 @@ def test_a_base_run_that_trains_on_still_gives_the_adapters_their_base(corpus, t
     assert int(train(longer, tmp_path / "lora", build(longer, corpus, devices), init_from=tmp_path / "base").step) == 4
     _, base = lora_lib.run_model_params(make_layout(cfg, devices), tmp_path / "lora")  # export-hf's and generate's path
     assert base.record["hash"] == record["hash"]
+    # resumed in another dtype: its base would hash otherwise; said so (it was "the LoRA base ... is not the base ...")
+    in_bfloat16 = with_(longer, train={"steps": 6}, model={"param_dtype": "bfloat16"})
+    with pytest.raises(UserError, match=r"^model.param_dtype=bfloat16, but run .*/lora trained its adapters on the base in float32 "
+                                        r"\(.*lora_base.json\); give model.param_dtype=float32 to resume it, or a new --run-dir$"):
+        train(in_bfloat16, tmp_path / "lora", init_from=tmp_path / "base")
     # a base moved away: said so, with what to do (it was "no checkpoints there; give a run directory, ...")
     (tmp_path / "base").rename(tmp_path / "moved")
     with pytest.raises(UserError, match=r"the LoRA base .*/base/checkpoints/2, which .*lora_base.json records, does not exist; put "

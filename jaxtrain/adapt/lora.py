@@ -179,9 +179,20 @@ def run_base(layout: Layout, run_dir: Path, init_from: Path | None) -> Base:
     return load_base(layout, init_from, record, f"run {run_dir}")
 
 
+def check_resume_dtype(run_dir: Path, model_cfg: LlamaConfig) -> None:
+    """A LoRA run resumed with another ``model.param_dtype``: its base would load in another dtype, whose hash is not the
+    record's (a message blaming the base, before 2026-12-05); records older than that have no dtype to compare."""
+    record = read_record(run_dir)
+    recorded = (record or {}).get("param_dtype", model_cfg.param_dtype)
+    if recorded != model_cfg.param_dtype:
+        raise UserError(f"model.param_dtype={model_cfg.param_dtype}, but run {run_dir} trained its adapters on the base in {recorded} "
+                        f"({run_dir / BASE_RECORD}); give model.param_dtype={recorded} to resume it, or a new --run-dir")
+
+
 def write_record(run_dir: Path, base: Base, model_cfg: LlamaConfig) -> None:
     lora = model_cfg.lora
-    body = {**base.record, "rank": lora.rank, "alpha": lora.alpha, "targets": lora.target_names(), "base_quant": model_cfg.base_quant}
+    body = {**base.record, "rank": lora.rank, "alpha": lora.alpha, "targets": lora.target_names(), "base_quant": model_cfg.base_quant,
+            "param_dtype": model_cfg.param_dtype}
     (run_dir / BASE_RECORD).write_text(json.dumps(body, indent=2) + "\n")
 
 
