@@ -179,9 +179,12 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
                  "(--init-from starts a run only while it has none)")
         if base is not None:
             state = base.start_state(layout) if state is None else state.replace(frozen=base.frozen)
-        if finished:  # a finished run started again: nothing to write
+        if finished:  # a finished run started again: nothing to write but where its LoRA base is now
             _say(f"jaxtrain: {run_dir} is already at step {int(state.step)} of train.steps={t.steps}, nothing to do; "
                  "raise train.steps to train on")
+            if base is not None and jax.process_index() == 0 and lora_lib.record_moved_base(run_dir, base):
+                _say(f"jaxtrain: note: {run_dir / lora_lib.BASE_RECORD} now names the LoRA base at {base.record['path']} "
+                     "(the same content hash), for export-hf and generate")
         else:
             if state is None and initial is None and init_from is not None:  # the run's own checkpoints were all unreadable
                 initial = _init_from(layout, init_from, batches, params_only)

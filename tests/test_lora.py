@@ -131,7 +131,7 @@ def test_qlora_trains_only_the_adapters_and_resumes_exactly(corpus, tmp_path, ca
     assert _tree_equal(resumed.params, straight.params) and _tree_equal(resumed.opt_state, straight.opt_state)
 
 
-def test_a_base_run_that_trains_on_still_gives_the_adapters_their_base(corpus, tmp_path):
+def test_a_base_run_that_trains_on_still_gives_the_adapters_their_base(corpus, tmp_path, capsys):
     """--init-from another run: the record names the checkpoint read, not the run, whose newer checkpoints are other
     weights (named the run, the adapters' own resume, also by the same command, and export refused them once the base
     run trained on); a base moved away is one line saying so."""
@@ -144,7 +144,8 @@ def test_a_base_run_that_trains_on_still_gives_the_adapters_their_base(corpus, t
     assert record["path"] == str((tmp_path / "base" / "checkpoints" / "2").absolute())
     train(with_(plain, train={"steps": 4}), tmp_path / "base", build(with_(plain, train={"steps": 4}), corpus, devices))
     longer = with_(cfg, train={"steps": 4})  # the same command, resumed: --init-from the base run, which has trained on
-    assert int(train(longer, tmp_path / "lora", build(longer, corpus, devices), init_from=tmp_path / "base").step) == 4
+    longer_trainer = build(longer, corpus, devices)
+    assert int(train(longer, tmp_path / "lora", longer_trainer, init_from=tmp_path / "base").step) == 4
     _, base = lora_lib.run_model_params(make_layout(cfg, devices), tmp_path / "lora")  # export-hf's and generate's path
     assert base.record["hash"] == record["hash"]
     # resumed in another dtype: its base would hash otherwise; said so (it was "the LoRA base ... is not the base ...")
@@ -157,6 +158,11 @@ def test_a_base_run_that_trains_on_still_gives_the_adapters_their_base(corpus, t
     with pytest.raises(UserError, match=r"the LoRA base .*/base/checkpoints/2, which .*lora_base.json records, does not exist; put "
                                         r"it back there, or set \"path\" in .*lora_base.json to where it is now"):
         lora_lib.run_model_params(make_layout(cfg, devices), tmp_path / "lora")
+    # the finished run's same command with the base's new path: the record names it from then on (it stayed, unused)
+    moved = tmp_path / "moved" / "checkpoints" / "2"
+    train(longer, tmp_path / "lora", longer_trainer, init_from=moved)
+    assert "lora_base.json now names the LoRA base at " + str(moved.absolute()) in capsys.readouterr().err
+    assert lora_lib.run_model_params(make_layout(cfg, devices), tmp_path / "lora")[1].record["hash"] == record["hash"]
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
 from jaxtrain.adapt.adapters import BASE_RECORD, join_frozen, read_record, split_frozen, summary
+from jaxtrain.atomic import atomic_file
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_export, hf_import, peft
@@ -191,9 +192,23 @@ def check_resume_dtype(run_dir: Path, model_cfg: LlamaConfig) -> None:
 
 def write_record(run_dir: Path, base: Base, model_cfg: LlamaConfig) -> None:
     lora = model_cfg.lora
-    body = {**base.record, "rank": lora.rank, "alpha": lora.alpha, "targets": lora.target_names(), "base_quant": model_cfg.base_quant,
-            "param_dtype": model_cfg.param_dtype}
-    (run_dir / BASE_RECORD).write_text(json.dumps(body, indent=2) + "\n")
+    _write_record_file(run_dir, {**base.record, "rank": lora.rank, "alpha": lora.alpha, "targets": lora.target_names(),
+                                 "base_quant": model_cfg.base_quant, "param_dtype": model_cfg.param_dtype})
+
+
+def record_moved_base(run_dir: Path, base: Base) -> bool:
+    """A finished run started again with its base at a new path (``--init-from NEW_PATH``, its hash checked): the record
+    names that path from now on, for export-hf and generate, as a run that trains on rewrites it. Whether it changed."""
+    record = read_record(run_dir)
+    if record["path"] == base.record["path"]:
+        return False
+    _write_record_file(run_dir, record | {"path": base.record["path"]})
+    return True
+
+
+def _write_record_file(run_dir: Path, body: dict) -> None:
+    with atomic_file(run_dir / BASE_RECORD, "LoRA base record") as f:
+        f.write((json.dumps(body, indent=2) + "\n").encode())
 
 
 def run_model_params(layout: Layout, run_dir: Path, step: int | None = None, source: str = "jaxtrain export-hf") -> tuple[dict, Base]:
