@@ -43,13 +43,14 @@ class Trainer:
     compile_s: float
     compiled: compile_cache.CacheCount  # of the steps' programs, how many the compilation cache gave back
     initializer: Callable[[], TrainState]  # jitted: compiles on the first fresh state, not on every run
+    microbatches_auto: str | None = None  # metrics.startup_summary's: how train.microbatches=auto chose the count
 
     @classmethod
     def of(cls, layout: Layout, corpus: data_lib.Corpus, train_step, eval_step, compile_s: float,
-           compiled: compile_cache.CacheCount) -> Trainer:
+           compiled: compile_cache.CacheCount, microbatches_auto: str | None = None) -> Trainer:
         cfg = layout.cfg
         return cls(layout, corpus, train_step, eval_step, compile_s, compiled,
-                   state_initializer(cfg.model, layout.tx, cfg.train.seed, layout.shardings))
+                   state_initializer(cfg.model, layout.tx, cfg.train.seed, layout.shardings), microbatches_auto)
 
     @property
     def cfg(self) -> Config:
@@ -78,6 +79,7 @@ class Checked:
     layout: Layout  # under train.microbatches=auto, one pass until ``compile_steps`` fits the count
     corpus: data_lib.Corpus
     memory_limit: float | None  # train.microbatches=auto: the bytes the compiled step must fit; None to compile as is
+    microbatches_auto: bool = False  # train.microbatches=auto (with no memory_limit: these devices report no memory size)
 
 
 def check(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None) -> Checked:
@@ -90,7 +92,7 @@ def check(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
     layout = plan.unfitted_layout(cfg, devices)  # every check before the data is read
     corpus = corpus or data_lib.load_corpus(cfg.data)
     data_lib.check_sizes(corpus, cfg.data, cfg.train.global_batch, cfg.model.vocab_size)
-    return Checked(layout, corpus, limit)
+    return Checked(layout, corpus, limit, cfg.train.microbatches == "auto")
 
 
 def compile_steps(checked: Checked) -> Trainer:
@@ -104,7 +106,8 @@ def compile_steps(checked: Checked) -> Trainer:
         else:
             layout, (train_step, eval_lowered) = plan.fit_microbatches(checked.layout, checked.memory_limit, compile_train_step)
         eval_step = eval_lowered.compile()
-    return Trainer.of(layout, checked.corpus, train_step, eval_step, time.perf_counter() - start, compiled)
+    auto = None if not checked.microbatches_auto else "unsized" if checked.memory_limit is None else "fitted"
+    return Trainer.of(layout, checked.corpus, train_step, eval_step, time.perf_counter() - start, compiled, auto)
 
 
 def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None) -> Trainer:
@@ -199,7 +202,7 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
             eval_data = data_lib.eval_batches(checked.corpus, cfg.data, t.global_batch, layout.batch_sharding, t.eval_batches)
             log = MetricsLog(trainer.layout, run_dir, int(state.step), compile_s=trainer.compile_s,
                              compile_cache=trainer.compiled.record(cache_dir), data=checked.corpus.description,
-                             enabled=jax.process_index() == 0,
+                             enabled=jax.process_index() == 0, microbatches_auto=trainer.microbatches_auto,
                              # a compiled step gives its program for the profile's summary; a wrapped one (tests) none
                              step_program=getattr(trainer.train_step, "as_text", None))
             state = _loop(trainer, state, batches, eval_data, checkpoints, log)

@@ -179,18 +179,28 @@ def test_auto_microbatches_starts_from_the_estimate_and_steps_up_until_the_compi
     assert plan_lib.memory_limit() is None
 
 
-def test_trainer_resolves_auto_with_its_compiled_step_against_the_device_limit(monkeypatch, corpus):
+def test_trainer_resolves_auto_with_its_compiled_step_against_the_device_limit(monkeypatch, corpus, tmp_path, capsys):
+    """... and the start-up summary says how it chose (it said only "1 micro-batch(es)" on a CPU, where auto is one pass)."""
     from jaxtrain import train as train_lib
+    from jaxtrain.observe import metrics
 
     cfg = small_config(rules="fsdp", mesh=(1, 2, 4), num_layers=4, d_model=64, mlp_dim=256)  # micro-batches 1, 2, 4
+    auto = with_(cfg, train={"microbatches": "auto", "steps": 1})
+    unsized = train_lib.build(auto, corpus)  # CPU devices report no memory size: one pass
+    assert unsized.cfg.train.microbatches == 1
+    assert "in 1 micro-batch(es) (train.microbatches=auto: these devices report no memory size, so one pass)" in metrics.format_summary(
+        metrics.startup_summary(unsized.layout, 0.0, None, "", None, "none", unsized.microbatches_auto))
     peaks = {k: compile_train_step(make_layout(with_(cfg, train={"microbatches": k})))[1] for k in (1, 2)}
     assert peaks[1] > peaks[2]
     limit = (peaks[1] + peaks[2]) / 2  # the compiled step fits with 2 micro-batches, not with 1
     monkeypatch.setattr(plan_lib, "memory_limit", lambda devices=None: limit)  # as a GPU reports it, less headroom
-    trainer = train_lib.build(with_(cfg, train={"microbatches": "auto"}), corpus)
+    trainer = train_lib.build(auto, corpus)
     k = trainer.cfg.train.microbatches
     assert k >= 2 and peaks.get(k, 0) <= limit
     assert peak_bytes(trainer.train_step.memory_analysis()) <= limit
+    train_lib.train(auto, tmp_path, trainer)
+    assert f"in {k} micro-batch(es) (train.microbatches=auto: the fewest whose step fits the device's memory)" in capsys.readouterr().err
+    assert json.loads((tmp_path / "summary.json").read_text())["microbatches_auto"] == "fitted"
 
 
 def test_usable_memory_is_at_most_jaxs_allocator_pool_in_the_plan_and_in_the_trainer(monkeypatch):

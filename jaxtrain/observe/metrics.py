@@ -118,7 +118,9 @@ def memory_gib() -> tuple[float, float, str]:
 
 
 def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None, data: str, peak: float | None,
-                    peak_source: str) -> dict[str, Any]:
+                    peak_source: str, microbatches_auto: str | None = None) -> dict[str, Any]:
+    """``microbatches_auto``: how train.microbatches=auto chose the count ("fitted" to the devices' memory, or one pass
+    where they report none: "unsized"); None where the config gave a count."""
     cfg, mesh, state = layout.cfg, layout.mesh, layout.abstract_state()
     pipelined = schedule(cfg, layout.rules, mesh).stages > 1
     return {
@@ -141,7 +143,7 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "frozen_bytes_per_device": bytes_per_device(state.frozen),
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
         "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": layout.tokens_per_step,
-        "microbatches": cfg.train.microbatches, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
+        "microbatches": cfg.train.microbatches, "microbatches_auto": microbatches_auto, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
         # optim.grad_sync as resolved (auto); null where no replica axis sums the gradients
         "grad_sync": None if not layout.replica_axes else "microbatch" if layout.grad_reduction is None else "step",
         "idle_axes": layout.idle_axes,  # mesh axes that split nothing: their devices repeat each other's work
@@ -164,6 +166,10 @@ def cpu_devices_per_core() -> float | None:
     return len(devices) / len(os.sched_getaffinity(0))
 
 
+AUTO_MICROBATCHES = {"fitted": " (train.microbatches=auto: the fewest whose step fits the device's memory)",
+                     "unsized": " (train.microbatches=auto: these devices report no memory size, so one pass)"}
+
+
 def format_summary(s: dict[str, Any]) -> str:
     mesh = describe_axes(s["mesh"])
     peak = "unknown" if s["peak_flops_per_device"] is None else f"{s['peak_flops_per_device'] / 1e12:.3g} TFLOP/s"
@@ -176,7 +182,7 @@ def format_summary(s: dict[str, Any]) -> str:
          f"{s['params_per_device']:,} per device); per device: adapters {s['param_bytes_per_device'] / GIB:.3g} GiB, frozen base "
          f"{s['frozen_bytes_per_device'] / GIB:.3g} GiB") + f", optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB",
         f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "
-        f"{s['microbatches']} micro-batch(es)"
+        f"{s['microbatches']} micro-batch(es)" + AUTO_MICROBATCHES.get(s.get("microbatches_auto"), "")
         + ("" if s["microbatches"] == 1 else ", no replica axis to sum the gradients over (optim.grad_sync has no effect)"
            if s["grad_sync"] is None else
            f", gradients summed across the batch shards {'once per step' if s['grad_sync'] == 'step' else 'in every micro-batch'}") + f"; {s['flops_per_token']:.4g} FLOPs per token",
@@ -285,8 +291,10 @@ class MetricsLog:
     """Created by the loop once the state is ready; see the module docstring."""
 
     def __init__(self, layout: Layout, run_dir: Path, initial_step: int, *, compile_s: float,
-                 compile_cache: dict | None, data: str, enabled: bool, step_program: Callable[[], str] | None = None):
-        """``step_program``: the compiled train step's HLO text, read when a profile is summarized."""
+                 compile_cache: dict | None, data: str, enabled: bool, step_program: Callable[[], str] | None = None,
+                 microbatches_auto: str | None = None):
+        """``step_program``: the compiled train step's HLO text, read when a profile is summarized; ``microbatches_auto``:
+        ``startup_summary``'s."""
         cfg = layout.cfg
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
         self.step_program, self.mesh_shape = step_program, dict(layout.mesh.shape)
@@ -306,7 +314,7 @@ class MetricsLog:
         self.peak, peak_source = resolve_peak(cfg, list(layout.mesh.devices.flat)) if enabled else (None, "")
         if enabled:
             try:
-                self._open(startup_summary(layout, compile_s, compile_cache, data, self.peak, peak_source), initial_step)
+                self._open(startup_summary(layout, compile_s, compile_cache, data, self.peak, peak_source, microbatches_auto), initial_step)
             except BaseException:
                 self.close()
                 raise
