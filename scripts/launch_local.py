@@ -37,8 +37,16 @@ def as_shell_reports(status: int) -> int:
     return 128 - status if status < 0 else status
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """Errors in one line, exit status 2, as jaxtrain's own (argparse prints its usage first)."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrors(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-processes", type=int, required=True, help="processes to start, at least 1")
     parser.add_argument("--devices", type=int, help="simulated CPU devices per process")
     parser.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
