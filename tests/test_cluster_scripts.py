@@ -191,9 +191,11 @@ def test_local_launcher_reports_the_failed_process_not_the_ones_it_stopped(tmp_p
                           (["--num-processes", "2", "--port", "70000", "--", "job"], "--port 70000: give a TCP port in 1..65535"),
                           (["--num-processes", "2", "--", "no-such-command"], "command 'no-such-command' not found (not on PATH, or not executable)")):
         refused = subprocess.run([*launch, *args], env=env, capture_output=True, text=True, timeout=20, check=False)
-        assert refused.returncode == 2 and refused.stderr == f"launch_local.py: error: {message} (see 'launch_local.py --help')\n", refused.stderr
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr == f"launch_local.py: error: {message} (see 'launch_local.py --help')\n", refused.stderr
     # argparse's own errors too: one line (with its usage before it, they were three)
-    refused = subprocess.run([*launch, "--num-processes", "x", "--", "job"], env=env, capture_output=True, text=True, timeout=20, check=False)
+    refused = subprocess.run([*launch, "--num-processes", "x", "--", "job"], env=env, capture_output=True, text=True, timeout=20,
+                             check=False)
     assert refused.returncode == 2 and refused.stderr == ("launch_local.py: error: argument --num-processes: invalid int value: 'x' "
                                                           "(see 'launch_local.py --help')\n"), refused.stderr
 

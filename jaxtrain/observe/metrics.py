@@ -182,7 +182,8 @@ def format_summary(s: dict[str, Any]) -> str:
          f"{s['params_per_device']:,} per device); per device: adapters {s['param_bytes_per_device'] / GIB:.3g} GiB, frozen base "
          f"{s['frozen_bytes_per_device'] / GIB:.3g} GiB") + f", optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB",
         f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "
-        f"{s['microbatches']} micro-batch(es)" + AUTO_MICROBATCHES.get(s.get("microbatches_auto"), "")
+        f"{s['microbatches']} micro-batch(es)"
+        + AUTO_MICROBATCHES.get(s.get("microbatches_auto"), "")
         + ("" if s["microbatches"] == 1 else ", no replica axis to sum the gradients over (optim.grad_sync has no effect)"
            if s["grad_sync"] is None else
            f", gradients summed across the batch shards {'once per step' if s['grad_sync'] == 'step' else 'in every micro-batch'}") + f"; {s['flops_per_token']:.4g} FLOPs per token",
