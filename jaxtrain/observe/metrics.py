@@ -143,7 +143,8 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "frozen_bytes_per_device": bytes_per_device(state.frozen),
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
         "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": layout.tokens_per_step,
-        "microbatches": cfg.train.microbatches, "microbatches_auto": microbatches_auto, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
+        "microbatches": cfg.train.microbatches, "microbatches_auto": microbatches_auto,
+        "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
         # optim.grad_sync as resolved (auto); null where no replica axis sums the gradients
         "grad_sync": None if not layout.replica_axes else "microbatch" if layout.grad_reduction is None else "step",
         "idle_axes": layout.idle_axes,  # mesh axes that split nothing: their devices repeat each other's work
