@@ -29,7 +29,7 @@ JAX_NEXT_VENV := .venv-jax-next
 JAX_NEXT_TESTS ?= tests/test_model.py tests/test_attention.py tests/test_parity.py tests/test_config.py tests/test_data.py tests/test_checkpoint.py \
 	tests/test_train_e2e.py tests/test_generate.py tests/test_grad_comm.py tests/test_pipeline.py tests/test_cpu_layouts.py \
 	tests/test_compile_cache.py tests/test_host_malloc.py tests/test_step_profile.py tests/test_moe.py tests/test_hlo_report.py \
-	tests/test_loss_chunk.py tests/test_memory.py tests/test_step_cost.py tests/test_placement.py
+	tests/test_loss_chunk.py tests/test_memory.py tests/test_step_cost.py tests/test_placement.py tests/test_optim.py
 $(JAX_NEXT_VENV)/.installed: pyproject.toml
 	test -x $(JAX_NEXT_VENV)/bin/python || $(JAX_NEXT_PYTHON) -m venv $(JAX_NEXT_VENV)
 	$(JAX_NEXT_VENV)/bin/python -m pip install --quiet --upgrade pip

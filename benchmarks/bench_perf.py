@@ -41,7 +41,8 @@ from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig
 from jaxtrain.observe import step_profile
 from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak
 from jaxtrain.layout import lower_steps, make_layout
-from jaxtrain.state import init_state
+from jaxtrain.optim import decay_mask
+from jaxtrain.state import init_state, model_spec
 from jaxtrain.step import cross_entropy
 from jaxtrain.train import Trainer, build, train
 from models.config import REMAT_POLICIES, LlamaConfig
@@ -137,7 +138,7 @@ def hand_written_step(cfg: Config, abstract_params=None, batch_sharding=None):
     schedule = optax.warmup_cosine_decay_schedule(0.0, o.lr, o.warmup_steps, cfg.train.steps, o.lr * o.min_lr_ratio)
     tx = optax.chain(optax.clip_by_global_norm(o.clip_norm),
                      optax.adamw(schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay,
-                                 mask=lambda p: jax.tree.map(lambda w: w.ndim >= 2, p)))
+                                 mask=decay_mask(model_spec(cfg.model).logical_axes)))
 
     def step(carry, batch):
         params, opt_state, _ = carry

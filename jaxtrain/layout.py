@@ -107,7 +107,7 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
         raise UserError(f"model.moe.num_experts={experts} is not divisible by the {expert_ways} ways rule set {cfg.rules} splits the "
                         f"experts over (mesh axes {', '.join(rules['experts'])}); use a multiple of {expert_ways} experts or a smaller expert axis")
     spec = model_spec(cfg.model)
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg, spec.logical_axes)
     state_rules = load_state_rules(cfg.rules)
     for section, section_rules in state_rules.items():
         check_rules_against_mesh(section_rules, mesh, f"{cfg.rules} ({section})")

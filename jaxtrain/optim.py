@@ -5,7 +5,12 @@ from __future__ import annotations
 import jax
 import optax
 
+from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.config import Config
+
+# logical axes that are not dimensions of the matrix a parameter holds: the stacking of the layers, and the
+# split of a projection's outputs into heads (a query bias (heads, head_dim) is one vector in Hugging Face's files)
+NOT_MATRIX_AXES = ("layers", "head_dim")
 
 
 def warmup_steps(cfg: Config) -> int:
@@ -27,11 +32,23 @@ def learning_rate_schedule(cfg: Config) -> optax.Schedule:
     )
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+def decays(axes) -> bool:
+    """Whether weight decay applies to a parameter of these logical axes: to matrices (projections, embedding,
+    output table, router, LoRA adapters), not to norm scales or biases, as Hugging Face's Trainer decides and PyTorch
+    recipes' ``ndim >= 2`` on unstacked weights (nanoGPT, benchmarks/bench_torch_peer.py). Not by ``ndim`` here: the
+    layers' stacked norm scales and biases have two dimensions or more."""
+    return len([axis for axis in axes if axis not in NOT_MATRIX_AXES]) >= 2
+
+
+def decay_mask(logical_axes: dict) -> dict:
+    """``optax.adamw``'s mask for the trained parameters (a LoRA run: the adapters) of a model's logical axes."""
+    return jax.tree.map(decays, split_frozen(logical_axes)[0])
+
+
+def make_optimizer(cfg: Config, logical_axes: dict) -> optax.GradientTransformation:
     o = cfg.optim
-    # weight decay on matrices only: norms' scales are not decayed
     adamw = optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+                        mask=decay_mask(logical_axes))
     if o.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
     return adamw

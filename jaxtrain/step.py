@@ -184,7 +184,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         metrics = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
                    "learning_rate": schedule(schedule_count(state.opt_state))} | router_metrics(stats)
         if state.loss_scale is not None:  # an overflow of the scaled gradients: skipped, the scale halved
-            metrics |= {"loss_scale": scale.loss_scale, "overflow": jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)}
+            metrics |= {"loss_scale": scale.loss_scale,
+                        "overflow": jnp.isfinite(loss) & ~jnp.isfinite(grad_norm) & loss_scale_lib.can_lower(scale)}
         if layer_norms:
             metrics |= {"grad_norm_per_layer": per_layer_norm(grads["layers"]),
                         "param_norm_per_layer": per_layer_norm(params["layers"])}
