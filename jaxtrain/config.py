@@ -272,6 +272,11 @@ def set_key(cfg: Config, key: str, raw) -> Config:
     return _replace_path(cfg, key.split("."), parse_value(key, raw, keys[key]))
 
 
+def as_override(value) -> str:
+    """A config value as a ``key=value`` override gives it: true, false and null as YAML spells them (not Python's)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     for item in overrides:
         key, sep, raw = item.partition("=")

@@ -234,8 +234,9 @@ def _note_model_changes(run_dir: Path, cfg: Config, requested: LlamaConfig) -> N
     chosen_here = {key for key, value in config_lib.flatten(config_lib.to_dict(requested), "model.").items() if value == "auto"}
     for key, value in config_lib.flatten(config_lib.to_dict(cfg.model), "model.").items():
         if key not in chosen_here and before.get(key) != value:
-            _say(f"jaxtrain: note: {key}={value} here but {before.get(key)} in {run_dir / 'config.yaml'}, which the checkpoints "
-                 f"trained with: from this step on the run trains with {value}; give {key}={before.get(key)} to continue as before")
+            now, then = config_lib.as_override(value), config_lib.as_override(before.get(key))
+            _say(f"jaxtrain: note: {key}={now} here but {then} in {run_dir / 'config.yaml'}, which the checkpoints "
+                 f"trained with: from this step on the run trains with {now}; give {key}={then} to continue as before")
 
 
 def _write_run_files(trainer: Trainer, run_dir: Path, base: lora_lib.Base | None, fresh_init_from: Path | None) -> None:

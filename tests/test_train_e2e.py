@@ -99,19 +99,24 @@ def test_a_resume_with_other_model_values_of_the_same_shapes_says_which(short_ru
     from jaxtrain.cli import resolve_config
 
     run_dir = _copy(short_run, tmp_path)
-    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5", "model.rope_theta=50", "model.norm_eps=0.5"]), run_dir)
+    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5", "model.rope_theta=50", "model.norm_eps=0.5",
+                                                       "model.moe.normalize_top_k=false"]), run_dir)
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note: model.")]
+    # values as an override spells them (a QA report: Python's True and False)
     assert notes == [f"jaxtrain: note: model.{key}={now} here but {before} in {run_dir / 'config.yaml'}, which the checkpoints "
                      f"trained with: from this step on the run trains with {now}; give model.{key}={before} to continue as before"
-                     for key, now, before in (("rope_theta", 50.0, 10000.0), ("norm_eps", 0.5, 1e-05))], notes
-    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=6", "model.rope_theta=50", "model.norm_eps=0.5"]), run_dir)
+                     for key, now, before in (("rope_theta", 50.0, 10000.0), ("norm_eps", 0.5, 1e-05),
+                                              ("moe.normalize_top_k", "false", "true"))], notes
+    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=6", "model.rope_theta=50", "model.norm_eps=0.5",
+                                                       "model.moe.normalize_top_k=false"]), run_dir)
     assert "jaxtrain: note: model." not in capsys.readouterr().err
     # what `auto` chose on other devices (a GPU, or pipeline stages: scanned layers, cuDNN attention) is the same
     # function: no note (a QA report: a pipelined run resumed on a plain mesh was told to give model.scan_layers=True)
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     saved["model"] |= {"scan_layers": True, "attention": "cudnn"}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
-    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=7", "model.rope_theta=50", "model.norm_eps=0.5"]), run_dir)
+    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=7", "model.rope_theta=50", "model.norm_eps=0.5",
+                                                       "model.moe.normalize_top_k=false"]), run_dir)
     assert "jaxtrain: note: model." not in capsys.readouterr().err
 
 
