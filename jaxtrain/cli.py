@@ -266,6 +266,10 @@ def cmd_generate(args) -> int:
                         f"give --max-new-tokens {context - prompt_tokens} or less")
 
     check_context(None)
+    if run_cfg is not None and run_cfg.model.moe.num_experts and run_cfg.model.moe.dispatch == "capacity":
+        print(f"jaxtrain: note: {path} routed with model.moe.dispatch=capacity; generation routes every token to its experts "
+              "(dropless: a token's capacity drops depend on later tokens, which decoding has not made yet), as its export-hf does",
+              file=sys.stderr, flush=True)
     mesh = config_lib.load_mesh_file(args.mesh) if args.mesh else run_cfg.mesh if run_cfg else config_lib.Config().mesh
     simulate_cpu_devices(args.devices, default=default_cpu_devices(mesh, None))
     import numpy as np

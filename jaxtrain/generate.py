@@ -327,6 +327,16 @@ def generation_rules(rules: Rules, mesh: Mesh, batch: int) -> Rules:
     return rules
 
 
+def routing_every_token(cfg: LlamaConfig) -> LlamaConfig:
+    """``cfg`` with its experts (if any) taking every token routed to them (dropless dispatch). Capacity dispatch drops
+    an assignment by the whole sequence, later tokens included, which a key/value cache never sees: the prefill dropped
+    the prompt's assignments at the prompt's length, a decoding step's one token none, so the greedy tokens were not the
+    model's on the same text. Routed every token, they are, and they are what the run's export-hf computes."""
+    if cfg.moe.num_experts and cfg.moe.dispatch == "capacity":
+        return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="dropless"))
+    return cfg
+
+
 def generate(loaded: Loaded, prompts: np.ndarray, sampling: SamplingConfig, stop: int | None = None) -> Generation:
     """``prompts`` (batch, length) int32, all of one length -> ``sampling.max_new_tokens`` new tokens each; with ``stop``
     (e.g. ``loaded.stop``) decoding ends once every sequence has made that token, and each holds it from there on.
@@ -335,7 +345,7 @@ def generate(loaded: Loaded, prompts: np.ndarray, sampling: SamplingConfig, stop
     rules = generation_rules(loaded.rules, loaded.mesh, batch)
     param_shardings = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, loaded.params))
     start = time.perf_counter()
-    prefill, decode = _compiled(loaded.model_cfg, loaded.mesh, tuple(rules.items()), loaded.rules_name,
+    prefill, decode = _compiled(routing_every_token(loaded.model_cfg), loaded.mesh, tuple(rules.items()), loaded.rules_name,
                                 (param_shardings[1], tuple(param_shardings[0])), batch, prompt_len, sampling.max_new_tokens)
     compile_s = time.perf_counter() - start
     prompt = jax.device_put(np.asarray(prompts, np.int32), batch_sharding(rules, loaded.mesh))

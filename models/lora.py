@@ -57,13 +57,16 @@ def layer_inputs(layer_state, num_layers: int):
 
 
 @contextlib.contextmanager
-def layer_scope(scanned):
-    """Inside one layer: yields its parameters from its slice of ``layer_inputs``, with its dropout key in force."""
+def layer_scope(scanned, microbatch: jax.Array | None = None):
+    """Inside one layer: yields its parameters from its slice of ``layer_inputs``, with its dropout key in force;
+    ``microbatch``: the index of the pipeline's micro-batch the layer runs on, folded into that key (the layer key
+    alone drew one mask for every micro-batch of a pass)."""
     if not isinstance(scanned, tuple):
         yield scanned
         return
     params, keys = scanned
-    token = _LAYER_KEY.set(jax.random.wrap_key_data(keys[...]))
+    key = jax.random.wrap_key_data(keys[...])
+    token = _LAYER_KEY.set(key if microbatch is None else jax.random.fold_in(key, microbatch))
     try:
         yield params
     finally:

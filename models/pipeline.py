@@ -48,7 +48,9 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
     layers axis), each layer rematerialised in the backward under ``remat_policy`` (a ``jax.checkpoint`` policy;
     None: no remat): one ``lax.scan`` (``unroll``: unrolled when compiling) without stages, returning x and the
     outputs stacked over layers; the pipeline with them, returning x and None (per-layer outputs, such as MoE
-    router statistics, are not collected through stages). ``activation_axes``: logical axes of x."""
+    router statistics, are not collected through stages), where the layer is called as ``layer(x, layer_params,
+    microbatch=index)`` with the index of the micro-batch x is (so that each draws its own random masks).
+    ``activation_axes``: logical axes of x."""
     remat = (lambda f: jax.checkpoint(f, policy=remat_policy, prevent_cse=False)) if remat_policy else (lambda f: f)
     num_stages = stages()
     if num_stages == 1:
@@ -67,7 +69,7 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
 
     params = jax.tree.map(stage_view, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
-    def run_stage(stage_params, h, repeat):  # one stage: its layers of this repeat, in order
+    def run_stage(stage_params, h, repeat, micro):  # one stage: its layers of this repeat on micro-batch micro, in order
         # each layer takes its weights from the stage's (repeats, layers per stage) stack inside the remat: taken
         # outside, the slice of this iteration's repeat would be saved for the backward of every iteration
         # (iterations x the stage's weights of one repeat); inside, only the indices are, and the backward re-slices.
@@ -75,12 +77,12 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
         # GPU compiler of jax 0.10.2 rejects ("Repeated dimensions not allowed in scatter_dims_to_operand_dims"); that of
         # 0.11.2 compiles either to the same peak
         def layer_at(h, j):
-            return layer(h, jax.tree.map(lambda p: jax.lax.select_n(repeat, *p[:, j]), stage_params))
+            return layer(h, jax.tree.map(lambda p: jax.lax.select_n(repeat, *p[:, j]), stage_params), microbatch=micro)
 
         return jax.lax.scan(remat(layer_at), h, jnp.arange(per_stage))[0]
 
     # vmap over stages; its spmd axis keeps the per-stage constraints inside the layers split over stages
-    all_stages = jax.vmap(run_stage, in_axes=(1, 0, 0), spmd_axis_name=mesh_axes_of(STAGES))
+    all_stages = jax.vmap(run_stage, in_axes=(1, 0, 0, 0), spmd_axis_name=mesh_axes_of(STAGES))
     in_flight = (STAGES,) + activation_axes  # (stages, micro-batch, length, embed)
     batch = x.shape[0]
     # micro-batch j takes rows j, j + num_micro, ...: each batch shard keeps its rows (no data moves). The buffer
@@ -99,10 +101,12 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
         # stage s takes what stage s - 1 made one iteration before
         fed = jax.lax.dynamic_index_in_dim(buffer, t % num_micro, 2, keepdims=False)
         inputs = constrain(jnp.where(first_stage, fed, shifted), in_flight)
-        # stage s works on repeat (t - s) // M; outside 0 .. repeats - 1 it idles (the bubble) on values never used
+        # stage s works on micro-batch (t - s) mod M of repeat (t - s) // M; outside repeats 0 .. repeats - 1 it idles
+        # (the bubble) on values never used
         repeat = jnp.clip((t - jnp.arange(num_stages)) // num_micro, 0, repeats - 1)
+        micro = (t - jnp.arange(num_stages)) % num_micro
         # each stage's output on to the next stage (a collective permute): the last stage's to stage 0
-        shifted = constrain(jnp.roll(constrain(all_stages(params, inputs, repeat), in_flight), 1, axis=0), in_flight)
+        shifted = constrain(jnp.roll(constrain(all_stages(params, inputs, repeat, micro), in_flight), 1, axis=0), in_flight)
         done = t - (num_stages - 1)  # the micro-batch (counted over repeats) the last stage finished
         slot = done % num_micro
         kept = jax.lax.dynamic_index_in_dim(buffer, slot, 2, keepdims=False)

@@ -28,10 +28,10 @@ MODEL = {"init_std": 0.3, "vocab_size": 64}
 
 
 @functools.lru_cache
-def _loaded(rules, mesh, devices: int, experts: int = 0) -> Loaded:
+def _loaded(rules, mesh, devices: int, experts: int = 0, dispatch: str = "dropless") -> Loaded:
     """A random model placed with the rule set's shardings (built once per module); ``experts``: a mixture of that
-    many experts (top-2, dropless) in place of each MLP."""
-    moe = {"moe": MoEConfig(num_experts=experts, top_k=2), "mlp_dim": 16} if experts else {}
+    many experts (top-2, routed by ``dispatch``; capacity: as many slots as the fair share) in place of each MLP."""
+    moe = {"moe": MoEConfig(num_experts=experts, top_k=2, dispatch=dispatch, capacity_factor=1.0), "mlp_dim": 16} if experts else {}
     cfg = small_config(rules, mesh, **MODEL, **moe)
     layout = make_layout(cfg, jax.devices()[:devices])
     params = init_state(cfg.model, layout.tx, 0, layout.shardings).params
@@ -68,6 +68,17 @@ def test_greedy_with_cache_equals_full_forward(rules, mesh, devices, batch, expe
     assert len(np.unique(out.tokens)) > 8  # a varied continuation, not one token repeated
     np.testing.assert_array_equal(out.tokens, _greedy_without_cache(loaded, prompts))
     assert out.prefill_tokens_per_s > 0 and out.decode_tokens_per_s > 0
+
+
+def test_a_capacity_routed_model_generates_routing_every_token():
+    """Capacity dispatch drops an assignment by its whole sequence's routing, later tokens included, which decoding
+    has not made yet: the prefill dropped some of the prompt's assignments, each decoding step none, and the greedy
+    tokens were neither the capacity-routed forward's (they parted after 1 or 2 tokens) nor the dropless one's (52 of
+    64 differed). Every token is routed: the same weights' tokens routed dropless, with the cache or without."""
+    capacity, dropless = (_loaded("dp", (1, 1, 1), 1, 4, dispatch) for dispatch in ("capacity", "dropless"))
+    prompts = _prompts(2, 12)
+    out = generate(capacity, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS))
+    np.testing.assert_array_equal(out.tokens, _greedy_without_cache(dropless, prompts))
 
 
 def test_decoding_ends_once_every_sequence_has_made_its_stop_token():

@@ -58,6 +58,24 @@ def test_dropout_acts_in_training_only():
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(undropped), [base_logits, base_decoded] * 2))  # dropout 0 never drops
 
 
+def test_each_micro_batch_of_a_pipeline_draws_its_own_masks():
+    """8 layers as 4 stages x 2 repeats over data 2, 4 micro-batches in flight; every row of the batch is one sequence,
+    and micro-batch j takes rows j and j + 4, so rows 0 to 3 are each micro-batch's first. Each layer's key alone drew
+    the same masks for every micro-batch (rows 0 to 3 had equal logits); without stages every row has its own."""
+    cfg = dataclasses.replace(lora_config(init_std=0.3, mesh=(2, 1, 1, 4), num_layers=8,
+                                          pipeline=PipelineConfig(microbatches=4, repeats=2)), rules="pp_dp")
+    layout = make_layout(with_dropout(cfg))
+    params = _randomise_adapters(lora_lib.load_base(layout, None).start_state(layout).model_params)
+
+    def dropped(params, tokens):
+        with dropout_key(jax.random.key(7)):
+            return nnx.merge(layout.spec.graphdef, params)(tokens)
+
+    with jax.set_mesh(layout.mesh), spmd.logical_axis_rules(flax_rules(layout.rules)):
+        logits = np.asarray(jax.jit(dropped)(params, np.tile(TOKENS[:1], (8, 1))))
+    assert not any(np.allclose(logits[i], logits[j]) for i in range(4) for j in range(i))
+
+
 def _decoded(model, tokens):
     hidden, cache = model.extend(tokens[:, :-1], KVCache.zeros(model.cfg, tokens.shape[0], tokens.shape[1]))
     return model.logits(model.extend(tokens[:, -1:], cache)[0])

@@ -132,6 +132,19 @@ def _moe_config(rules="dp", mesh=(1, 1, 1, 1, 1), **moe):
     return small_config(rules, mesh, mlp_dim=16, moe=MoEConfig(**{"num_experts": 4, "top_k": 2} | moe))
 
 
+@pytest.mark.parametrize("top_k, normalize_top_k, noted", [(1, True, True), (1, False, False), (2, True, False)])
+def test_one_expert_renormalised_over_itself_is_noted_at_start_up(top_k, normalize_top_k, noted):
+    """top_k=1 with the chosen weights renormalised weights each token's expert by 1, so the training loss gives the
+    router no gradient (its norm 2.6e-08 against 0.41 with the probability as the weight, a random 4-expert model),
+    which nothing said: a Switch-style run's router then learnt from the load-balancing and z losses alone."""
+    from jaxtrain.observe.metrics import format_summary, startup_summary
+
+    cfg = _moe_config(top_k=top_k, normalize_top_k=normalize_top_k)
+    summary = startup_summary(make_layout(cfg, jax.devices()[:1]), 0.0, None, "test", None, "none")
+    assert summary["router_weight_constant"] is noted
+    assert ("note: model.moe.top_k=1 with model.moe.normalize_top_k=true" in format_summary(summary)) is noted
+
+
 def test_router_losses_are_added_to_the_training_loss():
     """The optimizer's objective is the mean token loss plus the mean over layers of each layer's weighted router
     losses; the reported loss is the token loss alone."""
@@ -418,3 +431,13 @@ def test_export_of_a_capacity_routed_run_says_transformers_routes_every_token(ex
     notes = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
     assert len(notes) == 1 and f"{run_dir} routed with model.moe.dispatch=capacity" in notes[0]
     assert notes[0].endswith("exports exactly")
+
+
+def test_generation_of_a_capacity_routed_run_says_it_routes_every_token(expert_parallel, capsys):
+    """jaxtrain generate routes every token (tests/test_generate.py), which a capacity-routed run did not train with."""
+    from jaxtrain import cli
+
+    _, _, run_dir, _, _ = expert_parallel
+    assert cli.main(["generate", str(run_dir), "--prompt", "1 2 3", "--max-new-tokens", "2"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
+    assert len(notes) == 1 and f"{run_dir} routed with model.moe.dispatch=capacity; generation routes every token" in notes[0]

@@ -132,6 +132,8 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         # its auto resolves to true there, so false is the user's and the summary says it has no effect
         "layers": "scanned" if cfg.model.scan_layers or pipelined else "unrolled",
         "scan_layers_ignored": pipelined and cfg.model.scan_layers is False,
+        # one expert per token renormalised over itself: its weight is 1 whatever the router says
+        "router_weight_constant": cfg.model.moe.num_experts > 0 and cfg.model.moe.top_k == 1 and cfg.model.moe.normalize_top_k,
         # a quantized base (QLoRA) counted as the model's parameters, not its packed codes and scales
         "params": layout.spec.num_params if cfg.model.base_quant == "none" else
                   model_spec(dataclasses.replace(cfg.model, base_quant="none")).num_params,
@@ -194,6 +196,9 @@ def format_summary(s: dict[str, Any]) -> str:
         *([f"  {note}"] if (note := idle_axes_note(s["idle_axes"], s["rules"])) else []),
         *([f"  note: model.scan_layers=false has no effect with pipeline stages (rules {s['rules']}): each stage's layers run in the "
            "pipeline's scan; drop the key, or use a rule set without pp_ to unroll them"] if s.get("scan_layers_ignored") else []),
+        *(["  note: model.moe.top_k=1 with model.moe.normalize_top_k=true weights each token's expert by 1, so the training loss "
+           "gives the router no gradient (only the load-balancing and z losses train it); set model.moe.normalize_top_k=false "
+           "to weight it by its router probability (Switch Transformer)"] if s.get("router_weight_constant") else []),
         *([f"  note: optim.warmup_steps={s['configured_warmup_steps']} is more than train.steps={s['warmup_steps']}: the learning rate "
            + (f"warms up over the {s['warmup_steps']} steps, reaching optim.lr at the last," if s["warmup_steps"] > 1 else
               "is optim.lr at the run's one step")
