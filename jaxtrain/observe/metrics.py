@@ -134,6 +134,8 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "scan_layers_ignored": pipelined and cfg.model.scan_layers is False,
         # one expert per token renormalised over itself: its weight is 1 whatever the router says
         "router_weight_constant": cfg.model.moe.num_experts > 0 and cfg.model.moe.top_k == 1 and cfg.model.moe.normalize_top_k,
+        # capacity is per sequence: an SFT example's drops depend on the examples packed beside it and on the padding
+        "capacity_shared_by_examples": cfg.model.moe.num_experts > 0 and cfg.model.moe.dispatch == "capacity" and cfg.data.format == "sft",
         # a quantized base (QLoRA) counted as the model's parameters, not its packed codes and scales
         "params": layout.spec.num_params if cfg.model.base_quant == "none" else
                   model_spec(dataclasses.replace(cfg.model, base_quant="none")).num_params,
@@ -199,6 +201,9 @@ def format_summary(s: dict[str, Any]) -> str:
         *(["  note: model.moe.top_k=1 with model.moe.normalize_top_k=true weights each token's expert by 1, so the training loss "
            "gives the router no gradient (only the load-balancing and z losses train it); set model.moe.normalize_top_k=false "
            "to weight it by its router probability (Switch Transformer)"] if s.get("router_weight_constant") else []),
+        *(["  note: model.moe.dispatch=capacity with data.format=sft: the experts' capacity is shared by a sequence's tokens, the "
+           "examples packed into it and its padding included, so an example's loss depends on its neighbours; "
+           "model.moe.dispatch=dropless routes each example as if alone"] if s.get("capacity_shared_by_examples") else []),
         *([f"  note: optim.warmup_steps={s['configured_warmup_steps']} is more than train.steps={s['warmup_steps']}: the learning rate "
            + (f"warms up over the {s['warmup_steps']} steps, reaching optim.lr at the last," if s["warmup_steps"] > 1 else
               "is optim.lr at the run's one step")
