@@ -197,6 +197,7 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
                 state = trainer.init_state() if initial is None else initial
             if not fresh:
                 _note_model_changes(run_dir, cfg, requested)
+                _note_data_order_changes(run_dir, cfg)
             # only now, once the run's own checkpoint fits this config: a refused start leaves the run directory as it was
             _write_run_files(trainer, run_dir, base, init_from if fresh else None)
             eval_data = data_lib.eval_batches(checked.corpus, cfg.data, t.global_batch, layout.batch_sharding, t.eval_batches)
@@ -237,6 +238,26 @@ def _note_model_changes(run_dir: Path, cfg: Config, requested: LlamaConfig) -> N
             now, then = config_lib.as_override(value), config_lib.as_override(before.get(key))
             _say(f"jaxtrain: note: {key}={now} here but {then} in {run_dir / 'config.yaml'}, which the checkpoints "
                  f"trained with: from this step on the run trains with {now}; give {key}={then} to continue as before")
+
+
+def _note_data_order_changes(run_dir: Path, cfg: Config) -> None:
+    """A note per key that decides which sequences come next (``train.global_batch`` and every ``data.*`` key) whose value
+    differs from the run's config.yaml: the checkpoint's data position is a count of that run's global batches, so with
+    another batch size, sequence length, shuffle or data it points elsewhere, and sequences are skipped or seen twice."""
+    if not (run_dir / "config.yaml").is_file():
+        return
+
+    def data_order(c: Config) -> dict:
+        c = config_lib.with_absolute_paths(c)
+        return {"train.global_batch": c.train.global_batch} | config_lib.flatten(config_lib.to_dict(c.data), "data.")
+
+    before, now = data_order(config_lib.load_run_config(run_dir)), data_order(cfg)
+    for key, value in now.items():
+        if before[key] != value:
+            then, value = config_lib.as_override(before[key]), config_lib.as_override(value)
+            _say(f"jaxtrain: note: {key}={value} here but {then} in {run_dir / 'config.yaml'}, whose batches the checkpoint's "
+                 f"data position counts: here it points elsewhere in the data, so sequences are skipped or seen twice; give "
+                 f"{key}={then} to continue where the run stopped")
 
 
 def _write_run_files(trainer: Trainer, run_dir: Path, base: lora_lib.Base | None, fresh_init_from: Path | None) -> None:

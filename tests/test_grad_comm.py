@@ -155,6 +155,26 @@ def test_grad_sync_step_trains_like_per_micro_batch_sums(corpus):
         np.testing.assert_allclose(values[0], values[1], rtol=1e-5)
 
 
+@pytest.mark.parametrize("sections", [
+    "embed: fsdp\n  norm: fsdp",  # ZeRO-2 inside a node, data across nodes: split over some of the batch axes
+    "embed: data\n  mlp: fsdp",  # the MLP weights' gradients split on two dimensions
+])
+def test_grad_sync_step_sums_over_every_batch_axis_whatever_the_gradients_section_splits(corpus, tmp_path, sections):
+    """The once-per-step sum of a pure data-parallel mesh reduce-scatters over the axes a rule file's ``gradients:``
+    section splits on and all-reduces over the others. It had summed over the split axes only: with gradients split
+    over fsdp and not data, each data group kept its own gradients, and the run trained on without a word."""
+    rules = tmp_path / "zero2_custom.yaml"
+    rules.write_text(f"extends: dp\noptimizer_state:\n  {sections}\ngradients:\n  {sections}\n")
+    runs = {}
+    for sync in ("step", "microbatch"):  # microbatch: GSPMD's sums, the reference
+        trainer = build(_sync_cfg(sync, str(rules), (2, 4, 1), microbatches=2), corpus)
+        assert (trainer.layout.grad_reduction is None) == (sync == "microbatch")
+        runs[sync] = _run(trainer, corpus, 3)[1]
+    for key in ("loss", "grad_norm"):
+        values = np.array([[m[key] for m in runs[sync]] for sync in runs])
+        np.testing.assert_allclose(values[0], values[1], rtol=1e-5)
+
+
 def test_the_planner_counts_the_once_per_step_sums_and_does_not_hide_them():
     cfg = with_(medium_config("fsdp", "full", mesh=(2, 4, 1), microbatches=4), train={"global_batch": 32})  # bfloat16 compute
     once, every = (step_cost.step_time(make_layout(with_(cfg, optim={"grad_sync": sync})), "h100") for sync in ("auto", "microbatch"))

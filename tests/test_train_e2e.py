@@ -120,6 +120,20 @@ def test_a_resume_with_other_model_values_of_the_same_shapes_says_which(short_ru
     assert "jaxtrain: note: model." not in capsys.readouterr().err
 
 
+def test_a_resume_with_another_global_batch_says_the_data_position_points_elsewhere(short_run, tmp_path, capsys):
+    """The checkpoint's data position counts global batches: resumed with 16 sequences a batch, batch 4 of 16 starts at
+    sequence 64 where the run had stopped at 32 (a QA report: sequences 32-63 were skipped without a word)."""
+    from jaxtrain import train as train_lib
+    from jaxtrain.cli import resolve_config
+
+    run_dir = _copy(short_run, tmp_path)
+    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5", "train.global_batch=16"]), run_dir)
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note:")]
+    assert notes == [f"jaxtrain: note: train.global_batch=16 here but 8 in {run_dir / 'config.yaml'}, whose batches the "
+                     "checkpoint's data position counts: here it points elsewhere in the data, so sequences are skipped or "
+                     "seen twice; give train.global_batch=8 to continue where the run stopped"], notes
+
+
 def test_a_finished_run_started_again_says_so_and_writes_nothing(short_run, tmp_path):
     run_dir = _copy(short_run, tmp_path)
     before = _files(run_dir)

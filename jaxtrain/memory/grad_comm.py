@@ -56,14 +56,18 @@ class GradReduction:
     rules: Rules | None = None  # the rule set (the vmapped groups: the model's constraints on the other axes); None: all manual
 
     def _sum(self, g: jax.Array, spec: PartitionSpec) -> jax.Array:
-        """The devices' partial ``g`` summed in ``dtype``: whole (all-reduce), or each device's slice of the dimension the
-        spec splits (reduce-scatter, half the bytes)."""
+        """The devices' partial ``g`` summed in ``dtype`` over every one of ``axes``: reduce-scattered over the axes the
+        spec splits it on (each device keeps its slice, half the bytes), all-reduced over the others (a rule file's
+        ``gradients:`` section may split over some batch axes only, or over several dimensions)."""
         narrow = g.astype(self.dtype)
-        split = [(dim, entry) for dim, entry in enumerate(spec) if entry]
-        if not split:
-            return jax.lax.psum(narrow, self.axes).astype(g.dtype)
-        (dim, entry), = split
-        return jax.lax.psum_scatter(narrow, entry, scatter_dimension=dim, tiled=True).astype(g.dtype)
+        split = [(dim, (entry,) if isinstance(entry, str) else tuple(entry)) for dim, entry in enumerate(spec) if entry]
+        scattered = {axis for _, entry in split for axis in entry}
+        whole = tuple(a for a in self.axes if a not in scattered)
+        if whole:
+            narrow = jax.lax.psum(narrow, whole)
+        for dim, entry in split:
+            narrow = jax.lax.psum_scatter(narrow, entry, scatter_dimension=dim, tiled=True)
+        return narrow.astype(g.dtype)
 
     def _inner_rules(self) -> tuple:
         """The model's logical rules inside the groups' passes: no constraint names a summed axis (the groups' own)."""
