@@ -323,6 +323,7 @@ class RunCheckpoints:
         self.closed = False
         self.started = None  # the step of the latest save started: an async write fails later, on wait
         self.resumed_line = None
+        self.restored = None  # (step, time written) of the checkpoint the run resumed from
 
     def restore_latest(self, abstract_state, data_iterator):
         """The state of the latest readable checkpoint (restored onto ``abstract_state``'s shardings,
@@ -336,7 +337,9 @@ class RunCheckpoints:
                              else "no earlier checkpoint is readable: training starts from step 0")
         if step is None:
             return None
-        age = time.time() - restored.meta.get("time", time.time())
+        written = restored.meta.get("time", time.time())
+        self.restored = (step, written)
+        age = time.time() - written
         self.resumed_line = f"jaxtrain: resuming from checkpoint step {step} in {self.directory} (written {_age(age)} ago)"
         return restored.state
 

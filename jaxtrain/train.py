@@ -206,6 +206,8 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
                              enabled=jax.process_index() == 0, microbatches_auto=trainer.microbatches_auto,
                              # a compiled step gives its program for the profile's summary; a wrapped one (tests) none
                              step_program=getattr(trainer.train_step, "as_text", None))
+            if checkpoints.restored:  # the checkpoint to fall back on (Prometheus: age since it was written, not NaN)
+                log.checkpoint_saved(*checkpoints.restored)
             state = _loop(trainer, state, batches, eval_data, checkpoints, log)
     except BaseException as e:  # the error in flight is the one to report: one in closing is only a warning
         if isinstance(e, LostPeer) or lost_peer(e):  # the saves in flight wait on processes that are gone: wait for nothing

@@ -363,6 +363,23 @@ def test_first_record_times_the_step_not_the_start_up(trainer, tmp_path, monkeyp
     assert len(times) == STEPS and times[0] < 1.0, times
 
 
+def test_profiler_time_is_not_step_time(trainer, tmp_path, monkeypatch):
+    """A QA report: writing and summarizing the trace (1.3 s for the tiny model on CPU, more for a large GPU trace) was
+    counted in the last profiled step's time, so its record's tokens/s and MFU read 10x low."""
+    real = step_profile.summarize
+
+    def slow_summary(*args):
+        time.sleep(2.0)
+        return real(*args)
+
+    monkeypatch.setattr(step_profile, "summarize", slow_summary)
+    profiled = _loop_config(trainer, log={"every": 1, "profile_steps": "2:3"})
+    train_lib.train(profiled.cfg, tmp_path, profiled)
+    times = {r["step"]: r["step_time_s"] for r in _records(tmp_path) if "step_time_s" in r}
+    assert len(times) == STEPS and times[3] < 1.0, times
+    assert list(tmp_path.glob(f"plugins/profile/*/{step_profile.SUMMARY_FILE}"))  # summarized, slowly
+
+
 def test_a_run_shorter_than_its_warmup_applies_the_full_learning_rate_at_its_last_step():
     """Step k applies the schedule at update count k - 1 (optax counts from 0): a warmup of 20 over a 4-step run
     gives 0, lr/3, 2lr/3, lr (a QA report: it stopped at 3lr/4); a 1-step run applies lr; a warmup shorter than
@@ -681,6 +698,28 @@ def test_prometheus_serves_the_latest_record_during_the_run(trainer, tmp_path, m
     assert all(math.isnan(first[f"jaxtrain_{name}"]) for name in ("step", "loss", "tokens_per_second", "mfu", "last_checkpoint_step"))
 
 
+def test_prometheus_knows_the_checkpoint_a_resumed_run_started_from(trainer, tmp_path, monkeypatch):
+    """A QA report: a resumed run served NaN as its last checkpoint's step and age until its next save, so an alert on
+    the checkpoint's age saw nothing on a run that stalled after a resume. The age counts from when it was written."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    short = _loop_config(trainer, train={"steps": 4})
+    train_lib.train(short.cfg, tmp_path / "run", short)
+    written = time.time()
+    port, scraped = _free_port(), {}
+
+    def scrape():  # as the resumed run reads step 5's batch: no record or save of its own yet
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        scraped.update({s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples})
+
+    time.sleep(1.0)
+    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size, on_step={5: scrape})
+    served = _loop_config(trainer, log={"prometheus_port": port})
+    train_lib.train(served.cfg, tmp_path / "run", served)
+    assert math.isnan(scraped["jaxtrain_step"]) and scraped["jaxtrain_last_checkpoint_step"] == 4
+    assert 1.0 <= scraped["jaxtrain_last_checkpoint_age_seconds"] < time.time() - written + 5.0
+
+
 def test_prometheus_port_in_use_is_one_line_before_the_run_dir(trainer, tmp_path):
     with socket.socket() as busy:
         busy.bind(("", 0))
@@ -718,6 +757,24 @@ def test_plot_names_the_damaged_line_and_skips_a_last_line_being_written(tmp_pat
     path.write_bytes(b"\xff\xfe\n")
     with pytest.raises(UserError, match=f"^{path} is not UTF-8 text"):
         read_metrics(tmp_path)
+
+
+def test_a_resume_drops_the_record_a_kill_cut_short(tmp_path):
+    """A QA report: a run killed while it wrote a record (SIGKILL, a lost node) left a partial last line, and every
+    resume stopped on it with a JSONDecodeError traceback. It goes, as the records past the checkpoint do, and the
+    resumed run's records start on a line of their own; a damaged line before the last is one line naming it."""
+    path = tmp_path / "metrics.jsonl"
+    whole = [{"step": 1, "loss": 5.5, "learning_rate": 0.0}, {"step": 2, "loss": 5.25, "learning_rate": 1.5e-3},
+             {"step": 2, "eval_loss": 5.125, "eval_tokens": 1024}]
+    lines = "".join(json.dumps(record) + "\n" for record in whole)
+    for cut in ('{"step": 3, "loss": 4.9, "learn', '{"step": 2, "eval_loss": 5.1'):  # past the checkpoint, or at it
+        path.write_text(lines + cut)
+        assert metrics_lib.drop_records_after(path, 2) == whole and path.read_text() == lines
+    path.write_text(lines + json.dumps({"step": 3, "loss": 4.75}) + "\n")
+    assert metrics_lib.drop_records_after(path, 2) == whole and path.read_text() == lines
+    path.write_text(lines.replace('"step": 2, "loss"', '"step": 2, "lo', 1))
+    with pytest.raises(UserError, match=f"^{path} line 2 is not JSON"):
+        metrics_lib.drop_records_after(path, 2)
 
 
 def test_an_image_path_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):

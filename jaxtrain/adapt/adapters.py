@@ -13,6 +13,7 @@ from pathlib import Path
 
 from jaxtrain.errors import UserError
 from jaxtrain.interop import peft
+from jaxtrain.observe.records import read_records
 
 ADAPTER_PREFIX = "lora_"  # models/lora.py names each adapter lora_<target>
 BASE_RECORD = "lora_base.json"
@@ -65,7 +66,7 @@ def summary(run_dir: Path) -> dict:
     if record is None:
         raise UserError(f"{run_dir} has no {BASE_RECORD}: it is not a LoRA run (model.lora.rank > 0); train one, or give its --run-dir")
     metrics = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    records = read_records(metrics) if metrics.is_file() else []  # a live run's partial last line left out
     steps = [r["step"] for r in records if "loss" in r]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     return record | {"steps": max(steps, default=0), "eval_loss": evals[-1] if evals else None}

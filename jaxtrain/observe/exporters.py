@@ -196,9 +196,9 @@ class PrometheusGauges:
             value = record.get(key)
             gauge.set(float("nan") if value is None else value)
 
-    def checkpoint(self, step: int) -> None:
+    def checkpoint(self, step: int, written: float) -> None:
         self.checkpoint_step.set(step)
-        self.checkpoint_time = time.time()
+        self.checkpoint_time = written
 
     def close(self) -> None:
         self.server.shutdown()

@@ -36,6 +36,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges
 from jaxtrain.observe import step_profile
 from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak, peak_flops
+from jaxtrain.observe.records import read_records
 from jaxtrain.optim import warmup_steps
 from jaxtrain.layout import Layout, idle_axes_note
 from jaxtrain.memory import host_malloc
@@ -48,6 +49,7 @@ GIB = 2**30
 CPU_PEAK_MATMUL_SIZE = 512  # large enough to reach the CPU's matmul rate, small enough for ~1 s at start-up
 GUARDED = ("loss", "grad_norm")  # a non-finite value of either means the step's update was not applied
 PER_LAYER = ("grad_norm_per_layer", "param_norm_per_layer")
+NOT_STEP_TIME = ("checkpoint_s", "eval_s", "profile_s")  # timers left out of step_time_s (and so tokens/s and MFU)
 
 # TensorBoard tag of each record key; keys not listed (e.g. eval_tokens) stay in metrics.jsonl only.
 TAGS = {
@@ -271,17 +273,16 @@ def _finite_or_none(value):
 
 def drop_records_after(path: Path, step: int) -> list[dict]:
     """Forget records of steps after ``step``: a run killed after its last checkpoint logged steps it
-    will now redo, and each step must appear once. Returns the records kept."""
+    will now redo, and each step must appear once; a record the kill cut short goes too (it was a traceback, and
+    the resumed run's next record would have been appended to it). Returns the records kept."""
     if not path.exists():
         return []
-    lines = path.read_text().splitlines(keepends=True)
-    records = [json.loads(line) for line in lines]
-    kept = [line for line, record in zip(lines, records, strict=True) if record["step"] <= step]
-    if len(kept) < len(lines):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(path)
-    return [record for record in records if record["step"] <= step]
+    kept = [record for record in read_records(path) if record["step"] <= step]
+    text = "".join(json.dumps(record) + "\n" for record in kept)  # as ``MetricsLog.write`` wrote them
+    if text != path.read_text(encoding="utf-8"):
+        with atomic_file(path, "metrics file") as f:
+            f.write(text.encode())
+    return kept
 
 
 def resumed_profile(spec: str | None, initial_step: int) -> tuple[tuple[int, int] | None, str | None]:
@@ -317,7 +318,7 @@ class MetricsLog:
         self.profile, profile_note = resumed_profile(cfg.log.profile_steps, initial_step)
         self.profiling = False
         self.pending: list[tuple[int, dict]] = []  # (step, metrics) not yet fetched from the devices
-        self.timers = {"data_wait_s": 0.0, "checkpoint_s": 0.0, "eval_s": 0.0}  # since the last record
+        self.timers = {"data_wait_s": 0.0, "checkpoint_s": 0.0, "eval_s": 0.0, "profile_s": 0.0}  # since the last record
         self.last_step = initial_step
         self.last_finite: tuple[int, dict] | None = None
         self.skipped = 0
@@ -360,8 +361,8 @@ class MetricsLog:
 
     @contextlib.contextmanager
     def timer(self, name: str):
-        """Adds the block's wall time to ``name`` (data_wait_s, checkpoint_s, eval_s) for the next
-        record; checkpoint and eval time are not counted as step time."""
+        """Adds the block's wall time to ``name`` (data_wait_s, checkpoint_s, eval_s, profile_s) for the next
+        record; checkpoint, eval and profiler time are not counted as step time."""
         start = time.perf_counter()
         try:
             yield
@@ -372,7 +373,8 @@ class MetricsLog:
         if self.profile and step == self.profile[0]:
             if self.pending:  # steps still running on the devices would be counted in the profile's first step
                 jax.block_until_ready(self.pending[-1][1])
-            jax.profiler.start_trace(str(self.run_dir))
+            with self.timer("profile_s"):
+                jax.profiler.start_trace(str(self.run_dir))
             self.profiling = True
 
     def after_step(self, step: int, metrics: dict, *, flush: bool = False) -> None:
@@ -427,7 +429,7 @@ class MetricsLog:
         fetched = self._check_pending()
         now = time.perf_counter()
         steps = step - self.last_step
-        step_time = (now - self.last_time - self.timers["checkpoint_s"] - self.timers["eval_s"]) / steps
+        step_time = (now - self.last_time - sum(self.timers[name] for name in NOT_STEP_TIME)) / steps
         tokens_per_s = self.tokens_per_step / step_time
         metrics = fetched[-1][1]
         in_use, peak_mem, memory_source = memory_gib()
@@ -476,19 +478,22 @@ class MetricsLog:
         if self.progress and record.get("eval_loss") is not None:
             self.progress.evaluated(step, record["eval_loss"], record["eval_tokens"])
 
-    def checkpoint_saved(self, step: int) -> None:
+    def checkpoint_saved(self, step: int, written: float | None = None) -> None:
+        """``written``: when, for the checkpoint a run resumed from (default: now)."""
         if self.prometheus:
-            self.prometheus.checkpoint(step)
+            self.prometheus.checkpoint(step, time.time() if written is None else written)
 
     def _stop_trace(self, metrics: dict) -> None:
         jax.block_until_ready(metrics)  # the traced steps must have run
-        jax.profiler.stop_trace()
-        self.profiling = False
-        traces = sorted((self.run_dir / "plugins" / "profile").iterdir())
-        self._say(f"jaxtrain: profile of steps {self.profile[0]}-{self.profile[1]} in {traces[-1]} "
-                  f"(tensorboard --logdir {self.run_dir}, or open the .xplane.pb / .trace.json.gz in Perfetto)")
-        if self.enabled and self.step_program is not None:
-            self._summarize_profile(traces[-1])
+        # writing and summarizing the trace took 10x the tiny model's step on CPU (a QA report: in its record's step time)
+        with self.timer("profile_s"):
+            jax.profiler.stop_trace()
+            self.profiling = False
+            traces = sorted((self.run_dir / "plugins" / "profile").iterdir())
+            self._say(f"jaxtrain: profile of steps {self.profile[0]}-{self.profile[1]} in {traces[-1]} "
+                      f"(tensorboard --logdir {self.run_dir}, or open the .xplane.pb / .trace.json.gz in Perfetto)")
+            if self.enabled and self.step_program is not None:
+                self._summarize_profile(traces[-1])
 
     def _summarize_profile(self, trace_dir: Path) -> None:
         """The device time per step by kind into ``step_profile.json`` beside the trace, and two lines."""

@@ -3,12 +3,12 @@ several runs overlaid, from their ``metrics.jsonl``."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from jaxtrain.atomic import atomic_file
 from jaxtrain.errors import UserError
+from jaxtrain.observe.records import read_records
 
 # matplotlib warns at import about its own cache folders (a home not writable on a cluster node, a font cache
 # to build): two lines that say nothing about the plot, quieted for the import only
@@ -39,26 +39,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{path} does not exist; give run directories written by 'jaxtrain train'")
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")  # after the last newline: "" or a partial last line
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text; the file is damaged, or not a run's metrics") from None
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if number == len(lines):  # no newline after it yet: a record the run is still writing
-                break
-            # e.lineno counts within the one line parsed, so always 1
-            raise UserError(f"{path} line {number} is not JSON ({e.msg}); the file is damaged") from None
-        # every record the trainer writes is an object with its step (a list or a record without one was a traceback)
-        if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
-            raise UserError(f"{path} line {number} is not a metrics record (a JSON object with an integer 'step'); "
-                            "the file is damaged, or not a run's metrics")
-        records.append(record)
+    records = read_records(path)
     if not records:
         raise UserError(f"{path} holds no records yet; plot the run once it has logged a step (every log.every steps)")
     return records

@@ -1,0 +1,35 @@
+"""Reading a run's ``metrics.jsonl``: for ``jaxtrain plot``, the trainer's resume and the adapter pool, without
+importing jax or matplotlib."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxtrain.errors import UserError
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``, less a partial last line (no newline yet: a live run still writing it, or
+    one killed while it did); a damaged line is one line naming it."""
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # after the last newline: "" or a partial last line
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; the file is damaged, or not a run's metrics") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # no newline after it: a record still being written, or cut short by a kill
+                break
+            # e.lineno counts within the one line parsed, so always 1
+            raise UserError(f"{path} line {number} is not JSON ({e.msg}); the file is damaged") from None
+        # every record the trainer writes is an object with its step (a list or a record without one was a traceback)
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
+            raise UserError(f"{path} line {number} is not a metrics record (a JSON object with an integer 'step'); "
+                            "the file is damaged, or not a run's metrics")
+        records.append(record)
+    return records
