@@ -338,7 +338,8 @@ class MetricsLog:
 
     def _open(self, summary: dict[str, Any], initial_step: int) -> None:
         cfg, run_dir = self.cfg, self.run_dir
-        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        with atomic_file(run_dir / SUMMARY_FILE, "start-up summary") as f:
+            f.write((json.dumps(summary, indent=1) + "\n").encode())
         kept = drop_records_after(run_dir / "metrics.jsonl", initial_step)
         self.evaluated = {record["step"] for record in kept if "eval_loss" in record}
         self.file = open(run_dir / "metrics.jsonl", "a")
