@@ -585,6 +585,39 @@ def test_mlflow_gets_the_config_the_tensorboard_scalars_and_the_artifacts(traine
     assert open(artifact).read() == (run_dir / "config.yaml").read_text()
 
 
+# wandb is not a dependency: a stand-in package that records what the trainer asks of it
+FAKE_WANDB = """import json, os, types
+util = types.SimpleNamespace(generate_id=lambda: "id" + str(len(os.listdir(os.environ["FAKE_WANDB_LOG"]))))
+def init(**kwargs):
+    calls = os.path.join(os.environ["FAKE_WANDB_LOG"], f"init{len(os.listdir(os.environ['FAKE_WANDB_LOG']))}.json")
+    with open(calls, "w") as f:
+        json.dump({k: v for k, v in kwargs.items() if k != "config"}, f)
+    logged = open(calls + ".steps", "w")
+    return types.SimpleNamespace(log=lambda scalars, step: logged.write(f"{step}\\n"), finish=logged.close)
+"""
+
+
+def test_a_resumed_run_continues_its_wandb_run(trainer, tmp_path, monkeypatch):
+    """A QA report: every resume started a new W&B run (wandb.init without an id). The first start keeps the id it was
+    given in RUN_DIR/wandb_run_id; every later start asks W&B to resume that run."""
+    package = tmp_path / "site" / "wandb"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_WANDB)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("FAKE_WANDB_LOG", str(tmp_path / "log"))
+    (tmp_path / "log").mkdir()
+    run_dir = tmp_path / "run"
+    tracked = _loop_config(trainer, log={"wandb": "jaxtrain-test"})
+    train_lib.train(tracked.cfg, run_dir, tracked)
+    longer = _loop_config(tracked, train={"steps": STEPS + 2})
+    train_lib.train(longer.cfg, run_dir, longer)
+    first, second = (json.loads((tmp_path / "log" / f"init{i}.json").read_text()) for i in (0, 2))
+    assert first["id"] == second["id"] == (run_dir / "wandb_run_id").read_text().strip() == "id0"
+    assert first["resume"] == second["resume"] == "allow" and first["project"] == "jaxtrain-test" and first["name"] == "run"
+    steps = [{int(step) for step in (tmp_path / "log" / f"init{i}.json.steps").read_text().split()} for i in (0, 2)]
+    assert max(steps[0]) == STEPS < min(steps[1]) and max(steps[1]) == STEPS + 2  # each start's own steps
+
+
 def test_an_mlflow_server_that_stops_answering_costs_warnings_never_the_run(trainer, tmp_path, monkeypatch, capsys):
     """The server fails every metric from step 4 on, then hangs at the run's end: training finishes, checkpoints and
     metrics.jsonl complete, one warning per kind of failure, the end waits MLFLOW_CLOSE_TIMEOUT_S at most (a QA

@@ -1,5 +1,5 @@
-"""Optional exporters of a run's records to the monitoring a team already runs: MLflow (``log.mlflow``) and
-Prometheus (``log.prometheus_port``). ``MetricsLog`` (metrics.py) feeds them on process 0; each package is
+"""Optional exporters of a run's records to the monitoring a team already runs: MLflow (``log.mlflow``), Weights &
+Biases (``log.wandb``) and Prometheus (``log.prometheus_port``). ``MetricsLog`` (metrics.py) feeds them on process 0; each package is
 imported only when its key is set (config.log_problems checks it is installed).
 """
 
@@ -24,6 +24,22 @@ MLFLOW_RUN_ID_FILE = "mlflow_run_id"  # in the run directory: a resumed run cont
 MLFLOW_PARAMS_PER_BATCH = 100  # the most params MLflow's log_batch takes at once
 MLFLOW_CLOSE_TIMEOUT_S = 30  # at the end, the wait for an MLflow server still working through the run's calls
 PLOT_FILE = "metrics.png"
+WANDB_RUN_ID_FILE = "wandb_run_id"  # in the run directory: a resumed run continues the same W&B run
+
+
+def start_wandb(cfg: Config, run_dir: Path):
+    """The run directory's W&B run: a new one the first time, the same one (``resume="allow"``) on every resume, as
+    MLflow's (each resume started a new W&B run, a QA report). Steps a killed run logged past its checkpoint are logged
+    again, which W&B ignores below the run's last step: the first attempt's values stay."""
+    import wandb
+
+    id_file = run_dir / WANDB_RUN_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+    run = wandb.init(project=cfg.log.wandb, name=run_dir.name, dir=str(run_dir), config=config_lib.to_dict(cfg), id=run_id,
+                     resume="allow")
+    if not id_file.is_file():
+        id_file.write_text(run_id + "\n")
+    return run
 
 
 class MlflowRun:

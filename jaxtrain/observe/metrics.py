@@ -33,7 +33,7 @@ from jaxtrain.atomic import atomic_file
 from jaxtrain.compile_cache import describe as describe_cache
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
-from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges
+from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges, start_wandb
 from jaxtrain.observe import step_profile
 from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak, peak_flops
 from jaxtrain.observe.records import read_records
@@ -349,9 +349,7 @@ class MetricsLog:
             self.tensorboard = tensorboard_writer_class()(str(run_dir), purge_step=initial_step + 1)
             self.tensorboard.add_text("summary", "    " + format_summary(summary).replace("\n", "\n    "), initial_step)
         if cfg.log.wandb:
-            import wandb
-
-            self.wandb = wandb.init(project=cfg.log.wandb, name=run_dir.name, dir=str(run_dir), config=config_lib.to_dict(cfg))
+            self.wandb = start_wandb(cfg, run_dir)
         if cfg.log.mlflow:
             self.mlflow = MlflowRun(cfg, run_dir)
         if cfg.log.prometheus_port:
