@@ -226,17 +226,22 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
     return state
 
 
+# model keys that choose how the same function is computed (memory, speed, rounding), not which: no resume note
+HOW_NOT_WHAT = ("model.remat", "model.attention", "model.scan_layers", "model.pipeline.", "model.moe.grouped_matmul")
+
+
 def _note_model_changes(run_dir: Path, cfg: Config, requested: LlamaConfig) -> None:
     """A note per model key whose value differs from the run's config.yaml (its last start): a resume with, say,
     another model.rope_theta or model.lora.alpha fits the checkpoint's shapes but trains another function from here.
-    A key left at ``auto`` is not one: jaxtrain chose it for these devices (a pipelined run resumed on a plain mesh,
+    A key of ``HOW_NOT_WHAT`` is not one (a QA report: another pipeline schedule was noted as another function), nor
+    is a key left at ``auto``: jaxtrain chose it for these devices (a pipelined run resumed on a plain mesh,
     a CPU run on a GPU), the same function computed another way, and the start-up summary names the choice."""
     if not (run_dir / "config.yaml").is_file():
         return
     before = config_lib.flatten(config_lib.to_dict(config_lib.load_run_config(run_dir).model), "model.")
     chosen_here = {key for key, value in config_lib.flatten(config_lib.to_dict(requested), "model.").items() if value == "auto"}
     for key, value in config_lib.flatten(config_lib.to_dict(cfg.model), "model.").items():
-        if key not in chosen_here and before.get(key) != value:
+        if key not in chosen_here and not key.startswith(HOW_NOT_WHAT) and before.get(key) != value:
             now, then = config_lib.as_override(value), config_lib.as_override(before.get(key))
             _say(f"jaxtrain: note: {key}={now} here but {then} in {run_dir / 'config.yaml'}, which the checkpoints "
                  f"trained with: from this step on the run trains with {now}; give {key}={then} to continue as before")

@@ -100,9 +100,10 @@ def test_a_resume_with_other_model_values_of_the_same_shapes_says_which(short_ru
 
     run_dir = _copy(short_run, tmp_path)
     train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5", "model.rope_theta=50", "model.norm_eps=0.5",
-                                                       "model.moe.normalize_top_k=false"]), run_dir)
+                                                       "model.moe.normalize_top_k=false", "model.remat=full",
+                                                       "model.attention=xla"]), run_dir)
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note: model.")]
-    # values as an override spells them (a QA report: Python's True and False)
+    # values as an override spells them (a QA report: Python's True and False); how it is computed is no note
     assert notes == [f"jaxtrain: note: model.{key}={now} here but {before} in {run_dir / 'config.yaml'}, which the checkpoints "
                      f"trained with: from this step on the run trains with {now}; give model.{key}={before} to continue as before"
                      for key, now, before in (("rope_theta", 50.0, 10000.0), ("norm_eps", 0.5, 1e-05),
