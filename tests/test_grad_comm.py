@@ -58,6 +58,8 @@ def test_gradients_are_reduced_in_bfloat16_only_when_asked():
     # one device: nothing to sum (the plan had said "gradients summed in float32 in every micro-batch", a QA report)
     alone = step_cost.step_time(make_layout(_cfg("float32", mesh=(1, 1, 1), microbatches=2), jax.devices()[:1]), "h100")
     assert "gradients summed" not in alone.describe()
+    # nor in bfloat16: the gradients are not rounded to it (they were, a QA report)
+    assert make_layout(_cfg("bfloat16", mesh=(1, 1, 1), microbatches=2), jax.devices()[:1]).grad_reduction is None
 
 
 @pytest.fixture(scope="module")
