@@ -6,13 +6,14 @@ Run with ``--init-from LLAMA_70B_HF_DIR data.path=TOKENS.bin``."""
 
 import dataclasses
 
-from experiments._llama import experiment, llama3, run
+from experiments._llama import LLAMA3_1_ROPE_SCALING, experiment, llama3, run
 from models.config import LoraConfig
 
 
 def config():
-    model = llama3(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, mlp_dim=28672, remat="full",
-                   param_dtype="bfloat16", base_quant="nf4", lora=LoraConfig(rank=16, alpha=32.0))
+    model = llama3(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, mlp_dim=28672,
+                   rope_scaling=LLAMA3_1_ROPE_SCALING, remat="full", param_dtype="bfloat16", base_quant="nf4",
+                   lora=LoraConfig(rank=16, alpha=32.0))
     cfg = experiment(model, seq_len=4096, batch_tokens=16 * 4096, lr=2e-4, steps=2000, warmup_steps=50, mesh="a100x4",
                      rules="fsdp", microbatches=4)
     # logits 512 positions at a time: a whole sequence's 128K-vocabulary float32 logits and their gradient take 3.9 GiB more per device

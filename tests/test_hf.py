@@ -1,6 +1,7 @@
 """Hugging Face import and export against transformers (torch on CPU), with tiny random models made here:
 logits equal on 1 device and on the 8-device fsdp_tp mesh, exported directories load in transformers,
-import -> train -> export -> reload, two processes reading only their own slices, and bad input."""
+import -> train -> export -> reload, two processes reading only their own slices, bad input, and the config.json of
+each experiment named after a published model reading as that model's."""
 
 import copy
 import dataclasses
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from conftest import REPO, small_config, subprocess_env, with_
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import cli
+from jaxtrain.config import load_experiment
 from jaxtrain.interop import hf_config, hf_export, hf_import
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.layout import make_layout
@@ -267,3 +269,43 @@ def test_export_of_a_run_without_checkpoints_names_the_run(tmp_path, capsys):
     assert lines == [f"jaxtrain: error: jaxtrain export-hf {run_dir}: no checkpoints there yet; train the run until it saves one "
                      "(every checkpoint.every steps, and at its last step)"], lines
     assert not list(tmp_path.glob("out*"))
+
+
+# the fields of the published config.json files (meta-llama/Llama-3.2-1B, -3B, Llama-3.1-8B, -70B, -405B,
+# mistralai/Mixtral-8x7B-v0.1, Mixtral-8x22B-v0.1) that decide the model's function
+LLAMA3 = dict(vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+LLAMA3_2 = LLAMA3 | dict(tie_word_embeddings=True, rope_parameters=LLAMA3["rope_parameters"] | {"factor": 32.0})
+LLAMA3_1_8B = LLAMA3 | dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=8, head_dim=128)
+LLAMA3_1_70B = LLAMA3 | dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                             num_key_value_heads=8, head_dim=128)
+LLAMA3_1_405B = LLAMA3 | dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
+                              num_key_value_heads=8, head_dim=128)
+MIXTRAL = dict(rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+               sliding_window=None, num_local_experts=8, num_experts_per_tok=2, num_key_value_heads=8, head_dim=128)
+MIXTRAL_8X7B = MIXTRAL | dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                              num_attention_heads=32)
+PUBLISHED = {
+    "llama3_1b": LLAMA3_2 | dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                                 num_key_value_heads=8, head_dim=64),
+    "llama3_3b": LLAMA3_2 | dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                                 num_key_value_heads=8, head_dim=128),
+    "llama3_8b": LLAMA3_1_8B, "llama3_8b_lora": LLAMA3_1_8B,
+    "llama3_70b": LLAMA3_1_70B, "llama3_70b_qlora": LLAMA3_1_70B,
+    "llama3_405b": LLAMA3_1_405B, "llama3_405b_pp": LLAMA3_1_405B,
+    "mixtral_8x7b": MIXTRAL_8X7B, "mixtral_8x7b_lora": MIXTRAL_8X7B,
+    "mixtral_8x22b": MIXTRAL | dict(vocab_size=32768, hidden_size=6144, intermediate_size=16384, num_hidden_layers=56,
+                                    num_attention_heads=48),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_experiments_export_the_config_of_the_model_they_are_named_after(name):
+    """What transformers reads from the config.json `jaxtrain export-hf` writes for each experiment is the published
+    model's: Llama 3.1's and 3.2's llama3 rope scaling had been left out (trained and exported as Llama 3.0's rope)."""
+    cfg = load_experiment(name)
+    body = hf_config.export_config(cfg.model, "bfloat16", cfg.data.seq_len)
+    read = transformers.AutoConfig.for_model(**body)
+    assert {key: getattr(read, key) for key in PUBLISHED[name]} == PUBLISHED[name]
