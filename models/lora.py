@@ -154,9 +154,9 @@ def adapt_block(block: nnx.Module, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
             weights = [getattr(block.mlp, weight) for weight in EXPERT_LORA[name][1]]
             setattr(block.mlp, adapter_name(name), ExpertLoRA(weights, lora.rank, lora.alpha, rngs))
     if cfg.base_quant != "none":
-        for module_name, weight_name, _ in LORA_TARGETS.values():
+        for module_name, weight_name, inputs in LORA_TARGETS.values():
             module = getattr(block, module_name)
-            setattr(module, weight_name, QuantizedWeight(getattr(module, weight_name), cfg.base_quant))
+            setattr(module, weight_name, QuantizedWeight(getattr(module, weight_name), cfg.base_quant, inputs))
 
 
 def adapter_delta(module: nnx.Module, target: str, x: jax.Array) -> jax.Array | None:

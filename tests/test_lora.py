@@ -29,7 +29,7 @@ from jaxtrain.layout import make_layout
 from jaxtrain.observe.metrics import format_summary
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.train import build, train
-from models.config import LoraConfig
+from models.config import LORA_TARGETS, LoraConfig
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, 16))
 
@@ -76,6 +76,46 @@ def test_zero_adapters_give_the_base_logits_exactly_and_merged_equals_unmerged(b
     unmerged = _logits(layout, adapted)
     assert np.max(np.abs(unmerged - _logits(plain_layout, base_params))) > 1e-3  # the adapters do change the output
     np.testing.assert_allclose(_logits(plain_layout, lora_lib.merged(adapted, cfg.model)), unmerged, atol=1e-5)
+
+
+# bitsandbytes' NF4 code (functional.py get_4bit_type("nf4"), the QLoRA paper's), written out, not read from models/quant.py
+BITSANDBYTES_NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                    0.7229568362236023, 1.0)
+
+
+def _bitsandbytes_dequantized(w: np.ndarray, inputs: int, kind: str) -> np.ndarray:
+    """bitsandbytes' blockwise quantization by hand: the weight as torch holds it (outputs, inputs) flattened, one
+    absmax per 64 consecutive entries (stored as our bfloat16 scale), each entry the nearest code times it."""
+    torch_layout = w.reshape(int(np.prod(w.shape[:inputs])), -1).T
+    blocks = torch_layout.reshape(-1, 64).astype(np.float32)
+    absmax = np.max(np.abs(blocks), axis=1, keepdims=True).astype(jax.numpy.bfloat16).astype(np.float32)
+    normed = blocks / absmax
+    if kind == "int8":
+        values = np.round(normed * 127) / 127
+    else:
+        levels = np.asarray(BITSANDBYTES_NF4, np.float32)
+        values = levels[np.argmin(np.abs(normed[..., None] - levels), axis=-1)]
+    return (values * absmax).reshape(torch_layout.shape).T.reshape(w.shape)
+
+
+@pytest.mark.parametrize("base_quant", ["int8", "nf4"])
+def test_the_quantized_base_is_bitsandbytes_blockwise_quantization(base_quant):
+    """Every projection, o included (inputs heads x head_dim: blocks along head_dim, not across the heads), dequantizes to
+    bitsandbytes' blocks of 64 inputs, and stores one bfloat16 scale per 64 entries (before 2026-12-05 o's blocks ran
+    along the heads: with 2 heads one scale per 2 entries, the scales twice the nf4 codes' bytes)."""
+    cfg = lora_config(base_quant=base_quant, mesh=(1, 1, 1), d_model=128, num_heads=2, num_kv_heads=2, mlp_dim=128, num_layers=1)
+    layout = make_layout(cfg, jax.devices()[:1])
+    plain, _ = lora_lib.load_plain(layout, None)
+    frozen = lora_lib.load_base(layout, None).frozen
+    dequantized = lora_lib.merged(frozen, cfg.model)  # no adapters: the base as the layers compute with it
+    for module, weight, inputs in LORA_TARGETS.values():
+        stored = frozen["layers"][module][weight]
+        assert stored["scale"].dtype == jax.numpy.bfloat16 and stored["scale"].size * 64 == plain["layers"][module][weight].size
+        expected = _bitsandbytes_dequantized(np.asarray(plain["layers"][module][weight][0]), inputs, base_quant)
+        # the same codes and scales: float32 rounding apart (XLA multiplies by 1 / 127)
+        np.testing.assert_allclose(np.asarray(dequantized["layers"][module][weight][0]), expected, rtol=1e-6, atol=0, err_msg=f"{module}.{weight}")
 
 
 @pytest.mark.parametrize("base_quant", ["none", "nf4"])

@@ -100,9 +100,9 @@ def to_storage(kept: dict, weights: dict, base_quant: str) -> dict:
     """``split_quantized``'s parts -> the frozen part of the LoRA model's tree (the weights quantized layer by
     layer, as models/quant.py stores them)."""
     layers = {name: dict(module) for name, module in kept["layers"].items()}
-    for module, named in weights.items():
-        for weight, w in named.items():
-            codes, scale = jax.vmap(lambda w: quantize(w, base_quant))(w)
+    for module, weight, inputs in LORA_TARGETS.values():
+        if module in weights:
+            codes, scale = jax.vmap(functools.partial(quantize, kind=base_quant, inputs=inputs))(weights[module][weight])
             layers[module][weight] = {"codes": codes, "scale": scale}
     return kept | {"layers": layers}
 
@@ -122,10 +122,10 @@ def merged(model_params: dict, model_cfg: LlamaConfig) -> dict:
         adapter = layers[module].pop(adapter_name(target), None)  # the experts' were taken above
         if adapter is not None:
             updates[module, weight] = jax.vmap(lambda a, b: jnp.tensordot(a, b, axes=1))(adapter["a"].astype(jnp.float32), adapter["b"].astype(jnp.float32))
-    for module, weight, _ in LORA_TARGETS.values():
+    for module, weight, inputs in LORA_TARGETS.values():
         w = layers[module][weight]
         if isinstance(w, dict):
-            w = jax.vmap(lambda c, s: dequantize(c, s, dtype))(w["codes"], w["scale"])
+            w = jax.vmap(functools.partial(dequantize, dtype=dtype, inputs=inputs))(w["codes"], w["scale"])
         if (module, weight) in updates:
             w = (w.astype(jnp.float32) + scale * updates[module, weight]).astype(dtype)
         layers[module][weight] = w
