@@ -115,7 +115,8 @@ def test_the_quantized_base_is_bitsandbytes_blockwise_quantization(base_quant):
         assert stored["scale"].dtype == jax.numpy.bfloat16 and stored["scale"].size * 64 == plain["layers"][module][weight].size
         expected = _bitsandbytes_dequantized(np.asarray(plain["layers"][module][weight][0]), inputs, base_quant)
         # the same codes and scales: float32 rounding apart (XLA multiplies by 1 / 127)
-        np.testing.assert_allclose(np.asarray(dequantized["layers"][module][weight][0]), expected, rtol=1e-6, atol=0, err_msg=f"{module}.{weight}")
+        np.testing.assert_allclose(np.asarray(dequantized["layers"][module][weight][0]), expected, rtol=1e-6, atol=0,
+                                   err_msg=f"{module}.{weight}")
 
 
 @pytest.mark.parametrize("base_quant", ["none", "nf4"])
