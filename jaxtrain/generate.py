@@ -30,7 +30,7 @@ from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.config import Config, MeshConfig, SamplingConfig
 from jaxtrain.data.sft import ChatTemplate
 from jaxtrain.data import token_file
-from jaxtrain.data.documents import TOKEN_FILE_SUFFIXES
+from jaxtrain.data.documents import is_byte_level
 from jaxtrain.data.tokenizer import TOKENIZER_FILE, RawBytes, TextTokenizer, load_tokenizer
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import, hf_weights
@@ -148,7 +148,7 @@ def codec(cfg: Config, run_dir: Path) -> Codec:
     library or a text directory); else, for a token file, the tokenizer its sidecar or ``--init-from HF_DIR``
     names (kept in RUN_DIR/hf/), or token ids written as numbers when there is none."""
     vocab = cfg.model.vocab_size
-    if not cfg.data.tokenizer and (cfg.data.path is None or Path(cfg.data.path).suffix not in TOKEN_FILE_SUFFIXES):
+    if is_byte_level(cfg.data.tokenizer, cfg.data.path):
         return Codec(lambda text: _in_vocab(list(text.encode("utf-8")), vocab, "a byte of the prompt's UTF-8"), _bytes_to_text,
                      RawBytes().end_of_text)
     found = run_tokenizer(cfg, run_dir)

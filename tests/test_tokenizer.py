@@ -18,7 +18,7 @@ from jaxtrain import cli
 from jaxtrain.config import DataConfig
 from jaxtrain.data import hf_tokenizer_files, load_corpus, load_tokenizer, stdlib_files
 from jaxtrain.data.token_file import sidecar_path, tokenizer_of
-from jaxtrain.data.tokenizer import END_OF_TEXT, MAX_PRE_TOKEN, MAX_VOCAB_SIZE, TextTokenizer, token_dtype
+from jaxtrain.data.tokenizer import END_OF_TEXT, MAX_PRE_TOKEN, MAX_VOCAB_SIZE, TextTokenizer, special_token_ids, token_dtype
 from jaxtrain.errors import UserError
 
 VOCAB = 384
@@ -107,6 +107,16 @@ def test_end_of_text_is_found_by_family_spelling_or_eos_token(tmp_path):
         load_tokenizer(_word_level(tmp_path / "none", {"a": 0, "<pad>": 1}))
 
 
+def test_special_token_ids_are_those_the_tokenizer_config_names(tmp_path):
+    vocab = {"a": 0, "<|begin_of_text|>": 1, "<|end_of_text|>": 2, "<|eot_id|>": 3}
+    llama3 = _word_level(tmp_path / "llama3", vocab, {"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|eot_id|>"}})
+    assert special_token_ids(hf_tokenizer_files(llama3)) == {"bos_token_id": 1, "eos_token_id": 3}
+    # older directories name them in special_tokens_map.json; an explicit null (Qwen2's bos) stays unknown
+    older = _word_level(tmp_path / "older", vocab, {"bos_token": None})
+    (older / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+    assert special_token_ids(hf_tokenizer_files(older)) == {"bos_token_id": None, "eos_token_id": 2}
+
+
 def test_train_tokenize_train_loss_falls(trained, texts, tmp_path, capsys):
     tokens = tmp_path / "tokens.bin"
     status, err = jaxtrain(capsys, "tokenize", str(texts), "--tokenizer", str(trained), "--out", str(tokens))
@@ -128,7 +138,7 @@ def test_train_tokenize_train_loss_falls(trained, texts, tmp_path, capsys):
     assert len(losses) == 20 and abs(losses[0] - np.log(VOCAB)) < 0.3 and losses[-1] < losses[0] - 0.8, losses
 
     # the run generates text through its data.tokenizer, and its export carries that tokenizer for AutoTokenizer
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     from jaxtrain import generate as generate_lib
 
@@ -141,6 +151,8 @@ def test_train_tokenize_train_loss_falls(trained, texts, tmp_path, capsys):
     text = files[0].read_text()[:300]
     assert AutoTokenizer.from_pretrained(export)(text, add_special_tokens=False)["input_ids"] == \
         tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+    generation = GenerationConfig.from_pretrained(export)  # stops at the document separator trained on
+    assert generation.bos_token_id == generation.eos_token_id == tokenizer.end_of_text != 2
 
     # the same run without data.tokenizer: the token file's sidecar names it, for generate and export-hf
     import dataclasses

@@ -162,7 +162,11 @@ def test_experiment_file_runs_directly_with_same_arguments(tmp_path):
     generated = run_cli("generate", str(run_dir), "--prompt", "def", "--max-new-tokens", "2", cwd=tmp_path)
     assert generated.returncode == 0 and generated.stdout.startswith("def"), generated.stderr[-3000:]
     exported = run_cli("export-hf", str(run_dir), "--out", str(tmp_path / "hf"), cwd=tmp_path)
-    assert exported.returncode == 0 and (tmp_path / "hf" / "config.json").is_file(), exported.stderr[-3000:]
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    # byte-level text: the NUL after each document is its bos and eos (transformers would assume 1 and 2)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert config["bos_token_id"] == config["eos_token_id"] == 0 and generation == {"bos_token_id": 0, "eos_token_id": 0}
 
 
 def test_train_simulates_as_many_cpu_devices_as_its_mesh_holds_up_to_the_default():

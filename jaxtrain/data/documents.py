@@ -20,6 +20,11 @@ TOKEN_FILE_SUFFIXES = (".npy", ".bin")  # token ids (data/token_file.py), never 
 BATCH_BYTES = 4 << 20  # text per encoding batch: enough documents to keep every core busy, bounded memory
 
 
+def is_byte_level(tokenizer: str | None, path: str | None) -> bool:
+    """Whether a run's text reaches the model as its UTF-8 bytes: no ``data.tokenizer`` and no token file."""
+    return not tokenizer and (path is None or Path(path).suffix not in TOKEN_FILE_SUFFIXES)
+
+
 class Document(NamedTuple):
     key: str  # path relative to its source ("#LINE" for a JSONL line): decides the train/validation split
     text: bytes

@@ -27,7 +27,8 @@ from jaxtrain.errors import UserError
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 # files beside tokenizer.json that transformers reads; an exported model directory carries those present
-HF_SIDE_FILES = (CONFIG_FILE, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+SPECIAL_TOKENS_FILE = "special_tokens_map.json"
+HF_SIDE_FILES = (CONFIG_FILE, SPECIAL_TOKENS_FILE, "added_tokens.json", "chat_template.jinja")
 END_OF_TEXT = "<|endoftext|>"  # the one special token of a trained tokenizer: document separator, bos and eos
 # how tokenizer families spell their document separator (GPT-2 / Qwen2, Llama 3, Llama 2 / Mistral, Gemma)
 END_OF_TEXT_NAMES = (END_OF_TEXT, "<|end_of_text|>", "</s>", "<eos>")
@@ -130,6 +131,20 @@ def hf_tokenizer_files(path: str | Path) -> dict[str, bytes]:
     if CONFIG_FILE not in files:
         files[CONFIG_FILE] = _hf_config(tokenizer.tokenizer.id_to_token(tokenizer.end_of_text))
     return files
+
+
+def special_token_ids(files: dict[str, bytes]) -> dict[str, int | None]:
+    """``bos_token_id`` / ``eos_token_id`` of a Hugging Face model directory's tokenizer files (``hf_tokenizer_files``):
+    the ids in tokenizer.json of the ``bos_token`` / ``eos_token`` that tokenizer_config.json (else the older
+    special_tokens_map.json) names; None where neither names one."""
+    tokenizer = tokenizers.Tokenizer.from_str(files[TOKENIZER_FILE].decode())
+    config = json.loads(files.get(SPECIAL_TOKENS_FILE, b"{}")) | json.loads(files.get(CONFIG_FILE, b"{}"))
+    ids = {}
+    for role in ("bos", "eos"):
+        token = config.get(f"{role}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        ids[f"{role}_token_id"] = None if token is None else tokenizer.token_to_id(token)
+    return ids
 
 
 def _hf_config(end_of_text: str) -> bytes:

@@ -32,7 +32,8 @@ from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config
 from jaxtrain.data import token_file
-from jaxtrain.data.tokenizer import hf_tokenizer_files
+from jaxtrain.data.documents import is_byte_level
+from jaxtrain.data.tokenizer import TOKENIZER_FILE, RawBytes, hf_tokenizer_files, special_token_ids
 from jaxtrain.interop.hf_import import KEPT_FILES, RUN_SUBDIR
 from jaxtrain.interop.hf_weights import DTYPES, INDEX_FILE, SINGLE_FILE, TensorMap, tensor_maps
 from jaxtrain.layout import make_layout
@@ -191,6 +192,7 @@ def _write_metadata(directory: Path, cfg: Config, dtype: str, shards: list[list[
                     source_dir: Path | None, tokenizer: dict[str, bytes]) -> None:
     """config.json, generation_config.json, the shard index (several shards) and the source's tokenizer files."""
     config = hf_config.export_config(cfg.model, dtype, cfg.data.seq_len, _source_json(source_dir, hf_config.CONFIG_FILE))
+    config = token_ids(cfg, tokenizer) | config  # an imported model's own ids stand
     generation = hf_config.generation_config(config, _source_json(source_dir, hf_config.GENERATION_CONFIG_FILE))
     (directory / hf_config.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     (directory / hf_config.GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
@@ -200,6 +202,15 @@ def _write_metadata(directory: Path, cfg: Config, dtype: str, shards: list[list[
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     for name, content in tokenizer.items():
         (directory / name).write_bytes(content)
+
+
+def token_ids(cfg: Config, tokenizer: dict[str, bytes]) -> dict[str, int | None]:
+    """bos_token_id / eos_token_id for config.json: those the carried tokenizer files name; for a byte-level run
+    the NUL after each document; else None, unknown (transformers would assume Llama 2's 1 and 2)."""
+    if TOKENIZER_FILE in tokenizer:
+        return special_token_ids(tokenizer)
+    separator = RawBytes().end_of_text if is_byte_level(cfg.data.tokenizer, cfg.data.path) else None
+    return {"bos_token_id": separator, "eos_token_id": separator}
 
 
 def _source_json(source_dir: Path | None, name: str) -> dict | None:
