@@ -108,7 +108,10 @@ def test_import_equals_transformers_and_export_loads_back(name, devices, hf_mode
     names = hf_export.write_model(params, cfg, out, "float32", source_dir=hf_dir, max_shard_bytes=20_000)
     assert len(names) > 1 and (out / "model.safetensors.index.json").is_file()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
-    assert type(reloaded).__name__ == json.loads((hf_dir / "config.json").read_text())["architectures"][0]
+    source = json.loads((hf_dir / "config.json").read_text())
+    assert type(reloaded).__name__ == source["architectures"][0]
+    exported = json.loads((out / "config.json").read_text())  # the source's token ids, not the byte-level run's 0
+    assert [exported[k] for k in ("bos_token_id", "eos_token_id")] == [source[k] for k in ("bos_token_id", "eos_token_id")] != [0, 0]
     _assert_close(_hf_logits(reloaded), ours)
     # bfloat16: the same weights rounded
     out16 = tmp_path / "export16"
@@ -246,6 +249,13 @@ def test_bad_input_is_one_line(case, tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jaxtrain: error: ") and message.format(hf_dir=hf_dir, **values) in lines[0], lines
     assert not run_dir.exists()
+
+
+def test_a_from_scratch_export_without_tokenizer_files_knows_its_token_ids(tmp_path):
+    cfg = small_config()
+    assert hf_export.token_ids(cfg, {}) == {"bos_token_id": 0, "eos_token_id": 0}  # byte-level text: the NUL separator
+    # token ids from no known tokenizer: unknown, rather than transformers' default 1 and 2
+    assert hf_export.token_ids(with_(cfg, data={"path": str(tmp_path / "tokens.bin")}), {}) == {"bos_token_id": None, "eos_token_id": None}
 
 
 def test_export_refuses_an_existing_directory(tmp_path, capsys):
