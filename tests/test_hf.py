@@ -319,3 +319,5 @@ def test_experiments_export_the_config_of_the_model_they_are_named_after(name):
     body = hf_config.export_config(cfg.model, "bfloat16", cfg.data.seq_len)
     read = transformers.AutoConfig.for_model(**body)
     assert {key: getattr(read, key) for key in PUBLISHED[name]} == PUBLISHED[name]
+    if read.rope_parameters.get("rope_type") == "llama3":  # transformers warned where data.seq_len < 8192
+        assert read.max_position_embeddings == max(cfg.data.seq_len, read.rope_parameters["original_max_position_embeddings"])

@@ -267,12 +267,14 @@ def export_config(model: LlamaConfig, dtype: str, seq_len: int, base: dict | Non
     rope_scaling = None if s.type == "none" else {
         "rope_type": s.type, "factor": s.factor, "low_freq_factor": s.low_freq_factor,
         "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_len}
+    # transformers refuses to call a scaled rope's original context longer than the model's
+    positions = seq_len if rope_scaling is None else max(seq_len, s.original_max_len)
     body = {
         "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": model.vocab_size,
         "hidden_size": model.d_model, "intermediate_size": model.mlp_dim, "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads, "head_dim": model.resolved_head_dim,
         "hidden_act": "silu", "rms_norm_eps": model.norm_eps, "rope_theta": model.rope_theta, "rope_scaling": rope_scaling,
-        "tie_word_embeddings": model.tie_embeddings, "max_position_embeddings": base.get("max_position_embeddings", seq_len),
+        "tie_word_embeddings": model.tie_embeddings, "max_position_embeddings": base.get("max_position_embeddings", positions),
         "torch_dtype": dtype, "dtype": dtype,  # transformers 4 reads the first, 5 the second
     }
     if arch == "LlamaForCausalLM":
