@@ -145,6 +145,21 @@ def test_one_expert_renormalised_over_itself_is_noted_at_start_up(top_k, normali
     assert ("note: model.moe.top_k=1 with model.moe.normalize_top_k=true" in format_summary(summary)) is noted
 
 
+@pytest.mark.parametrize("moe, qkv_bias, noted", [({}, False, False), ({"num_shared_experts": 1, "shared_expert_gate": True}, True, False),
+                                                  ({"num_shared_experts": 1}, False, True)])
+def test_a_mixture_of_experts_no_hugging_face_architecture_holds_is_noted_at_start_up(moe, qkv_bias, noted):
+    """Mixtral and Qwen2-MoE export; a shared expert without Qwen2's gate and biases was refused only by export-hf,
+    after the training."""
+    from jaxtrain.observe.metrics import format_summary, startup_summary
+
+    cfg = _moe_config(**moe)
+    cfg = with_(cfg, model={"qkv_bias": qkv_bias})
+    summary = startup_summary(make_layout(cfg, jax.devices()[:1]), 0.0, None, "test", None, "none")
+    assert (summary["no_hf_architecture"] is not None) is noted
+    assert ("is neither a Mixtral nor a Qwen2-MoE model, so no Hugging Face architecture holds it: jaxtrain export-hf will refuse"
+            in format_summary(summary)) is noted
+
+
 @pytest.mark.parametrize("dispatch, data_format, noted",
                          [("capacity", "sft", True), ("dropless", "sft", False), ("capacity", "text", False)])
 def test_capacity_routing_of_sft_data_is_noted_at_start_up(dispatch, data_format, noted):

@@ -33,6 +33,7 @@ from jaxtrain.atomic import atomic_file
 from jaxtrain.compile_cache import describe as describe_cache
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
+from jaxtrain.interop import hf_config
 from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges, start_wandb
 from jaxtrain.observe import step_profile
 from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak, peak_flops
@@ -138,6 +139,8 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "router_weight_constant": cfg.model.moe.num_experts > 0 and cfg.model.moe.top_k == 1 and cfg.model.moe.normalize_top_k,
         # capacity is per sequence: an SFT example's drops depend on the examples packed beside it and on the padding
         "capacity_shared_by_examples": cfg.model.moe.num_experts > 0 and cfg.model.moe.dispatch == "capacity" and cfg.data.format == "sft",
+        # found out at start-up, not at export-hf after the training: None, or why no Hugging Face architecture holds the model
+        "no_hf_architecture": _no_hf_architecture(cfg),
         # a quantized base (QLoRA) counted as the model's parameters, not its packed codes and scales
         "params": layout.spec.num_params if cfg.model.base_quant == "none" else
                   model_spec(dataclasses.replace(cfg.model, base_quant="none")).num_params,
@@ -161,6 +164,16 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         **({"host_malloc": host_malloc.allocator(), "host_malloc_kept": host_malloc.kept()}
            if jax.local_devices()[0].platform == "cpu" else {"host_malloc": None, "host_malloc_kept": None}),
     }
+
+
+def _no_hf_architecture(cfg: Config) -> str | None:
+    if not cfg.model.moe.num_experts:
+        return None
+    try:
+        hf_config.moe_architecture(cfg.model)
+    except UserError as e:
+        return str(e)
+    return None
 
 
 def cpu_devices_per_core() -> float | None:
@@ -203,6 +216,8 @@ def format_summary(s: dict[str, Any]) -> str:
         *(["  note: model.moe.top_k=1 with model.moe.normalize_top_k=true weights each token's expert by 1, so the training loss "
            "gives the router no gradient (only the load-balancing and z losses train it); set model.moe.normalize_top_k=false "
            "to weight it by its router probability (Switch Transformer)"] if s.get("router_weight_constant") else []),
+        *([f"  note: {s['no_hf_architecture']}: jaxtrain export-hf will refuse to write it (checkpoints, resume and generate "
+           "are unaffected)"] if s.get("no_hf_architecture") else []),
         *(["  note: model.moe.dispatch=capacity with data.format=sft: the experts' capacity is shared by a sequence's tokens, the "
            "examples packed into it and its padding included, so an example's loss depends on its neighbours; "
            "model.moe.dispatch=dropless routes each example as if alone"] if s.get("capacity_shared_by_examples") else []),
