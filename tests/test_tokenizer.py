@@ -115,6 +115,8 @@ def test_special_token_ids_are_those_the_tokenizer_config_names(tmp_path):
     older = _word_level(tmp_path / "older", vocab, {"bos_token": None})
     (older / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
     assert special_token_ids(hf_tokenizer_files(older)) == {"bos_token_id": None, "eos_token_id": 2}
+    with pytest.raises(UserError, match=r"^the tokenizer.json to export could not be read for its bos/eos ids: "):
+        special_token_ids({"tokenizer.json": b'{"not": "a tokenizer"}'})
 
 
 def test_train_tokenize_train_loss_falls(trained, texts, tmp_path, capsys):

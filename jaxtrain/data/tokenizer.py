@@ -137,7 +137,10 @@ def special_token_ids(files: dict[str, bytes]) -> dict[str, int | None]:
     """``bos_token_id`` / ``eos_token_id`` of a Hugging Face model directory's tokenizer files (``hf_tokenizer_files``):
     the ids in tokenizer.json of the ``bos_token`` / ``eos_token`` that tokenizer_config.json (else the older
     special_tokens_map.json) names; None where neither names one."""
-    tokenizer = tokenizers.Tokenizer.from_str(files[TOKENIZER_FILE].decode())
+    try:
+        tokenizer = tokenizers.Tokenizer.from_str(files[TOKENIZER_FILE].decode())
+    except Exception as e:  # the library reports a malformed file as a plain Exception
+        raise UserError(f"the {TOKENIZER_FILE} to export could not be read for its bos/eos ids: {str(e).splitlines()[0]}") from None
     config = json.loads(files.get(SPECIAL_TOKENS_FILE, b"{}")) | json.loads(files.get(CONFIG_FILE, b"{}"))
     ids = {}
     for role in ("bos", "eos"):

@@ -192,7 +192,8 @@ def _write_metadata(directory: Path, cfg: Config, dtype: str, shards: list[list[
                     source_dir: Path | None, tokenizer: dict[str, bytes]) -> None:
     """config.json, generation_config.json, the shard index (several shards) and the source's tokenizer files."""
     config = hf_config.export_config(cfg.model, dtype, cfg.data.seq_len, _source_json(source_dir, hf_config.CONFIG_FILE))
-    config = token_ids(cfg, tokenizer) | config  # an imported model's own ids stand
+    if not {"bos_token_id", "eos_token_id"} <= config.keys():  # an imported model's own ids stand
+        config = token_ids(cfg, tokenizer) | config
     generation = hf_config.generation_config(config, _source_json(source_dir, hf_config.GENERATION_CONFIG_FILE))
     (directory / hf_config.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     (directory / hf_config.GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
