@@ -495,7 +495,7 @@ def log_problems(cfg: Config) -> list[str]:
             problems.append(str(e))
     for key, value, package, pip_name in (("log.wandb", log.wandb, "wandb", "wandb"), ("log.mlflow", log.mlflow, "mlflow", "mlflow-skinny"),
                                           ("log.prometheus_port", log.prometheus_port, "prometheus_client", "prometheus-client")):
-        if value is not None and importlib.util.find_spec(package) is None:
+        if value not in (None, "") and importlib.util.find_spec(package) is None:  # '' is check()'s one line
             problems.append(f"{key}={value!r} needs the {package} package; pip install {pip_name}, or drop {key}")
     return problems
 
@@ -580,8 +580,16 @@ def check(cfg: Config) -> None:
         problems.append(f"train.loss_chunk={t.loss_chunk} must be 0 (off) or a positive divisor of data.seq_len={d.seq_len}")
     if t.compile_cache == "":
         problems.append("train.compile_cache is empty; give auto, a folder path, or false (no cache)")
+    elif isinstance(t.compile_cache, str) and t.compile_cache.lower() in ("none", "null"):  # off for other keys, a folder here
+        problems.append(f"train.compile_cache={t.compile_cache} names a folder '{t.compile_cache}', not no cache; give false for no cache, "
+                        f"or ./{t.compile_cache} for that folder")
     if d.path == "":  # Path("") is the working directory
         problems.append("data.path is empty; give a directory of text files, a .jsonl file or a token file (.npy, .bin)")
+    for key, value, what in (("data.tokenizer", d.tokenizer, "a tokenizer.json or a directory holding one, or none for raw bytes"),
+                             ("log.wandb", cfg.log.wandb, "a W&B project name, or none"),
+                             ("log.mlflow", cfg.log.mlflow, "an MLflow experiment name, or none")):
+        if value == "":  # '' read as off: data.tokenizer="$TOK" with TOK unset trained on raw bytes without a word
+            problems.append(f"{key} is empty (an unset shell variable?); give {what}")
     if d.format not in DATA_FORMATS:
         problems.append(f"data.format={d.format!r} must be one of {', '.join(DATA_FORMATS)}")
     if microbatches > 0 and t.global_batch % microbatches:

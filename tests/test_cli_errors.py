@@ -125,6 +125,7 @@ CASES = {
                                                           "/notes/xla (NotADirectoryError: Not a directory); give a writable folder, or train.compile_cache=false"),
     "empty compilation cache path": (lambda t: ["train.compile_cache="], "train.compile_cache is empty; give auto, a folder path, or false"),
     "empty data path": (lambda t: ["data.path="], "data.path is empty; give a directory of text files, a .jsonl file or a token file"),
+    "empty tokenizer": (lambda t: ["data.tokenizer="], "data.tokenizer is empty (an unset shell variable?); give a tokenizer.json"),
     "--init-from a path with no checkpoints": (lambda t: ["--init-from", str(t / "nonexistent")],
                                                "nonexistent: no checkpoints there; give a run directory"),
 }

@@ -180,6 +180,24 @@ def test_every_numeric_key_is_range_checked(item, message):
         config_lib.check(apply_overrides(Config(), [item]))
 
 
+@pytest.mark.parametrize("word", ["none", "Null"])
+def test_compile_cache_none_is_not_taken_for_a_folder(word):
+    """none is every optional key's off; here it had silently made a cache folder named 'none' in the working directory."""
+    with pytest.raises(UserError, match=f"train.compile_cache={word} names a folder '{word}', not no cache; give false"):
+        config_lib.check(apply_overrides(Config(), [f"train.compile_cache={word}"]))
+    config_lib.check(apply_overrides(Config(), [f"train.compile_cache=./{word}"]))
+
+
+@pytest.mark.parametrize("key, what", [("data.tokenizer", "a tokenizer.json or a directory holding one, or none for raw bytes"),
+                                       ("log.wandb", "a W&B project name, or none"), ("log.mlflow", "an MLflow experiment name, or none")])
+def test_an_empty_optional_value_is_one_line_not_off(key, what):
+    """'' read as off: data.tokenizer="$TOK" with TOK unset trained on raw bytes, recording the working directory as the
+    run's tokenizer; log.mlflow="$EXP" logged nowhere."""
+    with pytest.raises(UserError) as error:
+        config_lib.check(apply_overrides(Config(), [f"{key}="]))
+    assert str(error.value) == f"{key} is empty (an unset shell variable?); give {what}"  # alone: not also "needs the package"
+
+
 def test_defaults_and_boundaries_are_in_range():
     config_lib.check(apply_overrides(Config(), ["optim.lr=0", "optim.warmup_steps=0", "optim.b1=0", "optim.min_lr_ratio=1",
                                                 "optim.clip_norm=0", "optim.weight_decay=0", "train.eval_every=0"]))

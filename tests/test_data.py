@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.config import DataConfig
-from jaxtrain.data import GlobalBatches, Windows, eval_batches, is_validation_file, load_corpus, stdlib_files
+from jaxtrain.data import GlobalBatches, Windows, eval_batches, is_validation_file, load_corpus, stdlib_files, train_tokenizer
 from jaxtrain.errors import UserError
 
 
@@ -81,8 +81,13 @@ def test_user_text_directory_and_token_files(tmp_path):
         assert corpus.vocab_size == 1000 and len(corpus.train) == 4500
         np.testing.assert_array_equal(corpus.validation, tokens[4500:])
     (tmp_path / "t.txt").write_text("one document")  # which a split by document cannot divide: the way on is named
-    with pytest.raises(UserError, match=f"unknown file type; .*for one text file, jaxtrain tokenize {tmp_path / 't.txt'} --out DATA.bin"):
+    # with the --tokenizer that tokenize requires (the hint had none: copied, it was argparse's error)
+    with pytest.raises(UserError, match=f"unknown file type; .*for one text file, jaxtrain tokenize {tmp_path / 't.txt'} "
+                                        r"--tokenizer TOKENIZER \(a tokenizer.json: jaxtrain train-tokenizer makes one\) --out DATA.bin"):
         load_corpus(DataConfig(path=str(tmp_path / "t.txt")))
+    tokenizer = train_tokenizer([str(tmp_path / "t.txt")], 300, tmp_path / "tok")  # the run's own, where it has one
+    with pytest.raises(UserError, match=f"jaxtrain tokenize {tmp_path / 't.txt'} --tokenizer {tokenizer.path} --out DATA.bin"):
+        load_corpus(DataConfig(path=str(tmp_path / "t.txt"), tokenizer=str(tmp_path / "tok")))
 
 
 def _bad_token_files(tmp_path):

@@ -1,6 +1,6 @@
 """Training data: text sources (documents.py), tokenizers (tokenizer.py), token files (token_file.py), the
-corpus a run trains on (corpus.py), and the grain pipeline that turns it into per-process batches
-(pipeline.py). Other modules import these names from ``jaxtrain.data``.
+corpus a run trains on (corpus.py), instruction data (sft.py), and the grain pipeline that turns it into
+per-process batches (pipeline.py). Other modules import these names from ``jaxtrain.data``.
 
 The pipeline's names load on first use: it imports jax, which the tokenizer commands do without.
 """

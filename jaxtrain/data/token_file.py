@@ -122,10 +122,12 @@ def read_token_file(path: Path, tokenizer: TextTokenizer | None) -> TokenFile:
     """Memory-map a token file, checked against its sidecar (if any) and the run's tokenizer (if any)."""
     sidecar = _sidecar(path)
     if path.suffix not in TOKEN_FILE_SUFFIXES:
-        # a lone text file is one document, which the validation split (by document) cannot divide
+        # a lone text file is one document, which the validation split (by document) cannot divide; tokenize needs a tokenizer
+        named = (f"--tokenizer {tokenizer.path}" if tokenizer
+                 else "--tokenizer TOKENIZER (a tokenizer.json: jaxtrain train-tokenizer makes one)")
         raise UserError(f"data.path={path}: unknown file type; use a directory of text files, a .jsonl file, "
                         "or a token file: .npy (any integer dtype) or .bin (uint16, or as its .bin.json sidecar says); "
-                        f"for one text file, jaxtrain tokenize {path} --out DATA.bin, then data.path=DATA.bin (split by position)")
+                        f"for one text file, jaxtrain tokenize {path} {named} --out DATA.bin, then data.path=DATA.bin (split by position)")
     dtype = RAW_BIN_DTYPE if sidecar is None else np.dtype(sidecar["dtype"]).newbyteorder("<")  # checked by _sidecar
     if sidecar is not None and path.suffix == ".bin" and path.is_file() and path.stat().st_size != sidecar["tokens"] * dtype.itemsize:
         _refuse_count(path, f"{path.stat().st_size} bytes", sidecar, f" ({sidecar['tokens'] * dtype.itemsize} bytes of {dtype.name})")
