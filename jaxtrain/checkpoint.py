@@ -155,21 +155,35 @@ def _state_type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
 
 
 class DataPositionHandler(grain.checkpoint.CheckpointHandler):
-    """grain's handler for the data iterator's position, which reads back only the file this process index and count
-    wrote (``process_I-of-N.json``): a run resumed on another number of processes (a job requeued onto other nodes)
-    found no such file, took the checkpoint for damaged and started again from step 0. Every process saves the same
-    position, a count of global batches (each takes its rows of the same batches, ``jaxtrain/data/pipeline.py``), so
-    such a run reads the one the saving processes agree on."""
+    """grain's handler for the data iterator's position (a JSON file per process, ``process_I-of-N.json``), for any
+    iterator with ``get_state``/``set_state``/``start_prefetch`` (grain's takes only its own iterators as JSON). grain's
+    reads back only the file this process index and count wrote: a run resumed on another number of processes (a job
+    requeued onto other nodes) found no such file, took the checkpoint for damaged and started again from step 0.
+    Every process saves the same position, a count of sequences read (each takes its rows of the same batches,
+    ``jaxtrain/data/pipeline.py``), so such a run reads the one the saving processes agree on."""
+
+    def save(self, directory, item=None, args=None):
+        state = json.dumps((item or args.item).get_state(), indent=4)
+        (Path(directory) / f"process_{jax.process_index()}-of-{jax.process_count()}.json").write_text(state)
 
     def restore(self, directory, item=None, args=None):
         index, count = jax.process_index(), jax.process_count()
-        if (Path(directory) / f"process_{index}-of-{count}.json").exists():
-            return super().restore(directory, item, args)
-        saved = {path.read_text() for path in Path(directory).glob("process_*-of-*.json")}
+        own = Path(directory) / f"process_{index}-of-{count}.json"
+        saved = {own.read_text()} if own.exists() else {path.read_text() for path in Path(directory).glob("process_*-of-*.json")}
         if len(saved) != 1:
             raise ValueError(f"{directory} holds {len(saved)} different data positions and none for process {index} of {count}")
+        state = json.loads(saved.pop())
+        if list(state) == ["next_index"]:  # grain's own position, written until 2026-12-05: a count of global batches
+            state = {"sequences": state["next_index"] * saved_config(Path(directory).parent)["train"]["global_batch"]}
         iterator = item or args.item
-        iterator.set_state(json.loads(saved.pop()))
+        try:
+            iterator.set_state(state)
+        except KeyError:  # the other data.format's position (text: sequences read; sft: the packer's state)
+            step_dir = Path(directory).parent
+            written_with = saved_config(step_dir)["data"]["format"]
+            raise UserError(f"checkpoint {step_dir} holds the data position of data.format={written_with}, which another format "
+                            f"cannot take; give data.format={written_with} to go on with it, or start a new run from its parameters with "
+                            f"--init-from {step_dir} --params-only") from None
         iterator.start_prefetch()
         return iterator
 
@@ -211,6 +225,11 @@ def _state_restore(target, *, partial: bool = False) -> ocp.args.PyTreeRestore:
 def saved_part(state):
     """What a checkpoint holds of a train state: all but a LoRA run's frozen base (recorded by path and hash instead)."""
     return state.replace(frozen=None)
+
+
+def saved_config(step_dir: Path) -> dict:
+    """The config a checkpoint was written under (its ``meta`` item's, as ``to_dict`` gives it)."""
+    return json.loads((step_dir / "meta" / "metadata").read_text())["config"]
 
 
 def _restore_args(abstract_state, data_iterator) -> ocp.args.Composite:

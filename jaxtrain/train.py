@@ -197,7 +197,7 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
                 state = trainer.init_state() if initial is None else initial
             if not fresh:
                 _note_model_changes(run_dir, cfg, requested)
-                _note_data_order_changes(run_dir, cfg)
+                _note_data_order_changes(run_dir, cfg, batches)
             # only now, once the run's own checkpoint fits this config: a refused start leaves the run directory as it was
             _write_run_files(trainer, run_dir, base, init_from if fresh else None)
             eval_data = data_lib.eval_batches(checked.corpus, cfg.data, t.global_batch, layout.batch_sharding, t.eval_batches)
@@ -247,24 +247,40 @@ def _note_model_changes(run_dir: Path, cfg: Config, requested: LlamaConfig) -> N
                  f"trained with: from this step on the run trains with {now}; give {key}={then} to continue as before")
 
 
-def _note_data_order_changes(run_dir: Path, cfg: Config) -> None:
-    """A note per key that decides which sequences come next (``train.global_batch`` and every ``data.*`` key) whose value
-    differs from the run's config.yaml: the checkpoint's data position is a count of that run's global batches, so with
-    another batch size, sequence length, shuffle or data it points elsewhere, and sequences are skipped or seen twice."""
-    if not (run_dir / "config.yaml").is_file():
-        return
+# keys that keep the examples and their order, so the data position (a count of them read) stays exact: instruction
+# data's, cut or packed another way; plain text reads none of them
+SAME_EXAMPLES = {"sft": ("data.seq_len", "data.pack", "data.truncate"), "text": ()}
+UNREAD = {"sft": (), "text": ("data.pack", "data.truncate")}
 
+
+def _data_order_changes(before: Config, cfg: Config) -> dict[str, tuple[str, str, bool]]:
+    """Each key that decides which sequences come next (``train.global_batch`` and every ``data.*`` key) whose value
+    differs in ``before``: key -> (value here, value before, whether the data position still counts the same stream)."""
     def data_order(c: Config) -> dict:
         c = config_lib.with_absolute_paths(c)
         return {"train.global_batch": c.train.global_batch} | config_lib.flatten(config_lib.to_dict(c.data), "data.")
 
-    before, now = data_order(config_lib.load_run_config(run_dir)), data_order(cfg)
-    for key, value in now.items():
-        if before[key] != value:
-            then, value = config_lib.as_override(before[key]), config_lib.as_override(value)
-            _say(f"jaxtrain: note: {key}={value} here but {then} in {run_dir / 'config.yaml'}, whose batches the checkpoint's "
-                 f"data position counts: here it points elsewhere in the data, so sequences are skipped or seen twice; give "
-                 f"{key}={then} to continue where the run stopped")
+    then, now = data_order(before), data_order(cfg)
+    same_stream = ("train.global_batch", *SAME_EXAMPLES[cfg.data.format])
+    return {key: (config_lib.as_override(value), config_lib.as_override(then[key]), key in same_stream)
+            for key, value in now.items() if then[key] != value and key not in UNREAD[cfg.data.format]}
+
+
+def _note_data_order_changes(run_dir: Path, cfg: Config, batches: data_lib.GlobalBatches) -> None:
+    """A note per key that decides which sequences come next whose value differs from the run's config.yaml: the
+    checkpoint's data position counts the sequences (instruction data: examples) read, so another batch size goes on
+    at the next one, while another stream (sequence length, shuffle, data) starts elsewhere in it."""
+    if not (run_dir / "config.yaml").is_file():
+        return
+    where, read, unit = run_dir / "config.yaml", batches.position(), batches.unit
+    for key, (now, then, same_stream) in _data_order_changes(config_lib.load_run_config(run_dir), cfg).items():
+        if same_stream:
+            _say(f"jaxtrain: note: {key}={now} here but {then} in {where}: the data goes on after the {read} {unit} the "
+                 f"checkpoint's position counts, none skipped or read twice")
+        else:
+            _say(f"jaxtrain: note: {key}={now} here but {then} in {where}, whose {unit} the checkpoint's data position "
+                 f"counts ({read} read): here it goes on at position {read} of another stream, so {unit} are skipped or "
+                 f"seen twice; give {key}={then} to continue where the run stopped")
 
 
 def _write_run_files(trainer: Trainer, run_dir: Path, base: lora_lib.Base | None, fresh_init_from: Path | None) -> None:
@@ -353,17 +369,34 @@ def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, para
         return state_from_params(hf_import.load_params(path, layout.cfg.model, abstract.params), layout.tx, layout.shardings)
     if params_only:
         return state_from_params(checkpoint_lib.restore_from(path, abstract, None, params_only=True), layout.tx, layout.shardings)
-    state = checkpoint_lib.restore_from(path, abstract, batches.iterator, params_only=False)
-    steps = layout.cfg.train.steps
-    if int(state.step) >= steps:  # else a run directory with nothing in it, started from there again on every re-run
-        raise UserError(f"--init-from {path} is at step {int(state.step)}, at or past train.steps={steps}, so nothing would train; "
-                        f"raise train.steps above {int(state.step)}, or add --params-only to start at step 0 from its parameters")
+    step_dir, state = checkpoint_lib.restore_step_from(path, abstract, batches.iterator, params_only=False)
+    step, steps = int(state.step), layout.cfg.train.steps
+    if step >= steps:  # else a run directory with nothing in it, started from there again on every re-run
+        raise UserError(f"--init-from {path} is at step {step}, at or past train.steps={steps}, so nothing would train; "
+                        f"raise train.steps above {step}, or add --params-only to start at step 0 from its parameters")
+    _say(f"jaxtrain: note: --init-from {path} goes on from its step {step}: its optimizer state, the learning-rate schedule at "
+         f"step {step} and {_init_data_position(step_dir, layout.cfg, batches)}; add --params-only to start at step 0 from its "
+         "parameters alone")
     return state
+
+
+def _init_data_position(step_dir: Path, cfg: Config, batches: data_lib.GlobalBatches) -> str:
+    """What the data position ``--init-from`` took means here: the next sequence (or example) the run it comes from
+    had not read, or, with another stream (sequence length, shuffle, data), a count of them skipped in this run's."""
+    read, unit = batches.position(), batches.unit
+    saved = checkpoint_lib.saved_config(step_dir)  # only what orders the data: its other keys may be an older jaxtrain's
+    saved = config_lib.from_dict({"train": {"global_batch": saved["train"]["global_batch"]}, "data": saved["data"]})
+    other = [f"{key}={now} here but {then} there" for key, (now, then, same) in _data_order_changes(saved, cfg).items() if not same]
+    if not other:
+        return f"its data position, {read} {unit} read: this run reads on from the next one"
+    return (f"its data position, {read} {unit} read, which here counts into another stream ({', '.join(other)}): the first "
+            f"{read} {unit} of this run's data order are skipped")
 
 
 def _checkpoint_meta(trainer: Trainer) -> dict[str, Any]:
     """How a checkpoint was laid out, for `jaxtrain checkpoints`."""
-    return _resolved(trainer) | {"rules": trainer.cfg.rules, "config": config_lib.to_dict(trainer.cfg)}
+    # paths absolute: --init-from compares its data with the run's that starts from it, wherever each started
+    return _resolved(trainer) | {"rules": trainer.cfg.rules, "config": config_lib.to_dict(config_lib.with_absolute_paths(trainer.cfg))}
 
 
 def _resolved(trainer: Trainer) -> dict[str, Any]:

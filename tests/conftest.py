@@ -87,8 +87,11 @@ def corpus():
 
 
 def subprocess_env() -> dict[str, str]:
-    """The environment for a process a test starts: the real device count, the tests' compile flags."""
-    return os.environ | {"XLA_FLAGS": FAST_COMPILE_FLAGS}
+    """The environment for a process a test starts: the real device count, the tests' compile flags, and this
+    checkout's jaxtrain first on the path (a git worktree's tests ran the main checkout's code, which the editable
+    install points to)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return os.environ | {"XLA_FLAGS": FAST_COMPILE_FLAGS, "PYTHONPATH": path}
 
 
 def run_cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:

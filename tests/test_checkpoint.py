@@ -430,9 +430,13 @@ def test_resharded_run_continues_training(reference, tmp_path):
 def test_init_from_full_state_continues_the_same_run(reference, trainer, tmp_path, capsys):
     ref_dir, cfg = reference
     run_dir = tmp_path / "new"
-    train(cfg, run_dir, trainer, init_from=ref_dir / "checkpoints" / str(STEPS - 4))
+    source = ref_dir / "checkpoints" / str(STEPS - 4)
+    train(cfg, run_dir, trainer, init_from=source)
     assert _losses(run_dir) == _losses(ref_dir)[STEPS - 4:]
-    capsys.readouterr()
+    # what it took, in one line (a QA report: nothing said the step, optimizer state and data position came along)
+    assert f"jaxtrain: note: --init-from {source} goes on from its step {STEPS - 4}: its optimizer state, the learning-rate " \
+        f"schedule at step {STEPS - 4} and its data position, {(STEPS - 4) * 8} sequences read: this run reads on from the next " \
+        "one; add --params-only to start at step 0 from its parameters alone\n" in capsys.readouterr().err
     train(cfg, run_dir, trainer, init_from=ref_dir / "checkpoints" / str(STEPS - 4))  # the same command again: its own checkpoint
     assert f"jaxtrain: note: --init-from {ref_dir / 'checkpoints' / str(STEPS - 4)} is not used: the run resumes from its own " \
         "checkpoint" in capsys.readouterr().err

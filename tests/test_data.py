@@ -1,3 +1,4 @@
+import json
 import re
 
 import jax
@@ -158,3 +159,42 @@ def test_a_validation_split_short_of_one_batch_names_data_val_fraction(tmp_path)
     with pytest.raises(UserError, match=r"^the validation split has 1 sequences of data.seq_len=32, fewer than one batch "
                                         r"\(train.global_batch=8\); .*, or a larger data.val_fraction \(now 0.01\)$"):
         check_sizes(load_corpus(cfg), cfg, 8, 100)
+
+
+def _rows(batches, count):
+    """The input rows of the next ``count`` global batches, stacked."""
+    return np.concatenate([np.asarray(next(batches)["inputs"]) for _ in range(count)])
+
+
+@pytest.mark.parametrize("before, after", [(8, 16), (16, 8), (8, 12)])
+def test_a_resume_with_another_global_batch_reads_on_from_the_next_sequence(before, after):
+    """The data position counts sequences read: resumed under another global batch (here after 40 sequences too, which
+    16 and 12 do not divide), the run reads the sequences the uninterrupted run reads next, none skipped or read twice
+    (a QA report: it counted global batches, so 4 batches of 8 resumed at 16 began at sequence 64, and 2 of 16 resumed
+    at 8 read 16-31 again)."""
+    tokens = np.arange(16 * 200 + 1) % 251
+    uninterrupted = _rows(GlobalBatches(tokens, 16, 4, _sharding(4), shuffle_seed=3, repeat=True), (5 * before + 4 * after) // 4)
+    first = GlobalBatches(tokens, 16, before, _sharding(4), shuffle_seed=3, repeat=True)
+    read = _rows(first, 5)
+    resumed = GlobalBatches(tokens, 16, after, _sharding(4), shuffle_seed=3, repeat=True)
+    resumed.iterator.set_state(first.iterator.get_state())
+    assert resumed.position() == 5 * before
+    np.testing.assert_array_equal(np.concatenate([read, _rows(resumed, 4)]), uninterrupted)
+
+
+def test_a_checkpoint_counting_global_batches_resumes_at_its_sequence_under_another_batch(tmp_path):
+    """Checkpoints written until 2026-12-05 hold grain's position, a count of global batches of the size in their meta
+    item: 4 batches of 8, resumed at 16, go on at sequence 32."""
+    from jaxtrain.checkpoint import DataPositionHandler
+
+    step = tmp_path / "4"
+    (step / "data").mkdir(parents=True)
+    (step / "meta").mkdir()
+    (step / "data" / "process_0-of-1.json").write_text(json.dumps({"next_index": 4}))
+    (step / "meta" / "metadata").write_text(json.dumps({"step": 4, "config": {"train": {"global_batch": 8}}}))
+    tokens = np.arange(16 * 200 + 1) % 251
+    resumed = GlobalBatches(tokens, 16, 16, _sharding(4), shuffle_seed=3, repeat=True)
+    DataPositionHandler().restore(step / "data", resumed.iterator)
+    assert resumed.position() == 32
+    uninterrupted = _rows(GlobalBatches(tokens, 16, 8, _sharding(4), shuffle_seed=3, repeat=True), 6)
+    np.testing.assert_array_equal(_rows(resumed, 1), uninterrupted[32:])

@@ -279,11 +279,13 @@ class _Poisoned:
     runs fn as that step's batch is read (a SIGTERM to this process, a scrape)."""
 
     def __init__(self, batches, bad_steps, vocab_size, on_step):
-        self.batches, self.iterator, self.bad, self.vocab, self.on_step = batches, batches.iterator, bad_steps, vocab_size, on_step
+        self.batches, self.bad, self.vocab, self.on_step = batches, bad_steps, vocab_size, on_step
+        # what the run reads of its batches besides the batches: the data position, to save, restore and tell
+        self.iterator, self.position, self.unit, self.global_shape = batches.iterator, batches.position, batches.unit, batches.global_shape
 
     def __next__(self):
         batch = next(self.batches)
-        step = int(self.iterator.get_state()["next_index"])  # batches read, this one included: a resumed run counts on
+        step = self.position() // self.global_shape[0]  # batches read, this one included: a resumed run counts on
         self.on_step.get(step, lambda: None)()
         return {**batch, "inputs": batch["inputs"] + self.vocab} if step in self.bad else batch
 

@@ -335,3 +335,42 @@ def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path,
     assert status == 2 and len(err.splitlines()) == 1, err
     assert re.search(message, err), err
     assert not run_dir.exists()
+
+
+def test_a_resume_with_another_global_batch_reads_on_from_the_next_example():
+    """The packer's position between batches is the count of examples read (a batch is one round of packing), so
+    resumed with another global batch, another sequence length or without packing, instruction data goes on at the
+    next example, none skipped or read twice; a note says so, and where the stream itself changed, that it did."""
+    from jaxtrain.config import Config
+    from jaxtrain.train import _data_order_changes
+
+    # example i is 3 to 12 copies of token i + 1: the examples a batch holds are its tokens
+    lengths = np.random.default_rng(0).integers(3, 12, size=40)
+    examples = [sft.Example(np.full(n, i + 1, np.int32), np.ones(n, bool)) for i, n in enumerate(lengths)]
+    order = np.asarray([i + 1 for i in sft.grain.MapDataset.source(list(range(40))).shuffle(seed=1).repeat()[:120]])
+    sharding = NamedSharding(jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)),
+                             PartitionSpec("data", None))
+
+    def read(batches, count):
+        """The examples of the next ``count`` batches: the token of each segment of each row."""
+        batches = [{k: np.asarray(v) for k, v in next(batches).items()} for _ in range(count)]
+        return np.asarray([b["inputs"][row][b["segment_ids"][row] == segment][0] for b in batches
+                           for row in range(len(b["inputs"])) for segment in np.unique(b["segment_ids"][row]) if segment])
+
+    cfg = DataConfig(seq_len=16, format="sft", seed=1)
+    first = sft.PackedBatches(examples, cfg, 4, sharding, shuffle_seed=1, repeat=True)
+    before = read(first, 3)
+    for changed in (dict(), dict(seq_len=24), dict(pack=False)):
+        resumed = sft.PackedBatches(examples, dataclasses.replace(cfg, **changed), 8, sharding, shuffle_seed=1, repeat=True)
+        resumed.iterator.set_state(first.iterator.get_state())
+        assert resumed.position() == len(before)
+        after = read(resumed, 2)
+        np.testing.assert_array_equal(np.sort(np.concatenate([before, after])), np.sort(order[:len(before) + len(after)]))
+    was = Config(data=cfg, train=dataclasses.replace(Config().train, global_batch=4))
+    here = dataclasses.replace(was, data=dataclasses.replace(cfg, seq_len=24, pack=False, seed=2),
+                               train=dataclasses.replace(was.train, global_batch=8))
+    assert _data_order_changes(was, here) == {"train.global_batch": ("8", "4", True), "data.seq_len": ("24", "16", True),
+                                              "data.seed": ("2", "1", False), "data.pack": ("false", "true", True)}
+    text = dataclasses.replace(here, data=dataclasses.replace(here.data, format="text"))  # reads neither pack nor truncate
+    assert _data_order_changes(dataclasses.replace(was, data=dataclasses.replace(cfg, format="text")), text) == {
+        "train.global_batch": ("8", "4", True), "data.seq_len": ("24", "16", False), "data.seed": ("2", "1", False)}

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import yaml
 
@@ -121,18 +122,94 @@ def test_a_resume_with_other_model_values_of_the_same_shapes_says_which(short_ru
     assert "jaxtrain: note: model." not in capsys.readouterr().err
 
 
-def test_a_resume_with_another_global_batch_says_the_data_position_points_elsewhere(short_run, tmp_path, capsys):
-    """The checkpoint's data position counts global batches: resumed with 16 sequences a batch, batch 4 of 16 starts at
-    sequence 64 where the run had stopped at 32 (a QA report: sequences 32-63 were skipped without a word)."""
+def _recorded_runs(monkeypatch, train_lib) -> list:
+    """The training batches of each run started from here on, recorded: ``read``, the input rows of each step, and
+    ``uninterrupted(rows)``, the first rows of the same data read 8 sequences a batch."""
+    real, runs = train_lib.data_lib.train_batches, []
+
+    class Recording:
+        def __init__(self, corpus, cfg, global_batch, sharding):
+            self.batches, self.read, self.reference = real(corpus, cfg, global_batch, sharding), [], real(corpus, cfg, 8, sharding)
+            self.iterator, self.position, self.unit = self.batches.iterator, self.batches.position, self.batches.unit
+            runs.append(self)
+
+        def uninterrupted(self, rows):
+            return np.concatenate([np.asarray(next(self.reference)["inputs"]) for _ in range(rows // 8)])
+
+        def __next__(self):
+            batch = next(self.batches)
+            self.read.append(np.asarray(batch["inputs"]))
+            return batch
+
+    monkeypatch.setattr(train_lib.data_lib, "train_batches", Recording)
+    return runs
+
+
+def test_a_resume_with_another_global_batch_reads_on_from_the_next_sequence(short_run, tmp_path, monkeypatch, capsys):
+    """The checkpoint's data position counts sequences: 4 steps of 8 resumed with 12 a batch (which 32 is no multiple
+    of) read sequences 32-43 of the uninterrupted run's stream (a QA report: it counted batches, so 16 a batch read
+    64-79, and 32-63 were skipped), and the note says so; another data.seed is another stream, which the position only
+    counts into."""
     from jaxtrain import train as train_lib
     from jaxtrain.cli import resolve_config
 
     run_dir = _copy(short_run, tmp_path)
-    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5", "train.global_batch=16"]), run_dir)
+    runs = _recorded_runs(monkeypatch, train_lib)
+    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5", "train.global_batch=12"]), run_dir)
+    np.testing.assert_array_equal(runs[0].read[0], runs[0].uninterrupted(48)[32:44])
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note:")]
-    assert notes == [f"jaxtrain: note: train.global_batch=16 here but 8 in {run_dir / 'config.yaml'}, whose batches the "
-                     "checkpoint's data position counts: here it points elsewhere in the data, so sequences are skipped or "
-                     "seen twice; give train.global_batch=8 to continue where the run stopped"], notes
+    assert notes == [f"jaxtrain: note: train.global_batch=12 here but 8 in {run_dir / 'config.yaml'}: the data goes on after "
+                     "the 32 sequences the checkpoint's position counts, none skipped or read twice"], notes
+    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=6", "train.global_batch=12", "data.seed=1"]), run_dir)
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note:")]
+    assert notes == [f"jaxtrain: note: data.seed=1 here but 0 in {run_dir / 'config.yaml'}, whose sequences the checkpoint's "
+                     "data position counts (44 read): here it goes on at position 44 of another stream, so sequences are "
+                     "skipped or seen twice; give data.seed=0 to continue where the run stopped"], notes
+    np.testing.assert_array_equal(runs[1].read[0], runs[1].uninterrupted(56)[44:])  # of data.seed=1's stream
+
+
+def test_init_from_a_run_says_it_takes_its_data_position_and_what_it_counts_here(short_run, tmp_path, monkeypatch, capsys):
+    """--init-from RUN_DIR takes its step, optimizer state and data position, and one note says so: under another
+    global batch it reads on from the next sequence; in another stream (data.seed) the position skips that many (a QA
+    report: nothing was said)."""
+    from jaxtrain import train as train_lib
+    from jaxtrain.cli import resolve_config
+
+    runs = _recorded_runs(monkeypatch, train_lib)
+    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5", "train.global_batch=16"]), tmp_path / "a",
+                    init_from=short_run)
+    np.testing.assert_array_equal(runs[0].read[0], runs[0].uninterrupted(48)[32:])
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note:")]
+    assert notes == [f"jaxtrain: note: --init-from {short_run} goes on from its step 4: its optimizer state, the learning-rate "
+                     "schedule at step 4 and its data position, 32 sequences read: this run reads on from the next one; add "
+                     "--params-only to start at step 0 from its parameters alone"], notes
+    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5", "data.seed=1"]), tmp_path / "b",
+                    init_from=short_run)
+    np.testing.assert_array_equal(runs[1].read[0], runs[1].uninterrupted(40)[32:])
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note:")]
+    assert notes == [f"jaxtrain: note: --init-from {short_run} goes on from its step 4: its optimizer state, the learning-rate "
+                     "schedule at step 4 and its data position, 32 sequences read, which here counts into another stream "
+                     "(data.seed=1 here but 0 there): the first 32 sequences of this run's data order are skipped; add "
+                     "--params-only to start at step 0 from its parameters alone"], notes
+
+
+def test_a_resume_with_another_data_format_is_one_line_and_keeps_the_checkpoint(short_run, tmp_path):
+    """A checkpoint of instruction data (data.format=sft: the packer's position) resumed as plain text, or the other way:
+    one line, status 2, every file as it was (a QA report: the position did not fit, so the checkpoint was taken for
+    damaged, moved aside, and the run trained again from step 0)."""
+    run_dir = _copy(short_run, tmp_path)
+    step = run_dir / "checkpoints" / "4"
+    (step / "data" / "process_0-of-1.json").write_text(json.dumps({"parent": {"next_index": 30}, "next_row": 0, "counter": 32}))
+    meta = json.loads((step / "meta" / "metadata").read_text())
+    meta["config"]["data"]["format"] = "sft"
+    (step / "meta" / "metadata").write_text(json.dumps(meta))
+    before = _files(run_dir)
+    result = run_cli("train", "tiny", "--run-dir", str(run_dir), *SHORT, "train.steps=5", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr == (f"jaxtrain: error: checkpoint {step} holds the data position of data.format=sft, which another "
+                             "format cannot take; give data.format=sft to go on with it, or start a new run from its parameters "
+                             f"with --init-from {step} --params-only\n")
+    assert _files(run_dir) == before
 
 
 def test_a_finished_run_started_again_says_so_and_writes_nothing(short_run, tmp_path):
@@ -167,6 +244,14 @@ def test_experiment_file_runs_directly_with_same_arguments(tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert config["bos_token_id"] == config["eos_token_id"] == 0 and generation == {"bos_token_id": 0, "eos_token_id": 0}
+
+
+def test_the_commands_tests_start_run_this_checkout(tmp_path):
+    """run_cli's processes start outside the checkout, where the editable install's jaxtrain (the main checkout's)
+    came first: a git worktree's command-line tests ran another checkout's code (a QA finding)."""
+    found = subprocess.run([sys.executable, "-c", "import jaxtrain; print(jaxtrain.__file__)"], cwd=tmp_path,
+                           env=subprocess_env(), capture_output=True, text=True, check=True).stdout
+    assert found == f"{REPO / 'jaxtrain' / '__init__.py'}\n"
 
 
 def test_train_simulates_as_many_cpu_devices_as_its_mesh_holds_up_to_the_default():

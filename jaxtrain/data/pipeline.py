@@ -41,22 +41,52 @@ def _to_example(window: np.ndarray) -> dict[str, np.ndarray]:
     return {"inputs": window[..., :-1], "targets": window[..., 1:]}
 
 
+class SequenceIterator:
+    """A grain iterator of batches of ``sequences`` (a shuffled, repeated stream, one batch row per sequence), this
+    process's ``rows`` (block index, block count) of each, from any sequence on: its state, the checkpoint's data
+    position, counts the sequences read, whatever the batch size that read them."""
+
+    def __init__(self, sequences: grain.MapDataset, global_batch: int, rows: tuple[int, int]):
+        self.sequences, self.global_batch, self.rows = sequences, global_batch, rows
+        self.set_state({"sequences": 0})
+
+    def get_state(self) -> dict[str, int]:
+        return {"sequences": self.first + self.batches.get_state()["next_index"] * self.global_batch}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        block, blocks = self.rows
+        self.first = state["sequences"]
+        ds = self.sequences[self.first:].batch(self.global_batch // blocks, drop_remainder=True)[block::blocks]
+        self.batches = ds.map(_to_example).to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)).__iter__()
+
+    def start_prefetch(self) -> None:
+        self.batches.start_prefetch()
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self.batches)
+
+
 class GlobalBatches:
-    """Iterator of global batches. Each process reads only the rows its devices hold; the grain
-    iterator's state (``get_state``/``set_state``) is the pipeline's position for checkpoints."""
+    """Iterator of global batches. Each process reads only the rows its devices hold; ``iterator`` (grain's
+    ``get_state``/``set_state``) is the pipeline's position for checkpoints: a count of the sequences read, so a run
+    resumed with another ``train.global_batch`` reads on from the next sequence, none skipped or read twice."""
+
+    unit = "sequences"  # what the position counts, for messages
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, sharding: NamedSharding,
                  *, shuffle_seed: int | None, repeat: bool):
         self.global_shape = (global_batch, seq_len)
         self.sharding = sharding
-        block, blocks = process_rows(sharding, self.global_shape)
         ds = grain.MapDataset.source(Windows(tokens, seq_len))
         if shuffle_seed is not None:
             ds = ds.shuffle(seed=shuffle_seed)
         if repeat:
             ds = ds.repeat()
-        ds = ds.batch(global_batch // blocks, drop_remainder=True)[block::blocks].map(_to_example)
-        self.iterator = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)).__iter__()
+        self.iterator = SequenceIterator(ds, global_batch, process_rows(sharding, self.global_shape))
+
+    def position(self) -> int:
+        """The ``unit`` read so far."""
+        return self.iterator.get_state()["sequences"]
 
     def __iter__(self) -> Iterator[dict[str, jax.Array]]:
         return self

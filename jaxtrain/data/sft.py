@@ -237,7 +237,11 @@ def _rows(start: int, stop: int, batch: dict[str, np.ndarray]) -> dict[str, np.n
 
 
 class PackedBatches(GlobalBatches):
-    """Global batches of packed instruction data; each process packs every batch and keeps its own rows."""
+    """Global batches of packed instruction data; each process packs every batch and keeps its own rows. The grain
+    iterator's state between batches is the count of examples read (its source's ``next_index``: a global batch is one
+    round of the packer), whatever the batch size that packed them."""
+
+    unit = "examples"
 
     def __init__(self, examples: list[Example], cfg: DataConfig, global_batch: int, sharding: NamedSharding,
                  *, shuffle_seed: int | None, repeat: bool):
@@ -249,6 +253,9 @@ class PackedBatches(GlobalBatches):
         rows = ds.map(functools.partial(_rows, block * per_process, (block + 1) * per_process))
         # packing runs in a background thread while the devices compute; its state is that of the batches taken
         self.iterator = grain.experimental.ThreadPrefetchIterDataset(rows, prefetch_buffer_size=2).__iter__()
+
+    def position(self) -> int:
+        return self.iterator.get_state()["parent"]["next_index"]
 
 
 def train_batches(corpus: SftCorpus, cfg: DataConfig, global_batch: int, sharding: NamedSharding) -> PackedBatches:
