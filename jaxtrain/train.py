@@ -369,28 +369,32 @@ def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, para
         return state_from_params(hf_import.load_params(path, layout.cfg.model, abstract.params), layout.tx, layout.shardings)
     if params_only:
         return state_from_params(checkpoint_lib.restore_from(path, abstract, None, params_only=True), layout.tx, layout.shardings)
+    beginning = batches.iterator.get_state()
     step_dir, state = checkpoint_lib.restore_step_from(path, abstract, batches.iterator, params_only=False)
     step, steps = int(state.step), layout.cfg.train.steps
     if step >= steps:  # else a run directory with nothing in it, started from there again on every re-run
         raise UserError(f"--init-from {path} is at step {step}, at or past train.steps={steps}, so nothing would train; "
                         f"raise train.steps above {step}, or add --params-only to start at step 0 from its parameters")
     _say(f"jaxtrain: note: --init-from {path} goes on from its step {step}: its optimizer state, the learning-rate schedule at "
-         f"step {step} and {_init_data_position(step_dir, layout.cfg, batches)}; add --params-only to start at step 0 from its "
+         f"step {step} and {_take_data_position(step_dir, layout.cfg, batches, beginning)}; add --params-only to start at step 0 from its "
          "parameters alone")
     return state
 
 
-def _init_data_position(step_dir: Path, cfg: Config, batches: data_lib.GlobalBatches) -> str:
-    """What the data position ``--init-from`` took means here: the next sequence (or example) the run it comes from
-    had not read, or, with another stream (sequence length, shuffle, data), a count of them skipped in this run's."""
+def _take_data_position(step_dir: Path, cfg: Config, batches: data_lib.GlobalBatches, beginning: dict) -> str:
+    """Keep the data position ``--init-from`` restored where it counts this run's stream (the next sequence, or example,
+    the run it comes from had not read); with another stream (sequence length, shuffle, data: continued training on
+    new data) put the batches back at ``beginning``, where a count of another stream's would only skip that many.
+    Returns what was done, for the note."""
     read, unit = batches.position(), batches.unit
     saved = checkpoint_lib.saved_config(step_dir)  # only what orders the data: its other keys may be an older jaxtrain's
     saved = config_lib.from_dict({"train": {"global_batch": saved["train"]["global_batch"]}, "data": saved["data"]})
     other = [f"{key}={now} here but {then} there" for key, (now, then, same) in _data_order_changes(saved, cfg).items() if not same]
     if not other:
         return f"its data position, {read} {unit} read: this run reads on from the next one"
-    return (f"its data position, {read} {unit} read, which here counts into another stream ({', '.join(other)}): the first "
-            f"{read} {unit} of this run's data order are skipped")
+    batches.iterator.set_state(beginning)
+    return (f"not its data position ({read} {unit} read), which counts another stream ({', '.join(other)}): this run's data "
+            "starts from its beginning")
 
 
 def _checkpoint_meta(trainer: Trainer) -> dict[str, Any]:

@@ -205,6 +205,12 @@ def test_data_position_resumes_exactly(data):
             np.testing.assert_array_equal(np.asarray(want[key]), np.asarray(got[key]))
     one_device = NamedSharding(jax.make_mesh((1,), ("data",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,)),
                                PartitionSpec("data", None))
+    first_again = sft.train_batches(corpus, cfg, 8, sharding)
+    beginning = first_again.iterator.get_state()  # --init-from into another stream puts the batches back there
+    start = next(first_again)
+    next(first_again)
+    first_again.iterator.set_state(beginning)
+    np.testing.assert_array_equal(np.asarray(next(first_again)["inputs"]), np.asarray(start["inputs"]))
     again = sft.train_batches(corpus, cfg, 8, one_device)  # the global batch does not depend on the sharding
     for _ in range(5):
         next(again)

@@ -170,8 +170,8 @@ def test_a_resume_with_another_global_batch_reads_on_from_the_next_sequence(shor
 
 def test_init_from_a_run_says_it_takes_its_data_position_and_what_it_counts_here(short_run, tmp_path, monkeypatch, capsys):
     """--init-from RUN_DIR takes its step, optimizer state and data position, and one note says so: under another
-    global batch it reads on from the next sequence; in another stream (data.seed) the position skips that many (a QA
-    report: nothing was said)."""
+    global batch it reads on from the next sequence; another stream (data.seed; new data) starts from its beginning,
+    where the position would have skipped that many of it (a QA report: nothing was said)."""
     from jaxtrain import train as train_lib
     from jaxtrain.cli import resolve_config
 
@@ -185,11 +185,11 @@ def test_init_from_a_run_says_it_takes_its_data_position_and_what_it_counts_here
                      "--params-only to start at step 0 from its parameters alone"], notes
     train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5", "data.seed=1"]), tmp_path / "b",
                     init_from=short_run)
-    np.testing.assert_array_equal(runs[1].read[0], runs[1].uninterrupted(40)[32:])
+    np.testing.assert_array_equal(runs[1].read[0], runs[1].uninterrupted(8))  # the new stream from its beginning
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note:")]
     assert notes == [f"jaxtrain: note: --init-from {short_run} goes on from its step 4: its optimizer state, the learning-rate "
-                     "schedule at step 4 and its data position, 32 sequences read, which here counts into another stream "
-                     "(data.seed=1 here but 0 there): the first 32 sequences of this run's data order are skipped; add "
+                     "schedule at step 4 and not its data position (32 sequences read), which counts another stream "
+                     "(data.seed=1 here but 0 there): this run's data starts from its beginning; add "
                      "--params-only to start at step 0 from its parameters alone"], notes
 
 
