@@ -455,6 +455,28 @@ def test_init_from_params_only_starts_at_step_zero_with_those_weights(reference,
     _assert_identical(final.params, _state(ref_dir, cfg, params_only=True)[0])
 
 
+def test_a_checkpoint_that_does_not_fit_the_state_is_refused_and_left_in_place(reference, tmp_path):
+    """What the parameters' shape check before the compile cannot see: a resume switching to float16 (its loss scale
+    is state the checkpoint lacks), --init-from a run of another model. One error naming what differs, every file
+    left as it was: left to Orbax's read, each checkpoint is taken for damaged and moved aside in turn, and the run
+    trains again from step 0."""
+    ref_dir, cfg = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir, run_dir)
+    before = _files(run_dir)
+    checkpoints = checkpoint_lib.RunCheckpoints(run_dir, cfg.checkpoint, STEPS)
+    try:
+        with pytest.raises(UserError, match=rf"^checkpoint step {STEPS} in .* was trained with another model.dtype than this "
+                                            "config's float16 "):
+            checkpoints.restore_latest(make_layout(with_(cfg, model={"dtype": "float16"})).abstract_state(), None)
+    finally:
+        checkpoints.close()
+    assert _files(run_dir) == before
+    with pytest.raises(UserError, match=r"does not match the model: params/embed has shape \(\d+, 64\) in the checkpoint but "
+                                        r"\(\d+, 128\) in this config"):
+        _state(ref_dir, with_(cfg, model={"d_model": 128}))
+
+
 def test_checkpoints_command_lists_steps(reference):
     result = run_cli("checkpoints", str(reference[0]), cwd=REPO)
     assert result.returncode == 0, result.stderr

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -14,6 +15,7 @@ from flax.core import spmd
 
 from conftest import with_
 from jaxtrain import cli
+from jaxtrain import data as data_lib
 from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.layout import make_layout
 from jaxtrain.partitioning import flax_rules
@@ -74,6 +76,22 @@ def test_each_micro_batch_of_a_pipeline_draws_its_own_masks():
     with jax.set_mesh(layout.mesh), spmd.logical_axis_rules(flax_rules(layout.rules)):
         logits = np.asarray(jax.jit(dropped)(params, np.tile(TOKENS[:1], (8, 1))))
     assert not any(np.allclose(logits[i], logits[j]) for i in range(4) for j in range(i))
+
+
+def test_each_step_draws_new_masks(corpus):
+    """PEFT draws new masks every step; here the step's number picks them (folded into the run's key). One key for
+    every step trains one fixed thinned network, and the resume test cannot tell: it redraws the same ones."""
+    cfg = with_dropout(lora_config(init_std=0.3))
+    trainer = build(cfg, corpus)
+    batch = next(data_lib.train_batches(corpus, cfg.data, cfg.train.global_batch, trainer.batch_sharding))
+    state, _ = trainer.train_step(lora_lib.load_base(trainer.layout, None).start_state(trainer.layout), batch)  # B != 0
+
+    def loss_as_step(step):  # the same parameters and batch, numbered as another step (a copy: the step donates it)
+        copy = jax.tree.map(jnp.copy, state)
+        return float(trainer.train_step(copy.replace(step=copy.step - 1 + step), batch)[1]["loss"])
+
+    first, second, first_again = loss_as_step(1), loss_as_step(2), loss_as_step(1)
+    assert first == first_again and abs(first - second) > 1e-4 * first, (first, second)
 
 
 def _decoded(model, tokens):

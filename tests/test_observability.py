@@ -351,6 +351,33 @@ def test_checkpoints_only_at_configured_steps_and_the_last(trainer, tmp_path):
     assert _checkpoint_steps(tmp_path / "run") == [4, STEPS]
 
 
+def test_keep_and_keep_every_choose_the_checkpoints_left(trainer, tmp_path):
+    """checkpoint.keep=2 keeps the latest two; checkpoint.keep_every=3 every step divisible by 3 besides, for good."""
+    kept = _loop_config(trainer, checkpoint={"every": 1, "keep": 2, "keep_every": 3})
+    train_lib.train(kept.cfg, tmp_path / "run", kept)
+    assert _checkpoint_steps(tmp_path / "run") == [3, STEPS - 1, STEPS]
+
+
+def test_a_checkpoint_step_between_records_checks_the_metrics_before_its_save(trainer, tmp_path, monkeypatch):
+    """log.every above checkpoint.every: each checkpoint step still fetches the steps' metrics before its save (README,
+    Health guard), so a non-finite step stops the run before a checkpoint holds it and the latest one is the last
+    good state (unchecked until the record, checkpoints of the steps after it are written and a re-run resumes past it)."""
+    _poison(monkeypatch, {3}, trainer.cfg.model.vocab_size)
+    sparse = _loop_config(trainer, log={"every": STEPS})  # a record at the last step only; a checkpoint every 2 steps
+    with pytest.raises(NonFiniteError, match="^step 3: loss and grad_norm not finite"):
+        train_lib.train(sparse.cfg, tmp_path / "run", sparse)
+    assert _checkpoint_steps(tmp_path / "run") == [2]
+
+
+def test_a_sigterm_in_the_last_step_finishes_the_run(trainer, tmp_path, monkeypatch):
+    """A preemption notice during the last step: the run ends finished (status 0, its final evaluation recorded), not
+    preempted: a re-run finds a run at train.steps and does nothing, so the stop would lose that evaluation for good."""
+    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size, on_step={STEPS: _sigterm})
+    state = train_lib.train(trainer.cfg, tmp_path / "run", trainer)
+    assert int(state.step) == STEPS and _checkpoint_steps(tmp_path / "run")[-1] == STEPS
+    assert [r["step"] for r in _records(tmp_path / "run") if "eval_loss" in r] == [STEPS]
+
+
 def test_first_record_times_the_step_not_the_start_up(trainer, tmp_path, monkeypatch):
     real = metrics_lib.resolve_peak
 
