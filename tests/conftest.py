@@ -87,8 +87,11 @@ def corpus():
 
 
 def subprocess_env() -> dict[str, str]:
-    """The environment for a process a test starts: the real device count, the tests' compile flags."""
-    return os.environ | {"XLA_FLAGS": FAST_COMPILE_FLAGS}
+    """The environment for a process a test starts: the real device count, the tests' compile flags, and this
+    checkout's code first on the path: started outside it (run_cli's cwd), the process imported the checkout the
+    environment's editable install names, so tests run in a git worktree or a second clone tested other code."""
+    path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+    return os.environ | {"XLA_FLAGS": FAST_COMPILE_FLAGS, "PYTHONPATH": path}
 
 
 def run_cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
