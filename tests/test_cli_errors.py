@@ -73,6 +73,10 @@ CASES = {
     "mesh file that is not a mapping": (lambda t: ["--mesh", str(_text(t / "passwd", "root:x:0:0:root:/root:/bin/bash\n" * 40))],
                                         "passwd must be a mapping with only the keys 'ici' and 'dcn', got str"),  # not the file
     "batch does not split over the mesh": (lambda t: ["train.global_batch=6"], "do not split over the 4 batch shards"),
+    # 32 sequences split over the 4 shards, their 16 micro-batches of 2 do not (checked on the batch alone: a traceback)
+    "micro-batches do not split over the mesh": (lambda t: ["train.microbatches=16"],
+                                                 "train.global_batch=32 / train.microbatches=16 = 2 sequences per micro-batch "
+                                                 "do not split over the 4 batch shards of the mesh; use a multiple of 64"),
     "missing data path": (lambda t: ["data.path=/no/such/dir"], "data.path=/no/such/dir does not exist"),
     # the sizes were the dataclass's repr, AxisSizes(data=-1, fsdp=-1, tensor=2, stage=1, expert=1)
     "mesh file that is a directory": (lambda t: ["--mesh", str(t)], "is a directory; give a mesh YAML file or one of: "),

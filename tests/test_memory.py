@@ -158,6 +158,15 @@ def test_float16_overflow_at_the_lowest_scale_is_a_nonfinite_step(trainers, corp
         log.after_step(2, metrics[0])
 
 
+def test_float16_gradients_reach_the_clipping_and_the_log_unscaled(trainers, references, corpus):
+    """The loss scale (2**15) is divided out of the gradients before the optimizer: the logged gradient norm is
+    float32's, and the clipping (optim.clip_norm=1) sees that norm, not 2**15 times it. The losses cannot tell: Adam
+    divides a constant scale out again, and the run trained like float32 with the division left out."""
+    _, metrics = _run(trainers["float16"], corpus, 1)
+    assert float(metrics[0]["loss_scale"]) == 2.0**15 and not metrics[0]["overflow"]
+    np.testing.assert_allclose(metrics[0]["grad_norm"], references[1][0]["grad_norm"], rtol=1e-2)
+
+
 def test_float16_trains_like_float32_and_checkpoints_its_scale(trainers, references, corpus, tmp_path):
     run_dir = tmp_path / "float16"
     final = train(trainers["float16"].cfg, run_dir, trainers["float16"])

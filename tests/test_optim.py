@@ -1,7 +1,8 @@
-"""AdamW as the train step applies it: what weight decay reaches."""
+"""AdamW as the train step applies it: what weight decay reaches, and every optimizer setting against PyTorch."""
 
 import jax
 import numpy as np
+import optax
 
 from conftest import small_config, with_
 from jaxtrain.data import train_batches
@@ -38,3 +39,55 @@ def test_weight_decay_reaches_the_matrices_not_the_norm_scales_or_biases(corpus)
             assert np.array_equal(decayed[name], plain[name]), name
         else:  # AdamW's decoupled decay: lr x weight_decay x the weight, on top of the same Adam update
             np.testing.assert_allclose(decayed[name] - plain[name], -LR * WEIGHT_DECAY * weight, atol=1e-6, err_msg=name)
+
+
+def test_the_optimizer_is_pytorchs_adamw_with_clipping_and_transformers_cosine_schedule():
+    """Every setting the optimizer reads, against an independent implementation: torch.optim.AdamW (decay on the
+    matrices only), torch's clip_grad_norm_ before it, and transformers' cosine-with-min-lr schedule with warmup.
+    The gradients' norms straddle optim.clip_norm, so clipping changes Adam's moments; one leaf's gradients are small
+    enough for optim.eps to matter."""
+    import torch
+    from jax.sharding import PartitionSpec as P
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    from jaxtrain.optim import make_optimizer
+
+    steps, warmup = 7, 2
+    cfg = with_(small_config(), train={"steps": steps},
+                optim={"lr": 1e-2, "warmup_steps": warmup, "min_lr_ratio": 0.2, "weight_decay": 0.3, "b1": 0.8,
+                       "b2": 0.9, "eps": 1e-4, "clip_norm": 1.0})
+    axes = {"layers": {"w": P("layers", "embed", "mlp"), "scale": P("layers", "norm")}, "embed": P("vocab", "embed")}
+    rng = np.random.default_rng(0)
+    params = {"layers": {"w": rng.normal(size=(2, 4, 3)), "scale": 1 + rng.normal(size=(2, 4))}, "embed": rng.normal(size=(5, 4))}
+    params = jax.tree.map(lambda x: x.astype(np.float32), params)
+    sizes = (3.0, 0.2, 5.0, 0.5, 2.0, 0.3, 4.0)  # the gradients' global norms: clipped and not
+    grads = []
+    for size in sizes:
+        g = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), params)
+        g["embed"] *= 1e-3  # of eps's order after Adam's normalisation
+        norm = np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in jax.tree.leaves(g)))
+        grads.append(jax.tree.map(lambda x: (x * size / norm).astype(np.float32), g))
+
+    tx = make_optimizer(cfg, axes)
+    ours, opt_state = params, tx.init(params)
+    for g in grads:
+        updates, opt_state = tx.update(g, opt_state, ours)
+        ours = optax.apply_updates(ours, updates)
+
+    theirs = jax.tree.map(lambda x: torch.tensor(x, requires_grad=True), params)
+    decayed = [theirs["layers"]["w"], theirs["embed"]]
+    o = cfg.optim
+    torch_opt = torch.optim.AdamW([{"params": decayed, "weight_decay": o.weight_decay},
+                                   {"params": [theirs["layers"]["scale"]], "weight_decay": 0.0}],
+                                  lr=o.lr, betas=(o.b1, o.b2), eps=o.eps)
+    schedule = get_cosine_with_min_lr_schedule_with_warmup(torch_opt, warmup, steps, min_lr_rate=o.min_lr_ratio)
+    for g in grads:
+        for p, grad in zip(jax.tree.leaves(theirs), jax.tree.leaves(g)):
+            p.grad = torch.tensor(grad)
+        torch.nn.utils.clip_grad_norm_(jax.tree.leaves(theirs), o.clip_norm)
+        torch_opt.step()
+        schedule.step()
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_allclose(a, b.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    # every leaf moved far beyond the tolerance: the agreement is not the start's
+    assert all(np.abs(a - b).max() > 1e-3 for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(params)))

@@ -85,3 +85,16 @@ def test_mesh_axes_that_split_nothing_are_named_with_the_work_they_repeat():
     assert idle_axes_note({"tensor": 2, "stage": 2}, "fsdp") == (
         "note: mesh axes tensor 2, stage 2 split neither the batch nor any parameter under rule set fsdp: the same work runs "
         "4 times over; give those devices to data or fsdp, or use a rule set that maps them")
+
+
+def test_the_mesh_holds_the_devices_in_order_with_its_last_axes_the_nearest():
+    """Axes (data, fsdp, tensor, stage, expert), the last varying fastest: on GPUs tensor parallelism's every-layer
+    sums stay among neighbouring devices (one node) and data parallelism spans the farthest. One process multiplies
+    each axis's ici and dcn sizes."""
+    from jaxtrain.config import MESH_AXES, AxisSizes, MeshConfig
+    from jaxtrain.mesh import build_mesh
+
+    mesh = build_mesh(MeshConfig(ici=AxisSizes(1, 2, 2), dcn=AxisSizes(data=2)))
+    assert mesh.axis_names == MESH_AXES and dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1}
+    ids = np.vectorize(lambda device: device.id)(mesh.devices)
+    np.testing.assert_array_equal(ids, np.arange(8).reshape(2, 2, 2, 1, 1))

@@ -262,3 +262,11 @@ def test_train_simulates_as_many_cpu_devices_as_its_mesh_holds_up_to_the_default
     # a cluster's mesh, or an unknown size, gets the default (and training asks for --devices in one line)
     assert default_cpu_devices(load_mesh_file("h100x64"), None) == DEFAULT_CPU_DEVICES
     assert default_cpu_devices(MeshConfig(ici=AxisSizes(data=-1)), None) == DEFAULT_CPU_DEVICES
+
+
+def test_the_processes_tests_start_run_this_checkouts_code(tmp_path):
+    """run_cli starts `jaxtrain` outside the checkout; it ran the code of the checkout the environment's editable
+    install names, so a git worktree's tests of the command line tested the main checkout (a mutation audit's finding)."""
+    done = subprocess.run([sys.executable, "-c", "import jaxtrain; print(jaxtrain.__file__)"], cwd=tmp_path,
+                          env=subprocess_env(), capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == str(REPO / "jaxtrain" / "__init__.py")
