@@ -66,7 +66,7 @@ def test_the_optimizer_is_pytorchs_adamw_with_clipping_and_transformers_cosine_s
         g = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), params)
         g["embed"] *= 1e-3  # of eps's order after Adam's normalisation
         norm = np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in jax.tree.leaves(g)))
-        grads.append(jax.tree.map(lambda x: (x * size / norm).astype(np.float32), g))
+        grads.append(jax.tree.map(lambda x, scale=size / norm: (x * scale).astype(np.float32), g))
 
     tx = make_optimizer(cfg, axes)
     ours, opt_state = params, tx.init(params)
@@ -82,12 +82,12 @@ def test_the_optimizer_is_pytorchs_adamw_with_clipping_and_transformers_cosine_s
                                   lr=o.lr, betas=(o.b1, o.b2), eps=o.eps)
     schedule = get_cosine_with_min_lr_schedule_with_warmup(torch_opt, warmup, steps, min_lr_rate=o.min_lr_ratio)
     for g in grads:
-        for p, grad in zip(jax.tree.leaves(theirs), jax.tree.leaves(g)):
+        for p, grad in zip(jax.tree.leaves(theirs), jax.tree.leaves(g), strict=True):
             p.grad = torch.tensor(grad)
         torch.nn.utils.clip_grad_norm_(jax.tree.leaves(theirs), o.clip_norm)
         torch_opt.step()
         schedule.step()
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs)):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs), strict=True):
         np.testing.assert_allclose(a, b.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     # every leaf moved far beyond the tolerance: the agreement is not the start's
-    assert all(np.abs(a - b).max() > 1e-3 for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(params)))
+    assert all(np.abs(a - b).max() > 1e-3 for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(params), strict=True))
