@@ -83,8 +83,9 @@ def test_zero_matches_dp_with_less_optimizer_memory_per_device(rules, trainers, 
     assert shard(state.opt_state) < shard(ref_state.opt_state) / 6
 
 
-def test_zero2_reduce_scatters_gradients(trainers):
-    """ZeRO-2's gradients are placed like its optimizer state: the compiled step reduces each device's share only."""
+def test_zero2_places_gradients_like_its_optimizer_state(trainers):
+    """ZeRO-2's gradients are placed like its optimizer state. The placement alone: GSPMD's sum on this path compiles
+    to all-reduces on CPUs; the once-a-step sum's reduce-scatter is test_grad_comm's."""
     grads = trainers["zero2"].layout.grad_shardings
     assert grads["layers"]["mlp"]["w_up"].spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"), None)
     assert trainers["zero1"].layout.grad_shardings is None  # zero1: gradients placed as the parameters
