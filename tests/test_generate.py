@@ -15,7 +15,7 @@ from flax import nnx
 from conftest import REPO, run_cli, small_config, with_
 from jaxtrain import compile_cache
 from jaxtrain.config import SamplingConfig
-from jaxtrain.generate import Loaded, generate, nucleus, sample
+from jaxtrain.generate import Loaded, _knobs, _sample_at, generate, nucleus, sample
 from jaxtrain.partitioning import model_tracing
 from jaxtrain.state import init_state, model_spec
 from jaxtrain.layout import make_layout
@@ -125,6 +125,25 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     # sampled frequencies follow the renormalised nucleus: 0.5 / 0.8 and 0.3 / 0.8
     draws = sample(jnp.tile(logits, (20000, 1)), jax.random.key(0), jnp.float32(1.0), jnp.float32(0.7))
     np.testing.assert_allclose(np.bincount(np.asarray(draws), minlength=4) / 20000, [0, 0.625, 0, 0.375], atol=0.015)
+
+
+def test_temperature_scales_the_logits_before_top_p_chooses_the_nucleus():
+    """At temperature 2 the probabilities flatten to sqrt(p) renormalised, so top-p 0.7 keeps three tokens, not the two it
+    keeps at temperature 1; the draws follow that nucleus renormalised (numpy by hand). At temperature 1 (the other
+    sampling tests) a temperature dropped, or applied after the nucleus, goes unseen."""
+    p = np.array([0.05, 0.5, 0.15, 0.3])
+    flat = np.sqrt(p) / np.sqrt(p).sum()  # softmax(log p / 2)
+    expected = np.where(np.arange(4) == 0, 0, flat) / flat[1:].sum()  # 0.379 + 0.294 < 0.7: the 0.208 token is kept too
+    draws = sample(jnp.tile(jnp.log(jnp.asarray(p)), (20000, 1)), jax.random.key(0), jnp.float32(2.0), jnp.float32(0.7))
+    np.testing.assert_allclose(np.bincount(np.asarray(draws), minlength=4) / 20000, expected, atol=0.015)
+
+
+def test_each_new_token_is_drawn_with_its_own_key():
+    """One key for every step would draw the same noise each time: from equal logits, the same token at every position."""
+    logits = jnp.zeros((2000, 64))
+    knobs = _knobs(SamplingConfig(temperature=1.0, seed=7))
+    first, second = (np.asarray(_sample_at(logits, knobs, index)) for index in (0, 1))
+    assert np.mean(first == second) < 0.05  # independent draws agree 1 time in 64
 
 
 def test_seeded_sampling_is_reproducible_and_tiny_top_p_is_greedy():

@@ -38,7 +38,8 @@ MODELS = {  # class, config class, config, max shard size, file dtype
     # tied embeddings (Llama 3.2 1B / 3B), plain rope
     "llama_tied": (transformers.LlamaForCausalLM, transformers.LlamaConfig, dict(tie_word_embeddings=True, rms_norm_eps=1e-5), None,
                    torch.bfloat16),
-    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(sliding_window=4096, head_dim=8), None, torch.float32),
+    # head_dim 16, not hidden_size / heads = 8 (Mistral NeMo's kind): o_proj (32, 64) is not square either
+    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(sliding_window=4096, head_dim=16), None, torch.float32),
     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, dict(tie_word_embeddings=True), None, torch.float16),  # q/k/v biases
     # a window from layer max_window_layers on: here no layer's, so seq 16 > window 8 is the model (it was refused)
     "qwen2_window_unused": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
@@ -189,6 +190,8 @@ def test_keys_config_json_leaves_out_are_what_transformers_makes_them(config_cls
     assert (ours["moe.num_experts"], ours.get("moe.top_k"), ours["mlp_dim"] * (1 + ours.get("moe.num_shared_experts", 0))) == \
         (experts, getattr(theirs, "num_experts_per_tok", None),
          getattr(theirs, "moe_intermediate_size", theirs.intermediate_size) + getattr(theirs, "shared_expert_intermediate_size", 0))
+    if config_cls is transformers.Qwen2MoeConfig:  # top-k weights as the router gives them, unless the file says otherwise
+        assert ours["moe.normalize_top_k"] is theirs.norm_topk_prob is False
     if config_cls is transformers.MistralConfig:
         with pytest.raises(hf_config.UserError, match="sliding_window=4096 is shorter than data.seq_len=8192"):
             hf_config.model_values(body, "config.json", seq_len=8192)

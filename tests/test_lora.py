@@ -78,6 +78,17 @@ def test_zero_adapters_give_the_base_logits_exactly_and_merged_equals_unmerged(b
     np.testing.assert_allclose(_logits(plain_layout, lora_lib.merged(adapted, cfg.model)), unmerged, atol=1e-5)
 
 
+def test_the_base_hash_sees_each_value_where_it_is():
+    """The hash that refuses a LoRA run's adapters on another base weighs each value by its position: a plain sum of the
+    values' bits would take a base with a square weight transposed, or two values swapped, for the one they trained on."""
+    w = np.arange(16, dtype=np.float32).reshape(4, 4)
+    swapped = w.copy()
+    swapped[0, 1], swapped[1, 0] = w[1, 0], w[0, 1]
+    hashes = [lora_lib.content_hash({"w": jax.numpy.asarray(x)}) for x in (w, w.T, swapped, w + np.eye(4, dtype=np.float32))]
+    assert len(set(hashes)) == 4, hashes
+    assert lora_lib.content_hash({"w": jax.numpy.asarray(w.copy())}) == hashes[0]
+
+
 # bitsandbytes' NF4 code (functional.py get_4bit_type("nf4"), the QLoRA paper's), written out, not read from models/quant.py
 BITSANDBYTES_NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
                     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
