@@ -99,10 +99,11 @@ def test_dispatch_matches_per_token_reference(dispatch, grouped_matmul, adapters
     assert float(block.router_stats.get_value()["dropped_fraction"]) == 0.0
 
 
-def test_capacity_drops_and_counts_assignments_past_an_experts_slots():
-    block, _ = _block(dispatch="capacity", capacity_factor=0.5)
-    slots = capacity(T, E, K, 0.5)
-    assert slots == 2
+# a fair share of 2 slots, and one of 2.4 rounded up (not down: an assignment more dropped per expert and sequence)
+@pytest.mark.parametrize("capacity_factor, slots", [(0.5, 2), (0.6, 3)])
+def test_capacity_drops_and_counts_assignments_past_an_experts_slots(capacity_factor, slots):
+    block, _ = _block(dispatch="capacity", capacity_factor=capacity_factor)
+    assert capacity(T, E, K, capacity_factor) == slots
     x = np.random.default_rng(1).normal(size=(3, T, 32)).astype(np.float32)
     expected, dropped = _reference(block, x.astype(np.float64), slots)
     np.testing.assert_allclose(_apply(block, jnp.asarray(x)), expected, rtol=1e-5, atol=1e-5)
@@ -126,6 +127,18 @@ def test_router_statistics_and_losses():
     np.testing.assert_allclose(stats["aux_loss"], aux, rtol=1e-5)
     np.testing.assert_allclose(stats["z_loss"], z, rtol=1e-5)
     np.testing.assert_allclose(stats["router_loss"], 0.5 * aux + 0.25 * z, rtol=1e-5)
+
+
+def test_a_bfloat16_model_routes_by_float32_router_logits():
+    """The router's logits (and so the choice of experts, their weights and the z-loss) are float32 products of the
+    bfloat16 activations and the float32 router weights (models/moe.py), not products rounded to bfloat16 (up to
+    2^-8 of each logit off, enough to reorder near ties)."""
+    cfg = LlamaConfig(d_model=32, mlp_dim=16, num_layers=2, dtype="bfloat16", moe=MoEConfig(num_experts=E, top_k=K))
+    block = MoE(cfg, nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, T, 32)), jnp.bfloat16)
+    _apply(block, x)
+    logits = np.asarray(x, np.float64) @ np.asarray(block.router[...], np.float64)
+    np.testing.assert_allclose(block.router_stats.get_value()["z_loss"], np.mean(np.log(np.exp(logits).sum(-1)) ** 2), rtol=1e-5)
 
 
 def _moe_config(rules="dp", mesh=(1, 1, 1, 1, 1), **moe):
