@@ -49,19 +49,41 @@ def test_batches_are_deterministic_by_seed_and_global_across_shardings():
     assert batch["inputs"].sharding.spec == PartitionSpec("data", None)
 
 
-def test_eval_batches_are_fixed_and_bounded():
-    tokens = np.arange(16 * 8 * 3 + 1) % 200
-    batches = eval_batches_of(tokens, count=10)
-    assert len(batches) == 3  # only as many full batches as the split holds
-    again = eval_batches_of(tokens, count=10)
-    for x, y in zip(batches, again):
-        np.testing.assert_array_equal(np.asarray(x["inputs"]), np.asarray(y["inputs"]))
-
-
-def eval_batches_of(tokens, count):
+def test_eval_batches_are_the_validation_split_in_file_order_and_bounded():
     from jaxtrain.data import Corpus
 
-    return eval_batches(Corpus(tokens, tokens, 256, "t"), DataConfig(seq_len=16), 8, _sharding(), count)
+    validation = np.arange(16 * 8 * 3 + 1) % 200
+    corpus = Corpus(validation + 50, validation, 256, "t")  # the train split is other tokens: evaluation must not read it
+    batches = eval_batches(corpus, DataConfig(seq_len=16, seed=7), 8, _sharding(), count=10)
+    assert len(batches) == 3  # only as many full batches as the split holds
+    # the same every evaluation: the split's windows in file order, whatever data.seed shuffles training with
+    windows = np.stack([validation[i * 16:i * 16 + 17] for i in range(24)])
+    np.testing.assert_array_equal(np.concatenate([np.asarray(b["inputs"]) for b in batches]), windows[:, :-1])
+    np.testing.assert_array_equal(np.concatenate([np.asarray(b["targets"]) for b in batches]), windows[:, 1:])
+
+
+class _ProcessView:
+    """A sharding as one process of a multi-process run sees it: only ``devices`` addressable."""
+
+    def __init__(self, sharding, devices):
+        self.sharding, self.devices = sharding, set(devices)
+
+    def addressable_devices_indices_map(self, shape):
+        return {d: i for d, i in self.sharding.devices_indices_map(shape).items() if d in self.devices}
+
+
+def test_each_process_reads_its_own_rows_and_together_the_global_batch():
+    """4 processes of 2 devices: each reads the block of rows its devices hold, none overlapping, and the blocks
+    stacked are the batch one process holding every device reads."""
+    tokens = np.arange(16 * 100 + 1) % 251
+    sharding = _sharding(8)
+    whole = GlobalBatches(tokens, 16, 8, sharding, shuffle_seed=3, repeat=True)
+    expected = [next(whole.iterator)["inputs"] for _ in range(3)]
+    devices = list(sharding.mesh.devices.flat)
+    per_process = [GlobalBatches(tokens, 16, 8, _ProcessView(sharding, devices[2 * p:2 * p + 2]), shuffle_seed=3, repeat=True)
+                   for p in range(4)]
+    for batch in expected:
+        np.testing.assert_array_equal(np.concatenate([next(b.iterator)["inputs"] for b in per_process]), batch)
 
 
 def test_user_text_directory_and_token_files(tmp_path):

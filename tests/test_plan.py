@@ -114,6 +114,10 @@ def test_estimate_counts_state_shards_exactly():
     norms = (2 * 4 + 1) * 256 * 4
     assert items["parameters"] == (params - norms) // 8 + norms
     assert items["optimizer state"] == 2 * items["parameters"] + 8  # Adam mu and nu; Adam's and the schedule's int32 counts
+    assert items["gradient accumulator"] == 0  # one pass: the gradients are the step's
+    # micro-batches sum into a float32 accumulator, split as the gradients are, held through the step
+    accumulated = plan_lib.estimate(make_layout(medium_config("fsdp_tp", "full", microbatches=2)), plan_lib.ACCELERATOR)
+    assert accumulated["gradient accumulator"] == accumulated["gradients"] == items["parameters"]
 
 
 def test_cudnn_attention_is_compiled_as_xla_on_cpu_and_its_scores_taken_out_for_the_accelerator():

@@ -121,6 +121,29 @@ def test_load_splits_counts_and_truncates(data, tmp_path):
     assert all(np.array_equal(c.tokens, e.tokens[:41]) and np.array_equal(c.counted, e.counted[:41]) for c, e in zip(cut.train, corpus.train))
 
 
+def test_a_packed_batch_weights_exactly_the_answer_tokens_transformers_masks(data):
+    """A target counts where transformers' assistant mask marks that token (the mask shifted with the targets): per
+    packed example, the weighted targets are its answers, the template's end of turn after each, and nothing else."""
+    tok_dir, path = data
+    cfg = DataConfig(path=str(path), tokenizer=str(tok_dir), seq_len=SEQ, val_fraction=0.2, format="sft")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    by_tokens = {}
+    for messages in map(_messages, records):
+        expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        by_tokens[tuple(expected["input_ids"][:-1])] = (expected["input_ids"][1:], expected["assistant_masks"][1:])
+    batch = _packed_batch(sft.load_sft(cfg), cfg)
+    checked = 0
+    for row in range(len(batch["inputs"])):
+        for segment in range(1, batch["segment_ids"][row].max() + 1):
+            at = batch["segment_ids"][row] == segment
+            targets, mask = by_tokens[tuple(batch["inputs"][row][at].tolist())]
+            assert batch["targets"][row][at].tolist() == targets
+            assert batch["weights"][row][at].tolist() == mask
+            checked += 1
+    assert checked >= 8
+
+
 def _packed_batch(corpus, cfg, batch=4):
     return next(iter(sft.packed_batches(corpus.train, cfg, batch, shuffle_seed=0, repeat=True)))
 
@@ -215,6 +238,27 @@ def test_data_position_resumes_exactly(data):
     for _ in range(5):
         next(again)
     np.testing.assert_array_equal(np.asarray(next(again)["inputs"]), np.asarray(expected[0]["inputs"]))
+
+
+def test_evaluation_reads_the_validation_examples_and_each_process_its_own_rows(data):
+    from test_data import _ProcessView
+
+    tok_dir, path = data
+    cfg = DataConfig(path=str(path), tokenizer=str(tok_dir), seq_len=SEQ, val_fraction=0.2, format="sft", pack=False)
+    corpus = sft.load_sft(cfg)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, PartitionSpec("data", None))
+    # unpacked, a row is one example: evaluation reads every validation example once, in file order, and no training one
+    rows = np.concatenate([np.asarray(b["inputs"]) for b in sft.eval_batches(corpus, cfg, 8, sharding, count=100)])
+    read = [r[:n].tolist() for r in rows if (n := int((r != 0).sum()))]  # token 0 is the padding's
+    assert read == [e.tokens[:-1].tolist() for e in corpus.validation]
+    # 4 processes of 2 devices: each packs every batch and keeps its own rows, together the batch one process reads
+    whole = sft.train_batches(corpus, cfg, 8, sharding)
+    expected = [next(whole.iterator)["inputs"] for _ in range(2)]
+    devices = list(mesh.devices.flat)
+    per_process = [sft.train_batches(corpus, cfg, 8, _ProcessView(sharding, devices[2 * p:2 * p + 2])) for p in range(4)]
+    for batch in expected:
+        np.testing.assert_array_equal(np.concatenate([next(b.iterator)["inputs"] for b in per_process]), batch)
 
 
 def _metrics(run_dir):

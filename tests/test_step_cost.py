@@ -133,6 +133,19 @@ def test_policies_that_save_keep_flash_attention_and_recompute_no_attention_forw
     assert flops["full", "cudnn"] == flops["full", "xla"]  # everything recomputed either way
 
 
+def test_each_remat_policy_adds_the_forward_flops_it_recomputes():
+    """Per token, counted by hand for medium_config (4 layers, d_model 256, 8 heads and 4 kv heads of 32, MLP 1024,
+    512 tokens; XLA attention): save_dots recomputes the causal attention core, save_qkv_out also the MLP's three
+    matmuls, full every matmul of the layer as well; none recomputes nothing."""
+    core = 2 * 4 * 512 * 8 * 32
+    mlp = 2 * 4 * 3 * 256 * 1024
+    projections = 2 * 4 * 256 * 32 * (2 * 8 + 2 * 4)  # q and the output (8 heads), k and v (4 kv heads)
+    palm = flops_per_token(medium_config("fsdp", "none").model, 512)
+    recomputed = {remat: step_cost.step_flops_per_token(make_layout(with_(medium_config("fsdp", remat), model={"attention": "xla"})))
+                  - palm for remat in ("none", "save_dots", "save_qkv_out", "full")}
+    assert recomputed == {"none": 0, "save_dots": core, "save_qkv_out": core + mlp, "full": core + mlp + projections}
+
+
 def test_devices_along_an_idle_axis_repeat_the_work():
     """Under dp a tensor axis of 8 splits nothing: each device runs the whole batch, 8 times a data axis's share. The
     compute was the same for both, which ranked suggestions that leave axes idle as fastest."""
@@ -140,6 +153,30 @@ def test_devices_along_an_idle_axis_repeat_the_work():
     idle = make_layout(medium_config("dp", "full", mesh=(1, 1, 8)))
     assert idle.idle_axes == {"tensor": 8}
     assert step_cost.step_time(idle).compute_s == pytest.approx(8 * spread.compute_s)
+
+
+@pytest.mark.parametrize("rules, reductions", [("zero1", 2), ("zero2", 1)])
+def test_zero2_reduce_scatters_the_gradients_that_zero1_all_reduces(rules, reductions):
+    """data 8: each gradient summed over the replicas, an all-reduce (twice a reduce-scatter's bytes) under ZeRO-1, a
+    reduce-scatter under ZeRO-2 (gradients split as the optimizer state); then each updated float32 weight
+    all-gathered. Gradients in bfloat16, but the norm scales' and the embedding lookup's, in float32."""
+    layout = make_layout(medium_config(rules, "full", mesh=(8, 1, 1)))
+    norms, table = (2 * 4 + 1) * 256, 4096 * 256
+    bfloat16_gradients = layout.spec.num_params - norms - table
+    gradients = reductions * (bfloat16_gradients * 2 + (norms + table) * 4)
+    gathers = layout.spec.num_params * 4
+    assert step_cost.step_time(layout, "h100").traffic_bytes["data"] == pytest.approx((gradients + gathers) * 7 / 8)
+
+
+def test_optimizer_offload_copies_the_state_and_master_weights_both_ways_each_step():
+    """optim.offload: Adam's two float32 moments and (bfloat16 compute) the float32 master weights, the device's
+    fsdp share of them, come in from the host and go back once per step over PCIe."""
+    layout = make_layout(with_(medium_config("fsdp", "full", mesh=(1, 8, 1)), optim={"offload": True}))
+    norms = (2 * 4 + 1) * 256  # replicated; every other weight split 8 ways
+    weights = ((layout.spec.num_params - norms) / 8 + norms) * 4
+    moments = 2 * weights + 8  # mu and nu; Adam's and the schedule's int32 step counts
+    timed = step_cost.step_time(layout, "h100")
+    assert timed.host_s == pytest.approx(2 * (moments + weights) / step_cost.PCIE_BYTES_PER_S["h100"])
 
 
 @pytest.mark.parametrize("rules, mesh, remat, per_token", [
