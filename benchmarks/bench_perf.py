@@ -39,7 +39,7 @@ import optax
 from jaxtrain import data as data_lib
 from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig
 from jaxtrain.observe import step_profile
-from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak
+from jaxtrain.observe.flops import measure_matmul_peak, model_flops_per_token
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.optim import decay_mask
 from jaxtrain.state import init_state, model_spec
@@ -179,7 +179,7 @@ def overhead(cfg: Config, corpus, sharded: bool) -> dict[str, float]:
         raise AssertionError(f"hand-written step computes a different loss: {hand_loss} vs jaxtrain {jaxtrain_loss}")
     medians = interleaved_medians({"hand": (hand, hand_carry), "jaxtrain": jaxtrain_contender(trainer)}, batch)
     return {"hand_s": medians["hand"], "jaxtrain_s": medians["jaxtrain"], "ratio": medians["hand"] / medians["jaxtrain"],
-            "flops_per_step": flops_per_token(cfg.model, cfg.data.seq_len) * trainer.tokens_per_step}
+            "flops_per_step": model_flops_per_token(trainer.layout) * trainer.tokens_per_step}
 
 
 def compiled_train_step(cfg: Config, corpus):

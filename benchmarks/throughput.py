@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax  # after the config: a bad one fails fast, before any device starts
 
     from bench_perf import fixed_batch, random_corpus
-    from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak
+    from jaxtrain.observe.flops import measure_matmul_peak, model_flops_per_token
     from jaxtrain.layout import peak_bytes
     from jaxtrain.plan import hlo_report
     from jaxtrain.plan.estimate import estimate, estimate_total
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     devices = trainer.mesh.size
     on_cpu = trainer.mesh.devices.flat[0].platform == "cpu"
     peak = measure_matmul_peak(list(trainer.mesh.devices.flat)) / devices if on_cpu else args.peak_tflops * 1e12
-    model_flops = flops_per_token(cfg.model, cfg.data.seq_len) * trainer.tokens_per_step / step_s / devices
+    model_flops = model_flops_per_token(trainer.layout) * trainer.tokens_per_step / step_s / devices
     memory = trainer.train_step.memory_analysis()
     # the program as XLA compiled it for these devices (on a GPU after autotuning: which gemms went to cuBLAS)
     compiled = hlo_report.report(trainer.train_step.as_text(), dict(trainer.mesh.shape))

@@ -35,6 +35,7 @@ from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.observe.metrics import NonFiniteError, Progress, format_summary
 from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.step import schedule_count
+from models.config import LoraConfig
 
 STEPS = 6
 PEAK_TFLOPS = 0.5  # an override, so MFU is checked against a known denominator
@@ -148,6 +149,21 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     assert "maps and zeroes them again" in returned(False) and "JAXTRAIN_HOST_MALLOC=keep" in returned(False)
     assert "MALLOC_CONF=dirty_decay_ms:-1" in returned(False, "jemalloc")  # preloaded by the user with its defaults
     assert "maps and zeroes" not in returned(True) + returned(None, None)
+
+
+def test_a_lora_runs_mfu_counts_the_work_its_step_needs(corpus, tmp_path):
+    """A frozen base takes no weight gradients: 4 FLOPs per base parameter a token (the forward, the gradient of its
+    input), the adapters 6 per parameter. MFU had counted the base's 6N, about 1.5x the work done."""
+    cfg = with_(small_config(), model={"lora": LoraConfig(rank=4, alpha=8.0)}, train={"steps": 2},
+                log={"every": 2, "peak_tflops": PEAK_TFLOPS}, checkpoint={"every": 2, "async_save": False})
+    trainer = train_lib.build(cfg, corpus)
+    train_lib.train(cfg, tmp_path, trainer)
+    base = 2 * (32 * 4 * 8 + 2 * 32 * 2 * 8 + 4 * 8 * 32 + 3 * 32 * 64) + 32 * 64  # the matmuls' weights, as above
+    adapters = 2 * 4 * ((32 + 32) + 2 * (32 + 16) + (32 + 32) + 2 * (32 + 64) + (64 + 32))  # rank 4 on q, k, v, o, gate, up, down
+    hand_flops = 4 * base + 6 * adapters + 6 * 2 * 16 * 4 * 8
+    assert json.loads((tmp_path / "summary.json").read_text())["flops_per_token"] == hand_flops == 112640
+    [record] = [r for r in _records(tmp_path) if "loss" in r]
+    assert record["mfu"] == pytest.approx(hand_flops * record["tokens_per_s"] / (8 * PEAK_TFLOPS * 1e12), rel=1e-9)
 
 
 def _check_cpu_profile(profile: dict, steps: int) -> None:

@@ -273,6 +273,15 @@ def test_a_throughput_target_above_the_gpus_peak_is_called_impossible():
         f"needs MFU 200.0%: impossible, above the GPU's peak; the plan's estimated step time gives {estimated:,.0f} tokens/s")
 
 
+def test_a_lora_plans_flops_per_token_count_its_frozen_base_at_4_per_parameter():
+    """The MFU a LoRA plan asks for counts the work its step needs: no weight gradients for the frozen base."""
+    plain = plan_lib.make_plan(small_config(dtype="bfloat16"), gpu="h100")
+    lora = plan_lib.make_plan(with_(small_config(dtype="bfloat16"), model={"lora": LoraConfig(rank=4, alpha=8.0)}), gpu="h100")
+    base, adapters = 20480, 4096  # small_config's matmul weights; rank 4 on its seven projections (test_observability)
+    assert lora.flops_per_token == plain.flops_per_token - 2 * base + 6 * adapters
+    frozen = "(PaLM formula, causal attention halved, the frozen base's weights 4 per parameter, not 6)"
+    assert frozen in plan_lib.render(lora) and "frozen base" not in plan_lib.render(plain)
+
 def test_a_memory_size_without_a_gpu_is_planned_as_for_the_gpu_the_step_time_assumes():
     """--device-memory 80 planned the CPU's program (chunked attention, its micro-batch count and verdict) where
     --gpu h100 planned the GPU's, for the same memory."""

@@ -5,8 +5,18 @@ from __future__ import annotations
 import re
 import statistics
 import time
+from typing import TYPE_CHECKING
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxtrain.adapt.adapters import split_frozen
 from models.config import LlamaConfig
+
+if TYPE_CHECKING:
+    from jaxtrain.layout import Layout
 
 # Dense peak TFLOP/s per device (vendor datasheets, without sparsity): (chip, variant or None,
 # bf16/fp16, fp32). The fp32 column is TF32 tensor cores, which XLA uses for float32 matmuls at
@@ -44,6 +54,25 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     return 6 * matmul_params(cfg) + attention
 
 
+def adapter_params_per_token(layout: Layout) -> float:
+    """A LoRA run's adapter parameters each token multiplies (of experts' adapters, those of its top_k experts)."""
+    m = layout.cfg.model
+    trained, axes = split_frozen(layout.spec.shapes)[0], split_frozen(layout.spec.logical_axes)[0]
+    return sum(x.size * (m.moe.top_k / m.moe.num_experts if "experts" in a else 1)
+               for x, a in zip(jax.tree.leaves(trained), jax.tree.leaves(axes, is_leaf=lambda s: isinstance(s, PartitionSpec)),
+                               strict=True))
+
+
+def model_flops_per_token(layout: Layout) -> float:
+    """The training FLOPs per token the layout's step needs (MFU's numerator; no recomputation): ``flops_per_token``,
+    but for a LoRA run, whose frozen base takes no weight gradients: 4 per base parameter (the forward and the
+    gradient of its input), not 6, and the adapters' 6 per parameter added."""
+    m, seq = layout.cfg.model, layout.cfg.data.seq_len
+    if split_frozen(layout.spec.shapes)[1] is None:
+        return flops_per_token(m, seq)
+    return flops_per_token(m, seq) - 2 * matmul_params(m) + 6 * adapter_params_per_token(layout)
+
+
 def peak_flops(device_kind: str, dtype: str = "bfloat16") -> float | None:
     """Datasheet peak FLOP/s of one device computing in ``dtype``, or None when the device is not in
     the table (e.g. CPU)."""
@@ -58,12 +87,6 @@ def measure_matmul_peak(devices: list | None = None, size: int = 1024, dtype: st
     """Measured matmul FLOP/s of ``devices`` working together (default: all local devices), each
     multiplying its own pair of ``size`` x ``size`` matrices at the same time; median of ``repeats``
     timed calls after a warm-up. The MFU denominator where no datasheet peak is known (CPUs)."""
-    # jax is imported here, not at the top: this module stays importable before jax starts
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
     devices = list(devices or jax.local_devices())
     sharding = NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec("devices"))
     shape = (len(devices), size, size)

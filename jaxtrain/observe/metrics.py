@@ -36,7 +36,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config
 from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges, start_wandb
 from jaxtrain.observe import step_profile
-from jaxtrain.observe.flops import flops_per_token, measure_matmul_peak, peak_flops
+from jaxtrain.observe.flops import measure_matmul_peak, model_flops_per_token, peak_flops
 from jaxtrain.observe.records import read_records
 from jaxtrain.optim import warmup_steps
 from jaxtrain.layout import Layout, idle_axes_note
@@ -153,7 +153,7 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
         "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": layout.tokens_per_step,
         "microbatches": cfg.train.microbatches, "microbatches_auto": microbatches_auto,
-        "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
+        "flops_per_token": model_flops_per_token(layout),
         # optim.grad_sync as resolved (auto); null where no replica axis sums the gradients
         "grad_sync": None if not layout.replica_axes else "microbatch" if layout.grad_reduction is None else "step",
         "idle_axes": layout.idle_axes,  # mesh axes that split nothing: their devices repeat each other's work
@@ -329,7 +329,7 @@ class MetricsLog:
         self.platform = layout.mesh.devices.flat[0].platform
         self.tokens_per_step = layout.tokens_per_step
         self.devices = layout.mesh.size
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.flops_per_token = model_flops_per_token(layout)
         self.profile, profile_note = resumed_profile(cfg.log.profile_steps, initial_step)
         self.profiling = False
         self.pending: list[tuple[int, dict]] = []  # (step, metrics) not yet fetched from the devices

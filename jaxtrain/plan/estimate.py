@@ -34,7 +34,7 @@ from jaxtrain import compile_cache, xla_env
 from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.config import Config, flatten, resolve_for_devices, to_dict
 from jaxtrain.errors import UserError
-from jaxtrain.observe.flops import flops_per_token, peak_flops
+from jaxtrain.observe.flops import model_flops_per_token, peak_flops
 from jaxtrain.plan.gpu_targets import GPU_MEMORY_MIB, GPU_MODELS, compile_only_devices, gpu_memory_bytes
 from jaxtrain.plan.hlo_report import HloReport, captured_stderr, report, warning_meaning
 from jaxtrain.mesh import describe_axes
@@ -698,7 +698,7 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
         tuple(layout.rules.get("experts") or ()))
     per_stage = stage_memory(layout, accelerator_estimate) if schedule(cfg, layout.rules, layout.mesh).stages > 1 else None
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, allocator_fraction, estimate_as_compiled(layout, compiled),
-                accelerator_estimate, compiled, predicted, step_time(layout, gpu), flops_per_token(cfg.model, cfg.data.seq_len),
+                accelerator_estimate, compiled, predicted, step_time(layout, gpu), model_flops_per_token(layout),
                 cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic, tuple(technique_effects(layout, gpu)), per_stage,
                 layout.idle_axes, microbatches_auto)
 
@@ -797,7 +797,8 @@ def render(plan: Plan) -> str:
         lines += [f"  {t.describe()}" for t in plan.techniques]
     lines.append(f"estimated step time: {plan.step_time.describe()}" + ("" if plan.gpu else " (no --gpu given: an H100 assumed)"))
     xla = plan.xla_flops_per_token
-    lines.append(f"FLOPs per token: {plan.flops_per_token:.4g} (PaLM formula, causal attention halved)"
+    frozen_base = ", the frozen base's weights 4 per parameter, not 6" if plan.cfg.model.lora.rank else ""
+    lines.append(f"FLOPs per token: {plan.flops_per_token:.4g} (PaLM formula, causal attention halved{frozen_base})"
                  + ("" if xla is None else f"; XLA cost analysis {xla:.4g} (counts each loop body - layer scan, micro-batch scan - once)"))
     if plan.mfu_needed is not None:
         impossible = (f": impossible, above the GPU's peak; the plan's estimated step time gives "

@@ -63,7 +63,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxtrain.adapt.adapters import split_frozen
-from jaxtrain.observe.flops import active_mlps, flops_per_token, matmul_params, peak_flops
+from jaxtrain.observe.flops import active_mlps, adapter_params_per_token, model_flops_per_token, peak_flops
 from jaxtrain.plan.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.layout import Layout
 from jaxtrain.memory.offload import offloads_master_weights
@@ -167,20 +167,10 @@ def offloaded_bytes_per_token(layout: Layout, stages: int) -> float:
     return elements * np.dtype(m.dtype).itemsize
 
 
-def adapter_params_per_token(layout: Layout) -> float:
-    """A LoRA run's adapter parameters each token multiplies (of experts' adapters, those of its top_k experts)."""
-    m = layout.cfg.model
-    trained, axes = split_frozen(layout.spec.shapes)[0], split_frozen(layout.spec.logical_axes)[0]
-    return sum(x.size * (m.moe.top_k / m.moe.num_experts if "experts" in a else 1)
-               for x, a in zip(jax.tree.leaves(trained), jax.tree.leaves(axes, is_leaf=lambda s: isinstance(s, PartitionSpec)),
-                               strict=True))
-
-
 def step_flops_per_token(layout: Layout) -> float:
     """FLOPs per token the train step computes: the PaLM count (observe/flops.py, MFU's convention) and the forward
-    work the remat policy repeats in the backward. A LoRA run's frozen base takes no weight gradients: its 2 N of the
-    6 N are left out, and its adapters' own 6 per parameter added, with their forward (counted whole) where the policy
-    recomputes x @ A."""
+    work the remat policy repeats in the backward. A LoRA run's (``model_flops_per_token``: 4 per frozen base parameter,
+    6 per adapter parameter) adds the adapters' forward (counted whole) where the policy recomputes x @ A."""
     cfg, m, seq = layout.cfg, layout.cfg.model, layout.cfg.data.seq_len
     remat = acting_remat(m.remat, schedule(cfg, layout.rules, layout.mesh).stages)
     attention_core = 2 * m.num_layers * seq * m.num_heads * m.resolved_head_dim  # causal fwd (the 6x formula / 3)
@@ -190,10 +180,9 @@ def step_flops_per_token(layout: Layout) -> float:
                   "full": attention_core + layer_matmuls}[remat.replace("offload_", "save_")]  # offloading recomputes as saving
     if m.remat.startswith("save_") and m.attention == "cudnn":  # they keep flash attention's output (models/llama.py)
         recomputed -= attention_core
-    flops = flops_per_token(m, seq) + recomputed
+    flops = model_flops_per_token(layout) + recomputed
     if split_frozen(layout.spec.shapes)[1] is not None:  # a LoRA run: every base weight is frozen
-        adapters = adapter_params_per_token(layout)
-        flops += 6 * adapters - 2 * matmul_params(m) + 2 * adapters * ADAPTER_PRODUCT_RECOMPUTED[remat]
+        flops += 2 * adapter_params_per_token(layout) * ADAPTER_PRODUCT_RECOMPUTED[remat]
     return flops
 
 
