@@ -29,19 +29,23 @@ def total(cfg, for_platform=None) -> int:
     return plan_lib.estimate_total(plan_lib.estimate(make_layout(cfg), for_platform))
 
 
-@pytest.mark.parametrize("rules,mesh,remat,seq_len,attention,within", [
+@pytest.mark.parametrize("rules,mesh,remat,seq_len,attention,model,within", [
     # auto: chunked attention on these CPU devices. The estimate is 11% under this CPU compile, whose arena packs
     # the layer backward's buffers above the output projection's (three float32 arrays of the logits' size: XLA:CPU
     # converts their bfloat16 gradient to float32 for each matmul); 21% before it counted the MLP's backward
     # (gate, up and the gradients). The GPU compile: tests/test_plan_gpu.py
-    ("fsdp_tp", (1, 4, 2), "full", 512, "auto", 0.15),
-    ("fsdp", (1, 4, 2), "save_dots", 512, "auto", 0.15),
-    ("fsdp", (1, 4, 2), "none", 512, "auto", 0.15),  # every layer's intermediates saved
-    ("tp", (2, 1, 4), "save_qkv_out", 1024, "xla", 0.15),  # XLA attention's (query, key) scores dominate
-    ("fsdp", (1, 4, 2), "save_dots", 1024, "chunked", 0.15),  # chunked attention's share of them
+    ("fsdp_tp", (1, 4, 2), "full", 512, "auto", {}, 0.15),
+    ("fsdp", (1, 4, 2), "save_dots", 512, "auto", {}, 0.15),
+    ("fsdp", (1, 4, 2), "none", 512, "auto", {}, 0.15),  # every layer's intermediates saved
+    ("tp", (2, 1, 4), "save_qkv_out", 1024, "xla", {}, 0.15),  # XLA attention's (query, key) scores dominate
+    ("fsdp", (1, 4, 2), "save_dots", 1024, "chunked", {}, 0.15),  # chunked attention's share of them
+    # the vocabulary tables dominate, split over tensor 4 ("vocab: tensor"): counted whole, the estimate is 3.3x the
+    # compile. It is 18% over: XLA:CPU's float32 working copies of the tables, counted at 12 bytes an element, share
+    # their buffers with the logits' here
+    ("fsdp_tp", (1, 2, 4), "full", 32, "auto", {"vocab_size": 32768, "d_model": 1024, "num_layers": 2}, 0.25),
 ])
-def test_estimate_within_15_percent_of_compiled(rules, mesh, remat, seq_len, attention, within):
-    layout = make_layout(with_(medium_config(rules, remat, mesh=mesh, seq_len=seq_len), model={"attention": attention}))
+def test_estimate_within_15_percent_of_compiled_or_as_noted(rules, mesh, remat, seq_len, attention, model, within):
+    layout = make_layout(with_(medium_config(rules, remat, mesh=mesh, seq_len=seq_len), model={"attention": attention, **model}))
     items = plan_lib.estimate(layout)
     compiled = plan_lib.compile_truth(layout)
     assert compiled.platform == "cpu"
@@ -496,6 +500,13 @@ def test_a_small_models_plan_reads_in_units_that_show_it():
     assert total.split()[1:3] == [f"{plan.estimate_total / 2**20:.2f}", "MiB"], total
     assert re.search(r"^estimated step time: [\d.]+ (µs|ms) on h100 \(compute [\d.]+ (µs|ms) ", text, re.M), text
     assert re.search(r"^  optim.offload=true: saves [\d.]+ (KiB|MiB) per device, step time x[\d.]+, [\d.]+ µs/step of host", text, re.M), text
+    # in a table of GiB (a tiny model at a long sequence), a row under 0.1 GiB reads in the unit that shows it
+    in_gib = plan_lib.render(dataclasses.replace(plan, compiled=dataclasses.replace(plan.compiled, total=2 * 2**30)))
+    row = lambda name: next(line for line in in_gib.splitlines() if line.startswith(name)).split()  # noqa: E731
+    assert row("total")[-4:-2] == ["2.00", "GiB"]
+    shown = [line for line in in_gib.splitlines() if line.lstrip("(").startswith(tuple(k for k, v in plan.estimate.items() if v))]
+    assert len(shown) == 6 and not any(" 0.00 " in line for line in shown), in_gib
+    assert row("parameters")[1:3] == [f"{plan.estimate['parameters'] / 2**10:.2f}", "KiB"], in_gib
 
 
 def test_a_plan_compiled_on_cpus_for_a_gpu_shows_the_gpus_own_estimate_beside_the_cpu_programs():
@@ -512,7 +523,7 @@ def test_a_plan_compiled_on_cpus_for_a_gpu_shows_the_gpus_own_estimate_beside_th
     assert "(items in parentheses are not live at the peak, layer backward (for h100: loss): each total counts" in text
     for key, value in gpu.items():
         row = next(line for line in lines if line.startswith((key, f"({key})")))
-        cell = f"{value / 2**20:.2f} MiB"
+        cell = f"{value / 2**20:.2f} MiB" if value >= 2**20 / 10 or not value else f"{value / 2**10:.2f} KiB"  # under 0.1 MiB: KiB
         assert row[34:column_end].strip() == (cell if key in at_peak else f"({cell})"), row
     total = next(line for line in lines if line.startswith("total"))
     assert total[34:column_end].strip() == f"{plan_lib.estimate_total(gpu) / 2**20:.2f} MiB"

@@ -51,6 +51,7 @@ from models.config import REMAT_POLICIES
 
 GIB = 2**30
 MIB = 2**20
+KIB = 2**10
 DEFAULT_HEADROOM = 0.10  # share of device memory kept free for the CUDA context, NCCL buffers, fragmentation
 RULE_SETS = ("dp", "fsdp", "tp", "fsdp_tp", "zero1", "zero2")
 ACCELERATOR = "gpu"  # the platform plans are for, whatever the step was compiled on
@@ -705,9 +706,14 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
 
 def render(plan: Plan) -> str:
     c, cfg = plan.compiled, plan.cfg
-    scale, unit = (GIB, "GiB") if c.total >= GIB else (MIB, "MiB")  # one unit down the table: a tiny model's is not all 0.00 GiB
+    # one unit down the table (a tiny model's is not all 0.00 GiB), but a row under a tenth of it drops to the unit
+    # that shows two digits of it: a long sequence's plan of a tiny model had 0.00 GiB of parameters
+    units = [(GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")][0 if c.total >= GIB else 1:]
 
     def gib(n):
+        for scale, unit in units:  # the table's unit, else the first below it that shows the row (KiB at the least)
+            if n == 0 or abs(n) / scale >= 0.1:
+                break
         return f"{n / scale:8.2f} {unit}"
 
     mesh = describe_axes(plan.mesh)
@@ -814,7 +820,7 @@ def _size(n: float) -> str:
     """Bytes in the unit that shows them: GiB from 0.1 GiB, MiB from 0.1 MiB, KiB below (a tiny model's plan)."""
     if abs(n) >= GIB / 10:
         return f"{n / GIB:,.1f} GiB"
-    return f"{n / MIB:.3g} MiB" if abs(n) >= MIB / 10 else f"{n / 2**10:.3g} KiB"
+    return f"{n / MIB:.3g} MiB" if abs(n) >= MIB / 10 else f"{n / KIB:.3g} KiB"
 
 
 def render_hlo(plan: Plan) -> list[str]:
