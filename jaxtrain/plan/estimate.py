@@ -711,9 +711,8 @@ def render(plan: Plan) -> str:
     units = [(GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")][0 if c.total >= GIB else 1:]
 
     def gib(n):
-        for scale, unit in units:  # the table's unit, else the first below it that shows the row (KiB at the least)
-            if n == 0 or abs(n) / scale >= 0.1:
-                break
+        # the table's unit, else the first below it that shows the row (KiB at the least)
+        scale, unit = next((u for u in units if n == 0 or abs(n) / u[0] >= 0.1), units[-1])
         return f"{n / scale:8.2f} {unit}"
 
     mesh = describe_axes(plan.mesh)
