@@ -131,6 +131,8 @@ ROWS = (
     # optim.grad_dtype=bfloat16 on one GPU: no other device to sum with, so this prices the per-device gradient pass
     # (jaxtrain/memory/grad_comm.py) against mfu_1b; the bytes it saves need several GPUs (bench_memory counts them)
     Row("grad_bf16_1b", "llama3_1b", (*MFU_1B, "optim.grad_dtype=bfloat16"), 60),
+    # the spike guard (train.skip_spikes, jaxtrain/spikes.py, OLMo 2's 6 deviations over 128 steps) against mfu_1b
+    Row("skip_spikes_1b", "llama3_1b", (*MFU_1B, "train.skip_spikes=6"), 60),
     # the persistent compilation cache (train.compile_cache): mfu_1b's program compiled into the runner's new folder,
     # then read back by the next process, as a restart after preemption does; compare their compile_s
     Row("compile_cache_cold_1b", "llama3_1b", MFU_1B, 60, options=("--compile-cache", "{cache}")),

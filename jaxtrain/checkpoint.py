@@ -31,6 +31,7 @@ from jaxtrain.config import CheckpointConfig, check_run_dir
 from jaxtrain.distributed import LostPeer
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
+from jaxtrain import spikes as spikes_lib
 
 CHECKPOINTS_DIR = "checkpoints"
 QUARANTINE_DIR = "unreadable_checkpoints"  # beside checkpoints/, so Orbax never lists them again
@@ -246,8 +247,20 @@ def _read(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterat
     if params_only:
         check_same_shapes(saved["params"], abstract_state.params, where)
         return manager.restore(step, args=ocp.args.Composite(state=_state_restore({"params": abstract_state.params}, partial=True)))
-    check_same_shapes(saved, saved_part(abstract_state), where)
-    return manager.restore(step, args=_restore_args(saved_part(abstract_state), data_iterator))
+    target = saved_part(abstract_state)
+    saved_window = {name: shape for name, shape in _flat_shapes(saved).items() if name.startswith("spikes/")}
+    kept = _flat_shapes({"spikes": target.spikes}) == saved_window
+    # the spike window is the guard's alone: switched on or off, or of another length, it starts again empty
+    check_same_shapes({name: value for name, value in saved.items() if name != "spikes"}, target.replace(spikes=None), where)
+    restored = manager.restore(step, args=_restore_args(target if kept else target.replace(spikes=None), data_iterator))
+    if kept or target.spikes is None:
+        return restored
+    length = target.spikes["loss"].shape[0]
+    _say(f"jaxtrain: note: {where} holds no spike window of {length} steps (its run had train.skip_spikes off or another "
+         f"train.spike_window): the guard skips nothing until {spikes_lib.verdict_after(length)} steps have entered an empty one")
+    shardings = jax.tree.map(lambda a: a.sharding, target.spikes)
+    empty = jax.jit(lambda: spikes_lib.initial_window(length), out_shardings=shardings)()
+    return ocp.args.Composite(**(dict(restored) | {"state": restored.state.replace(spikes=empty)}))
 
 
 def _quiet_abandoned_reads() -> None:

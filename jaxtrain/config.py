@@ -85,6 +85,10 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate only at the end
     eval_batches: int = 4  # global batches of the validation split per evaluation
     skip_nonfinite: int = 0  # updates with a non-finite loss or grad norm skipped before the run stops
+    # skip an update whose loss or grad norm lies more than this many standard deviations from the mean of the last
+    # spike_window steps' (jaxtrain/spikes.py; OLMo 2 trained with 6); 0: off
+    skip_spikes: float = 0.0
+    spike_window: int = 128
     loss_chunk: int = 0  # sequence positions per cross-entropy chunk (large vocabularies); 0: whole sequence
     # XLA programs kept on disk and read back by the next run that compiles them (jaxtrain/compile_cache.py):
     # auto (or true): $XDG_CACHE_HOME/jaxtrain/xla, else ~/.cache/jaxtrain/xla; a folder path; false: no cache
@@ -527,6 +531,8 @@ def range_problems(cfg: Config) -> list[str]:
         r("checkpoint.keep_every", c.keep_every, 0, meaning=" (0: off)"),
         r("log.layer_every", cfg.log.layer_every, 0, meaning=" (0: off)"),
         r("train.skip_nonfinite", t.skip_nonfinite, 0, meaning=" (0: stop at the first)"),
+        r("train.skip_spikes", t.skip_spikes, 0, high_open=True, meaning=" (standard deviations; 0: off)"),
+        r("train.spike_window", t.spike_window, 2, meaning=" (the steps the mean and deviation of train.skip_spikes are taken over)"),
         *(r(key, seed, 0) or (f"{key}={seed} must be in [0, {SamplingConfig.SEED_MAX}]" if seed > SamplingConfig.SEED_MAX else None)
           for key, seed in (("train.seed", t.seed), ("data.seed", d.seed))),  # r's :g would print the bound as 4.29497e+09
         r("data.val_fraction", d.val_fraction, 0, 1, low_open=True, high_open=True),

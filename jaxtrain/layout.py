@@ -62,8 +62,13 @@ class Layout:
     def optimizer_shardings(self) -> dict:
         return self.moment_shardings or self.shardings.params
 
+    @property
+    def spike_window(self) -> int:
+        """The spike window's length (train.skip_spikes); 0: the state carries none."""
+        return self.cfg.train.spike_window if self.cfg.train.skip_spikes else 0
+
     def abstract_state(self) -> TrainState:
-        return abstract_state(self.spec, self.tx, self.shardings)
+        return abstract_state(self.spec, self.tx, self.shardings, self.spike_window)
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (self.cfg.train.global_batch, self.cfg.data.seq_len)
@@ -114,7 +119,8 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
     if cfg.optim.offload:
         offload.check_supported(mesh)
     placement = Placement(state_rules["optimizer_state"], offload.HOST if cfg.optim.offload else None, loss_scale=cfg.model.dtype == "float16",
-                          params_memory=offload.HOST if cfg.optim.offload and offload.offloads_master_weights(cfg.model) else None)
+                          params_memory=offload.HOST if cfg.optim.offload and offload.offloads_master_weights(cfg.model) else None,
+                          spikes=cfg.train.skip_spikes > 0)
     shardings = state_shardings(spec, tx, rules, mesh, placement)
     differing = lambda section: None if state_rules[section] == rules else \
         split_frozen(param_shardings(spec.logical_axes, spec.shapes, state_rules[section], mesh, section))[0]  # noqa: E731
@@ -142,7 +148,8 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
                                        grad_shardings=layout.grad_shardings, device_opt_state=device_opt_state,
                                        loss_scale_period=cfg.optim.loss_scale_period, grad_reduction=layout.grad_reduction,
                                        device_params=device_params,
-                                       dropout_seed=cfg.train.seed if cfg.model.lora.rank and cfg.model.lora.dropout else None),
+                                       dropout_seed=cfg.train.seed if cfg.model.lora.rank and cfg.model.lora.dropout else None,
+                                       skip_spikes=cfg.train.skip_spikes),
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
     device_model_params = None if device_params is None else in_device_memory(shardings.model_params)
     eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk, device_model_params),

@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtrain import spikes as spikes_lib
 from jaxtrain.memory import loss_scale as loss_scale_lib
 from jaxtrain.adapt.adapters import join_frozen, split_frozen
 from jaxtrain.memory.quant import quantized
@@ -28,6 +29,7 @@ class TrainState:
     opt_state: Any
     loss_scale: Any = None  # float16 compute: {"scale", "counter"} of the dynamic loss scale (jaxtrain/memory/loss_scale.py)
     frozen: dict | None = None  # a LoRA run's base weights (never updated, not checkpointed); None: every parameter trains
+    spikes: dict | None = None  # train.skip_spikes: the window of recent steps' loss and gradient norm (jaxtrain/spikes.py)
 
     @property
     def model_params(self) -> dict:
@@ -77,12 +79,13 @@ def bytes_per_device(tree) -> int:
 class Placement:
     """Where the state lives beyond the parameters' rules: the optimizer state's own rules (ZeRO-1/2: a rule
     set's ``optimizer_state:`` section), its memory kind (optim.offload: ``pinned_host``), and whether a
-    float16 loss scale is carried."""
+    float16 loss scale and a spike window (train.skip_spikes) are carried."""
 
     optimizer_rules: Rules | None = None  # None: the parameters' rules
     optimizer_memory: str | None = None  # None: the device's default memory
     params_memory: str | None = None  # the trained parameters' memory kind (optim.offload of master weights); None: device
     loss_scale: bool = False
+    spikes: bool = False
 
 
 def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation, rules: Rules, mesh: Mesh,
@@ -101,7 +104,8 @@ def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation, rules: Ru
     if placement.params_memory is not None:
         params = jax.tree.map(lambda sharding: sharding.with_memory_kind(placement.params_memory), params)
     return TrainState(step=replicated, params=params, opt_state=opt_state, frozen=frozen,
-                      loss_scale={"scale": replicated, "counter": replicated} if placement.loss_scale else None)
+                      loss_scale={"scale": replicated, "counter": replicated} if placement.loss_scale else None,
+                      spikes=jax.tree.map(lambda _: replicated, spikes_lib.initial_window(1)) if placement.spikes else None)
 
 
 def in_device_memory(shardings):
@@ -109,37 +113,40 @@ def in_device_memory(shardings):
     return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
 
 
-def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation, shardings: TrainState, spike_window: int = 0) -> TrainState:
+    """``spike_window``: the spike window's length, where ``shardings`` carry one."""
     params, frozen = split_frozen(spec.shapes)
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=jax.eval_shape(tx.init, params), frozen=frozen,
-                        loss_scale=None if shardings.loss_scale is None else jax.eval_shape(loss_scale_lib.initial_state))
+                        loss_scale=None if shardings.loss_scale is None else jax.eval_shape(loss_scale_lib.initial_state),
+                        spikes=None if shardings.spikes is None else jax.eval_shape(lambda: spikes_lib.initial_window(spike_window)))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+def state_from_params(params: dict, tx: optax.GradientTransformation, shardings: TrainState, spike_window: int = 0) -> TrainState:
     """A fresh train state (step 0, new optimizer state) around given parameters, which it takes over."""
-    return jax.jit(fresh_state(tx, shardings), out_shardings=shardings, donate_argnums=0)(params)
+    return jax.jit(fresh_state(tx, shardings, spike_window), out_shardings=shardings, donate_argnums=0)(params)
 
 
-def fresh_state(tx: optax.GradientTransformation, shardings: TrainState) -> Callable[[dict], TrainState]:
+def fresh_state(tx: optax.GradientTransformation, shardings: TrainState, spike_window: int = 0) -> Callable[[dict], TrainState]:
     """Every parameter of the model -> a train state at step 0 (to be traced inside jit), with a fresh loss scale
-    where ``shardings`` carry one (float16)."""
+    where ``shardings`` carry one (float16), and an empty spike window of ``spike_window`` steps where they carry one."""
 
     def start(params: dict) -> TrainState:
         trained, frozen = split_frozen(params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=trained, opt_state=tx.init(trained), frozen=frozen,
-                          loss_scale=None if shardings.loss_scale is None else loss_scale_lib.initial_state())
+                          loss_scale=None if shardings.loss_scale is None else loss_scale_lib.initial_state(),
+                          spikes=None if shardings.spikes is None else spikes_lib.initial_window(spike_window))
 
     return start
 
 
 def state_initializer(model_cfg: LlamaConfig, tx: optax.GradientTransformation, seed: int,
-                      shardings: TrainState) -> Callable[[], TrainState]:
+                      shardings: TrainState, spike_window: int = 0) -> Callable[[], TrainState]:
     """A jitted initialiser with output shardings, so no parameter is ever whole on one device. Keep it to
     make more fresh states: it compiles on its first call only."""
 
     def init():
-        return fresh_state(tx, shardings)(nnx.to_pure_dict(nnx.state(Llama(model_cfg, rngs=nnx.Rngs(seed)))))
+        return fresh_state(tx, shardings, spike_window)(nnx.to_pure_dict(nnx.state(Llama(model_cfg, rngs=nnx.Rngs(seed)))))
 
     return jax.jit(init, out_shardings=shardings)
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxtrain import spikes as spikes_lib
 from jaxtrain.memory import loss_scale as loss_scale_lib
 from jaxtrain.adapt.adapters import join_frozen
 from jaxtrain.state import TrainState
@@ -116,7 +117,7 @@ def training_objective(graphdef, params: dict, batch: Batch, loss_chunk: int = 0
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
                     layer_norms: bool = False, loss_chunk: int = 0, *, grad_shardings=None, device_opt_state=None,
                     loss_scale_period: int = 0, grad_reduction=None, device_params=None,
-                    dropout_seed: int | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    dropout_seed: int | None = None, skip_spikes: float = 0.0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
     whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on. ``grad_shardings``
@@ -127,7 +128,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     ``device_params``: the trained parameters' shardings in device memory, where the step brings offloaded master
     weights for the whole step (optim.offload under narrower compute). ``dropout_seed`` (LoRA dropout): the forward
     passes run inside ``models.lora.dropout_key`` with a key from the seed and the step (and the micro-batch), so a
-    resumed run draws the masks of an uninterrupted one."""
+    resumed run draws the masks of an uninterrupted one. With a spike window in the state (``train.skip_spikes``,
+    jaxtrain/spikes.py) an update whose loss or gradient norm lies more than ``skip_spikes`` of the window's standard
+    deviations from its mean is not applied either."""
     def placed(grads):
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
@@ -179,10 +182,17 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+        applied, spikes, spike_metrics = finite, state.spikes, {}
+        if spikes is not None:
+            watched = {"loss": loss, "grad_norm": grad_norm}
+            far = spikes_lib.deviations(spikes, watched)
+            spike = finite & ((far["loss"] > skip_spikes) | (far["grad_norm"] > skip_spikes))
+            applied, spikes = finite & ~spike, spikes_lib.entered(spikes, watched, finite)
+            spike_metrics = {"spike": spike, "loss_deviations": far["loss"], "grad_norm_deviations": far["grad_norm"]}
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
-                   "learning_rate": schedule(schedule_count(state.opt_state))} | router_metrics(stats)
+                   "learning_rate": schedule(schedule_count(state.opt_state))} | router_metrics(stats) | spike_metrics
         if state.loss_scale is not None:  # an overflow of the scaled gradients: skipped, the scale halved
             metrics |= {"loss_scale": scale.loss_scale,
                         "overflow": jnp.isfinite(loss) & ~jnp.isfinite(grad_norm) & loss_scale_lib.can_lower(scale)}
@@ -190,7 +200,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             metrics |= {"grad_norm_per_layer": per_layer_norm(grads["layers"]),
                         "param_norm_per_layer": per_layer_norm(params["layers"])}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen,
-                          loss_scale=loss_scale_lib.to_state(scale.adjust(jnp.isfinite(grad_norm)))), metrics
+                          loss_scale=loss_scale_lib.to_state(scale.adjust(jnp.isfinite(grad_norm))), spikes=spikes), metrics
 
     return train_step
 

@@ -50,7 +50,7 @@ class Trainer:
            compiled: compile_cache.CacheCount, microbatches_auto: str | None = None) -> Trainer:
         cfg = layout.cfg
         return cls(layout, corpus, train_step, eval_step, compile_s, compiled,
-                   state_initializer(cfg.model, layout.tx, cfg.train.seed, layout.shardings), microbatches_auto)
+                   state_initializer(cfg.model, layout.tx, cfg.train.seed, layout.shardings, layout.spike_window), microbatches_auto)
 
     @property
     def cfg(self) -> Config:
@@ -366,9 +366,11 @@ def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, para
     and data position, or only its parameters."""
     abstract = layout.abstract_state()
     if hf_config.is_hf_dir(path):
-        return state_from_params(hf_import.load_params(path, layout.cfg.model, abstract.params), layout.tx, layout.shardings)
+        params = hf_import.load_params(path, layout.cfg.model, abstract.params)
+        return state_from_params(params, layout.tx, layout.shardings, layout.spike_window)
     if params_only:
-        return state_from_params(checkpoint_lib.restore_from(path, abstract, None, params_only=True), layout.tx, layout.shardings)
+        params = checkpoint_lib.restore_from(path, abstract, None, params_only=True)
+        return state_from_params(params, layout.tx, layout.shardings, layout.spike_window)
     beginning = batches.iterator.get_state()
     step_dir, state = checkpoint_lib.restore_step_from(path, abstract, batches.iterator, params_only=False)
     step, steps = int(state.step), layout.cfg.train.steps

@@ -118,6 +118,8 @@ def test_estimate_counts_state_shards_exactly():
     norms = (2 * 4 + 1) * 256 * 4
     assert items["parameters"] == (params - norms) // 8 + norms
     assert items["optimizer state"] == 2 * items["parameters"] + 8  # Adam mu and nu; Adam's and the schedule's int32 counts
+    guarded = plan_lib.estimate(make_layout(with_(medium_config("fsdp_tp", "full"), train={"skip_spikes": 6.0, "spike_window": 64})))
+    assert guarded["optimizer state"] == items["optimizer state"] + 2 * 64 * 4 + 4  # the spike window: two float32 rings, a count
     assert items["gradient accumulator"] == 0  # one pass: the gradients are the step's
     # micro-batches sum into a float32 accumulator, split as the gradients are, held through the step
     accumulated = plan_lib.estimate(make_layout(medium_config("fsdp_tp", "full", microbatches=2)), plan_lib.ACCELERATOR)

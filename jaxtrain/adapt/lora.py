@@ -145,7 +145,7 @@ class Base:
 
         def start(frozen):
             adapters = split_frozen(nnx.to_pure_dict(nnx.state(Llama(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))))[0]
-            return fresh_state(layout.tx, layout.shardings)(join_frozen(frozen, adapters))
+            return fresh_state(layout.tx, layout.shardings, layout.spike_window)(join_frozen(frozen, adapters))
 
         return jax.jit(start, out_shardings=layout.shardings, donate_argnums=0)(self.frozen)
 

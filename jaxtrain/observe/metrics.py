@@ -62,7 +62,7 @@ TAGS = {
     # mixture of experts (jaxtrain.step.router_metrics), means over layers
     "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_router_loss": "moe/router_loss",
     "moe_dropped_fraction": "moe/dropped_fraction",
-    "loss_scale": "train/loss_scale", "overflow_steps": "train/overflow_steps",
+    "loss_scale": "train/loss_scale", "overflow_steps": "train/overflow_steps", "skipped_spikes": "train/skipped_spikes",
 }
 # per-layer lists written to TensorBoard one scalar per layer (moe_expert_load_per_layer stays in metrics.jsonl)
 PER_LAYER_TAGS = PER_LAYER + ("moe_load_max_over_mean_per_layer",)
@@ -338,6 +338,7 @@ class MetricsLog:
         self.last_finite: tuple[int, dict] | None = None
         self.skipped = 0
         self.overflows = 0  # float16: steps the loss scaler skipped since the run (re)started
+        self.spikes = 0  # train.skip_spikes: updates skipped as spikes since the run (re)started
         self.file = self.tensorboard = self.wandb = self.mlflow = self.prometheus = self.progress = None
         self.peak, peak_source = resolve_peak(cfg, list(layout.mesh.devices.flat)) if enabled else (None, "")
         if enabled:
@@ -417,6 +418,8 @@ class MetricsLog:
                 continue
             if not bad:
                 self.last_finite = (step, metrics)
+                if metrics.get("spike"):
+                    self._skipped_spike(step, metrics)
                 continue
             self.skipped += 1
             if self.skipped > self.cfg.train.skip_nonfinite:
@@ -425,6 +428,18 @@ class MetricsLog:
             self._say(f"jaxtrain: step {step}: {' and '.join(bad)} not finite, update skipped "
                       f"({self.skipped} of train.skip_nonfinite={self.cfg.train.skip_nonfinite})")
         return fetched
+
+    def _skipped_spike(self, step: int, metrics: dict) -> None:
+        """train.skip_spikes: the step's update was not applied (jaxtrain/spikes.py); the run goes on."""
+        self.spikes += 1
+        sigma, window = self.cfg.train.skip_spikes, self.cfg.train.spike_window
+        far = {name: float(metrics[f"{name}_deviations"]) for name in GUARDED if metrics[f"{name}_deviations"] > sigma}
+        self.write({"step": step, "skipped_spike": list(far)} | {k: float(metrics[k]) for k in GUARDED}
+                   | {f"{k}_deviations": float(metrics[f"{k}_deviations"]) for k in GUARDED})
+        found = [f"{name} {float(metrics[name]):.6g} ({deviations:.3g}" for name, deviations in far.items()]
+        found[0] += f" standard deviations from the mean of the last {window} steps"
+        self._say(f"jaxtrain: step {step}: a spike, update skipped: {'), '.join(found)}) (train.skip_spikes={sigma:g}; "
+                  f"{self.spikes} skipped since the run (re)started)")
 
     def _diagnosis(self, step: int, metrics: dict, bad: list[str]) -> str:
         values = ", ".join(f"{k} {float(metrics[k])}" for k in GUARDED)
@@ -457,6 +472,8 @@ class MetricsLog:
         } | {k: np.asarray(v).tolist() for k, v in metrics.items() if k.startswith("moe_")}
         if "loss_scale" in metrics:
             record |= {"loss_scale": float(metrics["loss_scale"]), "overflow_steps": self.overflows}
+        if "spike" in metrics:
+            record |= {"skipped_spikes": self.spikes}
         self.write(record)
         for layer_step, layer_metrics in fetched:
             if PER_LAYER[0] in layer_metrics:

@@ -95,7 +95,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
                       if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4)
     # optim.offload and the offload_* remat policies keep their arrays in host memory; the CPU backend has one
     # memory, where the compile counts them as it would unmoved arrays
-    optimizer = 0 if cfg.optim.offload and not on_cpu else bytes_per_device(state.opt_state)
+    optimizer = (0 if cfg.optim.offload and not on_cpu else bytes_per_device(state.opt_state)) + bytes_per_device(state.spikes)
     as_placed = lambda shardings: bytes_per_device(jax.tree.map(lambda x, sh: x.update(sharding=sh), state.params, shardings))  # noqa: E731
     grads, updates = as_placed(layout.gradient_shardings()), as_placed(layout.optimizer_shardings())
     k = cfg.train.microbatches
