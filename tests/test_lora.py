@@ -17,26 +17,31 @@ import transformers
 from flax import nnx
 from flax.core import spmd
 from safetensors import safe_open
+from safetensors.numpy import load_file
 
 from conftest import run_cli, small_config, with_
+from test_hf import MODELS as HF_MODELS, SHAPE as HF_SHAPE
 from test_parity import _losses
 from jaxtrain import cli
+from jaxtrain import generate as generate_lib
 from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.config import AxisSizes
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config
+from jaxtrain.interop import peft as peft_io
 from jaxtrain.layout import make_layout
 from jaxtrain.observe.metrics import format_summary
 from jaxtrain.partitioning import flax_rules
+from jaxtrain.state import model_spec
 from jaxtrain.train import build, train
 from models.config import LORA_TARGETS, LoraConfig
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, 16))
 
 
-def lora_config(rank=4, base_quant="none", mesh=(2, 2, 2), **model):
+def lora_config(rank=4, base_quant="none", mesh=(2, 2, 2), alpha=8.0, **model):
     cfg = small_config(mesh=mesh, **model)
-    return with_(cfg, model={"lora": LoraConfig(rank=rank, alpha=8.0), "base_quant": base_quant},
+    return with_(cfg, model={"lora": LoraConfig(rank=rank, alpha=alpha), "base_quant": base_quant},
                  train={"steps": 4}, optim={"lr": 0.1}, checkpoint={"every": 2, "async_save": False})
 
 
@@ -237,9 +242,29 @@ def _torch_logits(model) -> np.ndarray:
         return model(torch.tensor(TOKENS)).logits.float().numpy()
 
 
+def _adapted_logits(hf_dir, adapter) -> np.ndarray:
+    """On TOKENS, the logits of the model `jaxtrain generate HF_DIR --adapter ADAPTER` generates with: the base loaded
+    as generate loads it (float32, every device on fsdp), the adapter merged into it by ``with_adapter``; the forward on
+    one device (the batch of 2 does not divide fsdp 8)."""
+    loaded = lora_lib.with_adapter(generate_lib.load(hf_dir), adapter)
+    return np.asarray(_forward(model_spec(loaded.model_cfg).graphdef)(jax.device_get(loaded.params), TOKENS))
+
+
+def _assert_same_logits(ours, theirs, base=None):
+    """Every logit of both prompts within 1e-4 of the largest: float32 sums in another order stayed within 3e-6 of it
+    here. With ``base`` (the logits without the adapter), the adapter moved them by over 100 times the tolerance, so an
+    adapter scaled 1% off (alpha // r, dropout's 1 / (1 - p) at inference), one target's adapter dropped, or A read
+    untransposed moves them beyond it."""
+    tolerance = 1e-4 * np.max(np.abs(theirs))
+    assert np.max(np.abs(ours - theirs)) <= tolerance, (np.max(np.abs(ours - theirs)), tolerance)
+    if base is not None:
+        assert np.max(np.abs(theirs - base)) > 100 * tolerance, (np.max(np.abs(theirs - base)), tolerance)
+
+
 def test_peft_export_loads_in_peft_and_merged_export_in_transformers(hf_base, corpus, tmp_path, capsys):
+    """alpha / rank = 1.5: a scale that alpha // rank, alpha or 1 / rank would not give."""
     hf_dir, hf_model = hf_base
-    cfg = lora_config()
+    cfg = lora_config(alpha=6.0)
     cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
     run_dir = tmp_path / "run"
     state = train(cfg, run_dir, build(cfg, corpus), init_from=hf_dir)
@@ -257,6 +282,12 @@ def test_peft_export_loads_in_peft_and_merged_export_in_transformers(hf_base, co
     tolerance = 1e-4 * np.max(np.abs(ours))
     assert np.max(np.abs(_torch_logits(adapted) - ours)) <= tolerance
     assert np.max(np.abs(_torch_logits(transformers.LlamaForCausalLM.from_pretrained(merged_dir)) - ours)) <= tolerance
+    # PEFT's merge_and_unload of the exported adapter is jaxtrain's merged export, weight for weight (float32 rounding apart)
+    peft_merged = adapted.merge_and_unload().state_dict()
+    our_merged = transformers.LlamaForCausalLM.from_pretrained(merged_dir).state_dict()
+    assert sorted(peft_merged) == sorted(our_merged)
+    for name, weight in peft_merged.items():
+        np.testing.assert_allclose(our_merged[name].numpy(), weight.numpy(), rtol=0, atol=1e-6, err_msg=name)
     assert json.loads((adapter_dir / "jaxtrain_adapter.json").read_text())["steps"] == 4
     # float32 by default, as PEFT saves adapters; --dtype bfloat16 honoured (it was ignored: float32 whatever it said)
     bf16_dir = tmp_path / "adapter_bf16"
@@ -297,41 +328,73 @@ def _generated(capsys, *args) -> str:
     return capsys.readouterr().out.strip()
 
 
-def test_a_peft_adapter_with_rank_stabilised_scaling_generates_what_peft_merges(hf_base, tmp_path, capsys):
-    """use_rslora scales by lora_alpha / sqrt(r): read as plain LoRA (alpha / r) it generated other text, exit 0."""
-    hf_dir, _ = hf_base
+def test_a_peft_adapter_with_rank_stabilised_scaling_gives_peft_s_logits(hf_base, tmp_path):
+    """use_rslora scales by lora_alpha / sqrt(r): read as plain LoRA (alpha / r) it generated other text, exit 0. Targets
+    in attention and the MLP, alpha / r = 2, alpha / sqrt(r) = 4; lora_dropout 0.1, which PEFT's eval and jaxtrain's
+    generation leave out."""
+    hf_dir, hf_model = hf_base
     torch.manual_seed(1)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True, init_lora_weights=False)
-    adapted = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), config)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], use_rslora=True, lora_dropout=0.1,
+                             init_lora_weights=False)
+    adapted = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), config).eval()
     adapted.save_pretrained(tmp_path / "rslora")
-    adapted.merge_and_unload().save_pretrained(tmp_path / "merged")
-    merged = _generated(capsys, str(tmp_path / "merged"))
-    assert merged != _generated(capsys, str(hf_dir))  # the adapter changes what is generated
-    assert _generated(capsys, str(hf_dir), "--adapter", str(tmp_path / "rslora")) == merged
+    _assert_same_logits(_adapted_logits(hf_dir, tmp_path / "rslora"), _torch_logits(adapted), _torch_logits(hf_model))
 
 
 @pytest.mark.parametrize("targets", ["all-linear", r".*\.(q_proj|v_proj)", ["self_attn.q_proj", "mlp.down_proj"]])
-def test_peft_adapters_whose_targets_peft_matches_by_module_name_generate_what_peft_merges(targets, hf_base, tmp_path, capsys):
+def test_peft_adapters_whose_targets_peft_matches_by_module_name_give_peft_s_logits(targets, hf_base, tmp_path, capsys):
     """target_modules as PEFT matches them against the base's module names: "all-linear" (saved as every module's full
     name, model.layers.0.self_attn.q_proj ...), a regular expression, names a module's name ends with. A QA report: all
-    three were refused ("not all Llama projections"), and `jaxtrain adapters` failed with a traceback on the expression."""
-    hf_dir, _ = hf_base
+    three were refused ("not all Llama projections"), and `jaxtrain adapters` failed with a traceback on the expression.
+    rank 4, alpha 6: a scale of 1.5 that alpha // r, alpha or 1 / r would not give (6 greedy tokens were compared before
+    2026-12-05, of adapters with alpha / r = 2); lora_dropout 0.1, left out as in PEFT's eval (with the adapter scaled by
+    1 / (1 - 0.1) at generation, the q, v adapter's 6 greedy tokens still agreed)."""
+    hf_dir, hf_model = hf_base
     torch.manual_seed(1)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-    adapted = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), config)
+    config = peft.LoraConfig(r=4, lora_alpha=6, target_modules=targets, lora_dropout=0.1, init_lora_weights=False)
+    adapted = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), config).eval()
     adapted.save_pretrained(tmp_path / "adapter")
-    adapted.merge_and_unload().save_pretrained(tmp_path / "merged")
-    assert _generated(capsys, str(hf_dir), "--adapter", str(tmp_path / "adapter")) == _generated(capsys, str(tmp_path / "merged"))
+    _assert_same_logits(_adapted_logits(hf_dir, tmp_path / "adapter"), _torch_logits(adapted), _torch_logits(hf_model))
     assert cli.main(["adapters", str(tmp_path / "adapter")]) == 0
     listed = {"all-linear": "down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj", r".*\.(q_proj|v_proj)": targets}
     assert f"  targets {listed.get(str(targets), 'down_proj,q_proj')}  steps -" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name", ["qwen2", "mistral"])
+def test_peft_adapters_on_qwen2_and_mistral_give_peft_s_logits_both_ways(name, tmp_path):
+    """Qwen2 (q, k, v biases, which the adapters leave as they are) and Mistral with head_dim 16, not hidden / heads = 8
+    (q, k, v's outputs and o's inputs 64 wide against d_model 32: o's adapter is not square): a PEFT adapter on every
+    projection gives PEFT's logits in jaxtrain; written back by export-hf --adapter-only's writer, the tensors are PEFT's
+    own, name for name, and PEFT loads them to the same logits."""
+    model_cls, config_cls, extra, _, _ = HF_MODELS[name]
+    torch.manual_seed(0)
+    base = model_cls(config_cls(**HF_SHAPE, **extra)).eval()
+    with torch.no_grad():  # random everything, biases too, in float32
+        for pname, p in base.named_parameters():
+            p.copy_((1.0 if "norm" in pname else 0.0) + 0.2 * torch.randn_like(p))
+    hf_dir, adapter_dir, exported = tmp_path / "hf", tmp_path / "adapter", tmp_path / "exported"
+    base.save_pretrained(hf_dir)
+    base_logits = _torch_logits(base)
+    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=6, target_modules="all-linear", lora_dropout=0.1,
+                                                            init_lora_weights=False)).eval()
+    adapted.save_pretrained(adapter_dir)
+    expected = _torch_logits(adapted)
+    _assert_same_logits(_adapted_logits(hf_dir, adapter_dir), expected, base_logits)
+
+    config, tensors, _ = peft_io.read_adapter(adapter_dir)
+    model_cfg = hf_config.model_config(hf_dir, small_config().model, set(), 16)
+    targets = peft_io.targets_of(config, adapter_dir, model_cfg)
+    model_cfg = dataclasses.replace(model_cfg, lora=LoraConfig(rank=4, alpha=6.0, targets=targets))
+    peft_io.write_adapter(peft_io.from_peft(tensors, model_cfg, adapter_dir), model_cfg, exported, str(hf_dir), {})
+    written = load_file(str(exported / peft_io.WEIGHTS_FILE))
+    assert sorted(written) == sorted(tensors) and all(np.array_equal(written[k], tensors[k]) for k in tensors)
+    reloaded = peft.PeftModel.from_pretrained(model_cls.from_pretrained(hf_dir), exported).eval()
+    _assert_same_logits(_torch_logits(reloaded), expected)
+
+
 @pytest.mark.parametrize("key", ["target_modules", "exclude_modules"])
 def test_a_peft_adapter_whose_module_expression_is_invalid_is_one_line(key, tmp_path):
     """An invalid expression was an re.error traceback."""
-    from jaxtrain.interop import peft as peft_io
-
     config = {"target_modules": ["q_proj"]} | {key: "(q_proj"}
     with pytest.raises(UserError, match=rf"adapter_config.json: {key} '\(q_proj' is not a regular expression \(missing \), "
                        r"unterminated subpattern at position 0\); PEFT would not load this adapter either"):
@@ -339,22 +402,41 @@ def test_a_peft_adapter_whose_module_expression_is_invalid_is_one_line(key, tmp_
 
 
 def test_peft_adapters_made_on_a_rewritten_base_are_refused():
-    """PiSSA, OLoRA, CorDA and LoftQ also rewrite the base's weights: an adapter saved unconverted is a difference from
-    that base, and applied to the model's own it generated other text with exit 0. Converted on save, PEFT writes
-    init_lora_weights=True; the inits that leave the base alone are plain adapters."""
-    from jaxtrain.interop import peft as peft_io
-
-    for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq"):
+    """PiSSA, OLoRA, CorDA, LoRA-GA and LoftQ also rewrite the base's weights: an adapter saved unconverted is a difference
+    from that base, and applied to the model's own it generated other text with exit 0 (LoRA-GA's until 2026-12-05).
+    Converted on save, PEFT writes init_lora_weights=True; the inits that leave the base alone are plain adapters."""
+    for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga"):
         assert peft_io.unsupported_options({"init_lora_weights": init}) == [f"init_lora_weights={init!r}"]
     for init in (True, False, "gaussian", "eva", "orthogonal", "mica"):
         assert peft_io.unsupported_options({"init_lora_weights": init}) == []
 
 
+def test_an_activated_lora_adapter_is_refused(hf_base, tmp_path):
+    """Activated LoRA (alora_invocation_tokens) changes the model only from its invocation tokens on; read as a plain
+    adapter, jaxtrain applied it to every position with exit 0 (until 2026-12-05)."""
+    hf_dir, _ = hf_base
+    config = peft.LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj"], alora_invocation_tokens=[5, 6])
+    peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), config).save_pretrained(tmp_path / "alora")
+    with pytest.raises(UserError, match=r"adapter_config.json: alora_invocation_tokens=\[5, 6\]: jaxtrain applies plain LoRA adapters only"):
+        peft_io.read_adapter(tmp_path / "alora")
+
+
+def test_a_peft_adapter_config_without_alpha_takes_peft_s_default(hf_base, tmp_path):
+    """PEFT reads an adapter_config.json without lora_alpha with its default, 8; jaxtrain stopped with a KeyError
+    traceback (until 2026-12-05)."""
+    hf_dir, hf_model = hf_base
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # lora_alpha: PEFT's 8
+    adapted = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), config).eval()
+    adapted.save_pretrained(tmp_path / "adapter")
+    config_file = tmp_path / "adapter" / peft_io.CONFIG_FILE
+    config_file.write_text(json.dumps({k: v for k, v in json.loads(config_file.read_text()).items() if k != "lora_alpha"}))
+    _assert_same_logits(_adapted_logits(hf_dir, tmp_path / "adapter"), _torch_logits(adapted), _torch_logits(hf_model))
+
+
 def test_a_peft_adapter_holding_tensors_outside_its_targets_is_one_line(hf_base, tmp_path):
     """Tensors the targets do not name (an edited adapter_config.json, embeddings PEFT saved beside the adapters) would be
     left out of the model without a word."""
-    from jaxtrain.interop import peft as peft_io
-
     hf_dir, _ = hf_base
     adapted = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     tensors = {name: t.detach().numpy() for name, t in peft.get_peft_model_state_dict(adapted).items()}
@@ -370,16 +452,17 @@ def test_generate_with_a_qlora_adapter_serves_the_model_it_trained(hf_base, corp
     """Adapters trained on an nf4 base (a run directory, or its PEFT export with our record) are applied to the float
     base quantized the same way: the model the merged export (and `generate RUN_DIR`) gives. Applied to the float base, the
     model differed from the second generated token on (a QA report)."""
-    hf_dir, _ = hf_base
+    hf_dir, hf_model = hf_base
     cfg = lora_config(rank=2, base_quant="nf4")
     cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
     run_dir = tmp_path / "run"
     train(with_(cfg, optim={"lr": 0.1}), run_dir, build(cfg, corpus), init_from=hf_dir)
     for args in (["--adapter-only"], ["--dtype", "float32"]):
         assert cli.main(["export-hf", str(run_dir), "--out", str(tmp_path / args[0].strip("-")), *args]) == 0
-    merged = _generated(capsys, str(tmp_path / "dtype"))  # the run's model: its adapters on its nf4 base, merged
+    # the run's model: its adapters on its nf4 base, merged, in transformers
+    merged = _torch_logits(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "dtype"))
     for adapter in (run_dir, tmp_path / "adapter-only"):
-        assert _generated(capsys, str(hf_dir), "--adapter", str(adapter)) == merged
+        _assert_same_logits(_adapted_logits(hf_dir, adapter), merged, _torch_logits(hf_model))
     capsys.readouterr()
     assert cli.main(["generate", str(hf_dir), "--adapter", str(run_dir), "--prompt", "1 2", "--max-new-tokens", "2"]) == 0
     said = capsys.readouterr().err
@@ -387,18 +470,22 @@ def test_generate_with_a_qlora_adapter_serves_the_model_it_trained(hf_base, corp
 
 
 def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path, capsys):
+    """alpha / rank = 1.5: a scale that alpha // rank, alpha or 1 / rank would not give."""
     hf_dir, hf_model = hf_base
-    cfg = lora_config(rank=2)
+    cfg = lora_config(rank=2, alpha=3.0)
     cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
     pool_dir = tmp_path / "pool"
     run_dir = pool_dir / "run"
     train(cfg, run_dir, build(cfg, corpus), init_from=hf_dir)
     for args in (["--adapter-only"], ["--dtype", "float32"]):
         assert cli.main(["export-hf", str(run_dir), "--out", str(pool_dir / args[0].strip("-")), *args]) == 0
+    # the exported adapter in PEFT, the run's and the exported adapter in jaxtrain: the merged export's logits
+    expected = _torch_logits(transformers.LlamaForCausalLM.from_pretrained(pool_dir / "dtype"))
+    in_peft = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(hf_dir), pool_dir / "adapter-only").eval()
+    _assert_same_logits(_torch_logits(in_peft), expected, _torch_logits(hf_model))
+    for adapter in (pool_dir / "adapter-only", run_dir):
+        _assert_same_logits(_adapted_logits(hf_dir, adapter), expected)
     merged = _generated(capsys, str(pool_dir / "dtype"))
-    assert merged != _generated(capsys, str(hf_dir))  # the adapters change what is generated
-    assert _generated(capsys, str(hf_dir), "--adapter", str(pool_dir / "adapter-only")) == merged
-    assert _generated(capsys, str(hf_dir), "--adapter", str(run_dir)) == merged
     # on fewer devices than the run trained on: its adapters restored onto the base's mesh, not the run's own
     fewer = run_cli("generate", str(hf_dir), "--devices", "2", "--adapter", str(run_dir), "--prompt", "1 2 3 4",
                     "--max-new-tokens", "6", cwd=tmp_path)

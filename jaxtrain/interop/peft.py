@@ -33,13 +33,16 @@ from models.lora import adapter_name
 
 CONFIG_FILE = "adapter_config.json"
 # adapter_config.json keys whose non-empty values PEFT computes with and jaxtrain's adapters do not
+# (alora_invocation_tokens: activated LoRA applies the adapter only from the invocation tokens on, not to the prompt before)
 UNSUPPORTED_OPTIONS = ("use_dora", "alpha_pattern", "rank_pattern", "layers_to_transform", "layers_pattern", "modules_to_save",
-                       "fan_in_fan_out", "lora_bias")
-# init_lora_weights that also rewrite the base's weights (PiSSA, OLoRA, CorDA subtract the adapter's start from them,
-# LoftQ quantizes them): saved unconverted, the adapter is a difference from that rewritten base, not from the model's
+                       "fan_in_fan_out", "lora_bias", "alora_invocation_tokens")
+# init_lora_weights that also rewrite the base's weights (PiSSA, OLoRA, CorDA, LoRA-GA subtract the adapter's start from
+# them, LoftQ quantizes them): saved unconverted, the adapter is a difference from that rewritten base, not from the model's
 # own (PEFT's conversion on save, path_initial_model_for_weight_conversion, writes init_lora_weights=True)
-BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 WEIGHTS_FILE = "adapter_model.safetensors"
+# what peft.LoraConfig takes for keys an adapter_config.json leaves out (a hand-written one: PEFT's own write them all)
+PEFT_DEFAULTS = {"r": 8, "lora_alpha": 8}
 JAXTRAIN_FILE = "jaxtrain_adapter.json"  # our record beside PEFT's files: the base's content hash, steps, eval loss
 EXPERTS_MODULE = "model.layers.{layer}.mlp.experts"  # Mixtral's and Qwen2-MoE's, transformers >= 5
 # our expert adapter -> the fused parameter it adapts, in the module's order (which decides PEFT's nesting)
@@ -244,7 +247,7 @@ def unsupported_options(config: dict) -> list[str]:
 def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict | None]:
     """(adapter_config.json, PEFT tensors, our record or None) of an adapter directory."""
     try:
-        config = json.loads((adapter_dir / CONFIG_FILE).read_text())
+        config = PEFT_DEFAULTS | json.loads((adapter_dir / CONFIG_FILE).read_text())
         tensors = load_file(str(adapter_dir / WEIGHTS_FILE))
     except (OSError, ValueError, SafetensorError) as e:
         raise UserError(f"{adapter_dir} is not a readable PEFT adapter directory ({e}); give a directory with "
