@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 import experiments
+from jaxtrain.atomic import atomic_file
 from jaxtrain.errors import UserError
 from models.config import LlamaConfig, tokamax_problem
 
@@ -322,6 +323,9 @@ def load_run_config(run_dir: Path) -> Config:
         raise UserError(f"{run_dir} has no config.yaml; give the --run-dir of a training run")
     # a damaged file (a YAML error, a list) or a key another jaxtrain wrote: one line naming it, not a traceback
     body = read_yaml_mapping(path, "run config", "a mapping of config sections (model, data, train, ...)")
+    if not body:  # read as the default Config it was another model, other steps, without a word
+        raise UserError(f"run config {path} is empty (a write cut short?); remove it and run the run's `jaxtrain train` "
+                        "command again, which writes it")
     body.pop("resolved", None)
     try:
         return from_dict(body)
@@ -332,7 +336,10 @@ def load_run_config(run_dir: Path) -> Config:
 def save_yaml(cfg: Config, path: Path, extra: dict | None = None) -> None:
     """A run's config.yaml, its file paths made absolute: `generate` and `export-hf` read it from any directory."""
     body = to_dict(with_absolute_paths(cfg)) | (extra or {})
-    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    # each start rewrites it: a full disk mid-write left it cut short, read back as another config (d_model: 256 cut
+    # to d_model: 2) or, empty, as the defaults
+    with atomic_file(path, "run config") as f:
+        f.write(yaml.safe_dump(body, sort_keys=False).encode())
 
 
 def with_absolute_paths(cfg: Config) -> Config:
@@ -345,8 +352,10 @@ def with_absolute_paths(cfg: Config) -> Config:
     cache = cfg.train.compile_cache
     return dataclasses.replace(cfg, rules=rules,
                                data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path), tokenizer=absolute(cfg.data.tokenizer)),
+                               # ~ as compile_cache.directory reads it: made absolute as written, generate's cache was a new
+                               # folder named '~' in the working directory
                                train=dataclasses.replace(cfg.train, compile_cache=cache if isinstance(cache, bool) or cache == "auto"
-                                                         else absolute(cache)))
+                                                         else absolute(str(Path(cache).expanduser()))))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,6 +90,9 @@ CASES = {
     "empty --run-dir": (lambda t: ["--run-dir="], "argument --run-dir: expected a value, got an empty string"),
     "device count in another script's digits": (lambda t: ["--devices", "\u0668"],  # int() reads it as 8
                                                 "argument --devices: expected a positive integer, got '\u0668'"),
+    "no devices": (lambda t: ["--devices", "0"], "argument --devices: expected a positive integer, got '0'"),  # read as unset
+    # it trained from scratch: the flag has nothing to take the parameters of
+    "--params-only without --init-from": (lambda t: ["--params-only"], "--params-only needs --init-from PATH"),
     "cuDNN attention without a GPU": (lambda t: ["model.attention=cudnn"],
                                       "model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are cpu; use model.attention=auto or xla"),
     "negative learning rate": (lambda t: ["optim.lr=-1"], "optim.lr=-1.0 must be at least 0"),
@@ -167,6 +170,16 @@ def test_a_run_dir_argument_that_is_a_file(command, tmp_path, monkeypatch, capsy
     assert _one_line_error(status, capsys.readouterr().err) == \
         "jaxtrain: error: afile is a file, not a run directory; give the --run-dir of a training run"
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+@pytest.mark.parametrize("command", [["checkpoints", "run", "other"], ["adapters", "run", "other"],
+                                     ["generate", "run", "other", "--prompt", "hi"]])
+def test_a_command_that_takes_no_overrides_refuses_an_extra_argument(command, capsys):
+    """`jaxtrain checkpoints run other` listed run's alone, the second directory ignored without a word."""
+    with pytest.raises(SystemExit) as exit:
+        cli.main(command)
+    assert _one_line_error(exit.value.code, capsys.readouterr().err) == \
+        f"jaxtrain: error: unrecognized arguments: other (see 'jaxtrain {command[0]} --help')"
 
 
 def test_mesh_size_differs_from_the_device_count(tmp_path):

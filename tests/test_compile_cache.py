@@ -63,6 +63,18 @@ def test_directory_follows_the_setting(monkeypatch, tmp_path):
     assert compile_cache.directory(False) is None
 
 
+def test_the_cache_setting_jax_had_is_back_after_the_block(tmp_path):
+    """Compiles after a command's block (another command in the same process, a notebook's next cell) read and wrote
+    the folder the block named."""
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    for setting in (str(tmp_path), False):
+        with compile_cache.using(setting):
+            assert jax.config.jax_compilation_cache_dir == (str(tmp_path) if setting else None)
+        assert (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache) == before
+
+
 def test_the_hlo_report_compiles_past_the_cache(tmp_path):
     """XLA writes its warnings only while compiling: a report from a program read back would miss them."""
     layout = make_layout(small_config())

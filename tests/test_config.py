@@ -1,7 +1,10 @@
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import REPO, subprocess_env
 from jaxtrain import config as config_lib
 from jaxtrain.config import AxisSizes, Config, apply_overrides, from_dict, load_mesh_file, to_dict
 from jaxtrain.errors import UserError
@@ -14,6 +17,11 @@ def test_overrides_are_typed():
     assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
     assert cfg.log.every == 1 and cfg.model.tie_embeddings is True and cfg.model.head_dim is None
     assert cfg.data.path == "/x"
+    assert apply_overrides(cfg, ["data.tokenizer=/t", "data.tokenizer=null"]).data.tokenizer is None  # YAML's word for none
+    # a shell's and YAML's words for a bool; train.compile_cache (bool or a folder) reads them as off and on, not folders
+    flags = apply_overrides(cfg, ["optim.offload=1", "log.progress=0", "log.tensorboard=no", "train.compile_cache=0"])
+    assert (flags.optim.offload, flags.log.progress, flags.log.tensorboard, flags.train.compile_cache) == (True, False, False, False)
+    assert apply_overrides(cfg, ["train.compile_cache=On"]).train.compile_cache is True
     assert apply_overrides(cfg, ["model.head_dim=64"]).model.head_dim == 64
 
 
@@ -62,10 +70,19 @@ def test_mesh_files_parse():
         load_mesh_file(name)
 
 
+@pytest.mark.parametrize("body", ["ici: {data: 2, fsdp: 4}", "ici: {data: 2, fsdp: 4}\ndcn:\n"])
+def test_a_mesh_file_may_leave_out_dcn_and_axes(tmp_path: Path, body):
+    """A one-host mesh file needs no dcn level (a KeyError traceback if read as required); an axis left out is 1."""
+    path = tmp_path / "m.yaml"
+    path.write_text(body)
+    assert load_mesh_file(str(path)) == config_lib.MeshConfig(ici=AxisSizes(data=2, fsdp=4), dcn=AxisSizes())
+
+
 @pytest.mark.parametrize("body, message", [
     ("ici: {data: 2, pipeline: 2}", "unknown axis 'ici.pipeline'"),
     ("ici: {data: -1, fsdp: -1}", "at most one axis per level may be -1"),
     ("ici: {data: 0}", "must be a positive integer or -1"),
+    ("ici: {tensor: yes}", "ici.tensor=True must be a positive integer or -1"),  # YAML's yes is a bool, which int takes as 1
     ("hosts: 2", "only the keys 'ici' and 'dcn'"),
 ])
 def test_bad_mesh_files(tmp_path: Path, body, message):
@@ -174,6 +191,18 @@ def test_an_unknown_key_suggests_ours_for_other_frameworks_names(key, ours):
     ("log.profile_steps=5:200", "log.profile_steps=5:200 ends after train.steps=100; end the range by step 100 or raise train.steps"),
     ("model.head_dim=0", "model.head_dim=0 must be positive, or none for model.d_model / model.num_heads"),
     ("model.head_dim=-2", "model.head_dim=-2 must be positive"),
+    # the keys counted from 1 (steps, sequences, positions, checkpoints): 0 is one line, not a run that does nothing
+    ("train.steps=0", "train.steps=0 must be at least 1"), ("train.global_batch=0", "train.global_batch=0 must be at least 1"),
+    ("data.seq_len=0", "data.seq_len=0 must be at least 1"), ("log.every=0", "log.every=0 must be at least 1"),
+    ("checkpoint.every=0", "checkpoint.every=0 must be at least 1"), ("checkpoint.keep=0", "checkpoint.keep=0 must be at least 1"),
+    ("optim.loss_scale_period=0", "optim.loss_scale_period=0 must be at least 1"),
+    ("data.val_fraction=0", r"data.val_fraction=0.0 must be in \(0, 1\)"),
+    ("log.profile_steps=0:2", "log.profile_steps='0:2' must be START:END with 0 < START <= END"),  # steps count from 1
+    ("train.loss_chunk=-4", r"train.loss_chunk=-4 must be 0 \(off\) or a positive divisor of data.seq_len=256"),
+    ("train.microbatches=3", "train.global_batch=32 is not divisible by train.microbatches=3"),
+    ("train.microbatches=atuo", "train.microbatches='atuo' must be a positive integer or 'auto'"),
+    # anything but sft was read as text: instruction data trained as one stream, the loss on the prompts too
+    ("data.format=SFT", "data.format='SFT' must be one of text, sft"),
 ])
 def test_every_numeric_key_is_range_checked(item, message):
     with pytest.raises(UserError, match=message):
@@ -201,6 +230,9 @@ def test_an_empty_optional_value_is_one_line_not_off(key, what):
 def test_defaults_and_boundaries_are_in_range():
     config_lib.check(apply_overrides(Config(), ["optim.lr=0", "optim.warmup_steps=0", "optim.b1=0", "optim.min_lr_ratio=1",
                                                 "optim.clip_norm=0", "optim.weight_decay=0", "train.eval_every=0"]))
+    config_lib.check(apply_overrides(Config(), ["train.steps=1", "checkpoint.keep=1", "checkpoint.every=1", "log.every=1",
+                                                "log.profile_steps=1:1", "train.microbatches=32", "train.loss_chunk=256"]))
+    config_lib.check(apply_overrides(Config(), ["log.profile_steps=90:100"]))  # through the last step, train.steps=100
 
 
 @pytest.mark.parametrize("item, package", [("log.mlflow=exp", "mlflow"), ("log.prometheus_port=9100", "prometheus_client"),
@@ -230,12 +262,17 @@ def test_a_runs_config_records_its_files_by_absolute_path(tmp_path, monkeypatch)
     for off in ("false", "true"):
         config_lib.save_yaml(apply_overrides(Config(), [f"train.compile_cache={off}"]), tmp_path / "config.yaml")
         assert config_lib.load_run_config(tmp_path).train.compile_cache is (off == "true")
+    # the folder training used: generate read '~/cache' as ./~/cache, a new cache in a folder named '~'
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    config_lib.save_yaml(apply_overrides(Config(), ["train.compile_cache=~/cache"]), tmp_path / "config.yaml")
+    assert config_lib.load_run_config(tmp_path).train.compile_cache == str(tmp_path / "home" / "cache")
 
 
 @pytest.mark.parametrize("body, message", [
     ("train: {stepz: 2}\n", "config.yaml: unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     ("model: [1\n", "is not valid YAML"),
     ("- 1\n", r"must be a mapping of config sections \(model, data, train, ...\), got list"),
+    ("", r"config.yaml is empty \(a write cut short\?\); remove it and run the run's `jaxtrain train` command again"),
 ])
 def test_a_damaged_run_config_is_one_line_naming_it(tmp_path, body, message):
     """A QA report: a config.yaml that is not a mapping, or not YAML, was a traceback for generate and export-hf, and a
@@ -243,6 +280,33 @@ def test_a_damaged_run_config_is_one_line_naming_it(tmp_path, body, message):
     (tmp_path / "config.yaml").write_text(body)
     with pytest.raises(UserError, match=message):
         config_lib.load_run_config(tmp_path)
+
+
+SAVE_ON_A_FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from jaxtrain import config as config_lib
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as one on a full disk with ENOSPC
+resource.setrlimit(resource.RLIMIT_FSIZE, (37, resource.RLIM_INFINITY))  # the file cut after 'model: ... d_model: 2'
+try:
+    config_lib.save_yaml(config_lib.apply_overrides(config_lib.Config(), ["train.steps=9"]), Path(sys.argv[1]))
+except OSError as e:
+    failed = e.strerror
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+print(failed)
+"""
+
+
+def test_a_run_config_that_fails_to_save_leaves_the_one_before(tmp_path):
+    """Each start rewrites config.yaml: a full disk mid-write left it cut short, and read back it was another model
+    (d_model: 256 cut to d_model: 2) and the default train.steps, or, empty, the default config."""
+    config_lib.save_yaml(apply_overrides(Config(), ["train.steps=7"]), tmp_path / "config.yaml")
+    done = subprocess.run([sys.executable, "-c", SAVE_ON_A_FULL_DISK, str(tmp_path / "config.yaml")], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "File too large", done.stderr[-2000:]
+    saved = config_lib.load_run_config(tmp_path)
+    assert (saved.train.steps, saved.model.d_model) == (7, Config().model.d_model)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # no temporary file left
 
 
 def test_the_logical_axes_rule_sets_may_name_are_those_the_built_in_rule_sets_name():

@@ -83,6 +83,18 @@ def test_a_coordinator_that_is_not_host_and_port_is_one_line(coordinator):
         distributed.initialize(coordinator, 2, 0)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (("127.0.0.1:12355", 2, None), "--coordinator, --num-processes given without --process-id; a multi-process run needs all three flags"),
+    ((None, None, 1), "--process-id given without --coordinator, --num-processes; a multi-process run needs all three flags"),
+    (("127.0.0.1:12355", 2, 2), r"--process-id 2 is outside 0..1 \(--num-processes 2\)"),  # counted from 0
+    (("127.0.0.1:12355", 2, -1), r"--process-id -1 is outside 0..1 \(--num-processes 2\)"),
+])
+def test_the_process_flags_come_all_three_with_an_index_below_the_count(flags, message):
+    """Before jax waits for a job it can never make whole (or a TypeError on the missing flag's None)."""
+    with pytest.raises(UserError, match=f"^{message}$"):
+        distributed.initialize(*flags)
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
 def test_the_join_timeout_must_be_a_positive_number_of_seconds(value, monkeypatch):
     monkeypatch.setenv("JAXTRAIN_JOIN_TIMEOUT_S", value)

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from conftest import REPO, small_config, subprocess_env, with_
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import cli
-from jaxtrain.config import load_experiment
+from jaxtrain.config import Config, load_experiment, save_yaml
 from jaxtrain.interop import hf_config, hf_export, hf_import
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.layout import make_layout
@@ -265,7 +265,7 @@ def test_export_refuses_an_existing_directory(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "config.yaml").write_text("{}")
+    save_yaml(Config(), tmp_path / "run" / "config.yaml")
     assert cli.main(["export-hf", str(tmp_path / "run"), "--out", str(out)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"jaxtrain: error: --out {out} already exists; give a new directory (export-hf never overwrites)"]
@@ -276,7 +276,7 @@ def test_export_of_a_run_without_checkpoints_names_the_run(tmp_path, capsys):
     """The message names what the user gave (the run directory), not --init-from, whose code path export-hf shares."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "config.yaml").write_text("{}")
+    save_yaml(Config(), run_dir / "config.yaml")
     assert cli.main(["export-hf", str(run_dir), "--out", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"jaxtrain: error: jaxtrain export-hf {run_dir}: no checkpoints there yet; train the run until it saves one "

@@ -154,9 +154,11 @@ def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_chunked_on
     assert plan_lib.render(plan).splitlines()[0].count("cudnn attention") == 1
     assert plan.to_json()["experiment"]["attention"] == "cudnn"
     assert plan_lib.make_plan(cfg).cfg.model.attention == "chunked"  # no GPU named: the devices decide (CPUs)
-    # cuDNN takes half-precision inputs and head dimensions that are multiples of 8
-    assert resolve_for_devices(with_(cfg, model={"dtype": "float32"}), nvidia_gpu=True).model.attention == "xla"
-    assert resolve_for_devices(with_(cfg, model={"head_dim": 12}), nvidia_gpu=True).model.attention == "xla"
+    # cuDNN takes half-precision inputs and head dimensions that are multiples of 8, up to 128 (Llama's)
+    for dtype, attention in (("float32", "xla"), ("float16", "cudnn")):
+        assert resolve_for_devices(with_(cfg, model={"dtype": dtype}), nvidia_gpu=True).model.attention == attention
+    for head_dim, attention in ((12, "xla"), (128, "cudnn"), (136, "xla")):
+        assert resolve_for_devices(with_(cfg, model={"head_dim": head_dim}), nvidia_gpu=True).model.attention == attention
     assert resolve_for_devices(cfg, nvidia_gpu=True).model.attention == "cudnn"
     assert resolve_for_devices(cfg, nvidia_gpu=False).model.attention == "xla"  # other accelerators
     assert plan_lib.make_plan(with_(cfg, model={"attention": "xla"}), gpu="h100").cfg.model.attention == "xla"  # explicit stays
@@ -473,6 +475,7 @@ def test_cli_plan_takes_the_models_shape_from_a_hugging_face_config_alone(tmp_pa
     (["--gpu", "h100", "--tokens-per-s", "-3"], "--tokens-per-s -3 must be a positive throughput"),
     (["--tokens-per-s", "1000"], "--tokens-per-s needs --gpu NAME"),
     (["--headroom", "1.5"], "--headroom 1.5 must be in [0, 1)"),
+    (["--headroom", "1"], "--headroom 1 must be in [0, 1)"),  # all of it kept free: nothing fits
     (["--plot", "plan.jpg"], "--plot plan.jpg must end in .png, .pdf or .svg"),
     (["--plot", "notes/plan.png"], "--plot notes/plan.png: notes is a file, not a directory"),
 ])

@@ -1,6 +1,7 @@
 """The real command line, end to end, on 8 simulated devices."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import REPO, run_cli, subprocess_env
-from jaxtrain.cli import DEFAULT_CPU_DEVICES, default_cpu_devices
+from jaxtrain.cli import DEFAULT_CPU_DEVICES, default_cpu_devices, simulate_cpu_devices
 from jaxtrain.config import AxisSizes, MeshConfig, from_dict, load_mesh_file
 
 SHORT = ["train.steps=4", "log.every=2", "train.eval_batches=1", "train.global_batch=8", "data.seq_len=32", "model.num_layers=2"]
@@ -262,6 +263,15 @@ def test_train_simulates_as_many_cpu_devices_as_its_mesh_holds_up_to_the_default
     # a cluster's mesh, or an unknown size, gets the default (and training asks for --devices in one line)
     assert default_cpu_devices(load_mesh_file("h100x64"), None) == DEFAULT_CPU_DEVICES
     assert default_cpu_devices(MeshConfig(ici=AxisSizes(data=-1)), None) == DEFAULT_CPU_DEVICES
+
+
+def test_devices_replaces_a_device_count_the_users_xla_flags_set_and_keeps_their_other_flags(monkeypatch):
+    """--devices 4 with an exported XLA_FLAGS that asks for 8 ran on 8, without a word."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8")
+    simulate_cpu_devices(None)  # no --devices: the user's count stays
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8"
+    simulate_cpu_devices(4)
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=4"
 
 
 def test_the_processes_tests_start_run_this_checkouts_code(tmp_path):

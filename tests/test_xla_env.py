@@ -54,6 +54,14 @@ def test_a_memory_fraction_outside_0_1_is_one_clear_error(monkeypatch, value):
         xla_env.set_defaults("0.10.2")
 
 
+@pytest.mark.parametrize("value", ["1", "1.0", "0.5"])
+def test_a_memory_fraction_in_0_1_is_the_users_whole_gpu_included(monkeypatch, value):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", value)
+    assert xla_env.set_defaults("0.10.2") == [] and os.environ["XLA_CLIENT_MEM_FRACTION"] == value
+    assert xla_env.memory_fraction() == float(value)
+
+
 def test_the_command_stops_on_a_bad_memory_fraction_before_jax_starts(monkeypatch, tmp_path):
     from conftest import run_cli
 
