@@ -272,11 +272,3 @@ def test_devices_replaces_a_device_count_the_users_xla_flags_set_and_keeps_their
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8"
     simulate_cpu_devices(4)
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=4"
-
-
-def test_the_processes_tests_start_run_this_checkouts_code(tmp_path):
-    """run_cli starts `jaxtrain` outside the checkout; it ran the code of the checkout the environment's editable
-    install names, so a git worktree's tests of the command line tested the main checkout (a mutation audit's finding)."""
-    done = subprocess.run([sys.executable, "-c", "import jaxtrain; print(jaxtrain.__file__)"], cwd=tmp_path,
-                          env=subprocess_env(), capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == str(REPO / "jaxtrain" / "__init__.py")
