@@ -411,6 +411,17 @@ def test_peft_adapters_made_on_a_rewritten_base_are_refused():
         assert peft_io.unsupported_options({"init_lora_weights": init}) == []
 
 
+def test_peft_options_jaxtrain_does_not_know_are_refused_and_peft_s_defaults_are_not():
+    """PEFT adds LoRA variants often (QALoRA, layer replication, VeLoRA, KaSA, MonteCLoRA, Arrow, BD-LoRA in 0.21): read as
+    plain adapters they would compute another model with exit 0. A config as this PEFT writes it is plain; a key set to a
+    value that jaxtrain does not know is refused."""
+    written = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]).to_dict()
+    assert peft_io.unsupported_options(json.loads(json.dumps(written, default=str))) == []
+    for key, value in (("use_qalora", True), ("layer_replication", [[0, 1], [0, 1]]), ("velora_config", {"rank": 2}),
+                       ("kasa_config", {"k": 1}), ("a_future_variant", "on")):
+        assert peft_io.unsupported_options({**written, key: value}) == [f"{key}={value!r}"]
+
+
 def test_an_activated_lora_adapter_is_refused(hf_base, tmp_path):
     """Activated LoRA (alora_invocation_tokens) changes the model only from its invocation tokens on; read as a plain
     adapter, jaxtrain applied it to every position with exit 0 (until 2026-12-05)."""

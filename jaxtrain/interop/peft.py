@@ -40,6 +40,13 @@ UNSUPPORTED_OPTIONS = ("use_dora", "alpha_pattern", "rank_pattern", "layers_to_t
 # them, LoftQ quantizes them): saved unconverted, the adapter is a difference from that rewritten base, not from the model's
 # own (PEFT's conversion on save, path_initial_model_for_weight_conversion, writes init_lora_weights=True)
 BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+# the adapter_config.json keys jaxtrain reads or that leave what a plain adapter computes as it is (bookkeeping, the
+# initialisation's settings, runtime options); any other key set to a value is an option jaxtrain does not compute:
+# refused, as PEFT adds LoRA variants often (QALoRA, layer replication, VeLoRA, KaSA, MonteCLoRA, Arrow, BD-LoRA in 0.21)
+PLAIN_KEYS = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+              "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "target_parameters", "bias", "use_rslora",
+              "init_lora_weights", "loftq_config", "eva_config", "corda_config", "lora_ga_config", "qalora_group_size",
+              "megatron_config", "megatron_core", "runtime_config", "ensure_weight_tying"}
 WEIGHTS_FILE = "adapter_model.safetensors"
 # what peft.LoraConfig takes for keys an adapter_config.json leaves out (a hand-written one: PEFT's own write them all)
 PEFT_DEFAULTS = {"r": 8, "lora_alpha": 8}
@@ -239,7 +246,8 @@ def unsupported_options(config: dict) -> list[str]:
     """adapter_config.json's options that change what the adapter computes and jaxtrain's plain LoRA (alpha / r, or
     alpha / sqrt(r) with use_rslora, on every layer) does not do, as key=value."""
     init = config.get("init_lora_weights")
-    return [f"{key}={config[key]!r}" for key in UNSUPPORTED_OPTIONS if config.get(key)] + \
+    unknown = [key for key in config if key not in PLAIN_KEYS and key not in UNSUPPORTED_OPTIONS]
+    return [f"{key}={config[key]!r}" for key in (*UNSUPPORTED_OPTIONS, *unknown) if config.get(key)] + \
         ([f"bias={config['bias']!r}"] if config.get("bias", "none") != "none" else []) + \
         ([f"init_lora_weights={init!r}"] if isinstance(init, str) and init.startswith(BASE_REWRITING_INITS) else [])
 
