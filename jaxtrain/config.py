@@ -11,6 +11,7 @@ import difflib
 import importlib
 import importlib.util
 import math
+import os
 import traceback
 import types
 import typing
@@ -270,11 +271,18 @@ def _replace_path(obj, path: list[str], value):
     return dataclasses.replace(obj, **{path[0]: _replace_path(child, path[1:], value)})
 
 
+# the keys whose value can be a file or folder path, where a leading ~ is the home folder
+PATH_KEYS = ("data.path", "data.tokenizer", "train.compile_cache", "rules")
+
+
 def set_key(cfg: Config, key: str, raw) -> Config:
     keys = all_keys()
     if key not in keys:
         raise UserError(f"unknown config key '{key}'{_did_you_mean(key, keys)}")
-    return _replace_path(cfg, key.split("."), parse_value(key, raw, keys[key]))
+    value = parse_value(key, raw, keys[key])
+    if key in PATH_KEYS and isinstance(value, str):  # the shell leaves ~ in data.path=~/corpus as it is
+        value = os.path.expanduser(value)
+    return _replace_path(cfg, key.split("."), value)
 
 
 def as_override(value) -> str:
@@ -352,10 +360,8 @@ def with_absolute_paths(cfg: Config) -> Config:
     cache = cfg.train.compile_cache
     return dataclasses.replace(cfg, rules=rules,
                                data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path), tokenizer=absolute(cfg.data.tokenizer)),
-                               # ~ as compile_cache.directory reads it: made absolute as written, generate's cache was a new
-                               # folder named '~' in the working directory
                                train=dataclasses.replace(cfg.train, compile_cache=cache if isinstance(cache, bool) or cache == "auto"
-                                                         else absolute(str(Path(cache).expanduser()))))
+                                                         else absolute(cache)))
 
 
 # ---------------------------------------------------------------------------------------------

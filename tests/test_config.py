@@ -266,6 +266,10 @@ def test_a_runs_config_records_its_files_by_absolute_path(tmp_path, monkeypatch)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     config_lib.save_yaml(apply_overrides(Config(), ["train.compile_cache=~/cache"]), tmp_path / "config.yaml")
     assert config_lib.load_run_config(tmp_path).train.compile_cache == str(tmp_path / "home" / "cache")
+    # the same for the data, the tokenizer and a rule-set file (the shell leaves ~ in data.path=~/corpus as it is: the run
+    # said data.path=~/corpus does not exist)
+    home = apply_overrides(Config(), ["data.path=~/corpus", "data.tokenizer=~/tok.json", "rules=~/rules/mine.yaml"])
+    assert (home.data.path, home.data.tokenizer, home.rules) == tuple(str(tmp_path / "home" / p) for p in ("corpus", "tok.json", "rules/mine.yaml"))
 
 
 @pytest.mark.parametrize("body, message", [
