@@ -4,6 +4,7 @@ checked against the rule set on the CPU compile (the GPU compile: tests/test_pla
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -95,6 +96,50 @@ ENTRY %main (p: f32[8]) -> f32[64] {
     assert reduce.traffic == 2 * 256 * 7 / 8 and report.fusions == 1
 
 
+def test_overlap_is_compute_between_a_start_and_its_own_done():
+    """Two collectives in flight at once: each start pairs with the done that names it, and only compute scheduled
+    between the two (a fusion, a cuBLAS gemm) overlaps it; compute after the done does not."""
+    text = f"""HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[8], a: bf16[8,16], w: bf16[16,4]) -> f32[64] {{
+  %p = f32[8]{{0}} parameter(0)
+  %a = bf16[8,16]{{1,0}} parameter(1)
+  %w = bf16[16,4]{{1,0}} parameter(2)
+  %ag-start = (f32[8]{{0}}, f32[64]{{0}}) all-gather-start(%p), replica_groups=[1,8]<=[8], dimensions={{0}}
+  %ar-start = f32[8]{{0}} all-reduce-start(%p), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, to_apply=%add
+  %ag-done = f32[64]{{0}} all-gather-done(%ag-start)
+  %gemm = (bf16[8,4]{{1,0}}, s8[64]{{0}}) custom-call(%a, %w), custom_call_target="__cublas$lt$matmul", {GEMM_CONFIG}
+  %ar-done = f32[8]{{0}} all-reduce-done(%ar-start)
+  ROOT %after = f32[64]{{0}} fusion(%ag-done, %ar-done), kind=kLoop, calls=%fused
+}}
+"""
+    gather, reduce = hlo_report.report(text, {"data": 1, "fsdp": 8, "tensor": 1}).collectives
+    assert (gather.bytes, gather.dtypes, gather.is_async, gather.overlapped) == (256, ("f32",), True, False)
+    assert (reduce.bytes, reduce.dtypes, reduce.is_async, reduce.overlapped) == (32, ("f32",), True, True)
+
+
+def test_a_collective_wrapped_in_an_async_start_is_asynchronous_and_overlapped_by_compute_before_its_done():
+    """XLA's general form of an asynchronous instruction: ``async-start`` calling a computation that holds the
+    collective, and ``async-done``."""
+    text = """HloModule m, is_scheduled=true
+
+%wrapped_all_to_all (p0: f32[16]) -> f32[16] {
+  %p0 = f32[16]{0} parameter(0)
+  ROOT %a2a = f32[16]{0} all-to-all(%p0), replica_groups={{0,1},{2,3}}, dimensions={0}
+}
+
+ENTRY %main (x: f32[16]) -> f32[16] {
+  %x = f32[16]{0} parameter(0)
+  %a2a-start = ((f32[16]{0}), f32[16]{0}, s32[]) async-start(%x), calls=%wrapped_all_to_all
+  %f = f32[16]{0} fusion(%x), kind=kLoop, calls=%fused
+  ROOT %a2a-done = f32[16]{0} async-done(%a2a-start)
+}
+"""
+    (a2a,) = hlo_report.report(text, {"fsdp": 2, "expert": 2}).collectives
+    assert (a2a.kind, a2a.axes, a2a.bytes, a2a.executions, a2a.is_async, a2a.overlapped) == \
+        ("all-to-all", ("expert",), 64, 1, True, True)
+
+
 def test_a_permute_counts_the_bytes_of_the_devices_that_send_and_stage_axes_are_the_pipelines():
     text = """HloModule m, is_scheduled=true
 
@@ -112,12 +157,17 @@ ENTRY %main (p: f32[16]) -> f32[16] {
     assert summed.axes == ("fsdp",)
     assert report.traffic_by_step_cost_kind(("fsdp",), ("stage",)) == {"fsdp": 0.0, "data": 64.0, "tensor": 0.0, "pipeline": 96.0}
     assert report.traffic_by_step_cost_kind(("fsdp",)) == {"fsdp": 0.0, "data": 64.0, "tensor": 96.0}
+    # a collective over a batch axis and another is not the batch axes' (the swaps above span fsdp and stage)
+    swaps = hlo_report.report(text.replace("{{1,0},{3,2}}", "{{0,3},{3,0}}"), {"fsdp": 2, "stage": 2})
+    assert swaps.collectives[1].axes == ("fsdp", "stage")
+    assert swaps.traffic_by_step_cost_kind(("fsdp",)) == {"fsdp": 0.0, "data": 64.0, "tensor": 64.0 + 32.0}
 
 
 def test_an_all_to_all_over_batch_axes_is_fsdps_and_over_an_expert_axis_expert_parallelisms():
     """The embedding lookup's gradient rows go to the table's columns in an all-to-all over fsdp (models/llama.py);
     a mixture of experts' tokens to their experts in one over the expert axis (capacity dispatch), or gathered over
-    it and their outputs reduce-scattered back (dropless); FSDP gathers weights over fsdp."""
+    it and their outputs reduce-scattered back (dropless); FSDP gathers weights over fsdp; gathers and reduce-scatters
+    over tensor are tensor parallelism's."""
     text = """HloModule m, is_scheduled=true
 
 ENTRY %main (p: f32[16]) -> f32[16] {
@@ -133,6 +183,9 @@ ENTRY %main (p: f32[16]) -> f32[16] {
     assert [c.axes for c in report.collectives] == [("fsdp",), ("expert",), ("expert",), ("fsdp",), ("expert",)]
     assert report.traffic_by_step_cost_kind(("fsdp", "expert"), (), ("expert",)) == \
         {"fsdp": 32.0 + 64.0, "data": 0.0, "tensor": 0.0, "expert": 32.0 + 64.0 + 64.0}
+    # on fsdp x tensor the gather and reduce-scatter over tensor are tensor parallelism's, not expert parallelism's
+    tensor = hlo_report.report(text, {"fsdp": 2, "tensor": 2})
+    assert tensor.traffic_by_step_cost_kind(("fsdp",)) == {"fsdp": 32.0 + 64.0, "data": 0.0, "tensor": 64.0 + 64.0, "expert": 32.0}
 
 
 def test_no_rule_set_makes_spmd_replicate_a_tensor_whole():
@@ -172,9 +225,11 @@ def test_xla_log_lines_are_captured_as_warnings_and_still_printed(capfd):
         os.write(2, b"W0000 spmd_partitioner.cc:652] [SPMD] Involuntary full rematerialization. The compiler was not able\n")
         os.write(2, b"I0000 something routine\n")
         os.write(2, b"W1130 12:21:14.583601    3561 hlo_rematerialization.cc:3231] Can't reduce memory use below 61.09GiB\n")
+        os.write(2, b"E1130 12:21:15.000001    3561 gemm_fusion_autotuner.cc:1000] Autotuning failed for a fusion\n")
     assert "Involuntary full rematerialization" in capfd.readouterr().err  # written on
     report = hlo_report.report("ENTRY %e () -> f32[] {\n}\n", {"data": 8}, log[0])
-    assert len(report.warnings) == 2 and "Involuntary" in report.warnings[0] and "Can't reduce" in report.warnings[1]
+    assert len(report.warnings) == 3 and "Involuntary" in report.warnings[0] and "Can't reduce" in report.warnings[1]
+    assert "Autotuning failed" in report.warnings[2]  # errors XLA logged and went on from count too
 
 
 def test_known_xla_warnings_are_explained_in_a_line():
@@ -189,6 +244,12 @@ def test_known_xla_warnings_are_explained_in_a_line():
     assert hlo_report.warning_meaning(other) is None
     report = hlo_report.report("ENTRY %e () -> f32[] {\n}\n", {"data": 8}, "\n".join((replicated, above, other)))
     assert report.to_json()["xla_warning_meanings"] == [hlo_report.warning_meaning(replicated), meaning, None]
+
+
+def _plan_of(hlo: hlo_report.HloReport) -> SimpleNamespace:
+    """What ``plan_lib.render_hlo`` reads of a plan, around a report of hand-written HLO."""
+    return SimpleNamespace(compiled=SimpleNamespace(device_kind="cpu", hlo=hlo), compiled_traffic=hlo.traffic_by_step_cost_kind(("data",)),
+                           step_time=SimpleNamespace(traffic_bytes={"fsdp": 0.0, "data": 0.0, "tensor": 0.0}))
 
 
 def test_runs_multiply_by_known_trip_counts_and_are_lower_bounds_without_one():
@@ -207,8 +268,40 @@ ENTRY %main (x: f32[8]) -> f32[8] {{
 """
     known = hlo_report.report(module('"known_trip_count":{"n":"5"},'), {"data": 8}).collectives[0]
     assert (known.executions, known.executions_known, known.bytes) == (5, True, 32)
-    peeled = hlo_report.report(module(""), {"data": 8}).collectives[0]
-    assert (peeled.executions, peeled.executions_known) == (1, False)
+    peeled = hlo_report.report(module(""), {"data": 8})
+    assert (peeled.collectives[0].executions, peeled.collectives[0].executions_known) == (1, False)
+    # the printed report marks such runs, bytes and traffic as lower bounds
+    text = "\n".join(plan_lib.render_hlo(_plan_of(peeled)))
+    assert "  all-reduce over data                    1    >=1" in text and "runs, bytes, traffic are lower bounds" in text
+
+
+def test_runs_in_nested_loops_multiply_the_trip_counts():
+    """A collective in the layer scan inside the micro-batch scan runs layers x micro-batches times a step; one in
+    the micro-batch scan's body, micro-batches times. Custom calls (a Pallas kernel here) likewise."""
+    module = """HloModule m, is_scheduled=true
+
+%layer (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %k = f32[8]{0} custom-call(%p), custom_call_target="__gpu$xla.gpu.triton"
+  ROOT %in_layer = f32[8]{0} all-reduce(%k), replica_groups={}, to_apply=%add
+}
+
+%microbatch (q: f32[8]) -> f32[8] {
+  %q = f32[8]{0} parameter(0)
+  %layers = f32[8]{0} while(%q), condition=%cond, body=%layer, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %in_microbatch = f32[8]{0} all-reduce(%layers), replica_groups={}, to_apply=%add
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %w = f32[8]{0} while(%x), condition=%cond, body=%microbatch, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+    report = hlo_report.report(module, {"data": 8})
+    assert sorted(c.executions for c in report.collectives) == [3, 15]
+    (row,) = report.groups()
+    assert (row["instructions"], row["executions"], row["tensors"], row["bytes"], row["executions_known"]) == (2, 18, 18, 18 * 32, True)
+    assert report.custom_calls == {"__gpu$xla.gpu.triton": 15} and report.attention == "xla"
 
 
 def test_matmul_flops_by_the_element_types_the_dots_multiply():
@@ -239,6 +332,7 @@ ENTRY %main (x: bf16[2,5], y: bf16[5,7]) -> bf16[2,7] {
     flops = hlo_report.report(module, {"data": 1}).matmul_flops
     # 10 runs of a (6 x 3) output over depth 4 in float32; one (2 x 7) output over depth 5 in bfloat16
     assert flops == {"f32 x f32": 10 * 2 * 6 * 3 * 4, "bf16 x bf16": 2 * 2 * 7 * 5}
+    assert hlo_report.report(module, {"data": 1}).library_matmul_flops == 0  # XLA's own dots: no cuBLAS gemm
 
 
 def test_kernel_bytes_count_slices_and_in_place_updates_times_trip_counts():
@@ -303,6 +397,7 @@ ENTRY %main (x: f32[256], a: bf16[8,16], b: bf16[16,4], q: bf16[2,8], l: f32[8,2
 }
 """
     hlo = hlo_report.report(module, {"data": 1})
+    assert (hlo.attention, hlo.attention_calls, hlo.custom_calls) == ("cudnn", 1, {"__cudnn$fmhaSoftmax": 1})
     # exp: 1 KiB in, 1 KiB out; each of 4 iterations: save reads the row (256 B) and index (4 B) and writes the row
     # in place, load reads the row it slices and the index and writes it; pick reads 8 logits and 8 indices, writes 8
     assert hlo.kernel_bytes == {"other": 2048 + 4 * (256 + 4 + 256) * 2 + 3 * 32, "matmul": 2 * (8 * 16 + 16 * 4 + 8 * 4),
@@ -384,6 +479,14 @@ ENTRY %main (a: bf16[8,16], w: bf16[16,4], v: bf16[16,4], stack: bf16[3,8,4], i:
     one = 2 * 8 * 4 * 16  # a (8 x 4) product over depth 16
     assert hlo.matmul_flops == {"bf16 x bf16": 3 * one} and hlo.library_matmul_flops == 3 * one
     assert hlo.duplicated_matmul_flops == one  # %saved's gemm multiplies %a by %w again; %x multiplies %a by %v
+    body = hlo.to_json()
+    assert (body["library_matmul_flops"], body["duplicated_matmul_flops"]) == (3 * one, one)
+    assert (hlo.attention, hlo.attention_calls) == ("xla", 0)  # cuBLAS calls are no attention kernel
+    # printed: cuBLAS's share of the matmul FLOPs, and its calls among the custom calls whose FLOPs are counted there
+    text = "\n".join(plan_lib.render_hlo(_plan_of(hlo)))
+    assert "bf16 x bf16 100.0%; cuBLAS 100.0%" in text and "computed twice: 1.02e+03 FLOPs (33.3%)" in text
+    assert "custom calls per step (library and Pallas kernels; the gemms among them are counted in the matmul FLOPs above, " \
+           "the others' FLOPs are not): __cublas$lt$matmul 2" in text
     # the calls read both operands (256 + 128 B) and write the product (64 B), not their 64 B workspaces; the fusion
     # reads them and the index (4 B) and writes the product into the stack in place
     assert hlo.kernel_bytes == {"matmul": 2 * (256 + 128 + 64) + (256 + 128 + 4 + 64), "attention": 0, "other": 0}

@@ -115,6 +115,16 @@ def test_jemalloc_chosen_but_missing_or_not_loading_is_one_line_and_exit_status_
         host_malloc.reexec_with_jemalloc({host_malloc.ENV: "jemalloc", host_malloc.REEXECUTED: "1", "LD_PRELOAD": "libx.so"})
 
 
+def test_jemalloc_is_preloaded_before_the_users_own_and_a_malloc_conf_the_user_set_is_kept(monkeypatch):
+    """README, "Host memory on CPUs": MALLOC_CONF=dirty_decay_ms:-1,... unless you set MALLOC_CONF yourself; LD_PRELOAD
+    and MALLOC_CONF are added to the environment, what else the user preloads stays preloaded."""
+    monkeypatch.setattr(host_malloc, "find_jemalloc", lambda: "libjemalloc.so.2")
+    monkeypatch.setattr(host_malloc.platform, "system", lambda: "Linux")
+    users = host_malloc.jemalloc_environ({"LD_PRELOAD": "libmine.so", "MALLOC_CONF": "narenas:4", "HOME": "/home/u"})
+    assert users == {"LD_PRELOAD": "libjemalloc.so.2 libmine.so", "MALLOC_CONF": "narenas:4", "HOME": "/home/u"}
+    assert host_malloc.jemalloc_environ({}) == {"LD_PRELOAD": "libjemalloc.so.2", "MALLOC_CONF": host_malloc.JEMALLOC_CONF}
+
+
 def test_applied_where_jax_computes_on_the_cpu_only(monkeypatch):
     assert host_malloc.computes_on_cpu({"JAX_PLATFORMS": "cpu"})
     assert not host_malloc.computes_on_cpu({"JAX_PLATFORMS": "cuda,cpu"})

@@ -218,6 +218,17 @@ def test_offload_under_bfloat16_keeps_master_weights_in_host_memory_exactly_and_
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(again)), jax.tree.leaves(jax.device_get(final))))
 
 
+def test_offload_places_state_in_page_locked_host_memory():
+    """``pinned_host`` (README's optim.offload), not ``unpinned_host``: a GPU copies page-locked memory by DMA while
+    it computes, pageable memory through a staging buffer. The CPU backend has both kinds, so the tests above,
+    which compare with offload.HOST, pass with either."""
+    kinds = lambda shardings: {s.memory_kind for s in jax.tree.leaves(shardings)}  # noqa: E731
+    narrow = make_layout(with_(_cfg(dtype="bfloat16"), optim={"offload": True}))
+    assert kinds(narrow.shardings.opt_state) == kinds(narrow.shardings.params) == {"pinned_host"}
+    float32 = make_layout(with_(_cfg(), optim={"offload": True}))
+    assert kinds(float32.shardings.opt_state) == {"pinned_host"} and kinds(float32.shardings.params) == {"device"}
+
+
 def test_int8_and_fp8_training_lands_near_bfloat16(corpus):
     """qwix quantized training of the layers' matmuls: the loss after 100 steps within 4% of bfloat16's (fp8 3.0% apart, 2026-12-05)."""
     losses = {}

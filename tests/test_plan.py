@@ -309,6 +309,18 @@ def test_a_memory_size_without_a_gpu_is_planned_as_for_the_gpu_the_step_time_ass
             "micro-batch for want of one") in unsized
 
 
+def test_gpu_descriptions_give_xla_the_memory_in_bytes_and_names_in_any_case():
+    """XLA's GPU compiler schedules the step for the TargetConfig's device_memory_size, in bytes (its limit for
+    rematerialisation: README, "jax 0.11.2's compiler at XLA's memory limit"); --gpu H100 is h100."""
+    from jaxtrain.plan import gpu_targets
+
+    for name, model in gpu_targets.GPU_MODELS.items():
+        config = gpu_targets.target_config(name)
+        assert f"  device_memory_size: {gpu_targets.GPU_MEMORY_MIB[name] * 2**20}\n" in config
+        assert f"  memory_bandwidth: {model.memory_bandwidth}\n" in config and f'device_description_str: "{model.description}"' in config
+    assert gpu_targets.gpu_memory_bytes("H100") == gpu_targets.gpu_memory_bytes("h100") == 81559 * 2**20
+
+
 def test_target_devices_are_the_accelerators_when_there_are_enough(monkeypatch):
     import jax
 

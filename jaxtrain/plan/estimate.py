@@ -850,8 +850,9 @@ def render_hlo(plan: Plan) -> list[str]:
         lines.append(f"  computed twice: {hlo.duplicated_matmul_flops:.3g} FLOPs ({100 * hlo.duplicated_matmul_flops / total:.1f}%), "
                      "the same two arrays multiplied again (jax 0.11's dynamic-slice fusion of a cuBLAS gemm whose result "
                      "the layer scan saves: XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false, jaxtrain's default)")
-    if hlo.custom_calls:  # their FLOPs are not in the matmul line: XLA does not see inside them
-        lines.append("custom calls per step (library and Pallas kernels; their FLOPs are not counted above): "
+    if hlo.custom_calls:  # XLA does not see inside them: only a gemm library's calls are in the matmul line (_is_gemm)
+        lines.append("custom calls per step (library and Pallas kernels; the gemms among them are counted in the matmul "
+                     "FLOPs above, the others' FLOPs are not): "
                      + ", ".join(f"{target} {runs:g}" for target, runs in hlo.custom_calls.items()))
     moved = hlo.kernel_bytes
     bandwidth = next((g.memory_bandwidth for g in GPU_MODELS.values() if g.description == c.device_kind), None)
