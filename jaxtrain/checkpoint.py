@@ -233,8 +233,9 @@ def saved_config(step_dir: Path) -> dict:
     return json.loads((step_dir / "meta" / "metadata").read_text())["config"]
 
 
-def _restore_args(abstract_state, data_iterator) -> ocp.args.Composite:
-    items = {"state": _state_restore(abstract_state), "meta": ocp.args.JsonRestore()}
+def _restore_args(abstract_state, data_iterator, *, partial: bool = False) -> ocp.args.Composite:
+    """``partial``: the checkpoint may hold more of the state than ``abstract_state`` (a spike window it leaves out)."""
+    items = {"state": _state_restore(abstract_state, partial=partial), "meta": ocp.args.JsonRestore()}
     if data_iterator is not None:
         items["data"] = DataPositionRestore(data_iterator)
     return ocp.args.Composite(**items)
@@ -252,7 +253,8 @@ def _read(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterat
     kept = _flat_shapes({"spikes": target.spikes}) == saved_window
     # the spike window is the guard's alone: switched on or off, or of another length, it starts again empty
     check_same_shapes({name: value for name, value in saved.items() if name != "spikes"}, target.replace(spikes=None), where)
-    restored = manager.restore(step, args=_restore_args(target if kept else target.replace(spikes=None), data_iterator))
+    restored = manager.restore(step, args=_restore_args(target if kept else target.replace(spikes=None), data_iterator,
+                                                        partial=not kept))
     if kept or target.spikes is None:
         return restored
     length = target.spikes["loss"].shape[0]

@@ -29,17 +29,22 @@ def verdict_after(length: int) -> int:
     return max(2, length // 2)
 
 
+def held(window: dict) -> jax.Array:
+    """How many steps the window holds: its length once full."""
+    return jnp.minimum(window["count"], window["loss"].shape[0])
+
+
 def deviations(window: dict, values: dict) -> dict:
     """Per watched value, how many of the window's standard deviations ``values`` lies from its mean (absolute); 0
     while the window holds fewer than half its length."""
     length = window["loss"].shape[0]
-    held = jnp.minimum(window["count"], length)
-    filled = jnp.arange(length) < held
-    ready = held >= verdict_after(length)
+    held_steps = held(window)
+    filled = jnp.arange(length) < held_steps
+    ready = held_steps >= verdict_after(length)
     out = {}
     for name in WATCHED:
-        mean = jnp.sum(jnp.where(filled, window[name], 0.0)) / jnp.maximum(held, 1)
-        variance = jnp.sum(jnp.where(filled, (window[name] - mean) ** 2, 0.0)) / jnp.maximum(held - 1, 1)
+        mean = jnp.sum(jnp.where(filled, window[name], 0.0)) / jnp.maximum(held_steps, 1)
+        variance = jnp.sum(jnp.where(filled, (window[name] - mean) ** 2, 0.0)) / jnp.maximum(held_steps - 1, 1)
         # a constant window (std 0) makes any other value infinitely far: a spike; its own value none
         distance = jnp.abs(values[name].astype(jnp.float32) - mean)
         out[name] = jnp.where(ready & (distance > 0), distance / jnp.sqrt(variance), 0.0)

@@ -188,7 +188,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             far = spikes_lib.deviations(spikes, watched)
             spike = finite & ((far["loss"] > skip_spikes) | (far["grad_norm"] > skip_spikes))
             applied, spikes = finite & ~spike, spikes_lib.entered(spikes, watched, finite)
-            spike_metrics = {"spike": spike, "loss_deviations": far["loss"], "grad_norm_deviations": far["grad_norm"]}
+            spike_metrics = {"spike": spike, "loss_deviations": far["loss"], "grad_norm_deviations": far["grad_norm"],
+                             "spike_window_steps": spikes_lib.held(state.spikes)}  # what the deviations were taken over
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
         metrics = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),

@@ -1,5 +1,5 @@
 """The spike guard (train.skip_spikes): the window's statistics against numpy, a spike's update not applied, a run
-that skips and logs spikes and resumes them exactly, and the guard switched on or off on resume."""
+that skips and logs spikes and resumes them exactly, and the guard switched on, off or resized on resume."""
 
 import json
 import re
@@ -111,7 +111,8 @@ def test_a_run_skips_spikes_logs_them_and_resumes_them_exactly(guarded, tmp_path
     first = min(skipped)
     assert skipped[first]["skipped_spike"] and all(skipped[first][f"{k}_deviations"] >= 0 for k in ("loss", "grad_norm"))
     assert steps[8]["skipped_spikes"] == len(skipped)
-    assert f"jaxtrain: step {first}: a spike, update skipped: " in capsys.readouterr().err
+    line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith(f"jaxtrain: step {first}: a spike"))
+    assert first - 1 < WINDOW and f"standard deviations from the mean of the last {first - 1} steps" in line  # not yet full
 
     resumed = tmp_path / "resumed"  # preempted after step 4's checkpoint: the same command goes on from it
     shutil.copytree(run, resumed)
@@ -128,7 +129,7 @@ def _preempted_after_step_4(trainer, run_dir):
     return run_dir
 
 
-def test_the_guard_switched_on_or_off_on_resume_starts_an_empty_window_or_drops_it(guarded, corpus, tmp_path, capsys):
+def test_the_guard_switched_on_off_or_resized_on_resume_starts_an_empty_window_or_drops_it(guarded, corpus, tmp_path, capsys):
     plain = train_lib.build(_config(skip_spikes=0.0), corpus)
     unguarded = _preempted_after_step_4(plain, tmp_path / "unguarded")
     capsys.readouterr()
@@ -139,10 +140,15 @@ def test_the_guard_switched_on_or_off_on_resume_starts_an_empty_window_or_drops_
     assert int(_state(unguarded, guarded.layout).spikes["count"]) == 4  # steps 5 to 8
     assert not any(r["step"] < 7 for r in _records(unguarded) if "skipped_spike" in r)
 
-    guarded_run = _preempted_after_step_4(guarded, tmp_path / "guarded")
-    final = train_lib.train(plain.cfg, guarded_run, plain)  # switched off: the window left in the checkpoint
-    assert final.spikes is None and int(final.step) == 8
-    assert not any(r["step"] > 4 and "skipped_spike" in r for r in _records(guarded_run))
+    for other, length in ((plain, None), (train_lib.build(_config(spike_window=2 * WINDOW), corpus), 2 * WINDOW)):
+        guarded_run = _preempted_after_step_4(guarded, tmp_path / f"guarded_then_{length}")
+        capsys.readouterr()
+        final = train_lib.train(other.cfg, guarded_run, other)  # switched off or resized: the window left in the checkpoint
+        # read, not quarantined as unreadable (a fresh start from step 0 would end at step 8 too)
+        assert f"resuming from checkpoint step 4 in {guarded_run / 'checkpoints'}" in capsys.readouterr().err
+        assert not (guarded_run / checkpoint_lib.QUARANTINE_DIR).exists()
+        assert int(final.step) == 8 and (final.spikes is None if length is None else int(final.spikes["count"]) == 4)
+    assert not any(r["step"] > 4 and "skipped_spike" in r for r in _records(tmp_path / "guarded_then_None"))
 
 
 @pytest.mark.parametrize("key,value,message", [

@@ -432,7 +432,7 @@ class MetricsLog:
     def _skipped_spike(self, step: int, metrics: dict) -> None:
         """train.skip_spikes: the step's update was not applied (jaxtrain/spikes.py); the run goes on."""
         self.spikes += 1
-        sigma, window = self.cfg.train.skip_spikes, self.cfg.train.spike_window
+        sigma, window = self.cfg.train.skip_spikes, int(metrics["spike_window_steps"])  # under spike_window while it fills
         far = {name: float(metrics[f"{name}_deviations"]) for name in GUARDED if metrics[f"{name}_deviations"] > sigma}
         self.write({"step": step, "skipped_spike": list(far)} | {k: float(metrics[k]) for k in GUARDED}
                    | {f"{k}_deviations": float(metrics[f"{k}_deviations"]) for k in GUARDED})
