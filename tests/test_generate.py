@@ -267,15 +267,22 @@ def test_text_codecs(tmp_path):
         assert decode(encode("the lazy") + [end_of_text] + encode("fox")) == "the lazy"
 
 
+def _hf_model_or_skip(directory, name):
+    """test_hf's random Hugging Face model in ``directory``: transformers makes it with torch, so the test is skipped
+    where they are not installed (`make test-jax-next`, jax 0.11's environment)."""
+    pytest.importorskip("torch")
+    from test_hf import _make_hf_model
+
+    return _make_hf_model(directory, name)
+
+
 def test_token_id_prompt_is_printed_with_its_continuation(tmp_path, capsys):
     """A model without a tokenizer (a Hugging Face directory with none): the prompt's ids, then the new ones, as a text
     prompt is printed with its continuation."""
-    from test_hf import _make_hf_model
-
     from jaxtrain import cli
     from jaxtrain.generate import load
 
-    _make_hf_model(tmp_path, "llama3")
+    _hf_model_or_skip(tmp_path, "llama3")
     assert not (tmp_path / "tokenizer.json").exists()
     capsys.readouterr()
     assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "5"]) == 0
@@ -288,12 +295,10 @@ def test_generating_past_the_models_context_is_one_line(tmp_path, capsys, monkey
     """config.json's max_position_embeddings (1024 here): a QA run asked a 256-position model for 100,000 tokens and
     ran for ten minutes. Refused before the weights are read: too many new tokens alone before jax starts, with the
     prompt once it is encoded."""
-    from test_hf import _make_hf_model
-
     from jaxtrain import cli
     from jaxtrain import generate as generate_lib
 
-    _make_hf_model(tmp_path, "llama3")
+    _hf_model_or_skip(tmp_path, "llama3")
     capsys.readouterr()
     monkeypatch.setattr(generate_lib, "load", lambda *a, **k: pytest.fail("read the weights first"))
     assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "1022"]) == 2
@@ -313,12 +318,12 @@ def test_generating_past_a_sliding_window_is_one_line(tmp_path, capsys, monkeypa
     """A Mistral attends within its sliding window, this model to every position. A QA report: generating past the window
     gave other tokens than transformers from there on (from position 266 of a 260-position window), and a window under
     256 positions was refused with train's message, 'set data.seq_len<=16', which generate has no way to set."""
-    from test_hf import _edit_config, _make_hf_model
-
     from jaxtrain import cli
     from jaxtrain import generate as generate_lib
 
-    _make_hf_model(tmp_path, "mistral")
+    _hf_model_or_skip(tmp_path, "mistral")
+    from test_hf import _edit_config
+
     _edit_config(tmp_path, sliding_window=16)
     capsys.readouterr()
     assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "13"]) == 0  # the whole window
@@ -332,15 +337,14 @@ def test_generating_past_a_sliding_window_is_one_line(tmp_path, capsys, monkeypa
 def test_lora_run_whose_base_changed_asks_for_that_base_back(corpus, tmp_path, capsys):
     """generate and export-hf reload a LoRA run's base from the path its record names, so the way out is that base back
     there, not the --run-dir (or --init-from) that train's message offers and these commands do not take."""
-    import transformers
-    from test_hf import _make_hf_model
-
     from jaxtrain import cli
     from jaxtrain.interop import hf_config
     from jaxtrain.train import build, train
 
     hf_dir, run_dir = tmp_path / "base", tmp_path / "run"
-    model = _make_hf_model(hf_dir, "llama3")
+    model = _hf_model_or_skip(hf_dir, "llama3")
+    import transformers
+
     cfg = with_(small_config(), model={"lora": LoraConfig(rank=2, alpha=4.0)}, train={"steps": 2},
                 checkpoint={"every": 2, "async_save": False}, log={"peak_tflops": 1.0, "tensorboard": False, "layer_every": 0})
     cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))

@@ -117,6 +117,7 @@ def _weight_heavy(pipeline: PipelineConfig):
     return with_(cfg, data={"seq_len": 64}, train={"global_batch": 16})
 
 
+@pytest.mark.estimate_vs_cpu_compile
 @pytest.mark.parametrize("cfg", [
     # save_dots saves nothing more than full remat through stages: vmapped over them, every dot has a batch dimension
     with_(medium_config("pp_fsdp_tp", "save_dots", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2, repeats=2)}),
