@@ -269,7 +269,8 @@ def test_a_runs_config_records_its_files_by_absolute_path(tmp_path, monkeypatch)
     # the same for the data, the tokenizer and a rule-set file (the shell leaves ~ in data.path=~/corpus as it is: the run
     # said data.path=~/corpus does not exist)
     home = apply_overrides(Config(), ["data.path=~/corpus", "data.tokenizer=~/tok.json", "rules=~/rules/mine.yaml"])
-    assert (home.data.path, home.data.tokenizer, home.rules) == tuple(str(tmp_path / "home" / p) for p in ("corpus", "tok.json", "rules/mine.yaml"))
+    expected = tuple(str(tmp_path / "home" / p) for p in ("corpus", "tok.json", "rules/mine.yaml"))
+    assert (home.data.path, home.data.tokenizer, home.rules) == expected
 
 
 @pytest.mark.parametrize("body, message", [

@@ -428,7 +428,8 @@ def test_an_activated_lora_adapter_is_refused(hf_base, tmp_path):
     hf_dir, _ = hf_base
     config = peft.LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj"], alora_invocation_tokens=[5, 6])
     peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), config).save_pretrained(tmp_path / "alora")
-    with pytest.raises(UserError, match=r"adapter_config.json: alora_invocation_tokens=\[5, 6\]: jaxtrain applies plain LoRA adapters only"):
+    refused = r"adapter_config.json: alora_invocation_tokens=\[5, 6\]: jaxtrain applies plain LoRA adapters only"
+    with pytest.raises(UserError, match=refused):
         peft_io.read_adapter(tmp_path / "alora")
 
 
