@@ -29,6 +29,7 @@ from jaxtrain.interop import hf_config, hf_import
 from jaxtrain.layout import Layout, compile_train_step
 from jaxtrain.observe.metrics import MetricsLog
 from jaxtrain.state import TrainState, model_spec, state_from_params, state_initializer
+from jaxtrain.step import schedule_count
 from models.config import LlamaConfig
 
 
@@ -377,9 +378,11 @@ def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, para
     if step >= steps:  # else a run directory with nothing in it, started from there again on every re-run
         raise UserError(f"--init-from {path} is at step {step}, at or past train.steps={steps}, so nothing would train; "
                         f"raise train.steps above {step}, or add --params-only to start at step 0 from its parameters")
+    applied = int(schedule_count(state.opt_state))  # the schedule counts applied updates: skipped ones hold it back
+    schedule = f"step {step}" if applied == step else f"update {applied} (its run skipped {step - applied} of {step} updates)"
     _say(f"jaxtrain: note: --init-from {path} goes on from its step {step}: its optimizer state, the learning-rate schedule at "
-         f"step {step} and {_take_data_position(step_dir, layout.cfg, batches, beginning)}; add --params-only to start at step 0 from its "
-         "parameters alone")
+         f"{schedule} and {_take_data_position(step_dir, layout.cfg, batches, beginning)}; add --params-only to start at step 0 "
+         "from its parameters alone")
     return state
 
 

@@ -121,6 +121,15 @@ def test_a_run_skips_spikes_logs_them_and_resumes_them_exactly(guarded, tmp_path
     assert _identical(_state(resumed, guarded.layout), _state(run, guarded.layout))
     assert [r for r in _records(resumed) if "skipped_spike" in r] == list(skipped.values())
 
+    source = tmp_path / "source"  # a new run going on from step 4: its schedule is at the updates applied by then
+    shutil.copytree(run, source)
+    shutil.rmtree(source / "checkpoints" / "8")
+    capsys.readouterr()
+    train_lib.train(guarded.cfg, tmp_path / "from_source", guarded, init_from=source)
+    skipped_by_4 = sum(step <= 4 for step in skipped)
+    assert skipped_by_4 and (f"the learning-rate schedule at update {4 - skipped_by_4} (its run skipped {skipped_by_4} of 4 "
+                             "updates)") in capsys.readouterr().err
+
 
 def _preempted_after_step_4(trainer, run_dir):
     """A run of ``trainer`` whose last checkpoint is step 4's, as a preemption after it leaves it."""
