@@ -52,6 +52,12 @@ def test_processes_started_with_different_settings_stop_at_once_with_one_line_ea
     assert f"has --run-dir={tmp_path / 'a'}, another" in _one_line_error(first)
     assert f"has --run-dir={tmp_path / 'b'}, another" in _one_line_error(second)
     assert list(tmp_path.iterdir()) == []
+    port = _free_port()  # what each process starts from: one took another run's parameters alone, one its whole state
+    first = _start_process(0, port, tmp_path / "run", "--init-from", str(tmp_path / "a"), "--params-only")
+    second = _start_process(1, port, tmp_path / "run", "--init-from", str(tmp_path / "b"))
+    assert f"has --init-from={tmp_path / 'a'}, --params-only=True, another" in _one_line_error(first)
+    assert f"has --init-from={tmp_path / 'b'}, --params-only=False, another" in _one_line_error(second)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_job_that_never_becomes_whole_is_one_line_at_the_join_timeout(tmp_path):
