@@ -183,8 +183,8 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
             step_dir = Path(directory).parent
             written_with = saved_config(step_dir)["data"]["format"]
             raise UserError(f"checkpoint {step_dir} holds the data position of data.format={written_with}, which another format "
-                            f"cannot take; give data.format={written_with} to go on with it, or start a new run from its parameters with "
-                            f"--init-from {step_dir} --params-only") from None
+                            f"cannot take; give data.format={written_with} to go on with it, or start a new run from it with "
+                            f"--init-from {step_dir} (its data from the beginning; add --params-only for its parameters alone)") from None
         iterator.start_prefetch()
         return iterator
 
@@ -241,9 +241,14 @@ def _restore_args(abstract_state, data_iterator, *, partial: bool = False) -> oc
     return ocp.args.Composite(**items)
 
 
-def _read(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterator, where: str, *, params_only: bool = False):
+def _read(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterator, where: str, *, params_only: bool = False,
+          data_format: str | None = None):
     """Checkpoint ``step`` restored onto ``abstract_state``'s shardings (its ``state`` item holding only the parameters
-    with ``params_only``), after checking that its shapes are the model's (``where`` names it in that error)."""
+    with ``params_only``), after checking that its shapes are the model's (``where`` names it in that error). With
+    ``data_format``, the data position is read only from a checkpoint written under that data.format (another's
+    position cannot be taken, and a new run from it starts its data at the beginning)."""
+    if data_format is not None and saved_config(Path(manager.directory) / str(step))["data"]["format"] != data_format:
+        data_iterator = None
     saved = manager.item_metadata(step)["state"]
     if params_only:
         check_same_shapes(saved["params"], abstract_state.params, where)
@@ -542,16 +547,17 @@ def restore_from(path: Path, abstract_state, data_iterator, *, params_only: bool
     return restore_step_from(path, abstract_state, data_iterator, params_only=params_only, source=source)[1]
 
 
-def restore_step_from(path: Path, abstract_state, data_iterator, *, params_only: bool,
-                      source: str = "--init-from") -> tuple[Path, object]:
-    """``restore_from``, with the step directory it read (the checkpoint a run directory stood for then)."""
+def restore_step_from(path: Path, abstract_state, data_iterator, *, params_only: bool, source: str = "--init-from",
+                      data_format: str | None = None) -> tuple[Path, object]:
+    """``restore_from``, with the step directory it read (the checkpoint a run directory stood for then); the data
+    position only from a checkpoint of ``data_format`` (``_read``)."""
     directory, step = checkpoints_dir(path, source)
     manager = _manager(directory, None)
     steps = manager.all_steps() if step is None else [s for s in manager.all_steps() if s == step]
     if not steps:
         raise UserError(f"{source} {path}: no complete checkpoint found (steps: {list(manager.all_steps()) or 'none'})")
     found, restored, unreadable = _newest_readable(steps, lambda s: _read(
-        manager, s, abstract_state, data_iterator, f"{source} {directory / str(s)}", params_only=params_only))
+        manager, s, abstract_state, data_iterator, f"{source} {directory / str(s)}", params_only=params_only, data_format=data_format))
     manager.close()
     if found is None and step is not None:
         raise UserError(f"{source} {path}: checkpoint step {step} is unreadable ({unreadable[0][1]}); choose another step "

@@ -373,16 +373,19 @@ def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, para
         params = checkpoint_lib.restore_from(path, abstract, None, params_only=True)
         return state_from_params(params, layout.tx, layout.shardings, layout.spike_window)
     beginning = batches.iterator.get_state()
-    step_dir, state = checkpoint_lib.restore_step_from(path, abstract, batches.iterator, params_only=False)
+    data_format = layout.cfg.data.format
+    step_dir, state = checkpoint_lib.restore_step_from(path, abstract, batches.iterator, params_only=False, data_format=data_format)
+    written_with = checkpoint_lib.saved_config(step_dir)["data"]["format"]
     step, steps = int(state.step), layout.cfg.train.steps
     if step >= steps:  # else a run directory with nothing in it, started from there again on every re-run
         raise UserError(f"--init-from {path} is at step {step}, at or past train.steps={steps}, so nothing would train; "
                         f"raise train.steps above {step}, or add --params-only to start at step 0 from its parameters")
     applied = int(schedule_count(state.opt_state))  # the schedule counts applied updates: skipped ones hold it back
     schedule = f"step {step}" if applied == step else f"update {applied} (its run skipped {step - applied} of {step} updates)"
+    data = (_take_data_position(step_dir, layout.cfg, batches, beginning) if written_with == data_format else
+            f"not its data position, of data.format={written_with} (here {data_format}): this run's data starts from its beginning")
     _say(f"jaxtrain: note: --init-from {path} goes on from its step {step}: its optimizer state, the learning-rate schedule at "
-         f"{schedule} and {_take_data_position(step_dir, layout.cfg, batches, beginning)}; add --params-only to start at step 0 "
-         "from its parameters alone")
+         f"{schedule} and {data}; add --params-only to start at step 0 from its parameters alone")
     return state
 
 

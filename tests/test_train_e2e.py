@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,22 +195,46 @@ def test_init_from_a_run_says_it_takes_its_data_position_and_what_it_counts_here
                      "--params-only to start at step 0 from its parameters alone"], notes
 
 
-def test_a_resume_with_another_data_format_is_one_line_and_keeps_the_checkpoint(short_run, tmp_path):
-    """A checkpoint of instruction data (data.format=sft: the packer's position) resumed as plain text, or the other way:
-    one line, status 2, every file as it was (a QA report: the position did not fit, so the checkpoint was taken for
-    damaged, moved aside, and the run trained again from step 0)."""
-    run_dir = _copy(short_run, tmp_path)
+def test_init_from_a_run_of_another_data_format_takes_its_state_and_starts_the_data_from_its_beginning(
+        short_run, tmp_path, monkeypatch, capsys):
+    """--init-from a checkpoint of instruction data (data.format=sft) into a plain-text run: its step and optimizer state,
+    the text from its first sequence (it asked for --params-only, which also dropped the optimizer state)."""
+    from jaxtrain import train as train_lib
+    from jaxtrain.cli import resolve_config
+
+    source = _as_sft_checkpoint(_copy(short_run, tmp_path))
+    runs = _recorded_runs(monkeypatch, train_lib)
+    final = train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5"]), tmp_path / "text", init_from=source)
+    assert int(final.step) == 5
+    np.testing.assert_array_equal(runs[0].read[0], runs[0].uninterrupted(8))
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note:")]
+    assert notes == [f"jaxtrain: note: --init-from {source} goes on from its step 4: its optimizer state, the learning-rate "
+                     "schedule at step 4 and not its data position, of data.format=sft (here text): this run's data starts "
+                     "from its beginning; add --params-only to start at step 0 from its parameters alone"], notes
+
+
+def _as_sft_checkpoint(run_dir: Path) -> Path:
+    """``run_dir``'s step 4, made a checkpoint of instruction data (the packer's position, data.format=sft)."""
     step = run_dir / "checkpoints" / "4"
     (step / "data" / "process_0-of-1.json").write_text(json.dumps({"parent": {"next_index": 30}, "next_row": 0, "counter": 32}))
     meta = json.loads((step / "meta" / "metadata").read_text())
     meta["config"]["data"]["format"] = "sft"
     (step / "meta" / "metadata").write_text(json.dumps(meta))
+    return step
+
+
+def test_a_resume_with_another_data_format_is_one_line_and_keeps_the_checkpoint(short_run, tmp_path):
+    """A checkpoint of instruction data (data.format=sft: the packer's position) resumed as plain text, or the other way:
+    one line, status 2, every file as it was (a QA report: the position did not fit, so the checkpoint was taken for
+    damaged, moved aside, and the run trained again from step 0)."""
+    run_dir = _copy(short_run, tmp_path)
+    step = _as_sft_checkpoint(run_dir)
     before = _files(run_dir)
     result = run_cli("train", "tiny", "--run-dir", str(run_dir), *SHORT, "train.steps=5", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr == (f"jaxtrain: error: checkpoint {step} holds the data position of data.format=sft, which another "
-                             "format cannot take; give data.format=sft to go on with it, or start a new run from its parameters "
-                             f"with --init-from {step} --params-only\n")
+                             "format cannot take; give data.format=sft to go on with it, or start a new run from it with "
+                             f"--init-from {step} (its data from the beginning; add --params-only for its parameters alone)\n")
     assert _files(run_dir) == before
 
 
