@@ -254,20 +254,31 @@ def _read(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterat
         check_same_shapes(saved["params"], abstract_state.params, where)
         return manager.restore(step, args=ocp.args.Composite(state=_state_restore({"params": abstract_state.params}, partial=True)))
     target = saved_part(abstract_state)
+    unclipped = _written_unclipped(saved)
+    if unclipped:
+        target = target.replace(opt_state=target.opt_state[1])
     saved_window = {name: shape for name, shape in _flat_shapes(saved).items() if name.startswith("spikes/")}
     kept = _flat_shapes({"spikes": target.spikes}) == saved_window
     # the spike window is the guard's alone: switched on or off, or of another length, it starts again empty
     check_same_shapes({name: value for name, value in saved.items() if name != "spikes"}, target.replace(spikes=None), where)
     restored = manager.restore(step, args=_restore_args(target if kept else target.replace(spikes=None), data_iterator,
                                                         partial=not kept))
-    if kept or target.spikes is None:
-        return restored
-    length = target.spikes["loss"].shape[0]
-    _say(f"jaxtrain: note: {where} holds no spike window of {length} steps (its run had train.skip_spikes off or another "
-         f"train.spike_window): the guard skips nothing until {spikes_lib.verdict_after(length)} steps have entered an empty one")
-    shardings = jax.tree.map(lambda a: a.sharding, target.spikes)
-    empty = jax.jit(lambda: spikes_lib.initial_window(length), out_shardings=shardings)()
-    return ocp.args.Composite(**(dict(restored) | {"state": restored.state.replace(spikes=empty)}))
+    state = restored.state
+    if unclipped:
+        state = state.replace(opt_state=(abstract_state.opt_state[0], state.opt_state))
+    if not kept and target.spikes is not None:
+        length = target.spikes["loss"].shape[0]
+        _say(f"jaxtrain: note: {where} holds no spike window of {length} steps (its run had train.skip_spikes off or another "
+             f"train.spike_window): the guard skips nothing until {spikes_lib.verdict_after(length)} steps have entered an empty one")
+        shardings = jax.tree.map(lambda a: a.sharding, target.spikes)
+        state = state.replace(spikes=jax.jit(lambda: spikes_lib.initial_window(length), out_shardings=shardings)())
+    return ocp.args.Composite(**(dict(restored) | {"state": state}))
+
+
+def _written_unclipped(saved_metadata) -> bool:
+    """Whether a checkpoint holds AdamW's state alone, as a run with optim.clip_norm=0 saved it until 2026-12-05 (since,
+    the clipping step's empty state always comes first: ``jaxtrain/optim.py``)."""
+    return any(name.startswith("opt_state/0/mu/") for name in _flat_shapes(saved_metadata))
 
 
 def _quiet_abandoned_reads() -> None:

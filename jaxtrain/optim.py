@@ -49,6 +49,5 @@ def make_optimizer(cfg: Config, logical_axes: dict) -> optax.GradientTransformat
     o = cfg.optim
     adamw = optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                         mask=decay_mask(logical_axes))
-    if o.clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
-    return adamw
+    # clipping or not, one optimizer-state tree (clipping keeps no state), so optim.clip_norm may change on resume
+    return optax.chain(optax.clip_by_global_norm(o.clip_norm) if o.clip_norm > 0 else optax.identity(), adamw)

@@ -477,6 +477,26 @@ def test_a_checkpoint_that_does_not_fit_the_state_is_refused_and_left_in_place(r
         _state(ref_dir, with_(cfg, model={"d_model": 128}))
 
 
+def test_clipping_switched_on_resume_and_an_unclipped_runs_older_checkpoint_restore(reference, tmp_path):
+    """optim.clip_norm=0 kept AdamW's state alone, clipping chained an empty state before it: a resume switching clipping
+    on or off was refused as "does not match the model". Now one tree; a checkpoint of an unclipped run written before
+    2026-12-05 (AdamW's state alone) restores too."""
+    ref_dir, cfg = reference
+    clipped, abstract = _state(ref_dir, cfg)
+    _assert_identical(_state(ref_dir, with_(cfg, optim={"clip_norm": 0.0}))[0], clipped)
+    import orbax.checkpoint as ocp
+
+    older = ocp.CheckpointManager(tmp_path / "older" / "checkpoints",
+                                  item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    older.save(STEPS, args=ocp.args.Composite(state=ocp.args.PyTreeSave(checkpoint_lib.saved_part(clipped).replace(
+        opt_state=clipped.opt_state[1])), meta=ocp.args.JsonSave({"step": STEPS})))
+    older.wait_until_finished()
+    older.close()
+    restored = checkpoint_lib.restore_from(tmp_path / "older", abstract, None, params_only=False)
+    _assert_identical(restored, clipped)
+    assert jax.tree.structure(restored) == jax.tree.structure(clipped)
+
+
 def test_checkpoints_command_lists_steps(reference):
     result = run_cli("checkpoints", str(reference[0]), cwd=REPO)
     assert result.returncode == 0, result.stderr
