@@ -31,6 +31,9 @@ EXPERIMENTS_DIR = Path(experiments.__file__).parent
 
 
 GRAD_SYNCS = ("auto", "step", "microbatch")  # optim.grad_sync (jaxtrain/memory/grad_comm.py)
+# optim.schedule, after the linear warmup (jaxtrain/optim.py): cosine or linear decay to lr * min_lr_ratio at train.steps;
+# wsd (warmup-stable-decay): optim.lr until the last optim.decay_fraction of train.steps, then a linear decay
+SCHEDULES = ("cosine", "linear", "wsd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +104,9 @@ class TrainConfig:
 class OptimConfig:
     lr: float = 3e-4
     warmup_steps: int = 10
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at train.steps
+    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio at train.steps
+    schedule: str = "cosine"  # one of SCHEDULES
+    decay_fraction: float = 0.2  # schedule=wsd: the share of train.steps its final linear decay takes
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -202,7 +207,8 @@ def all_keys(cls=Config, prefix: str = "") -> dict[str, type]:
 _OTHER_NAMES = {"learning_rate": "lr", "batch_size": "global_batch", "max_steps": "steps", "num_steps": "steps",
                 "seq_length": "seq_len", "sequence_length": "seq_len", "max_seq_len": "seq_len", "warmup": "warmup_steps",
                 "grad_clip": "clip_norm", "max_grad_norm": "clip_norm", "n_layers": "num_layers", "hidden_size": "d_model",
-                "intermediate_size": "mlp_dim", "gradient_accumulation_steps": "microbatches"}
+                "intermediate_size": "mlp_dim", "gradient_accumulation_steps": "microbatches", "lr_scheduler_type": "schedule",
+                "lr_schedule": "schedule", "scheduler": "schedule", "decay_ratio": "decay_fraction", "min_lr_factor": "min_lr_ratio"}
 
 
 def _did_you_mean(key: str, candidates) -> str:
@@ -553,7 +559,8 @@ def range_problems(cfg: Config) -> list[str]:
         r("data.val_fraction", d.val_fraction, 0, 1, low_open=True, high_open=True),
         r("optim.lr", o.lr, 0, high_open=True),
         r("optim.warmup_steps", o.warmup_steps, 0),
-        r("optim.min_lr_ratio", o.min_lr_ratio, 0, 1, meaning=" (the share of optim.lr the cosine decays to)"),
+        r("optim.min_lr_ratio", o.min_lr_ratio, 0, 1, meaning=" (the share of optim.lr the schedule decays to)"),
+        r("optim.decay_fraction", o.decay_fraction, 0, 1, meaning=" (the share of train.steps optim.schedule=wsd decays over)"),
         r("optim.weight_decay", o.weight_decay, 0, high_open=True),
         r("optim.b1", o.b1, 0, 1, high_open=True), r("optim.b2", o.b2, 0, 1, high_open=True),
         r("optim.eps", o.eps, 0, low_open=True, high_open=True),
@@ -586,6 +593,8 @@ def check(cfg: Config) -> None:
     problems.extend(log_problems(cfg))
     if cfg.optim.grad_dtype not in ("float32", "bfloat16"):
         problems.append(f"optim.grad_dtype={cfg.optim.grad_dtype!r} must be float32 or bfloat16 (gradients summed across devices in bfloat16)")
+    if cfg.optim.schedule not in SCHEDULES:
+        problems.append(f"optim.schedule={cfg.optim.schedule!r} is not a learning-rate schedule; choose one of {', '.join(SCHEDULES)}")
     if cfg.optim.grad_sync not in GRAD_SYNCS:
         problems.append(f"optim.grad_sync={cfg.optim.grad_sync!r} must be one of {', '.join(GRAD_SYNCS)} (when gradients are summed "
                         "across the batch shards: once per step, or in every micro-batch's backward pass)")

@@ -20,16 +20,23 @@ def warmup_steps(cfg: Config) -> int:
 
 
 def learning_rate_schedule(cfg: Config) -> optax.Schedule:
-    o = cfg.optim
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=o.lr,
-        # optax counts the updates from 0, so step k gets lr * (k - 1) / warmup: a run shorter than its warmup
-        # warms up over one count fewer than its steps, so its last step applies optim.lr (a 1-step run: at once)
-        warmup_steps=min(o.warmup_steps, cfg.train.steps - 1),
-        decay_steps=max(cfg.train.steps, o.warmup_steps + 1),
-        end_value=o.lr * o.min_lr_ratio,
-    )
+    """``optim.schedule`` after a linear warmup from 0: a cosine (transformers' cosine-with-min-lr) or linear decay to
+    ``lr * min_lr_ratio`` at ``train.steps``, or warmup-stable-decay (transformers' ``get_wsd_schedule``, linear decay):
+    ``optim.lr`` until the last ``optim.decay_fraction`` of the steps, so a run extended in its stable phase goes on
+    at the same rate, and a decay from any checkpoint of it is a shorter run's end (Hägele et al. 2024)."""
+    o, steps = cfg.optim, cfg.train.steps
+    # optax counts the updates from 0, so step k gets lr * (k - 1) / warmup: a run shorter than its warmup
+    # warms up over one count fewer than its steps, so its last step applies optim.lr (a 1-step run: at once)
+    warmup, end = min(o.warmup_steps, steps - 1), o.lr * o.min_lr_ratio
+    if o.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=o.lr, warmup_steps=warmup,
+                                                  decay_steps=max(steps, o.warmup_steps + 1), end_value=end)
+    warming = optax.linear_schedule(0.0, o.lr, warmup)
+    if o.schedule == "linear":
+        return optax.join_schedules([warming, optax.linear_schedule(o.lr, end, max(steps - warmup, 1))], [warmup])
+    decay = min(round(o.decay_fraction * steps), steps - warmup)  # a warmup that leaves less: no stable phase
+    return optax.join_schedules([warming, optax.constant_schedule(o.lr), optax.linear_schedule(o.lr, end, max(decay, 1))],
+                                [warmup, steps - decay])
 
 
 def decays(axes) -> bool:

@@ -28,6 +28,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import
 from jaxtrain.layout import Layout, compile_train_step
 from jaxtrain.observe.metrics import MetricsLog
+from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.state import TrainState, model_spec, state_from_params, state_initializer
 from jaxtrain.step import schedule_count
 from models.config import LlamaConfig
@@ -198,6 +199,7 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
                 state = trainer.init_state() if initial is None else initial
             if not fresh:
                 _note_model_changes(run_dir, cfg, requested)
+                _note_optimizer_changes(run_dir, cfg, state)
                 _note_data_order_changes(run_dir, cfg, batches)
             # only now, once the run's own checkpoint fits this config: a refused start leaves the run directory as it was
             _write_run_files(trainer, run_dir, base, init_from if fresh else None)
@@ -243,9 +245,46 @@ def _note_model_changes(run_dir: Path, cfg: Config, requested: LlamaConfig) -> N
     chosen_here = {key for key, value in config_lib.flatten(config_lib.to_dict(requested), "model.").items() if value == "auto"}
     for key, value in config_lib.flatten(config_lib.to_dict(cfg.model), "model.").items():
         if key not in chosen_here and not key.startswith(HOW_NOT_WHAT) and before.get(key) != value:
-            now, then = config_lib.as_override(value), config_lib.as_override(before.get(key))
-            _say(f"jaxtrain: note: {key}={now} here but {then} in {run_dir / 'config.yaml'}, which the checkpoints "
-                 f"trained with: from this step on the run trains with {now}; give {key}={then} to continue as before")
+            _note_trains_with(key, value, before.get(key), run_dir)
+
+
+def _note_trains_with(key: str, value, before, run_dir: Path) -> None:
+    now, then = config_lib.as_override(value), config_lib.as_override(before)
+    _say(f"jaxtrain: note: {key}={now} here but {then} in {run_dir / 'config.yaml'}, which the checkpoints trained with: from "
+         f"this step on the run trains with {now}; give {key}={then} to continue as before")
+
+
+# optimizer keys that choose how the same update is computed or where it is kept, not which: no resume note
+OPTIM_HOW_NOT_WHAT = ("optim.offload", "optim.grad_dtype", "optim.grad_sync")
+# what the learning rate of an update depends on (jaxtrain/optim.py learning_rate_schedule)
+SCHEDULE_KEYS = ("optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "optim.schedule", "optim.decay_fraction", "train.steps")
+
+
+def _note_optimizer_changes(run_dir: Path, cfg: Config, state: TrainState) -> None:
+    """Resumed with another optimizer setting, the run trains on with it: a note per changed optimizer key, as for the
+    model's; the learning-rate schedule's keys (with train.steps, where the decay ends) in one, with the rate of the
+    next update under this schedule and under the run's last start's (raising train.steps to extend a run: a cosine's
+    rate jumps back up, a wsd schedule's in its stable phase stays)."""
+    if not (run_dir / "config.yaml").is_file():
+        return
+    saved = config_lib.load_run_config(run_dir)
+
+    def settings(c: Config) -> dict:
+        return config_lib.flatten(config_lib.to_dict(c.optim), "optim.") | {"train.steps": c.train.steps}
+
+    then, now = settings(saved), settings(cfg)
+    changed = [key for key in now if now[key] != then.get(key) and key not in OPTIM_HOW_NOT_WHAT]
+    for key in changed:
+        if key not in SCHEDULE_KEYS:
+            _note_trains_with(key, now[key], then.get(key), run_dir)
+    schedule = [key for key in changed if key in SCHEDULE_KEYS]
+    if schedule:
+        update = int(schedule_count(state.opt_state))  # counted from 0: the next update's
+        here, before = (float(learning_rate_schedule(c)(update)) for c in (cfg, saved))
+        differences = ", ".join(f"{key}={config_lib.as_override(now[key])} here but {config_lib.as_override(then.get(key))} there"
+                                for key in schedule)
+        _say(f"jaxtrain: note: the learning-rate schedule differs from that of {run_dir / 'config.yaml'}, which the checkpoints "
+             f"trained with ({differences}): the next update's rate is {here:.4g}, {before:.4g} under the run's schedule")
 
 
 # keys that keep the examples and their order, so the data position (a count of them read) stays exact: instruction

@@ -149,7 +149,8 @@ def test_an_experiment_files_values_are_read_as_overrides_are(tmp_path):
 
 
 @pytest.mark.parametrize("key, ours", [("optim.learning_rate", "optim.lr"), ("train.batch_size", "train.global_batch"),
-                                       ("train.max_steps", "train.steps"), ("optim.lrr", "optim.lr")])
+                                       ("train.max_steps", "train.steps"), ("optim.lrr", "optim.lr"),
+                                       ("optim.lr_scheduler_type", "optim.schedule")])
 def test_an_unknown_key_suggests_ours_for_other_frameworks_names(key, ours):
     """optim.learning_rate is spelt more like optim.min_lr_ratio than optim.lr, which difflib alone suggested."""
     with pytest.raises(UserError, match=f"unknown config key '{key}'; did you mean '{ours}'"):
@@ -165,6 +166,8 @@ def test_an_unknown_key_suggests_ours_for_other_frameworks_names(key, ours):
     ("optim.b2=1", r"optim.b2=1.0 must be in \[0, 1\)"),
     ("optim.eps=0", "optim.eps=0.0 must be greater than 0"),
     ("optim.min_lr_ratio=1.5", r"optim.min_lr_ratio=1.5 must be in \[0, 1\] \(the share of optim.lr"),
+    ("optim.decay_fraction=1.2", r"optim.decay_fraction=1.2 must be in \[0, 1\] \(the share of train.steps optim.schedule=wsd"),
+    ("optim.schedule=step", "optim.schedule='step' is not a learning-rate schedule; choose one of cosine, linear, wsd"),
     ("optim.clip_norm=-1", r"optim.clip_norm=-1.0 must be at least 0 \(0: no clipping\)"),
     ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1 must be at least 0"),
     ("train.eval_batches=0", "train.eval_batches=0 must be at least 1"),
@@ -229,7 +232,9 @@ def test_an_empty_optional_value_is_one_line_not_off(key, what):
 
 def test_defaults_and_boundaries_are_in_range():
     config_lib.check(apply_overrides(Config(), ["optim.lr=0", "optim.warmup_steps=0", "optim.b1=0", "optim.min_lr_ratio=1",
-                                                "optim.clip_norm=0", "optim.weight_decay=0", "train.eval_every=0"]))
+                                                "optim.clip_norm=0", "optim.weight_decay=0", "train.eval_every=0",
+                                                "optim.decay_fraction=0"]))
+    config_lib.check(apply_overrides(Config(), ["optim.decay_fraction=1", "optim.schedule=wsd"]))
     config_lib.check(apply_overrides(Config(), ["train.steps=1", "checkpoint.keep=1", "checkpoint.every=1", "log.every=1",
                                                 "log.profile_steps=1:1", "train.microbatches=32", "train.loss_chunk=256"]))
     config_lib.check(apply_overrides(Config(), ["log.profile_steps=90:100"]))  # through the last step, train.steps=100

@@ -3,9 +3,12 @@
 import jax
 import numpy as np
 import optax
+import pytest
 
 from conftest import small_config, with_
+from jaxtrain.config import SCHEDULES
 from jaxtrain.data import train_batches
+from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.train import build
 
 LR, WEIGHT_DECAY = 1e-2, 0.5
@@ -91,3 +94,41 @@ def test_the_optimizer_is_pytorchs_adamw_with_clipping_and_transformers_cosine_s
         np.testing.assert_allclose(a, b.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     # every leaf moved far beyond the tolerance: the agreement is not the start's
     assert all(np.abs(a - b).max() > 1e-3 for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(params), strict=True))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_learning_rate_schedule_is_transformers_own(schedule):
+    """optim.schedule at every update count of a run, against transformers' schedules: cosine with a minimum, linear
+    (polynomial of power 1) to the same end, and warmup-stable-decay with a linear decay over optim.decay_fraction of
+    the steps (transformers warms that one up from lr * min_lr_ratio, jaxtrain from 0 as its others do)."""
+    import torch
+    from transformers import optimization as hf
+
+    steps, warmup, lr, floor, fraction = 20, 3, 1e-2, 0.2, 0.3
+    decay = round(fraction * steps)
+    cfg = with_(small_config(), train={"steps": steps},
+                optim={"lr": lr, "warmup_steps": warmup, "min_lr_ratio": floor, "schedule": schedule, "decay_fraction": fraction})
+    torch_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    reference = {
+        "cosine": lambda: hf.get_cosine_with_min_lr_schedule_with_warmup(torch_opt, warmup, steps, min_lr_rate=floor),
+        "linear": lambda: hf.get_polynomial_decay_schedule_with_warmup(torch_opt, warmup, steps, lr_end=lr * floor, power=1.0),
+        "wsd": lambda: hf.get_wsd_schedule(torch_opt, warmup, num_decay_steps=decay, num_training_steps=steps,
+                                           decay_type="linear", min_lr_ratio=floor),
+    }[schedule]()
+    theirs = []
+    for _ in range(steps):
+        theirs.append(reference.get_last_lr()[0])
+        torch_opt.step()
+        reference.step()
+    ours = [float(learning_rate_schedule(cfg)(count)) for count in range(steps)]
+    if schedule == "wsd":
+        np.testing.assert_allclose(ours[:warmup], [lr * count / warmup for count in range(warmup)], rtol=1e-6)
+        ours, theirs = ours[warmup:], theirs[warmup:]
+        assert ours[:steps - warmup - decay] == pytest.approx([lr] * (steps - warmup - decay))  # the stable phase
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    assert len(set(np.round(ours, 9))) > 5  # the compared stretch moves
+
+    if schedule == "wsd":  # extended in its stable phase, a run goes on at the same rate
+        longer = learning_rate_schedule(with_(cfg, train={"steps": 2 * steps}))
+        stable = range(warmup, steps - decay)
+        assert [float(longer(count)) for count in stable] == [float(learning_rate_schedule(cfg)(count)) for count in stable]

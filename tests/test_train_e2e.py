@@ -159,15 +159,40 @@ def test_a_resume_with_another_global_batch_reads_on_from_the_next_sequence(shor
     runs = _recorded_runs(monkeypatch, train_lib)
     train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5", "train.global_batch=12"]), run_dir)
     np.testing.assert_array_equal(runs[0].read[0], runs[0].uninterrupted(48)[32:44])
-    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note:")]
+    notes = [line for line in capsys.readouterr().err.splitlines()
+             if line.startswith("jaxtrain: note:") and "learning-rate schedule" not in line]  # train.steps raised: its own test
     assert notes == [f"jaxtrain: note: train.global_batch=12 here but 8 in {run_dir / 'config.yaml'}: the data goes on after "
                      "the 32 sequences the checkpoint's position counts, none skipped or read twice"], notes
     train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=6", "train.global_batch=12", "data.seed=1"]), run_dir)
-    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note:")]
+    notes = [line for line in capsys.readouterr().err.splitlines()
+             if line.startswith("jaxtrain: note:") and "learning-rate schedule" not in line]
     assert notes == [f"jaxtrain: note: data.seed=1 here but 0 in {run_dir / 'config.yaml'}, whose sequences the checkpoint's "
                      "data position counts (44 read): here it goes on at position 44 of another stream, so sequences are "
                      "skipped or seen twice; give data.seed=0 to continue where the run stopped"], notes
     np.testing.assert_array_equal(runs[1].read[0], runs[1].uninterrupted(56)[44:])  # of data.seed=1's stream
+
+
+def test_a_resume_with_other_optimizer_settings_notes_each_and_the_next_updates_rate(short_run, tmp_path, capsys):
+    """A resume trains on with the optimizer settings it is given: a note per changed key, as for the model's; the
+    schedule's keys in one, with the next update's rate under both schedules (raising train.steps to extend a cosine run
+    puts its rate back up: nothing was said)."""
+    from jaxtrain import train as train_lib
+    from jaxtrain.cli import resolve_config
+    from jaxtrain.optim import learning_rate_schedule
+
+    run_dir = _copy(short_run, tmp_path)
+    before = resolve_config("tiny", None, None, [*SHORT, "optim.lr=1e-3"])
+    extended = resolve_config("tiny", None, None, [*SHORT, "optim.lr=1e-3", "train.steps=6", "optim.b2=0.99", "optim.offload=true"])
+    train_lib.train(extended, run_dir)
+    here, there = (float(learning_rate_schedule(cfg)(4)) for cfg in (extended, before))  # update 5 counts 4 before it
+    assert abs(here - there) > 1e-4  # tiny warms up over more steps than these: train.steps stretches its warmup
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note:")]
+    config = run_dir / "config.yaml"
+    assert notes == [f"jaxtrain: note: optim.b2=0.99 here but 0.95 in {config}, which the checkpoints trained with: from this step "
+                     "on the run trains with 0.99; give optim.b2=0.95 to continue as before",
+                     f"jaxtrain: note: the learning-rate schedule differs from that of {config}, which the checkpoints trained "
+                     f"with (train.steps=6 here but 4 there): the next update's rate is {here:.4g}, {there:.4g} under the run's "
+                     "schedule"], notes  # optim.offload moves the state, not the update: no note
 
 
 def test_init_from_a_run_says_it_takes_its_data_position_and_what_it_counts_here(short_run, tmp_path, monkeypatch, capsys):
