@@ -326,6 +326,16 @@ def _library_call(ins: Instruction) -> str:
     return target.group(1) if target else ""
 
 
+def _library_calls(computations: dict[str, list[Instruction]], ins: Instruction) -> Iterator[str]:
+    """The library calls ``ins`` makes: its own, or those inside the fusion it is (XLA's dynamic-slice fusion wraps a
+    cuBLAS gemm that reads a slice of a stack or writes into one)."""
+    if ins.opcode in FUSION_OPCODES:
+        for inner in computations.get(_callee(ins), []):
+            yield from _library_calls(computations, inner)
+    elif _library_call(ins):
+        yield _library_call(ins)
+
+
 def _is_gemm(ins: Instruction) -> bool:
     """A dot or convolution, or a call of a gemm library (cuBLAS: XLA's choice for a dot where its autotuner finds
     it faster than its own kernel, and always with ``--xla_gpu_enable_triton_gemm=false``)."""
@@ -531,9 +541,9 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
                     name = re.search(r'op_name="([^"]*)"', ins.attributes)
                     key = name.group(1) if name else ins.name
                     other_kernels[key] = other_kernels.get(key, 0.0) + times * moved
-            attention_calls += "fmha" in _library_call(ins)
-            if _library_call(ins):
-                custom_calls[_library_call(ins)] = custom_calls.get(_library_call(ins), 0.0) + times
+            for call in _library_calls(computations, ins):
+                attention_calls += "fmha" in call
+                custom_calls[call] = custom_calls.get(call, 0.0) + times
             kind = ins.opcode.removesuffix("-start")
             if kind not in COLLECTIVES:
                 continue
