@@ -32,8 +32,9 @@ EXPERIMENTS_DIR = Path(experiments.__file__).parent
 
 GRAD_SYNCS = ("auto", "step", "microbatch")  # optim.grad_sync (jaxtrain/memory/grad_comm.py)
 # optim.schedule, after the linear warmup (jaxtrain/optim.py): cosine or linear decay to lr * min_lr_ratio at train.steps;
-# wsd (warmup-stable-decay): optim.lr until the last optim.decay_fraction of train.steps, then a linear decay
+# wsd (warmup-stable-decay): optim.lr until the last optim.decay_fraction of train.steps, then a decay of optim.decay_shape
 SCHEDULES = ("cosine", "linear", "wsd")
+DECAY_SHAPES = ("linear", "1-sqrt", "cosine")  # the factor at progress p of the decay: 1 - p, 1 - sqrt(p), (1 + cos(pi p)) / 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,8 @@ class OptimConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio at train.steps
     schedule: str = "cosine"  # one of SCHEDULES
-    decay_fraction: float = 0.2  # schedule=wsd: the share of train.steps its final linear decay takes
+    decay_fraction: float = 0.2  # schedule=wsd: the share of train.steps its final decay takes
+    decay_shape: str = "linear"  # schedule=wsd: one of DECAY_SHAPES
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -208,7 +210,8 @@ _OTHER_NAMES = {"learning_rate": "lr", "batch_size": "global_batch", "max_steps"
                 "seq_length": "seq_len", "sequence_length": "seq_len", "max_seq_len": "seq_len", "warmup": "warmup_steps",
                 "grad_clip": "clip_norm", "max_grad_norm": "clip_norm", "n_layers": "num_layers", "hidden_size": "d_model",
                 "intermediate_size": "mlp_dim", "gradient_accumulation_steps": "microbatches", "lr_scheduler_type": "schedule",
-                "lr_schedule": "schedule", "scheduler": "schedule", "decay_ratio": "decay_fraction", "min_lr_factor": "min_lr_ratio"}
+                "lr_schedule": "schedule", "scheduler": "schedule", "decay_ratio": "decay_fraction", "min_lr_factor": "min_lr_ratio",
+                "decay_type": "decay_shape"}
 
 
 def _did_you_mean(key: str, candidates) -> str:
@@ -595,6 +598,8 @@ def check(cfg: Config) -> None:
         problems.append(f"optim.grad_dtype={cfg.optim.grad_dtype!r} must be float32 or bfloat16 (gradients summed across devices in bfloat16)")
     if cfg.optim.schedule not in SCHEDULES:
         problems.append(f"optim.schedule={cfg.optim.schedule!r} is not a learning-rate schedule; choose one of {', '.join(SCHEDULES)}")
+    if cfg.optim.decay_shape not in DECAY_SHAPES:
+        problems.append(f"optim.decay_shape={cfg.optim.decay_shape!r} is not a decay shape; choose one of {', '.join(DECAY_SHAPES)}")
     if cfg.optim.grad_sync not in GRAD_SYNCS:
         problems.append(f"optim.grad_sync={cfg.optim.grad_sync!r} must be one of {', '.join(GRAD_SYNCS)} (when gradients are summed "
                         "across the batch shards: once per step, or in every micro-batch's backward pass)")

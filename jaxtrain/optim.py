@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxtrain.adapt.adapters import split_frozen
@@ -21,9 +22,9 @@ def warmup_steps(cfg: Config) -> int:
 
 def learning_rate_schedule(cfg: Config) -> optax.Schedule:
     """``optim.schedule`` after a linear warmup from 0: a cosine (transformers' cosine-with-min-lr) or linear decay to
-    ``lr * min_lr_ratio`` at ``train.steps``, or warmup-stable-decay (transformers' ``get_wsd_schedule``, linear decay):
-    ``optim.lr`` until the last ``optim.decay_fraction`` of the steps, so a run extended in its stable phase goes on
-    at the same rate, and a decay from any checkpoint of it is a shorter run's end (Hägele et al. 2024)."""
+    ``lr * min_lr_ratio`` at ``train.steps``, or warmup-stable-decay (transformers' ``get_wsd_schedule``): ``optim.lr``
+    until the last ``optim.decay_fraction`` of the steps, then a decay of ``optim.decay_shape``, so a run extended in
+    its stable phase goes on at the same rate, and a decay from any checkpoint of it is a shorter run's end."""
     o, steps = cfg.optim, cfg.train.steps
     # optax counts the updates from 0, so step k gets lr * (k - 1) / warmup: a run shorter than its warmup
     # warms up over one count fewer than its steps, so its last step applies optim.lr (a 1-step run: at once)
@@ -35,8 +36,19 @@ def learning_rate_schedule(cfg: Config) -> optax.Schedule:
     if o.schedule == "linear":
         return optax.join_schedules([warming, optax.linear_schedule(o.lr, end, max(steps - warmup, 1))], [warmup])
     decay = min(round(o.decay_fraction * steps), steps - warmup)  # a warmup that leaves less: no stable phase
-    return optax.join_schedules([warming, optax.constant_schedule(o.lr), optax.linear_schedule(o.lr, end, max(decay, 1))],
+    return optax.join_schedules([warming, optax.constant_schedule(o.lr), _decay(o.lr, end, max(decay, 1), o.decay_shape)],
                                 [warmup, steps - decay])
+
+
+# optim.decay_shape: the factor at a decay's progress p (torchtitan's and transformers' warmup-stable-decay shapes;
+# 1-sqrt: Hägele et al. 2024's best cool-down)
+DECAY_FACTORS = {"linear": lambda p: 1.0 - p, "1-sqrt": lambda p: 1.0 - jnp.sqrt(p), "cosine": lambda p: 0.5 * (1.0 + jnp.cos(jnp.pi * p))}
+
+
+def _decay(start: float, end: float, steps: int, shape: str) -> optax.Schedule:
+    """From ``start`` to ``end`` over ``steps`` counts, by ``DECAY_FACTORS[shape]``."""
+    factor = DECAY_FACTORS[shape]
+    return lambda count: end + (start - end) * factor(jnp.clip(count / steps, 0.0, 1.0))
 
 
 def decays(axes) -> bool:

@@ -257,7 +257,8 @@ def _note_trains_with(key: str, value, before, run_dir: Path) -> None:
 # optimizer keys that choose how the same update is computed or where it is kept, not which: no resume note
 OPTIM_HOW_NOT_WHAT = ("optim.offload", "optim.grad_dtype", "optim.grad_sync")
 # what the learning rate of an update depends on (jaxtrain/optim.py learning_rate_schedule)
-SCHEDULE_KEYS = ("optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "optim.schedule", "optim.decay_fraction", "train.steps")
+SCHEDULE_KEYS = ("optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "optim.schedule", "optim.decay_fraction", "optim.decay_shape",
+                 "train.steps")
 
 
 def _note_optimizer_changes(run_dir: Path, cfg: Config, state: TrainState) -> None:

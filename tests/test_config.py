@@ -150,7 +150,7 @@ def test_an_experiment_files_values_are_read_as_overrides_are(tmp_path):
 
 @pytest.mark.parametrize("key, ours", [("optim.learning_rate", "optim.lr"), ("train.batch_size", "train.global_batch"),
                                        ("train.max_steps", "train.steps"), ("optim.lrr", "optim.lr"),
-                                       ("optim.lr_scheduler_type", "optim.schedule")])
+                                       ("optim.lr_scheduler_type", "optim.schedule"), ("optim.decay_type", "optim.decay_shape")])
 def test_an_unknown_key_suggests_ours_for_other_frameworks_names(key, ours):
     """optim.learning_rate is spelt more like optim.min_lr_ratio than optim.lr, which difflib alone suggested."""
     with pytest.raises(UserError, match=f"unknown config key '{key}'; did you mean '{ours}'"):
@@ -168,6 +168,7 @@ def test_an_unknown_key_suggests_ours_for_other_frameworks_names(key, ours):
     ("optim.min_lr_ratio=1.5", r"optim.min_lr_ratio=1.5 must be in \[0, 1\] \(the share of optim.lr"),
     ("optim.decay_fraction=1.2", r"optim.decay_fraction=1.2 must be in \[0, 1\] \(the share of train.steps optim.schedule=wsd"),
     ("optim.schedule=step", "optim.schedule='step' is not a learning-rate schedule; choose one of cosine, linear, wsd"),
+    ("optim.decay_shape=sqrt", "optim.decay_shape='sqrt' is not a decay shape; choose one of linear, 1-sqrt, cosine"),
     ("optim.clip_norm=-1", r"optim.clip_norm=-1.0 must be at least 0 \(0: no clipping\)"),
     ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1 must be at least 0"),
     ("train.eval_batches=0", "train.eval_batches=0 must be at least 1"),

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 from conftest import small_config, with_
-from jaxtrain.config import SCHEDULES
+from jaxtrain.config import DECAY_SHAPES, SCHEDULES
 from jaxtrain.data import train_batches
 from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.train import build
@@ -96,24 +96,27 @@ def test_the_optimizer_is_pytorchs_adamw_with_clipping_and_transformers_cosine_s
     assert all(np.abs(a - b).max() > 1e-3 for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(params), strict=True))
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_each_learning_rate_schedule_is_transformers_own(schedule):
+@pytest.mark.parametrize("schedule, shape", [(schedule, "linear") for schedule in SCHEDULES]
+                         + [("wsd", shape) for shape in DECAY_SHAPES if shape != "linear"])
+def test_each_learning_rate_schedule_is_transformers_own(schedule, shape):
     """optim.schedule at every update count of a run, against transformers' schedules: cosine with a minimum, linear
-    (polynomial of power 1) to the same end, and warmup-stable-decay with a linear decay over optim.decay_fraction of
-    the steps (transformers warms that one up from lr * min_lr_ratio, jaxtrain from 0 as its others do)."""
+    (polynomial of power 1) to the same end, and warmup-stable-decay with each optim.decay_shape over
+    optim.decay_fraction of the steps (transformers warms that one up from lr * min_lr_ratio, jaxtrain from 0 as its
+    others do)."""
     import torch
     from transformers import optimization as hf
 
     steps, warmup, lr, floor, fraction = 20, 3, 1e-2, 0.2, 0.3
     decay = round(fraction * steps)
     cfg = with_(small_config(), train={"steps": steps},
-                optim={"lr": lr, "warmup_steps": warmup, "min_lr_ratio": floor, "schedule": schedule, "decay_fraction": fraction})
+                optim={"lr": lr, "warmup_steps": warmup, "min_lr_ratio": floor, "schedule": schedule, "decay_fraction": fraction,
+                       "decay_shape": shape})
     torch_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
     reference = {
         "cosine": lambda: hf.get_cosine_with_min_lr_schedule_with_warmup(torch_opt, warmup, steps, min_lr_rate=floor),
         "linear": lambda: hf.get_polynomial_decay_schedule_with_warmup(torch_opt, warmup, steps, lr_end=lr * floor, power=1.0),
         "wsd": lambda: hf.get_wsd_schedule(torch_opt, warmup, num_decay_steps=decay, num_training_steps=steps,
-                                           decay_type="linear", min_lr_ratio=floor),
+                                           decay_type=shape, min_lr_ratio=floor),
     }[schedule]()
     theirs = []
     for _ in range(steps):
