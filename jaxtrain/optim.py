@@ -35,9 +35,26 @@ def learning_rate_schedule(cfg: Config) -> optax.Schedule:
     warming = optax.linear_schedule(0.0, o.lr, warmup)
     if o.schedule == "linear":
         return optax.join_schedules([warming, optax.linear_schedule(o.lr, end, max(steps - warmup, 1))], [warmup])
-    decay = min(round(o.decay_fraction * steps), steps - warmup)  # a warmup that leaves less: no stable phase
+    decay = _wsd_decay_steps(cfg)
     return optax.join_schedules([warming, optax.constant_schedule(o.lr), _decay(o.lr, end, max(decay, 1), o.decay_shape)],
                                 [warmup, steps - decay])
+
+
+def _wsd_decay_steps(cfg: Config) -> int:
+    """The updates a wsd schedule decays over: ``optim.decay_fraction`` of the steps, or what the warmup leaves."""
+    return min(round(cfg.optim.decay_fraction * cfg.train.steps), cfg.train.steps - min(cfg.optim.warmup_steps, cfg.train.steps - 1))
+
+
+def describe_schedule(cfg: Config) -> str:
+    """The optimizer and its learning-rate schedule in words, for the start-up summary (steps counted from 1: update k
+    is step k)."""
+    o, steps = cfg.optim, cfg.train.steps
+    end = f"{o.lr * o.min_lr_ratio:.3g} after step {steps}"
+    then = {"cosine": f"a cosine to {end}", "linear": f"linear to {end}",
+            "wsd": f"held to step {steps - _wsd_decay_steps(cfg)}, then a {o.decay_shape} decay to {end}"}[o.schedule]
+    clipping = f"gradients clipped at global norm {o.clip_norm:g}" if o.clip_norm else "no clipping"
+    return (f"AdamW (b1 {o.b1:g}, b2 {o.b2:g}, eps {o.eps:g}, weight decay {o.weight_decay:g}, {clipping}): learning rate "
+            f"{o.lr:.3g} after {warmup_steps(cfg)} warmup steps, then {then}")
 
 
 # optim.decay_shape: the factor at a decay's progress p (torchtitan's and transformers' warmup-stable-decay shapes;

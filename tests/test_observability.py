@@ -33,7 +33,7 @@ from jaxtrain.observe.exporters import check_port_free
 from jaxtrain.observe.flops import flops_per_token
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.observe.metrics import NonFiniteError, Progress, format_summary
-from jaxtrain.optim import learning_rate_schedule
+from jaxtrain.optim import describe_schedule, learning_rate_schedule
 from jaxtrain.step import schedule_count
 from models.config import LoraConfig
 
@@ -115,6 +115,7 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     assert summary["grouped_matmul"] is None  # a dense model (mixture of experts: model.moe.grouped_matmul as resolved)
     assert "; experts' grouped matmul tokamax" in format_summary(summary | {"grouped_matmul": "tokamax"})
     assert "grouped matmul" not in format_summary(summary)
+    assert f"\n  optimizer {describe_schedule(trainer.cfg)}\n" in format_summary(summary)  # the schedule in words
     # model.scan_layers=auto on CPUs: the compiled step has no loop (no micro-batches either here) but those of the
     # embedding gradient's scatter, where XLA:CPU's older code generator (the tests' conftest) compiles it to one
     loops = [op for op in trainer.train_step.as_text().splitlines() if " while(" in op and "scatter" not in op]

@@ -38,7 +38,7 @@ from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges, start_wandb
 from jaxtrain.observe import step_profile
 from jaxtrain.observe.flops import measure_matmul_peak, model_flops_per_token, peak_flops
 from jaxtrain.observe.records import read_records
-from jaxtrain.optim import warmup_steps
+from jaxtrain.optim import describe_schedule, warmup_steps
 from jaxtrain.layout import Layout, idle_axes_note
 from jaxtrain.memory import host_malloc
 from jaxtrain.mesh import describe_axes
@@ -158,6 +158,7 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "grad_sync": None if not layout.replica_axes else "microbatch" if layout.grad_reduction is None else "step",
         "idle_axes": layout.idle_axes,  # mesh axes that split nothing: their devices repeat each other's work
         "warmup_steps": warmup_steps(cfg), "configured_warmup_steps": cfg.optim.warmup_steps,  # at most train.steps: the former
+        "optimizer": describe_schedule(cfg),
         "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(compile_s, 3),
         "compile_cache": compile_cache, "data": data, "cpu_devices_per_core": cpu_devices_per_core(),
         # on CPUs: the malloc and whether it keeps XLA:CPU's step buffers mapped (memory/host_malloc.py); null on accelerators
@@ -207,6 +208,7 @@ def format_summary(s: dict[str, Any]) -> str:
         + ("" if s["microbatches"] == 1 else ", no replica axis to sum the gradients over (optim.grad_sync has no effect)"
            if s["grad_sync"] is None else
            f", gradients summed across the batch shards {'once per step' if s['grad_sync'] == 'step' else 'in every micro-batch'}") + f"; {s['flops_per_token']:.4g} FLOPs per token",
+        f"  optimizer {s['optimizer']}",
         f"  peak for MFU {peak} per device ({s['peak_source']}); train step compiled in {s['compile_s']:.1f}s "
         f"({describe_cache(s['compile_cache'])})",
         f"  data: {s['data']}",
