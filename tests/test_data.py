@@ -220,3 +220,86 @@ def test_a_checkpoint_counting_global_batches_resumes_at_its_sequence_under_anot
     assert resumed.position() == 32
     uninterrupted = _rows(GlobalBatches(tokens, 16, 8, _sharding(4), shuffle_seed=3, repeat=True), 6)
     np.testing.assert_array_equal(_rows(resumed, 1), uninterrupted[32:])
+
+
+@pytest.mark.parametrize("read, after", [(2, 8), (3, 8), (3, 12)])
+def test_each_epoch_has_its_own_order_and_a_resume_in_the_second_reads_on_exactly(read, after, tmp_path):
+    """20 sequences in batches of 8: each epoch reads every sequence once, in an order of its own (grain reseeds its
+    shuffle per epoch), the same again for the same data.seed; a run resumed from the position saved after the batch
+    that crosses into the second epoch (or before it) reads what the uninterrupted run reads, under another global
+    batch too."""
+    from jaxtrain.checkpoint import DataPositionHandler
+
+    seq_len = 4
+    tokens = np.arange(seq_len * 20 + 1) % 251
+
+    def stream(global_batch):
+        return GlobalBatches(tokens, seq_len, global_batch, _sharding(4), shuffle_seed=3, repeat=True)
+
+    uninterrupted = _rows(stream(8), 8)  # 64 sequences: three epochs and the start of a fourth
+    windows = uninterrupted[:, 0] // seq_len  # which window each row is: a window starts at token index * seq_len
+    epochs = [tuple(windows[e * 20:(e + 1) * 20]) for e in range(3)]
+    assert all(sorted(epoch) == list(range(20)) for epoch in epochs) and len(set(epochs)) == 3
+    np.testing.assert_array_equal(_rows(stream(8), 8), uninterrupted)
+    first = stream(8)
+    _rows(first, read)
+    DataPositionHandler().save(tmp_path, first.iterator)  # what a checkpoint keeps, read back by a new process
+    resumed = DataPositionHandler().restore(tmp_path, stream(after).iterator)
+    assert resumed.get_state() == {"sequences": 8 * read}
+    np.testing.assert_array_equal(np.concatenate([np.asarray(next(resumed)["inputs"]) for _ in range(3)]),
+                                  uninterrupted[8 * read:8 * read + 3 * after])
+
+
+def test_every_process_saves_the_position_of_the_whole_batch():
+    """4 processes of 2 devices each read a quarter of every batch, yet each saves the count of the sequences of the
+    global batches read: a checkpoint's position is any process's file (DataPositionHandler), and a run resumed on
+    another process count reads on from the next batch of the uninterrupted run."""
+    tokens = np.arange(16 * 100 + 1) % 251
+    sharding = _sharding(8)
+    devices = list(sharding.mesh.devices.flat)
+    per_process = [GlobalBatches(tokens, 16, 8, _ProcessView(sharding, devices[2 * p:2 * p + 2]), shuffle_seed=3, repeat=True)
+                   for p in range(4)]
+    for batches in per_process:
+        for _ in range(3):
+            next(batches.iterator)
+    assert [b.position() for b in per_process] == [24] * 4
+    resumed = GlobalBatches(tokens, 16, 8, sharding, shuffle_seed=3, repeat=True)
+    resumed.iterator.set_state(per_process[1].iterator.get_state())
+    uninterrupted = _rows(GlobalBatches(tokens, 16, 8, sharding, shuffle_seed=3, repeat=True), 4)
+    np.testing.assert_array_equal(_rows(resumed, 1), uninterrupted[24:])
+
+
+def test_a_split_of_exactly_one_batch_is_enough():
+    from jaxtrain.data import Corpus, check_sizes
+
+    exactly = np.zeros(16 * 8 + 1, np.uint8)  # 8 sequences of 16, and the token the last one's targets end with
+    check_sizes(Corpus(exactly, exactly, 256, "t"), DataConfig(seq_len=16), 8, 256)
+    with pytest.raises(UserError, match=r"^the train split has 7 sequences of data.seq_len=16, fewer than one batch"):
+        check_sizes(Corpus(exactly[:-1], exactly, 256, "t"), DataConfig(seq_len=16), 8, 256)
+
+
+def test_hidden_directories_are_skipped_like_hidden_files(tmp_path):
+    """A text directory's hidden directories (.git, Jupyter's .ipynb_checkpoints copies of the files beside them)
+    hold no training text."""
+    from jaxtrain.data import text_files
+
+    docs = tmp_path / "docs"
+    (docs / ".ipynb_checkpoints").mkdir(parents=True)
+    (docs / "sub").mkdir()
+    for name in ("a.txt", "sub/b.txt", ".ipynb_checkpoints/a-checkpoint.txt", ".hidden.txt"):
+        (docs / name).write_text(name)
+    assert text_files(docs) == [docs / "a.txt", docs / "sub" / "b.txt"]
+
+
+def test_every_process_reads_the_same_evaluation_batches():
+    """26 validation sequences in batches of 8, 4 processes of 2 rows each: each process reads its rows of the 3 whole
+    batches and stops (the first process read a fourth batch, of sequences 24 and 25, and a multi-process evaluation
+    waited for the processes that had stopped)."""
+    tokens = np.arange(16 * 26 + 1) % 251
+    sharding = _sharding(8)
+    devices = list(sharding.mesh.devices.flat)
+    per_process = [list(GlobalBatches(tokens, 16, 8, _ProcessView(sharding, devices[2 * p:2 * p + 2]), shuffle_seed=None,
+                                      repeat=False).iterator.batches) for p in range(4)]
+    assert [len(batches) for batches in per_process] == [3] * 4
+    rows = np.concatenate([np.concatenate([per_process[p][b]["inputs"] for p in range(4)]) for b in range(3)])
+    np.testing.assert_array_equal(rows, np.stack([tokens[i * 16:i * 16 + 16] for i in range(24)]))

@@ -107,6 +107,13 @@ def test_rendering_and_answer_mask_equal_transformers(data):
                                             tokenize=True, return_dict=False)
 
 
+def test_a_chat_answer_ends_at_the_eos_token_the_tokenizer_config_names(data):
+    """generate --chat stops an answer at the end of its turn: ChatML's <|im_end|>, tokenizer_config.json's eos_token
+    (not its bos_token, <|endoftext|>)."""
+    tok_dir, _ = data
+    tokenizer = load_tokenizer(tok_dir)
+    assert sft.ChatTemplate(tokenizer).end_of_turn() == tokenizer.tokenizer.token_to_id("<|im_end|>") == 2
+
 def test_load_splits_counts_and_truncates(data, tmp_path):
     tok_dir, path = data
     cfg = DataConfig(path=str(path), tokenizer=str(tok_dir), seq_len=SEQ, val_fraction=0.2, format="sft")

@@ -570,3 +570,67 @@ def test_sigterm_during_tokenize_exits_143_and_leaves_nothing(trained, texts, tm
         signal.signal(signal.SIGTERM, previous)
     assert stopped.value.code == 143 and capsys.readouterr().err.strip() == "jaxtrain: terminated"
     assert list(tmp_path.iterdir()) == []  # neither the temporary file nor the directory made for it
+
+
+def test_a_tokenizer_unlike_a_trained_one_gives_each_document_then_end_of_text(tmp_path, capsys):
+    """A Hugging Face tokenizer.json unlike the ones train-tokenizer makes: unused ids (2 to 4), the document
+    separator <|endoftext|> not id 0, a chat model's end of turn as tokenizer_config.json's eos_token, a post-processor
+    that adds <s>. A document becomes its tokens and the separator, nothing added; the vocabulary is the largest id + 1
+    (it was the count of tokens, 5, below the ids 5 to 7: text trained on ids past the model's vocabulary, and the
+    token file was refused as not matching its own sidecar)."""
+    from tokenizers import Tokenizer, processors
+
+    directory = _word_level(tmp_path / "tok", {"a": 0, "b": 1, "<|im_end|>": 5, END_OF_TEXT: 6, "<s>": 7}, {"eos_token": "<|im_end|>"})
+    with_bos = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    with_bos.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 7)])
+    with_bos.save(str(directory / "tokenizer.json"))
+    tokenizer = load_tokenizer(directory)
+    assert tokenizer.end_of_text == 6 and tokenizer.vocab_size == 8
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in "abba"))
+    tokens = tmp_path / "t.bin"
+    assert jaxtrain(capsys, "tokenize", str(tmp_path / "docs.jsonl"), "--tokenizer", str(directory), "--out", str(tokens))[0] == 0
+    np.testing.assert_array_equal(np.fromfile(tokens, np.uint16), [0, 6, 1, 6, 1, 6, 0, 6])
+    corpus = load_corpus(DataConfig(path=str(tokens), tokenizer=str(directory), val_fraction=0.25))
+    assert corpus.vocab_size == 8 and corpus.train.tolist() == [0, 6, 1, 6, 1, 6] and corpus.validation.tolist() == [0, 6]
+
+
+def test_a_token_file_without_sidecar_takes_the_vocabulary_of_data_tokenizer(trained, tmp_path):
+    """A raw .bin keeps no record of its tokenizer: with data.tokenizer, the vocabulary is the tokenizer's (the model
+    embeds every id the tokenizer makes), not the largest id the file happens to hold + 1."""
+    raw = tmp_path / "raw.bin"
+    (np.arange(1000) % 100).astype("<u2").tofile(raw)
+    assert load_corpus(DataConfig(path=str(raw), val_fraction=0.1)).vocab_size == 100
+    assert load_corpus(DataConfig(path=str(raw), tokenizer=str(trained), val_fraction=0.1)).vocab_size == VOCAB
+
+
+def test_a_token_file_takes_its_tokenizer_copied_elsewhere(trained, bad_inputs, tmp_path):
+    """A sidecar names its tokenizer by content (the sha256 of its JSON), not by path: a copy in another directory is
+    the same tokenizer."""
+    copy = tmp_path / "copy"
+    shutil.copytree(trained, copy)
+    corpus = load_corpus(DataConfig(path=str(bad_inputs["tokens"]), tokenizer=str(copy), val_fraction=0.5))
+    assert corpus.vocab_size == VOCAB and corpus.description.endswith(f", tokenizer {(trained / 'tokenizer.json').resolve()}")
+
+
+def test_a_malformed_tokenizer_config_is_one_line(tmp_path, capsys):
+    """tokenizer_config.json, where the end-of-text token may be named, is read with every tokenizer (it was a
+    JSONDecodeError traceback)."""
+    directory = _word_level(tmp_path / "tok", {"a": 0, "<stop>": 1}, {"eos_token": "<stop>"})
+    (directory / "tokenizer_config.json").write_text('{"eos_token": "<stop>",}')
+    (tmp_path / "doc.txt").write_text("a")
+    status, err = jaxtrain(capsys, "tokenize", str(tmp_path / "doc.txt"), "--tokenizer", str(directory), "--out", str(tmp_path / "t.bin"))
+    assert status == 2 and err == [f"jaxtrain: error: tokenizer config {directory / 'tokenizer_config.json'} is not valid JSON "
+                                   "(Expecting property name enclosed in double quotes); fix it (transformers reads it too)"], err
+    (directory / "tokenizer_config.json").write_bytes(b'{"eos_token": "\xe9"}')
+    with pytest.raises(UserError, match=r"tokenizer_config.json is not valid JSON \(not UTF-8\)"):
+        load_tokenizer(directory)
+
+
+def test_a_sidecar_whose_tokenizer_is_gone_names_none(bad_inputs, tmp_path):
+    """generate and export-hf take the tokenizer a token file's sidecar names while that file is there; once it is gone
+    the run is one of token ids, as a raw token file's is."""
+    tokens = tmp_path / "t.bin"
+    shutil.copy(bad_inputs["tokens"], tokens)
+    sidecar = json.loads(sidecar_path(bad_inputs["tokens"]).read_text())
+    sidecar_path(tokens).write_text(json.dumps(sidecar | {"tokenizer": str(tmp_path / "gone" / "tokenizer.json")}))
+    assert tokenizer_of(str(tokens)) is None and tokenizer_of(str(bad_inputs["tokens"])) == sidecar["tokenizer"]

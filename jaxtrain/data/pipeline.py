@@ -56,7 +56,11 @@ class SequenceIterator:
     def set_state(self, state: dict[str, int]) -> None:
         block, blocks = self.rows
         self.first = state["sequences"]
-        ds = self.sequences[self.first:].batch(self.global_batch // blocks, drop_remainder=True)[block::blocks]
+        sequences = self.sequences[self.first:]
+        # whole global batches only: a finite stream's partial last one gave the first processes rows and the others none,
+        # so they read unequal numbers of batches (a multi-process evaluation waited on the processes that had stopped)
+        sequences = sequences[:len(sequences) - len(sequences) % self.global_batch]
+        ds = sequences.batch(self.global_batch // blocks, drop_remainder=True)[block::blocks]
         self.batches = ds.map(_to_example).to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)).__iter__()
 
     def start_prefetch(self) -> None:

@@ -8,6 +8,7 @@ No jax here: the tokenizer commands start without it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -70,9 +71,11 @@ class TextTokenizer:
     sha256: str
     end_of_text: int
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+        """Its largest id + 1, which every id is below; the count of its tokens (``get_vocab_size``) is less where ids
+        are left unused."""
+        return max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
     def encode(self, texts: list[bytes]) -> np.ndarray:
         """The documents' tokens, the end-of-text token after each; encoded in parallel on all cores
@@ -102,7 +105,12 @@ def _end_of_text_id(tokenizer: tokenizers.Tokenizer, file: Path) -> int:
     names = list(END_OF_TEXT_NAMES)
     config = file.parent / CONFIG_FILE
     if config.is_file():  # the family's own end-of-sequence token, when none of the usual spellings exists
-        eos = json.loads(config.read_text()).get("eos_token")
+        try:
+            settings = json.loads(config.read_bytes())
+        except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+            reason = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise UserError(f"tokenizer config {config} is not valid JSON ({reason}); fix it (transformers reads it too)") from None
+        eos = settings.get("eos_token") if isinstance(settings, dict) else None
         names.append(eos.get("content") if isinstance(eos, dict) else eos)
     for name in filter(None, names):
         if (token := tokenizer.token_to_id(name)) is not None:
