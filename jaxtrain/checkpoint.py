@@ -372,6 +372,7 @@ class RunCheckpoints:
         self.preemption = PreemptionWatch()
         self.closed = False
         self.started = None  # the step of the latest save started: an async write fails later, on wait
+        self.uncommitted: list[tuple[int, float]] = []  # (step, time taken) of the saves started and not yet seen committed
         self.resumed_line = None
         self.restored = None  # (step, time written) of the checkpoint the run resumed from
 
@@ -407,28 +408,42 @@ class RunCheckpoints:
         """Whether to stop after ``step`` (every process must ask at every step, in the same order)."""
         return step < self.last_step and self.preemption.reached(step)
 
-    def after_step(self, step: int, state, data_iterator, *, preempted: bool) -> bool:
+    def after_step(self, step: int, state, data_iterator, *, preempted: bool) -> None:
         """Save if due (always at the last step); on preemption (or Ctrl-C) save, wait for the commit and raise
-        Preempted. Returns whether a save started."""
-        started = self.save(step, state, data_iterator, force=preempted or step == self.last_step)
+        Preempted."""
+        self.save(step, state, data_iterator, force=preempted or step == self.last_step)
         if preempted:
             self.close()
             raise Preempted(step, interrupted=self.preemption.interrupted)
-        return started
 
     def save(self, step: int, state, data_iterator, *, force: bool = False) -> bool:
         """Start saving ``step`` if it is due (or ``force``); the write continues in the background
         when asynchronous. Returns whether a save started."""
+        taken = time.time()
         args = ocp.args.Composite(
             state=ocp.args.PyTreeSave(saved_part(state)),
             data=DataPositionSave(data_iterator),
-            meta=ocp.args.JsonSave(self.meta | {"step": step, "time": time.time()}))
+            meta=ocp.args.JsonSave(self.meta | {"step": step, "time": taken}))
         try:
             started = self.manager.save(step, args=args, force=force)  # first waits for the previous save
         except Exception as e:  # noqa: BLE001 - a failed write (full disk, permissions) is the user's to fix
             raise self._write_error(self.started or step, e) from e
-        self.started = step if started else self.started
+        if started:
+            self.started = step
+            self.uncommitted.append((step, taken))
         return started
+
+    def newly_committed(self) -> tuple[int, float] | None:
+        """(step, time taken) of the newest save committed since the last call, or None: an asynchronous save can still
+        fail after it starts (Prometheus's last checkpoint). Only the newest save can be in flight, as each save first
+        waits for the one before."""
+        in_flight = self.uncommitted[-1:] if self.manager.is_saving_in_progress() else []
+        finished = self.uncommitted[:len(self.uncommitted) - len(in_flight)]
+        if not finished:
+            return None
+        self.uncommitted = in_flight
+        on_disk = set(committed_steps(self.directory))
+        return next((save for save in reversed(finished) if save[0] in on_disk), None)
 
     def finish(self) -> None:
         """Wait until every started save is committed."""

@@ -357,14 +357,18 @@ def _loop(trainer: Trainer, state: TrainState, batches: data_lib.GlobalBatches, 
         # before a checkpoint of a bad step is written
         log.after_step(step, metrics, flush=preempted)
         with log.timer("checkpoint_s"):
-            if checkpoints.after_step(step, state, batches.iterator, preempted=preempted):  # raises Preempted once committed
-                log.checkpoint_saved(step)
+            checkpoints.after_step(step, state, batches.iterator, preempted=preempted)  # raises Preempted once committed
+        if (committed := checkpoints.newly_committed()) is not None:
+            log.checkpoint_saved(*committed)
         if step == t.steps or (t.eval_every and step % t.eval_every == 0):
             _evaluate(trainer, state, eval_data, log, step)
     return state
 
 
 def _evaluate(trainer: Trainer, state: TrainState, eval_data: list[dict], log: MetricsLog, step: int) -> None:
+    # the train steps still running on the devices are step time: waited for inside the timer, they read as eval_s and
+    # tokens/s and MFU read high
+    jax.block_until_ready(state.params)
     with log.timer("eval_s"):
         eval_loss, eval_tokens = evaluate(trainer, state.model_params, eval_data)
     log.write({"step": step, "eval_loss": eval_loss, "eval_tokens": eval_tokens})

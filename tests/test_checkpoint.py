@@ -392,6 +392,29 @@ def test_a_save_that_a_stopped_process_broke_is_not_blamed_on_the_disk(tmp_path,
     checkpoints.close()
 
 
+def test_the_newest_committed_save_is_reported_once_and_a_failed_or_unfinished_one_never(tmp_path, monkeypatch):
+    """RunCheckpoints.newly_committed, which Prometheus's last checkpoint follows: of the saves finished since the last
+    call, the newest one on disk; the one still in flight (only the newest can be: each save waits for the one before)
+    waits for a later call; one that failed (no step directory) is never reported."""
+    checkpoints = checkpoint_lib.RunCheckpoints(tmp_path, checkpoint_lib.CheckpointConfig(), 10, {})
+    saving = [True]
+    monkeypatch.setattr(checkpoints.manager, "is_saving_in_progress", lambda: saving[0])
+    try:
+        for step in (2, 4, 6):
+            (tmp_path / "checkpoints" / str(step)).mkdir()
+        checkpoints.uncommitted = [(2, 20.0), (4, 40.0), (6, 60.0)]
+        assert checkpoints.newly_committed() == (4, 40.0) and checkpoints.uncommitted == [(6, 60.0)]
+        assert checkpoints.newly_committed() is None  # step 6 still being written
+        saving[0] = False
+        assert checkpoints.newly_committed() == (6, 60.0) and checkpoints.newly_committed() is None
+        checkpoints.uncommitted = [(6, 60.0), (8, 80.0)]  # step 8's save failed: no directory
+        assert checkpoints.newly_committed() == (6, 60.0)
+        checkpoints.uncommitted = [(8, 80.0)]
+        assert checkpoints.newly_committed() is None and checkpoints.uncommitted == []
+    finally:
+        checkpoints.close()
+
+
 def test_full_disk_is_one_line_error_and_earlier_checkpoints_stay(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)

@@ -1,6 +1,7 @@
 """Observability: TensorBoard and jsonl records, start-up summary, MFU and FLOPs counts, profiles,
 `jaxtrain plot`, the progress line and the non-finite guard. One compiled trainer serves every run."""
 
+import asyncio
 import dataclasses
 import io
 import json
@@ -19,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax.experimental import io_callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import REPO, run_cli, small_config, subprocess_env, with_
@@ -27,15 +29,16 @@ from jaxtrain.observe import metrics as metrics_lib
 from jaxtrain.observe import step_profile
 from jaxtrain import train as train_lib
 from jaxtrain.checkpoint import Preempted
+from jaxtrain import config as config_lib
 from jaxtrain.config import Config, OptimConfig
 from jaxtrain.errors import UserError
 from jaxtrain.observe.exporters import check_port_free
-from jaxtrain.observe.flops import flops_per_token
+from jaxtrain.observe.flops import flops_per_token, model_flops_per_token
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.observe.metrics import NonFiniteError, Progress, format_summary
 from jaxtrain.optim import describe_schedule, learning_rate_schedule
 from jaxtrain.step import schedule_count
-from models.config import LoraConfig
+from models.config import LoraConfig, MoEConfig
 
 STEPS = 6
 PEAK_TFLOPS = 0.5  # an override, so MFU is checked against a known denominator
@@ -167,6 +170,20 @@ def test_a_lora_runs_mfu_counts_the_work_its_step_needs(corpus, tmp_path):
     assert record["mfu"] == pytest.approx(hand_flops * record["tokens_per_s"] / (8 * PEAK_TFLOPS * 1e12), rel=1e-9)
 
 
+def test_a_lora_on_experts_counts_the_adapters_of_the_top_k_experts_a_token_passes():
+    """The adapters on a mixture of experts' experts work for the top_k experts a token is routed to, not for all of them;
+    the frozen base's experts likewise (and the router) at 4 FLOPs per parameter."""
+    lora = LoraConfig(rank=2, alpha=3.0, targets="q,gate,up,down")
+    cfg = with_(small_config(), model={"moe": MoEConfig(num_experts=4, top_k=2), "lora": lora})
+    base = 2 * (32 * 4 * 8 + 2 * 32 * 2 * 8 + 4 * 8 * 32 + 3 * 32 * 64 * 2 + 32 * 4) + 32 * 64  # 2 of 4 experts' SwiGLU, the router
+    # rank 2 on q; on each of the 2 experts, one A for gate and up with a B each, and down
+    adapters = 2 * ((32 * 2 + 2 * 4 * 8) + 2 * ((32 * 2 + 2 * 2 * 64) + (64 * 2 + 2 * 32)))
+    assert model_flops_per_token(make_layout(cfg)) == 4 * base + 6 * adapters + 6 * 2 * 16 * 4 * 8 == 152064
+    # a shared expert: one SwiGLU more for every token
+    shared = with_(cfg, model={"moe": MoEConfig(num_experts=4, top_k=2, num_shared_experts=1), "lora": LoraConfig()}).model
+    assert flops_per_token(shared, 16) == flops_per_token(cfg.model, 16) + 6 * 2 * 3 * 32 * 64
+
+
 def _check_cpu_profile(profile: dict, steps: int) -> None:
     """A summary of XLA:CPU's ops of whole steps: every op the compiled program's, each run a whole number of times
     per step, matmuls and the fsdp_tp mesh's collectives among them (jaxtrain.observe.step_profile; its GPU trace:
@@ -217,6 +234,8 @@ def test_a_resumed_run_profiles_the_rest_of_its_range_and_says_so(trainer, tmp_p
     """log.profile_steps=3:5 on a run resumed after step 4 profiles step 5 (it profiled nothing, silently); a range
     that ends before the resume profiles nothing, with a note."""
     assert metrics_lib.resumed_profile("3:5", 2) == ((3, 5), None) and metrics_lib.resumed_profile(None, 4) == (None, None)
+    assert metrics_lib.resumed_profile("3:5", 3) == ((4, 5), "jaxtrain: note: the run resumes at step 4, inside "
+                                                             "log.profile_steps=3:5: steps 4-5 are profiled")
     assert metrics_lib.resumed_profile("1:4", 4) == (None, "jaxtrain: note: log.profile_steps=1:4 ends before the run resumes "
                                                            "at step 5: nothing is profiled; give steps after 4")
     short = _loop_config(trainer, train={"steps": 4})
@@ -256,6 +275,35 @@ def test_plot_two_runs(two_runs, tmp_path, monkeypatch):
     assert "both.png is a file, not a directory" in inside_a_file.stderr
 
 
+def test_plot_draws_every_panel_its_runs_have_records_for(tmp_path, monkeypatch):
+    """The figure itself (an image's size says little): each panel's lines, a key a run has no values of (a null MFU:
+    no device peak known) left out, the mixture-of-experts panel beside the four others."""
+    from jaxtrain.observe import plot as plot_lib
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    records = [{"step": 2, "loss": 3.0, "tokens_per_s": 100.0, "mfu": None, "memory_in_use_gib": 1.0, "memory_peak_gib": 1.5,
+                "moe_aux_loss": 0.5, "moe_z_loss": 0.25, "moe_dropped_fraction": 0.125},
+               {"step": 2, "eval_loss": 3.5, "eval_tokens": 64},
+               {"step": 4, "loss": 2.5, "tokens_per_s": 200.0, "mfu": None, "memory_in_use_gib": 1.0, "memory_peak_gib": 2.0,
+                "moe_aux_loss": 0.75, "moe_z_loss": 0.5, "moe_dropped_fraction": 0.0}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    drawn = {}
+
+    def keep(fig, out, **savefig_args):
+        drawn.update({ax.get_title(): {line.get_label().removeprefix(f"{run_dir} "): (list(line.get_xdata()), list(line.get_ydata()))
+                                       for line in ax.get_lines()} for ax in fig.axes})
+        plot_lib.plt.close(fig)
+
+    monkeypatch.setattr(plot_lib, "save_figure", keep)
+    plot_lib.plot_runs([run_dir], tmp_path / "plot.png")
+    assert drawn == {"loss": {"loss": ([2, 4], [3.0, 2.5]), "eval_loss": ([2], [3.5])},
+                     "throughput": {"tokens_per_s": ([2, 4], [100.0, 200.0])}, "MFU": {},
+                     "memory": {"memory_in_use_gib": ([2, 4], [1.0, 1.0]), "memory_peak_gib": ([2, 4], [1.5, 2.0])},
+                     "mixture of experts": {"moe_aux_loss": ([2, 4], [0.5, 0.75]), "moe_z_loss": ([2, 4], [0.25, 0.5]),
+                                            "moe_dropped_fraction": ([2, 4], [0.125, 0.0])}}
+
+
 def test_flops_per_token_matches_xla_cost_analysis():
     # one device, float32, matmuls dominating (wide layers, short sequence): XLA counts every FLOP. One
     # layer, because cost analysis counts the body of the scan over layers once, not once per layer.
@@ -289,6 +337,7 @@ def test_progress_is_one_line_on_a_terminal_and_log_lines_otherwise(stream):
         assert text.splitlines() == ["step 10/20 loss 2.5 tok/s 1,234 mfu 12.5% eta 1m30s",
                                      "step 20/20 loss 2.5 tok/s 1,234 mfu 12.5% eta 0m00s",
                                      "step 20/20 eval loss 2.25 over 4,096 tokens"]
+    assert metrics_lib._duration(5430.0) == "1h30m"  # the ETA of a long run
 
 
 class _Poisoned:
@@ -424,6 +473,133 @@ def test_profiler_time_is_not_step_time(trainer, tmp_path, monkeypatch):
     times = {r["step"]: r["step_time_s"] for r in _records(tmp_path) if "step_time_s" in r}
     assert len(times) == STEPS and times[3] < 1.0, times
     assert list(tmp_path.glob(f"plugins/profile/*/{step_profile.SUMMARY_FILE}"))  # summarized, slowly
+
+
+def test_a_records_step_time_is_its_steps_mean_less_checkpoint_eval_and_profiler_time(trainer, tmp_path, monkeypatch):
+    """On a clock the test moves: step_time_s is the wall time since the previous record (data waits in it; checkpoint,
+    evaluation and profiler time out) over the steps since it; tokens/s and MFU follow from it; the timers start again
+    at each record; the last step gets a record whatever log.every says. The fields, in the order the file has them."""
+    now = [100.0]
+    monkeypatch.setattr(metrics_lib, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    five = _loop_config(trainer, train={"steps": 5}, log={"tensorboard": False})
+    log = metrics_lib.MetricsLog(five.layout, tmp_path, 0, compile_s=1.0, compile_cache=None, data="test", enabled=True)
+    timed = {1: {"data_wait_s": 0.5, "checkpoint_s": 1.0}, 2: {"eval_s": 2.0, "profile_s": 0.25}}
+    try:
+        for step in range(1, 6):
+            for name, seconds in timed.get(step, {}).items():
+                with log.timer(name):
+                    now[0] += seconds
+            now[0] += {1: 4.25, 2: 2.0, 3: 1.5, 4: 1.5, 5: 2.5}[step]  # the step's own time
+            log.after_step(step, {"loss": np.float32(2.5 + step), "learning_rate": np.float32(1e-3), "grad_norm": np.float32(1.0),
+                                  "param_norm": np.float32(4.0)})
+    finally:
+        log.close()
+    records = _records(tmp_path)
+    assert list(records[0]) == ["step", "loss", "learning_rate", "grad_norm", "param_norm", "step_time_s", "tokens_per_s",
+                                "tokens_per_s_per_device", "mfu", "data_wait_s", "checkpoint_s", "memory_in_use_gib",
+                                "memory_peak_gib", "memory_source"]
+    # steps 1-2: 0.5 + 4.25 + 2.0 s of data wait and steps (the 3.25 s of checkpoint, eval and profiler out) over 2 steps
+    assert [(r["step"], r["loss"], r["step_time_s"], r["data_wait_s"], r["checkpoint_s"]) for r in records] == \
+        [(2, 4.5, 3.375, 0.5, 1.0), (4, 6.5, 1.5, 0.0, 0.0), (5, 7.5, 2.5, 0.0, 0.0)]
+    for r in records:
+        assert r["tokens_per_s"] == 128 / r["step_time_s"] and r["tokens_per_s_per_device"] == r["tokens_per_s"] / 8
+        assert r["mfu"] == pytest.approx(129024 * r["tokens_per_s"] / (8 * PEAK_TFLOPS * 1e12), rel=1e-12)
+
+
+def test_memory_is_the_fullest_devices_or_the_hosts_peak_resident_memory(monkeypatch):
+    """Where the devices report memory, the fullest one's in use and peak; on a CPU, this process's resident memory now and
+    at its peak (getrusage's ru_maxrss counts KiB on Linux)."""
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    gib = metrics_lib.GIB
+    monkeypatch.setattr(metrics_lib.jax, "local_devices", lambda: [Device({"bytes_in_use": 2 * gib, "peak_bytes_in_use": 5 * gib}),
+                                                                  Device({"bytes_in_use": 3 * gib, "peak_bytes_in_use": 4 * gib})])
+    assert metrics_lib.memory_gib() == (3.0, 5.0, "device")
+    monkeypatch.setattr(metrics_lib.jax, "local_devices", lambda: [Device(None)])
+    monkeypatch.setattr(metrics_lib.psutil, "Process", lambda: type("P", (), {"memory_info": lambda self: type("M", (), {"rss": gib})()})())
+    monkeypatch.setattr(metrics_lib.resource, "getrusage", lambda who: type("U", (), {"ru_maxrss": 3 * 2**20})())
+    assert metrics_lib.memory_gib() == (1.0, 3.0, "host_rss")
+
+
+def test_tensorboard_tags_of_the_float16_and_spike_records(trainer, tmp_path):
+    """The tags README's dashboards name for the loss scaler's and the spike guard's counters (no other test's run has
+    TensorBoard and either)."""
+    log = metrics_lib.MetricsLog(trainer.layout, tmp_path, 0, compile_s=1.0, compile_cache=None, data="test", enabled=True)
+    try:
+        log.write({"step": 2, "loss_scale": 32768.0, "overflow_steps": 1, "skipped_spikes": 3})
+    finally:
+        log.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]} == \
+        {"train/loss_scale": [(2, 32768.0)], "train/overflow_steps": [(2, 1.0)], "train/skipped_spikes": [(2, 3.0)]}
+
+
+def test_the_steps_an_evaluation_waits_for_are_step_time_not_evaluation_time(trainer, tmp_path, monkeypatch):
+    """An evaluation between records waited, inside its timer, for the train steps still running on the devices: their
+    time left step_time_s (tokens/s and MFU read high). Each step here takes at least 1 s on the devices (a host
+    callback), while the host runs ahead; the one record, at step 6, counts all six seconds, not the evaluation's own
+    time, and a slow batch's wait as data_wait_s."""
+    def nap():
+        time.sleep(1.0)
+        return np.float32(0)
+
+    @jax.jit
+    def slowed(tree):  # one nap a step, before any of the step's results is ready
+        waited = io_callback(nap, jax.ShapeDtypeStruct((), np.float32))
+        return jax.tree.map(lambda x: x + waited.astype(x.dtype), tree)
+
+    def slow_step(state, batch):
+        state, metrics = trainer.train_step(state, batch)
+        params, metrics = slowed((state.params, metrics))
+        return state.replace(params=params), metrics
+
+    real_evaluate = train_lib.evaluate
+
+    def slow_evaluate(*args):
+        time.sleep(4.0)
+        return real_evaluate(*args)
+
+    monkeypatch.setattr(train_lib, "evaluate", slow_evaluate)
+    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size, on_step={2: lambda: time.sleep(0.5)})  # a slow batch
+    unaligned = _loop_config(trainer, log={"every": STEPS}, train={"eval_every": 3}, checkpoint={"every": STEPS})
+    train_lib.train(unaligned.cfg, tmp_path, dataclasses.replace(unaligned, train_step=slow_step))
+    [record] = [r for r in _records(tmp_path) if "loss" in r]
+    assert [r["step"] for r in _records(tmp_path) if "eval_loss" in r] == [3, STEPS] and record["data_wait_s"] >= 0.5
+    # the six seconds of steps in (the batch's wait overlaps them), step 3's 4 s evaluation out (the host's own work: well
+    # under 0.4 s a step)
+    assert 1.0 <= record["step_time_s"] < 1.5
+
+
+def test_the_measured_matmul_peak_counts_two_flops_per_multiply_add(monkeypatch):
+    """The CPU's MFU denominator: each device's size^3 multiply-adds per timed call, over the median call's seconds (a
+    clock that moves 1 s per reading here)."""
+    from jaxtrain.observe import flops as flops_lib
+
+    readings = iter(range(100))
+    monkeypatch.setattr(flops_lib, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: float(next(readings)))}))
+    assert flops_lib.measure_matmul_peak(jax.devices()[:2], size=8, repeats=3) == 2 * 2 * 8**3
+
+
+def test_prometheus_serves_an_unknown_mfu_as_nan_not_zero():
+    """No peak known for the device (log.peak_tflops unset on an unlisted GPU): the record's mfu is null, and a 0 would
+    read as a stalled run."""
+    port, scraped = _free_port(), {}
+    gauges = exporters.PrometheusGauges(port)
+    try:
+        gauges.record({"step": 7, "loss": 2.5, "tokens_per_s": 1000.0, "mfu": None, "memory_in_use_gib": 1.5, "memory_peak_gib": 2.0})
+        _scrape(port, scraped)
+    finally:
+        gauges.close()
+    assert {name: value for name, value in scraped.items() if not math.isnan(value)} == {
+        "jaxtrain_step": 7, "jaxtrain_loss": 2.5, "jaxtrain_tokens_per_second": 1000.0, "jaxtrain_memory_in_use_gib": 1.5,
+        "jaxtrain_memory_peak_gib": 2.0}
+    assert math.isnan(scraped["jaxtrain_mfu"]) and math.isnan(scraped["jaxtrain_last_checkpoint_step"])
 
 
 def test_a_run_shorter_than_its_warmup_applies_the_full_learning_rate_at_its_last_step():
@@ -607,6 +783,7 @@ def test_mlflow_gets_the_config_the_tensorboard_scalars_and_the_artifacts(traine
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # a local file store
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for this opt-in to use one
+    monkeypatch.setattr(exporters, "MLFLOW_PARAMS_PER_BATCH", 7)  # the config's params in several batches
     run_dir = tmp_path / "run"
     tracked = _loop_config(trainer, log={"mlflow": "jaxtrain-test"})
     train_lib.train(tracked.cfg, run_dir, tracked)
@@ -618,6 +795,7 @@ def test_mlflow_gets_the_config_the_tensorboard_scalars_and_the_artifacts(traine
     assert run.info.run_id == (run_dir / "mlflow_run_id").read_text().strip() and run.info.status == "FINISHED"
     assert run.info.run_name == "run" and run.data.params["optim.lr"] == str(trainer.cfg.optim.lr)
     assert run.data.params["train.steps"] == str(STEPS) and run.data.params["rules"] == "fsdp_tp"
+    assert run.data.params.keys() == config_lib.flatten(config_lib.to_dict(tracked.cfg)).keys()  # every batch of them
     events = EventAccumulator(str(run_dir))
     events.Reload()
     tags = events.Tags()["scalars"]
@@ -660,8 +838,10 @@ def test_a_resumed_run_continues_its_wandb_run(trainer, tmp_path, monkeypatch):
     first, second = (json.loads((tmp_path / "log" / f"init{i}.json").read_text()) for i in (0, 2))
     assert first["id"] == second["id"] == (run_dir / "wandb_run_id").read_text().strip() == "id0"
     assert first["resume"] == second["resume"] == "allow" and first["project"] == "jaxtrain-test" and first["name"] == "run"
-    steps = [{int(step) for step in (tmp_path / "log" / f"init{i}.json.steps").read_text().split()} for i in (0, 2)]
+    steps = [[int(step) for step in (tmp_path / "log" / f"init{i}.json.steps").read_text().split()] for i in (0, 2)]
     assert max(steps[0]) == STEPS < min(steps[1]) and max(steps[1]) == STEPS + 2  # each start's own steps
+    # in step order, as W&B drops a step below the last one logged (step 3's per-layer norms came after step 4's record)
+    assert steps[0] == sorted(steps[0]) and 3 in steps[0] and steps[1] == sorted(steps[1])
 
 
 def test_an_mlflow_server_that_stops_answering_costs_warnings_never_the_run(trainer, tmp_path, monkeypatch, capsys):
@@ -755,16 +935,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_prometheus_serves_the_latest_record_during_the_run(trainer, tmp_path, monkeypatch):
+def _scrape(port: int, into: dict) -> None:
+    """The gauges process 0 serves, by sample name, into ``into``."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    into.update({s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples})
+
+
+def test_prometheus_serves_the_latest_record_during_the_run(trainer, tmp_path, monkeypatch):
     port, scraped, first = _free_port(), {}, {}
-
-    def scrape(into):  # as step 5's batch is read: step 4 is recorded and checkpointed; step 1's: nothing yet
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        into.update({s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples})
-
-    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size, on_step={1: lambda: scrape(first), 5: lambda: scrape(scraped)})
+    # as step 5's batch is read: step 4 is recorded and checkpointed; step 1's: nothing yet
+    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size,
+            on_step={1: lambda: _scrape(port, first), 5: lambda: _scrape(port, scraped)})
     served = _loop_config(trainer, log={"prometheus_port": port})
     train_lib.train(served.cfg, tmp_path / "run", served)
     record = next(r for r in _records(tmp_path / "run") if r["step"] == 4 and "loss" in r)
@@ -780,23 +963,66 @@ def test_prometheus_serves_the_latest_record_during_the_run(trainer, tmp_path, m
 def test_prometheus_knows_the_checkpoint_a_resumed_run_started_from(trainer, tmp_path, monkeypatch):
     """A QA report: a resumed run served NaN as its last checkpoint's step and age until its next save, so an alert on
     the checkpoint's age saw nothing on a run that stalled after a resume. The age counts from when it was written."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     short = _loop_config(trainer, train={"steps": 4})
     train_lib.train(short.cfg, tmp_path / "run", short)
     written = time.time()
     port, scraped = _free_port(), {}
-
-    def scrape():  # as the resumed run reads step 5's batch: no record or save of its own yet
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        scraped.update({s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples})
-
     time.sleep(1.0)
-    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size, on_step={5: scrape})
+    # as the resumed run reads step 5's batch: no record or save of its own yet
+    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size, on_step={5: lambda: _scrape(port, scraped)})
     served = _loop_config(trainer, log={"prometheus_port": port})
     train_lib.train(served.cfg, tmp_path / "run", served)
     assert math.isnan(scraped["jaxtrain_step"]) and scraped["jaxtrain_last_checkpoint_step"] == 4
     assert 1.0 <= scraped["jaxtrain_last_checkpoint_age_seconds"] < time.time() - written + 5.0
+
+
+def _hold_commits(monkeypatch, held: dict[int, threading.Event], failing: int | None = None) -> None:
+    """Orbax's commit of a step's asynchronous save (the rename of its temporary directory, in its save thread) waits for
+    that step's event in ``held``; ``failing``'s raises, as a full disk would."""
+    from orbax.checkpoint._src.path import atomicity
+
+    real = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def commit(self):
+        name = self._final_path.name  # the step's directory, or one of its items'
+        if name == str(failing):
+            raise OSError(28, "No space left on device")
+        if name.isdigit() and int(name) in held:
+            await asyncio.to_thread(held[int(name)].wait, 60)
+        return await real(self)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", commit)
+
+
+def test_prometheus_serves_the_newest_committed_checkpoint_not_a_save_in_flight(trainer, tmp_path, monkeypatch):
+    """The gauge was set as a save started: an asynchronous save still being written, or failing after, was served as the
+    run's last checkpoint, and an alert on its age trusted a checkpoint a restart would not find. Now the newest save
+    committed; one committed while a later one is written is served as soon as the loop sees it."""
+    port, scraped = _free_port(), {5: {}, 7: {}}
+    held = {4: threading.Event(), 6: threading.Event()}
+    _hold_commits(monkeypatch, held)
+
+    def scrape_then_commit(step):  # as step 5's (7's) batch is read: step 4's (6's) save is still being written
+        _scrape(port, scraped[step])
+        held[step - 1].set()
+
+    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size, on_step={5: lambda: scrape_then_commit(5), 7: lambda: scrape_then_commit(7)})
+    served = _loop_config(trainer, train={"steps": 8}, log={"prometheus_port": port}, checkpoint={"async_save": True})
+    start = time.time()
+    train_lib.train(served.cfg, tmp_path / "run", served)
+    assert scraped[5]["jaxtrain_last_checkpoint_step"] == 2 and scraped[5]["jaxtrain_step"] == 4
+    # step 6's save waited for step 4's commit, and is written in turn
+    assert scraped[7]["jaxtrain_last_checkpoint_step"] == 4
+    assert 0 <= scraped[7]["jaxtrain_last_checkpoint_age_seconds"] < time.time() - start
+    assert _checkpoint_steps(tmp_path / "run") == [4, 6, 8]
+
+    failed, port, scraped = tmp_path / "failed", _free_port(), {5: {}}
+    _hold_commits(monkeypatch, {}, failing=4)
+    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size, on_step={5: lambda: _scrape(port, scraped[5])})
+    served = _loop_config(trainer, log={"prometheus_port": port}, checkpoint={"async_save": True})
+    with pytest.raises(UserError, match="^could not write checkpoint step 4 "):
+        train_lib.train(served.cfg, failed, served)
+    assert scraped[5]["jaxtrain_last_checkpoint_step"] == 2 and _checkpoint_steps(failed) == [2]
 
 
 def test_prometheus_port_in_use_is_one_line_before_the_run_dir(trainer, tmp_path):

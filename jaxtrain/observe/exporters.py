@@ -196,11 +196,11 @@ class PrometheusGauges:
             "memory_in_use_gib": gauge("memory_in_use_gib", "memory in use on the fullest device (host RSS on CPU), GiB"),
             "memory_peak_gib": gauge("memory_peak_gib", "peak memory of the fullest device (host RSS on CPU), GiB"),
         }
-        self.checkpoint_step = gauge("last_checkpoint_step", "step of the latest checkpoint saved by this process; NaN before one")
+        self.checkpoint_step = gauge("last_checkpoint_step", "step of the latest checkpoint committed (written whole); NaN before one")
         for unknown in (*self.gauges.values(), self.checkpoint_step):  # NaN until known: a 0 loss or step would read as one
             unknown.set(float("nan"))
         self.checkpoint_time = None
-        gauge("last_checkpoint_age_seconds", "seconds since that checkpoint was saved; NaN before one").set_function(
+        gauge("last_checkpoint_age_seconds", "seconds since that checkpoint's save started; NaN before one").set_function(
             lambda: float("nan") if self.checkpoint_time is None else time.time() - self.checkpoint_time)
         try:
             self.server, _ = start_http_server(port, registry=self.registry)

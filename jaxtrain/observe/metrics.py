@@ -476,10 +476,10 @@ class MetricsLog:
             record |= {"loss_scale": float(metrics["loss_scale"]), "overflow_steps": self.overflows}
         if "spike" in metrics:
             record |= {"skipped_spikes": self.spikes}
-        self.write(record)
-        for layer_step, layer_metrics in fetched:
+        for layer_step, layer_metrics in fetched:  # before the record: W&B drops a step below the last one logged
             if PER_LAYER[0] in layer_metrics:
                 self.write({"step": layer_step} | {k: np.asarray(layer_metrics[k]).tolist() for k in PER_LAYER})
+        self.write(record)
         if self.progress:
             self.progress.update(step, record, eta_s=(self.cfg.train.steps - step) * step_time)
         self.timers = dict.fromkeys(self.timers, 0.0)
@@ -511,10 +511,10 @@ class MetricsLog:
         if self.progress and record.get("eval_loss") is not None:
             self.progress.evaluated(step, record["eval_loss"], record["eval_tokens"])
 
-    def checkpoint_saved(self, step: int, written: float | None = None) -> None:
-        """``written``: when, for the checkpoint a run resumed from (default: now)."""
+    def checkpoint_saved(self, step: int, written: float) -> None:
+        """A checkpoint committed (or resumed from); ``written``: when its save started."""
         if self.prometheus:
-            self.prometheus.checkpoint(step, time.time() if written is None else written)
+            self.prometheus.checkpoint(step, written)
 
     def _stop_trace(self, metrics: dict) -> None:
         jax.block_until_ready(metrics)  # the traced steps must have run
