@@ -9,6 +9,7 @@ XLA settings (xla_env.py) must be in the environment, and glibc's malloc set to 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from jaxtrain import config as config_lib
 from jaxtrain import distributed, xla_env
+from jaxtrain.atomic import sigterm_cleans_up
 from jaxtrain.config import SamplingConfig
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_weights, peft
@@ -168,15 +170,20 @@ def cmd_export_hf(args) -> int:
         raise UserError(f"--adapter-only exports a LoRA run's adapters, and {run_dir} trained every parameter (model.lora.rank=0)")
     simulate_cpu_devices(args.devices, default=default_cpu_devices(cfg.mesh, args.num_processes))
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before jax sees devices
-    if cfg.model.lora.rank:
-        from jaxtrain.adapt import lora  # starts jax
+    import jax  # starts jax
 
-        lora.export(cfg, run_dir, out, step=args.step, adapter_only=args.adapter_only,
-                    dtype=args.dtype or ("float32" if args.adapter_only else "bfloat16"))
-    else:
-        from jaxtrain.interop import hf_export  # starts jax
+    # one process: a SIGTERM (a scheduler's time limit) exits through the export's cleanup, not leaving OUT.partial's
+    # shards behind; with several, jax's preemption notifier owns SIGTERM
+    with sigterm_cleans_up() if jax.process_count() == 1 else contextlib.nullcontext():
+        if cfg.model.lora.rank:
+            from jaxtrain.adapt import lora
 
-        hf_export.export(cfg, run_dir, out, step=args.step, dtype=args.dtype or "bfloat16")
+            lora.export(cfg, run_dir, out, step=args.step, adapter_only=args.adapter_only,
+                        dtype=args.dtype or ("float32" if args.adapter_only else "bfloat16"))
+        else:
+            from jaxtrain.interop import hf_export
+
+            hf_export.export(cfg, run_dir, out, step=args.step, dtype=args.dtype or "bfloat16")
     if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "capacity" and _process_index() == 0:
         print(f"jaxtrain: note: {run_dir} routed with model.moe.dispatch=capacity, where a token past an expert's "
               f"slots (capacity_factor {cfg.model.moe.capacity_factor:g}) skips it; transformers' mixture-of-experts models "

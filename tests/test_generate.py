@@ -98,6 +98,17 @@ def test_decoding_ends_once_every_sequence_has_made_its_stop_token():
         assert out.decode_tokens_per_s == pytest.approx(batch * out.decode_steps / out.decode_s)
 
 
+def test_a_first_new_token_that_is_the_stop_token_ends_generation_without_decoding():
+    """The prefill makes each sequence's first token: where that is the stop token, no decoding step runs and the
+    sequence holds it throughout (a stop looked for only in the decoding steps' own tokens decoded on past it)."""
+    loaded = _loaded("dp", (1, 1, 1), 1)
+    prompts = _prompts(1)
+    stop = int(generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS)).tokens[0, 0])
+    out = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS), stop=stop)
+    assert out.decode_steps == 0
+    np.testing.assert_array_equal(out.tokens, np.full((1, NEW_TOKENS), stop))
+
+
 def test_prefill_logits_equal_training_forward():
     loaded = _loaded("fsdp_tp", (2, 2, 2), 8)
     cfg, prompts = loaded.model_cfg, _prompts(4, 12)
@@ -265,6 +276,17 @@ def test_text_codecs(tmp_path):
         assert encode("the lazy fox") == tokenizer.encode("the lazy fox").ids and decode(encode("the lazy fox")) == "the lazy fox"
         # up to the end of text, as the byte-level runs' output (a QA report: what followed it was printed on as continuation)
         assert decode(encode("the lazy") + [end_of_text] + encode("fox")) == "the lazy"
+
+
+def test_a_prompt_token_id_past_the_vocabulary_is_one_line():
+    """Token ids are 0 .. vocab_size - 1: the id vocab_size would read past the embedding (jax clamps the lookup, no error)."""
+    from jaxtrain.errors import UserError
+    from jaxtrain.generate import _token_codec
+
+    encode = _token_codec(64, None).encode
+    assert encode("0 63") == [0, 63]
+    with pytest.raises(UserError, match=r"^a prompt token id is 64, outside the model's vocabulary of 64 \(model.vocab_size\)"):
+        encode("63 64")
 
 
 def _hf_model_or_skip(directory, name):

@@ -6,6 +6,9 @@ each experiment named after a published model reading as that model's."""
 import copy
 import dataclasses
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 
@@ -23,6 +26,7 @@ from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import cli
 from jaxtrain.config import Config, load_experiment, save_yaml
 from jaxtrain.interop import hf_config, hf_export, hf_import
+from jaxtrain.interop.hf_weights import INDEX_FILE, Checkpoint, TensorMap
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.layout import make_layout
 
@@ -95,14 +99,15 @@ def _assert_close(ours, theirs, rtol=1e-4):
 
 @pytest.mark.parametrize("devices", [1, 8])
 @pytest.mark.parametrize("name", MODELS)
-def test_import_equals_transformers_and_export_loads_back(name, devices, hf_models, tmp_path):
+def test_import_equals_transformers_and_export_loads_back(name, devices, hf_models, tmp_path, capsys):
     hf_dir, _, expected = hf_models[name]
     cfg = _config(hf_dir, mesh=(1, 1, 1) if devices == 1 else (2, 2, 2))
     layout = make_layout(cfg, jax.devices()[:devices])
     params = hf_import.load_params(hf_dir, cfg.model, layout.abstract_state().params)
     ours = _our_logits(layout, params)
     _assert_close(ours, expected)
-    if devices == 1:
+    if devices == 1:  # every byte read, the total counted in the file's dtype (bfloat16 and float16: 2 bytes)
+        assert "(100%: the slices its devices hold)" in capsys.readouterr().err
         return
     # export (float32, small shards) -> transformers loads it unchanged -> the same logits
     out = tmp_path / "export"
@@ -113,7 +118,13 @@ def test_import_equals_transformers_and_export_loads_back(name, devices, hf_mode
     assert type(reloaded).__name__ == source["architectures"][0]
     exported = json.loads((out / "config.json").read_text())  # the source's token ids, not the byte-level run's 0
     assert [exported[k] for k in ("bos_token_id", "eos_token_id")] == [source[k] for k in ("bos_token_id", "eos_token_id")] != [0, 0]
+    # the source's context (not data.seq_len) and generation_config.json travel; the dtype is the export's, not the source's file's
+    assert exported["max_position_embeddings"] == source["max_position_embeddings"] == 1024 and exported["dtype"] == "float32"
+    assert json.loads((out / "generation_config.json").read_text()) == json.loads((hf_dir / "generation_config.json").read_text())
     _assert_close(_hf_logits(reloaded), ours)
+    # read back by the import, which finds each tensor where the index says (transformers reads every listed file whole)
+    again = hf_import.load_params(out, cfg.model, layout.abstract_state().params)
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), again, params))
     # bfloat16: the same weights rounded
     out16 = tmp_path / "export16"
     hf_export.write_model(params, cfg, out16, "bfloat16")
@@ -161,6 +172,7 @@ def test_import_train_export_reload_on_two_processes(hf_models, tmp_path):
         result = _launch("export-hf", str(run_dir), "--out", str(out), "--dtype", "float32", stderr=stderr)
     assert result.returncode == 0, log.read_text()[-3000:]
     assert (out / "tokenizer.json").read_text() == (hf_dir / "tokenizer.json").read_text()
+    assert json.loads((out / "generation_config.json").read_text()) == json.loads((hf_dir / "generation_config.json").read_text())
     layout = make_layout(_config(hf_dir))
     params = checkpoint_lib.restore_from(run_dir, layout.abstract_state(), None, params_only=True)
     ours = _our_logits(layout, params)
@@ -169,7 +181,8 @@ def test_import_train_export_reload_on_two_processes(hf_models, tmp_path):
 
 
 DEFAULTED_KEYS = ("rms_norm_eps", "rope_parameters", "rope_theta", "sliding_window", "num_key_value_heads", "num_local_experts",
-                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob")
+                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
+                  "tie_word_embeddings")
 
 
 @pytest.mark.parametrize("config_cls", [transformers.LlamaConfig, transformers.MistralConfig, transformers.Qwen2Config,
@@ -184,8 +197,8 @@ def test_keys_config_json_leaves_out_are_what_transformers_makes_them(config_cls
     (tmp_path / "config.json").write_text(json.dumps(body))
     theirs = transformers.AutoConfig.from_pretrained(tmp_path)
     ours = hf_config.model_values(body, "config.json", seq_len=4096)
-    assert (ours["norm_eps"], ours["rope_theta"], ours["num_kv_heads"]) == \
-        (theirs.rms_norm_eps, theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads)
+    assert (ours["norm_eps"], ours["rope_theta"], ours["num_kv_heads"], ours["tie_embeddings"]) == \
+        (theirs.rms_norm_eps, theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads, theirs.tie_word_embeddings)
     experts = getattr(theirs, "num_local_experts", getattr(theirs, "num_experts", 0))
     assert (ours["moe.num_experts"], ours.get("moe.top_k"), ours["mlp_dim"] * (1 + ours.get("moe.num_shared_experts", 0))) == \
         (experts, getattr(theirs, "num_experts_per_tok", None),
@@ -252,6 +265,132 @@ def test_bad_input_is_one_line(case, tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jaxtrain: error: ") and message.format(hf_dir=hf_dir, **values) in lines[0], lines
     assert not run_dir.exists()
+
+
+
+REFUSED = {  # config.json values this model would load without reproducing: refused, not read as another model
+    "mlp_bias": ({"mlp_bias": True}, "mlp_bias=True is not supported (MLP without biases only)"),
+    "partial rotary (transformers 4)": ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
+    "partial rotary (transformers 5)": ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+                                        "partial_rotary_factor=0.5 is not supported"),
+    # older files name the scaling "type": a linear one read as no scaling was another model
+    "linear scaling in the older type key": ({"rope_scaling": {"type": "linear", "factor": 2.0}},
+                                             "rope_scaling.rope_type='linear' is not supported"),
+    "a Qwen2-MoE with dense layers": ({"architectures": ["Qwen2MoeForCausalLM"], "mlp_only_layers": [0]},
+                                      "decoder_sparse_step / mlp_only_layers=(None, [0]) is not supported"),
+    "a Qwen2-MoE with every other layer sparse": ({"architectures": ["Qwen2MoeForCausalLM"], "decoder_sparse_step": 2},
+                                                  "decoder_sparse_step / mlp_only_layers=(2, None) is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_config_values_this_model_cannot_reproduce_are_refused(case):
+    changes, message = REFUSED[case]
+    with pytest.raises(hf_config.UserError, match=re.escape(message)):
+        hf_config.model_values({"architectures": ["LlamaForCausalLM"], **SHAPE, **changes}, "config.json", seq_len=SEQ)
+
+
+def test_older_config_dialects_read_as_transformers_reads_them():
+    """The older llama3 scaling key "type"; transformers 4's Qwen2 config.json, which has no layer_types: the layers from
+    max_window_layers on attend within sliding_window (with use_sliding_window): max_window_layers = num_hidden_layers
+    windows no layer, max_window_layers = 1 the second (refused at a longer sequence)."""
+    llama3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
+    values = hf_config.model_values({"architectures": ["LlamaForCausalLM"], **SHAPE, "rope_scaling": llama3}, "config.json", SEQ)
+    assert (values["rope_scaling.type"], values["rope_scaling.factor"], values["rope_scaling.original_max_len"]) == ("llama3", 8.0, 512)
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], **SHAPE, "use_sliding_window": True, "sliding_window": 8}
+    assert hf_config.model_values(qwen2 | {"max_window_layers": 2}, "config.json", seq_len=SEQ)["num_layers"] == 2
+    assert hf_config.model_values(qwen2 | {"max_window_layers": 1, "use_sliding_window": False}, "config.json", seq_len=SEQ)
+    with pytest.raises(hf_config.UserError, match="sliding_window=8 is shorter than data.seq_len=16"):
+        hf_config.model_values(qwen2 | {"max_window_layers": 1}, "config.json", seq_len=SEQ)
+
+
+def test_weight_files_that_do_not_hold_what_the_index_or_config_says_are_one_line(tmp_path):
+    """A tensor the index places in a shard that lacks it, or leaves out, and a dtype this model does not read: a
+    UserError naming the tensor and the file, not a safetensors traceback, nor a KeyError from the dtype table later."""
+    from safetensors.numpy import save_file
+
+    tm = TensorMap(("final_norm", "scale"), "model.norm.weight", (4,), (4,), (0,))
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    save_file({"other.weight": np.ones(4, np.float32)}, shard)
+    for weight_map, where in (({"model.norm.weight": shard.name}, shard), ({"other.weight": shard.name}, tmp_path / INDEX_FILE)):
+        (tmp_path / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+        with Checkpoint(tmp_path) as checkpoint, pytest.raises(hf_config.UserError, match=(
+                f"^tensor model.norm.weight is missing from {where}; the model directory does not match its config.json$")):
+            checkpoint.check([tm])
+    save_file({"model.norm.weight": np.ones(4, np.float64)}, shard)
+    (tmp_path / INDEX_FILE).write_text(json.dumps({"weight_map": {"model.norm.weight": shard.name}}))
+    with Checkpoint(tmp_path) as checkpoint, pytest.raises(hf_config.UserError, match=(
+            f"^tensor model.norm.weight in {shard} has dtype F64; supported: F32, BF16, F16$")):
+        checkpoint.check([tm])
+
+
+def test_shards_hold_consecutive_tensors_up_to_the_limit():
+    """A tensor that would take a shard past max_bytes starts the next one; one larger than max_bytes has a shard of its own."""
+    tensors = [hf_export.Tensor(TensorMap((str(i),), f"t{i}", (n,), (n,), (0,))) for i, n in enumerate((10, 3, 3, 3, 5, 1))]
+    shards = hf_export.plan_shards(tensors, np.dtype("float32"), max_bytes=24)  # 24 bytes: 6 float32
+    assert [[t.tm.hf_shape[0] for t in shard] for shard in shards] == [[10], [3, 3], [3], [5, 1]]
+
+
+def test_shard_writer_writes_a_tensor_larger_than_a_chunk_a_few_rows_at_a_time(tmp_path, monkeypatch):
+    """A tensor over WRITE_CHUNK_BYTES is written a few rows at a time (the other tests' tensors fit one chunk): with 3-row
+    chunks, a transposed (strided) 37-row tensor and the one after it read back exactly; the header is 8-byte aligned and
+    carries the format transformers 4 requires."""
+    monkeypatch.setattr(hf_export, "WRITE_CHUNK_BYTES", 3 * 5 * 4)  # 3 rows of 5 float32
+    ours = np.arange(5 * 37, dtype=np.float32).reshape(5, 37)  # our (in, out) layout of a (37, 5) torch weight
+    maps = [TensorMap(("w",), "w.weight", (37, 5), (37, 5), (1, 0)), TensorMap(("b",), "b.weight", (4,), (4,), (0,))]
+    path = tmp_path / "model.safetensors"
+    writer = hf_export.ShardWriter(path, [hf_export.Tensor(tm) for tm in maps], np.dtype("float32"))
+    writer.write(maps[0].hf_order(ours))
+    writer.write(np.arange(4, dtype=np.float32))
+    writer.close()
+    with safe_open(path, "np") as f:
+        np.testing.assert_array_equal(f.get_tensor("w.weight"), ours.T)
+        np.testing.assert_array_equal(f.get_tensor("b.weight"), np.arange(4, dtype=np.float32))
+        assert f.metadata() == {"format": "pt"}
+    assert int.from_bytes(path.read_bytes()[:8], "little") % 8 == 0
+
+
+def test_an_export_that_fails_leaves_no_directory(hf_models, tmp_path, monkeypatch):
+    """Stopped after the weights (a full disk writing config.json): neither DIR nor DIR.partial is left."""
+    hf_dir = hf_models["llama_tied"][0]
+    cfg = _config(hf_dir, mesh=(1, 1, 1))
+    layout = make_layout(cfg, jax.devices()[:1])
+    params = hf_import.load_params(hf_dir, cfg.model, layout.abstract_state().params)
+
+    def disk_full(directory, *args):
+        assert (directory / "model.safetensors").is_file()  # the weights were written
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf_export, "_write_metadata", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        hf_export.write_model(params, cfg, tmp_path / "out", "float32", source_dir=hf_dir)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sigterm_during_export_leaves_no_directory(tmp_path, monkeypatch):
+    """A SIGTERM (a scheduler's time limit) after the weights are written: status 143 through the export's cleanup, and
+    no OUT.partial left with its shards (SIGTERM's default action killed the process and left them)."""
+    from jaxtrain.data import Corpus
+    from jaxtrain.train import build, train
+
+    text = np.frombuffer(b"the quick brown fox. " * 40, np.uint8)
+    cfg = with_(small_config(vocab_size=256), train={"steps": 1}, log={"peak_tflops": 1.0, "tensorboard": False, "layer_every": 0})
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    train(cfg, run_dir, build(cfg, Corpus(text, text[:200], 256, "a sentence")))
+
+    def terminated(directory, *args):
+        assert (directory / "model.safetensors").is_file()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(hf_export, "_write_metadata", terminated)
+    ignored = signal.signal(signal.SIGTERM, lambda *_: None)  # where the export does not take SIGTERM, it changes nothing here
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["export-hf", str(run_dir), "--out", str(out)])
+    finally:
+        signal.signal(signal.SIGTERM, ignored)
+    assert exited.value.code == 143
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 def test_a_from_scratch_export_without_tokenizer_files_knows_its_token_ids(tmp_path):

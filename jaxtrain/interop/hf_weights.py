@@ -158,9 +158,9 @@ class Checkpoint:
             weight_map = read_json(hf_dir / INDEX_FILE).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise UserError(f"{hf_dir / INDEX_FILE} has no weight_map object; download the model again")
-            self.where = dict(weight_map)
+            self.where, self.listing = dict(weight_map), INDEX_FILE
         elif (hf_dir / SINGLE_FILE).is_file():
-            self.where = None  # every tensor in model.safetensors
+            self.where, self.listing = None, SINGLE_FILE  # every tensor in model.safetensors
         else:
             raise UserError(f"{hf_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}; give a Hugging Face model directory with its weights")
         self._stack = contextlib.ExitStack()
@@ -190,7 +190,9 @@ class Checkpoint:
     def _slice(self, name: str):
         file = self.where.get(name)
         if file is None or name not in self._files[file].keys():
-            raise UserError(f"tensor {name} is missing from {self.dir / (file or SINGLE_FILE)}; the model directory does not match its config.json")
+            # a tensor the index leaves out is missing from the index, not from a model.safetensors there is none of
+            raise UserError(f"tensor {name} is missing from {self.dir / (file or self.listing)}; the model directory does not match "
+                            "its config.json")
         return file, self._files[file].get_slice(name)
 
     def check(self, maps: list[TensorMap]) -> None:
