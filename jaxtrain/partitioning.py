@@ -74,9 +74,17 @@ def load_rules(name_or_path: str, _extending: tuple[str, ...] = ()) -> Rules:
 def load_state_rules(name_or_path: str) -> dict[str, Rules]:
     """The rules that place the optimizer state and the gradients: the rule set's own, with the overrides of its
     ``optimizer_state:`` / ``gradients:`` sections (ZeRO-1 and ZeRO-2) on top."""
+    base = load_rules(name_or_path)  # checks the ``extends`` chain first
+    return {section: base | overrides for section, overrides in _section_overrides(name_or_path).items()}
+
+
+def _section_overrides(name_or_path: str) -> dict[str, Rules]:
+    """Each section's overrides, those of the rule set it ``extends`` first: a file extending zero2 had lost ZeRO-2's
+    sections, its optimizer state and gradients whole on every device with no word."""
     path, body = _rule_file(name_or_path)
     base = load_rules(name_or_path)
-    out = {}
+    extends = body.get("extends")
+    out = _section_overrides(extends) if extends is not None else {section: {} for section in STATE_SECTIONS}
     for section in STATE_SECTIONS:
         overrides = body.get(section) or {}
         if not isinstance(overrides, dict):
@@ -85,7 +93,7 @@ def load_state_rules(name_or_path: str) -> dict[str, Rules]:
         if unknown:
             raise UserError(f"rule set {path}: '{section}' overrides {', '.join(unknown)}, which the rule set does not map; "
                             f"override only its logical axes ({', '.join(base)})")
-        out[section] = base | _parse_rules(overrides, f"{path} ({section})")
+        out[section] = out[section] | _parse_rules(overrides, f"{path} ({section})")
     return out
 
 

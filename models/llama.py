@@ -143,8 +143,14 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x (..., k) @ w (k, n) as one 2-D product over the flattened leading dimensions. Same numbers; but w's
     gradient then is a single transposed-operand dot, where from the 3-D form XLA:CPU makes a transposing copy of
     the (batch, length, n) cotangent with the activation's backward fused into it, which took about a quarter of
-    the train step on CPU (README, "Benchmarks and performance")."""
-    return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
+    the train step on CPU (README, "Benchmarks and performance"). ``lax.dot_general``, not ``@``: model.quant's qwix
+    intercepts dot_general while the layers are traced, and ``@`` is jnp.matmul, a jitted function whose traces jax
+    keeps by shapes: in one process, a quantized model got a plain model's earlier trace back (its MLP unquantized),
+    and a plain model traced after a quantized one ran its MLP in int8."""
+    dtype = jnp.result_type(x, w)  # as ``@`` promotes and types its product
+    product = jax.lax.dot_general(x.reshape(-1, x.shape[-1]).astype(dtype), w.astype(dtype), (((1,), (0,)), ((), ())),
+                                  preferred_element_type=dtype)
+    return product.reshape(*x.shape[:-1], w.shape[-1])
 
 
 def _adapters_first(module: nnx.Module, targets: tuple[str, ...], x: jax.Array) -> list[jax.Array | None]:

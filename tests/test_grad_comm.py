@@ -157,6 +157,22 @@ def test_grad_sync_step_trains_like_per_micro_batch_sums(corpus):
         np.testing.assert_allclose(values[0], values[1], rtol=1e-5)
 
 
+def test_zero2_micro_batches_summed_once_per_step_update_as_one_pass(corpus):
+    """ZeRO-2 with 4 micro-batches (optim.grad_sync=auto: float32 accumulators, summed once per step, each device
+    reduce-scattering its slice) against one pass over the batch: the same losses, gradient norms and parameters,
+    to float32 rounding (the sums run in another order)."""
+    runs = {}
+    for microbatches in (1, 4):
+        trainer = build(_sync_cfg("auto", "zero2", (8, 1, 1), microbatches=microbatches), corpus)
+        reduction = trainer.layout.grad_reduction  # k=1: GSPMD's sums in the one pass
+        assert (microbatches == 1 and reduction is None) or (reduction.rules is None and reduction.grad_specs is not None)
+        state, metrics = _run(trainer, corpus, 3)
+        runs[microbatches] = jax.device_get(state.params), metrics
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([m[key] for m in runs[4][1]], [m[key] for m in runs[1][1]], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), runs[4][0], runs[1][0])
+
+
 @pytest.mark.parametrize("sections", [
     "embed: fsdp\n  norm: fsdp",  # ZeRO-2 inside a node, data across nodes: split over some of the batch axes
     "embed: data\n  mlp: fsdp",  # the MLP weights' gradients split on two dimensions

@@ -2,7 +2,9 @@
 
 import dataclasses
 import json
+import re
 import shutil
+from collections import Counter
 from types import SimpleNamespace
 
 import jax
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import small_config, with_
+from test_model import _dot_operand_dtypes
 from test_plan import medium_config
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
@@ -19,8 +22,10 @@ from jaxtrain.plan import step_cost
 from jaxtrain.plan import estimate as plan_lib
 from jaxtrain.data import train_batches
 from jaxtrain.errors import UserError
-from jaxtrain.layout import make_layout
+from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.observe import metrics as metrics_lib
+from jaxtrain.state import model_spec
+from jaxtrain.step import token_nll
 from jaxtrain.train import build, train
 
 STEPS = 20
@@ -89,6 +94,31 @@ def test_zero2_places_gradients_like_its_optimizer_state(trainers):
     grads = trainers["zero2"].layout.grad_shardings
     assert grads["layers"]["mlp"]["w_up"].spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"), None)
     assert trainers["zero1"].layout.grad_shardings is None  # zero1: gradients placed as the parameters
+
+
+def test_zero2_train_step_itself_places_its_gradients():
+    """Under GSPMD's sums the train step constrains the gradients to ZeRO-2's placement: the MLP's gate and up gradients
+    (2 layers x 32 x 64) split on their embed dimension, in the one pass, and with 2 micro-batches in the accumulator
+    and in every pass. Left out, ZeRO-2 is ZeRO-1 with nothing to show for it: the layout above is the same."""
+    def constrained(rules, microbatches):
+        cfg = with_(_cfg(rules), train={"global_batch": 16, "microbatches": microbatches}, optim={"grad_sync": "microbatch"})
+        text = lower_steps(make_layout(cfg))[0].as_text()
+        return len(re.findall(r'sdy.sharding_constraint %\S+ <@mesh, \[\{\}, \{"data", "fsdp"\}, \{\}\]> : tensor<2x32x64xf32>', text))
+
+    assert (constrained("zero2", 1), constrained("zero2", 2), constrained("zero1", 2)) == (2, 4, 0)
+
+
+def test_a_rule_file_extending_zero2_keeps_its_sections(tmp_path):
+    """``extends: zero2`` starts from all of zero2, its optimizer_state: and gradients: sections too, the file's own
+    section entries on top. The sections were dropped: moments and gradients whole on every device, with no word."""
+    rules = tmp_path / "zero2_whole_norms.yaml"
+    rules.write_text("extends: zero2\noptimizer_state:\n  norm: null\n")
+    layout, zero2 = make_layout(_cfg(str(rules))), make_layout(_cfg("zero2"))
+    assert layout.grad_shardings == zero2.grad_shardings
+    split = jax.sharding.PartitionSpec(None, ("data", "fsdp"), None)
+    assert layout.moment_shardings["layers"]["mlp"]["w_up"].spec == zero2.moment_shardings["layers"]["mlp"]["w_up"].spec == split
+    assert layout.moment_shardings["final_norm"]["scale"].spec == jax.sharding.PartitionSpec(None)
+    assert zero2.moment_shardings["final_norm"]["scale"].spec == jax.sharding.PartitionSpec(("data", "fsdp"))
 
 
 def test_zero1_resumes_exactly_and_moves_to_fsdp_and_back(trainers, corpus, tmp_path):
@@ -230,7 +260,8 @@ def test_offload_places_state_in_page_locked_host_memory():
 
 
 def test_int8_and_fp8_training_lands_near_bfloat16(corpus):
-    """qwix quantized training of the layers' matmuls: the loss after 100 steps within 4% of bfloat16's (fp8 3.0% apart, 2026-12-05)."""
+    """qwix quantized training of the layers' matmuls: the loss after 100 steps within 4% of bfloat16's (int8 2.5%, fp8
+    2.4% apart, 2026-12-05, with the MLP's products quantized too: see the next test)."""
     losses = {}
     for quant in ("none", "int8", "fp8"):
         cfg = with_(small_config("dp", DP_MESH, dtype="bfloat16", quant=quant), train={"steps": 100})
@@ -239,6 +270,29 @@ def test_int8_and_fp8_training_lands_near_bfloat16(corpus):
     assert losses["none"] < 1.5  # it learned the phrase (ln 64 = 4.16 at the start)
     for quant in ("int8", "fp8"):
         assert abs(losses[quant] / losses["none"] - 1) < 0.04, losses
+
+
+def test_int8_and_fp8_quantize_the_layers_products_whatever_the_process_traced_before():
+    """Each layer's 9 products (query, key, value, scores, weighted values, output; the MLP's gate, up, down) take
+    quantized operands in both passes, fp8's gradients in e5m2, and the logits' stay bfloat16, also when the loss is
+    made in chunks (train.loss_chunk). A plain model of the same sizes traced before had left the MLP's products
+    unquantized (they were ``@``, a jitted function whose traces jax keeps by shapes, so qwix never saw them), and one
+    traced after a quantized model had run its MLP in int8."""
+    def products(quant, loss_chunk=0):
+        spec = model_spec(small_config(dtype="bfloat16", quant=quant).model)
+        batch = {name: jax.ShapeDtypeStruct((2, 16), jnp.int32) for name in ("inputs", "targets")}
+        loss = lambda params, batch: token_nll(spec.graphdef, params, batch, loss_chunk).sum()  # noqa: E731
+        forward, backward = (_dot_operand_dtypes(fn, spec.shapes, batch) for fn in (loss, jax.grad(loss)))
+        return Counter(forward), Counter(backward) - Counter(forward)
+
+    bf16, e4m3, e5m2 = "bfloat16", "float8_e4m3fn", "float8_e5m2"
+    plain = products("none")
+    assert set(plain[0]) == {(bf16, bf16)} and sum(plain[0].values()) == 10  # 9 in the layers, the logits' 1
+    # the backward pass: 2 products per layer product, 3 for the logits (with the forward's product remade)
+    assert products("int8") == (Counter({("int8", "int8"): 9, (bf16, bf16): 1}), Counter({("int8", "int8"): 18, (bf16, bf16): 3}))
+    assert products("none") == plain
+    assert products("int8", loss_chunk=8)[0] == Counter({("int8", "int8"): 9, (bf16, bf16): 1})
+    assert products("fp8") == (Counter({(e4m3, e4m3): 9, (bf16, bf16): 1}), Counter({(e5m2, e4m3): 18, (bf16, bf16): 3}))
 
 
 def _medium(rules="dp", mesh=DP_MESH, **optim):

@@ -17,8 +17,9 @@ from jaxtrain.adapt.adapters import join_frozen
 from jaxtrain.config import AxisSizes, MeshConfig, load_experiment
 from jaxtrain.observe.flops import matmul_params
 from jaxtrain.layout import make_layout
-from jaxtrain.state import model_spec
-from jaxtrain.step import router_metrics, token_nll_and_router_stats, training_objective
+from jaxtrain.optim import learning_rate_schedule
+from jaxtrain.state import init_state, model_spec
+from jaxtrain.step import make_train_step, router_metrics, token_nll_and_router_stats, training_objective
 from jaxtrain.train import build, train
 from models.config import EXPERT_LORA, LlamaConfig, LoraConfig, MoEConfig, tokamax_problem
 from models.llama import Llama
@@ -202,6 +203,24 @@ def test_router_losses_are_added_to_the_training_loss():
     assert float(objective - loss) > 0.25  # z-loss of at least log(4)^2 / 4
     metrics = router_metrics(stats)
     assert metrics["moe_expert_load_per_layer"].shape == (2, 4) and metrics["moe_load_max_over_mean_per_layer"].shape == (2,)
+
+
+def test_micro_batches_give_the_router_statistics_of_the_whole_batch():
+    """Gradient accumulation over 2 micro-batches: each pass's router statistics count as its share of the batch's,
+    so the token loss, the z-loss and the experts' load are the whole batch's. The load-balancing loss is each
+    pass's own (a product of two means over its tokens, as a transformers model computes it per forward pass): 0.1%
+    off the whole batch's here, and the gradient norm with it."""
+    cfg = _moe_config(aux_loss_weight=0.5, router_z_loss_weight=0.25)
+    layout = make_layout(cfg, jax.devices()[:1])
+    state = init_state(cfg.model, layout.tx, 0, layout.shardings)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 64, (4, 16)), jnp.int32)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
+    whole, split = (jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), micro))(state, batch)[1]
+                    for micro in (1, 2))
+    for name in ("loss", "moe_z_loss", "moe_expert_load_per_layer", "moe_load_max_over_mean_per_layer"):
+        np.testing.assert_allclose(split[name], whole[name], rtol=1e-5, err_msg=name)
+    for name in ("moe_aux_loss", "grad_norm"):
+        np.testing.assert_allclose(split[name], whole[name], rtol=3e-3, err_msg=name)
 
 
 def _run(cfg, corpus, run_dir, devices=None, trainer=None):

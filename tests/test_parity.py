@@ -3,10 +3,14 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import small_config, with_
+from jaxtrain.layout import make_layout
+from jaxtrain.optim import learning_rate_schedule
+from jaxtrain.step import make_train_step
 from jaxtrain.train import build, train
 
 # (rule set, mesh data x fsdp x tensor) on 8 devices
@@ -53,3 +57,25 @@ def test_gradient_accumulation_matches_one_batch(corpus, tmp_path):
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
         np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), *states)
+
+
+def _activation_rows(jaxpr, length: int) -> set[int]:
+    """The leading dimension of every float (rows, length, ...) array the jaxpr makes, nested ones included."""
+    rows = set()
+    for eqn in jaxpr.eqns:
+        rows.update(v.aval.shape[0] for v in eqn.outvars
+                    if jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.ndim >= 3 and v.aval.shape[1] == length)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            rows |= _activation_rows(sub, length)
+    return rows
+
+
+def test_gradient_accumulation_runs_one_micro_batch_at_a_time():
+    """Every activation of the train step holds one micro-batch's rows, the memory accumulation saves: one pass over
+    the whole batch gives the numbers of the test above too, so that test cannot tell."""
+    for microbatches in (2, 4):
+        cfg = with_(small_config("dp", (1, 1, 1)), train={"global_batch": 8, "microbatches": microbatches})
+        layout = make_layout(cfg, jax.devices()[:1])
+        step = make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), microbatches)
+        jaxpr = jax.make_jaxpr(step)(layout.abstract_state(), layout.abstract_batch()).jaxpr
+        assert max(_activation_rows(jaxpr, cfg.data.seq_len)) == 8 // microbatches
