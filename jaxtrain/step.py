@@ -78,6 +78,10 @@ def _token_nll(model, batch: Batch, loss_chunk: int) -> jax.Array:
     return model.chunked_loss(model.hidden(batch["inputs"], *packing), batch["targets"], loss_chunk, cross_entropy)
 
 
+# the batch's entry of its rows' numbers in the step's batch, from which LoRA dropout draws each row's masks
+DROPOUT_ROWS = "dropout_rows"
+
+
 def counted_tokens(batch: Batch) -> jax.Array | None:
     """How many target tokens the loss counts (the sum of 'weights'); None when every token counts."""
     return jnp.maximum(batch["weights"].sum(), 1.0) if "weights" in batch else None
@@ -127,17 +131,20 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     (optim.grad_dtype, jaxtrain/memory/grad_comm.py) sums each pass's gradients over the batch axes in its own dtype;
     ``device_params``: the trained parameters' shardings in device memory, where the step brings offloaded master
     weights for the whole step (optim.offload under narrower compute). ``dropout_seed`` (LoRA dropout): the forward
-    passes run inside ``models.lora.dropout_key`` with a key from the seed and the step (and the micro-batch), so a
-    resumed run draws the masks of an uninterrupted one. With a spike window in the state (``train.skip_spikes``,
-    jaxtrain/spikes.py) an update whose loss or gradient norm lies more than ``skip_spikes`` of the window's standard
-    deviations from its mean is not applied either."""
+    passes run inside ``models.lora.dropout_key`` with a key from the seed and the step (each row's masks drawn with
+    its number in the batch, however the step cuts it), so a resumed run draws the masks of an uninterrupted one. With a
+    spike window in the state (``train.skip_spikes``, jaxtrain/spikes.py) an update whose loss or gradient norm lies more
+    than ``skip_spikes`` of the window's standard deviations from its mean is not applied either."""
     def placed(grads):
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
     def pass_grads(params, frozen, batch, counted, share, scale, key=None):
         """Gradients for the trained parameters only (LoRA: the adapters), of the scaled objective."""
+        batch = dict(batch)
+        rows = batch.pop(DROPOUT_ROWS, None)
+
         def objective(trained):
-            with contextlib.nullcontext() if key is None else dropout_key(key):
+            with contextlib.nullcontext() if key is None else dropout_key(key, rows):
                 value, aux = training_objective(graphdef, join_frozen(frozen, trained), batch, loss_chunk, counted, share)
             return scale.scale(value), aux
 
@@ -146,13 +153,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
     def batch_grads(params, frozen, batch, counted, scale, key=None, share=1.0, place=lambda grads: grads):
         """The gradient passes over the batch (gradient accumulation: one per micro-batch), summed; ``place``
-        lays out each pass's gradients; ``key``: the step's dropout key, split over the micro-batches."""
+        lays out each pass's gradients; ``key``: the step's dropout key, the same for every micro-batch (each row draws
+        its masks with its number in the step's batch, carried by the batch)."""
         if microbatches == 1:
             parts, grads = pass_grads(params, frozen, batch, counted, share, scale, key)
             return parts, place(grads)
 
-        def accumulate(carry, micro_and_key):
-            micro, key = micro_and_key
+        def accumulate(carry, micro):
             parts, grads = pass_grads(params, frozen, micro, counted, share / microbatches, scale, key)
             return jax.tree.map(jnp.add, carry, (parts, place(grads))), None
 
@@ -161,8 +168,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         first = jax.tree.map(lambda x: x[0], micro)
         one_pass = jax.eval_shape(lambda p, f, b: pass_grads(p, f, b, counted, 1.0, scale), params, frozen, first)
         zeros = (jax.tree.map(jnp.zeros_like, one_pass[0]), place(jax.tree.map(jnp.zeros_like, params)))
-        keys = None if key is None else jax.random.split(key, microbatches)
-        return jax.lax.scan(accumulate, zeros, (micro, keys))[0]
+        return jax.lax.scan(accumulate, zeros, micro)[0]
 
     def train_step(state: TrainState, batch: Batch):
         if device_opt_state is not None:
@@ -172,6 +178,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         scale = loss_scale_lib.scaler(state.loss_scale, loss_scale_period)
         counted = counted_tokens(batch)
         key = None if dropout_seed is None else jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+        if key is not None:  # each row's number, split with the batch into micro-batches and device groups
+            batch = batch | {DROPOUT_ROWS: jnp.arange(batch["inputs"].shape[0])}
         if grad_reduction is None:  # GSPMD sums each pass's gradients where the backward pass makes them
             (loss, stats), grads = batch_grads(state.params, state.frozen, batch, counted, scale, key, place=placed)
         else:  # each device accumulates its own passes; one sum over the devices after the last

@@ -481,8 +481,8 @@ class Llama(nnx.Module):
 
         layer_def, layer_state = nnx.split(self.layers)
 
-        def layer(x, scanned, microbatch=None):
-            with layer_scope(scanned, microbatch) as params:  # a LoRA dropout key per layer when training with one
+        def layer(x, scanned, rows=None):
+            with layer_scope(scanned, rows) as params:  # a LoRA dropout key per layer when training with one
                 block = nnx.merge(layer_def, params)
                 return block(x, sin, cos, segment_ids), nnx.to_pure_dict(nnx.pop(block, nnx.Intermediate))  # e.g. MoE router statistics
 

@@ -6,7 +6,9 @@ leaves the model's output exactly unchanged.
 Dropout (``model.lora.dropout``, as PEFT's): ``B(A(dropout(x))) * alpha / rank``, on the adapter's input only, and
 only inside ``dropout_key(key)``, which the train step sets around its forward pass; evaluation, generation and
 merging never do, so they see no dropout. The model gives each layer its own key (``layer_inputs``), each adapter
-folds in its target's number: every adapter of every layer draws its own mask.
+folds in its target's number and each batch row its row's number in the step's batch: every adapter of every layer
+draws its own mask per row, and a row draws the same masks however the step cuts the batch (gradient accumulation's
+micro-batches, device groups, a pipeline's micro-batches).
 
 A mixture of experts' expert weights (experts, in, out) take ``ExpertLoRA`` adapters, in PEFT's form for Hugging
 Face's fused expert parameters (``target_parameters``): per expert an A and a B, one adapter on the gate and up
@@ -31,15 +33,17 @@ from models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig
 from models.quant import QuantizedWeight, gathered_param
 
 
-# the whole model's dropout key (set by the train step), then, inside one layer, that layer's key
+# the whole model's dropout key and the numbers of the pass's rows in the step's batch (set by the train step), then,
+# inside one layer, that layer's key and the numbers of the rows it runs on (None: 0, 1, ...)
 _MODEL_KEY = contextvars.ContextVar("lora_dropout_model_key", default=None)
 _LAYER_KEY = contextvars.ContextVar("lora_dropout_layer_key", default=None)
 
 
 @contextlib.contextmanager
-def dropout_key(key: jax.Array):
-    """Training: adapters with ``model.lora.dropout`` > 0 drop their inputs, with masks drawn from ``key``."""
-    token = _MODEL_KEY.set(key)
+def dropout_key(key: jax.Array, rows: jax.Array | None = None):
+    """Training: adapters with ``model.lora.dropout`` > 0 drop their inputs, with masks drawn from ``key``; ``rows``:
+    the numbers in the step's batch of the pass's rows (None: 0, 1, ...), each row's masks drawn with its number."""
+    token = _MODEL_KEY.set((key, rows))
     try:
         yield
     finally:
@@ -49,24 +53,27 @@ def dropout_key(key: jax.Array):
 def layer_inputs(layer_state, num_layers: int):
     """What the scan over layers takes: the layers' parameters, and inside ``dropout_key`` also a key per layer
     (raw key data, stacked on the layers axis like the parameters)."""
-    key = _MODEL_KEY.get()
-    if key is None:
+    model_key = _MODEL_KEY.get()
+    if model_key is None:
         return layer_state
-    keys = jax.random.key_data(jax.random.split(key, num_layers))
+    keys = jax.random.key_data(jax.random.split(model_key[0], num_layers))
     return layer_state, nnx.Variable(keys, out_sharding=("layers", None), eager_sharding=False)
 
 
 @contextlib.contextmanager
-def layer_scope(scanned, microbatch: jax.Array | None = None):
+def layer_scope(scanned, rows: jax.Array | None = None):
     """Inside one layer: yields its parameters from its slice of ``layer_inputs``, with its dropout key in force;
-    ``microbatch``: the index of the pipeline's micro-batch the layer runs on, folded into that key (the layer key
-    alone drew one mask for every micro-batch of a pass)."""
+    ``rows``: which of the pass's rows the layer runs on (a pipeline's micro-batch), None for all of them in order. Each
+    row's masks come from its number in the step's batch, so they do not depend on the schedule (a key per micro-batch
+    index drew masks the plain layer scan never drew)."""
     if not isinstance(scanned, tuple):
         yield scanned
         return
     params, keys = scanned
-    key = jax.random.wrap_key_data(keys[...])
-    token = _LAYER_KEY.set(key if microbatch is None else jax.random.fold_in(key, microbatch))
+    pass_rows = _MODEL_KEY.get()[1]
+    if pass_rows is not None:
+        rows = pass_rows if rows is None else pass_rows[rows]
+    token = _LAYER_KEY.set((jax.random.wrap_key_data(keys[...]), rows))
     try:
         yield params
     finally:
@@ -91,12 +98,19 @@ class LoRA(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """The update to add to ``x @ W``: x's last ``inputs`` dimensions are contracted."""
-        key = _LAYER_KEY.get()
-        if self.dropout and key is not None:
-            keep = jax.random.bernoulli(jax.random.fold_in(key, self.salt), 1.0 - self.dropout, x.shape)
+        layer_key = _LAYER_KEY.get()
+        if self.dropout and layer_key is not None:
+            keep = _row_masks(jax.random.fold_in(layer_key[0], self.salt), layer_key[1], 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
         low = jnp.tensordot(x, gathered_param(self.a, x.dtype), axes=self.inputs)
         return _unsaved_up_projection(low, gathered_param(self.b, x.dtype)) * jnp.asarray(self.scale, x.dtype)
+
+
+def _row_masks(key: jax.Array, rows: jax.Array | None, keep: float, shape: tuple[int, ...]) -> jax.Array:
+    """Boolean masks of ``shape`` (batch rows first), each row's drawn from ``key`` with its number in ``rows`` folded in
+    (None: 0, 1, ...)."""
+    rows = jnp.arange(shape[0]) if rows is None else rows
+    return jax.vmap(lambda row: jax.random.bernoulli(jax.random.fold_in(key, row), keep, shape[1:]))(rows)
 
 
 class ExpertLoRA(nnx.Module):

@@ -49,7 +49,8 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
     None: no remat): one ``lax.scan`` (``unroll``: unrolled when compiling) without stages, returning x and the
     outputs stacked over layers; the pipeline with them, returning x and None (per-layer outputs, such as MoE
     router statistics, are not collected through stages), where the layer is called as ``layer(x, layer_params,
-    microbatch=index)`` with the index of the micro-batch x is (so that each draws its own random masks).
+    rows=numbers)`` with the numbers in the batch of the rows x holds (so that each row draws the random masks it
+    draws without stages).
     ``activation_axes``: logical axes of x."""
     remat = (lambda f: jax.checkpoint(f, policy=remat_policy, prevent_cse=False)) if remat_policy else (lambda f: f)
     num_stages = stages()
@@ -70,6 +71,7 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
     params = jax.tree.map(stage_view, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
     def run_stage(stage_params, h, repeat, micro):  # one stage: its layers of this repeat on micro-batch micro, in order
+        rows = micro + num_micro * jnp.arange(h.shape[0])  # micro-batch j holds rows j, j + num_micro, ... (below)
         # each layer takes its weights from the stage's (repeats, layers per stage) stack inside the remat: taken
         # outside, the slice of this iteration's repeat would be saved for the backward of every iteration
         # (iterations x the stage's weights of one repeat); inside, only the indices are, and the backward re-slices.
@@ -77,7 +79,7 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
         # GPU compiler of jax 0.10.2 rejects ("Repeated dimensions not allowed in scatter_dims_to_operand_dims"); that of
         # 0.11.2 compiles either to the same peak
         def layer_at(h, j):
-            return layer(h, jax.tree.map(lambda p: jax.lax.select_n(repeat, *p[:, j]), stage_params), microbatch=micro)
+            return layer(h, jax.tree.map(lambda p: jax.lax.select_n(repeat, *p[:, j]), stage_params), rows=rows)
 
         return jax.lax.scan(remat(layer_at), h, jnp.arange(per_stage))[0]
 

@@ -109,6 +109,10 @@ CASES = {
                                                  "model.pipeline.microbatches=1 is fewer than the 2 pipeline stages"),
     "batch not divisible into pipeline micro-batches": (lambda t: [*PIPELINE, "model.pipeline.microbatches=3"],
                                                         "= 32 sequences do not split into model.pipeline.microbatches=3 micro-batches over the 2 batch shards"),
+    # 32 micro-batches of one sequence each, which the 2 batch shards cannot split
+    "pipeline micro-batches smaller than the batch shards": (
+        lambda t: [*PIPELINE, "model.pipeline.microbatches=32"],
+        "= 32 sequences do not split into model.pipeline.microbatches=32 micro-batches over the 2 batch shards"),
     # memory techniques (issue 12): optim.offload on devices without host memory is tests/test_memory.py's (CPUs have it)
     "optimizer state over a mesh axis the mesh lacks": (lambda t: ["--rules", _zero1_over(t, "pipeline")],
                                                         "zero1_bad.yaml (optimizer_state): 'embed' maps to mesh axis 'pipeline', which the mesh does not have"),

@@ -35,6 +35,7 @@ from jaxtrain.partitioning import flax_rules
 from jaxtrain.state import model_spec
 from jaxtrain.train import build, train
 from models.config import LORA_TARGETS, LoraConfig
+from models.llama import Llama
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, 16))
 
@@ -81,6 +82,17 @@ def test_zero_adapters_give_the_base_logits_exactly_and_merged_equals_unmerged(b
     unmerged = _logits(layout, adapted)
     assert np.max(np.abs(unmerged - _logits(plain_layout, base_params))) > 1e-3  # the adapters do change the output
     np.testing.assert_allclose(_logits(plain_layout, lora_lib.merged(adapted, cfg.model)), unmerged, atol=1e-5)
+
+
+def test_fresh_adapters_draw_a_as_peft_does_and_b_zero():
+    """A uniform within 1 / sqrt(fan in) (PEFT's kaiming_uniform(a=sqrt(5)) on lora_A; o's fan in is heads x head_dim),
+    B zero; 256 to 512 draws per A, so the largest lies within 5% of the bound."""
+    cfg = lora_config(mesh=(1, 1, 1))
+    layers = nnx.to_pure_dict(nnx.state(Llama(cfg.model, rngs=nnx.Rngs(0))))["layers"]
+    for module, target, fan_in in (("attn", "q", 32), ("attn", "o", 4 * 8), ("mlp", "down", 64)):
+        adapter = layers[module][f"lora_{target}"]
+        assert 0.95 < np.max(np.abs(adapter["a"])) * fan_in**0.5 <= 1, target
+        assert not np.any(adapter["b"]), target
 
 
 def test_the_base_hash_sees_each_value_where_it_is():

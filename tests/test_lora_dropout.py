@@ -2,6 +2,7 @@
 logits of evaluation or generation, resumes exactly (masks drawn from the run's seed and the step), and the PEFT
 export carries the value."""
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -17,12 +18,12 @@ from conftest import with_
 from jaxtrain import cli
 from jaxtrain import data as data_lib
 from jaxtrain.adapt import lora as lora_lib
-from jaxtrain.layout import make_layout
-from jaxtrain.partitioning import flax_rules
+from jaxtrain.layout import lower_steps, make_layout
+from jaxtrain.partitioning import flax_rules, model_tracing
 from jaxtrain.train import build, train
 from models.config import LoraConfig, PipelineConfig
-from models.llama import KVCache
-from models.lora import dropout_key
+from models.llama import KVCache, Llama
+from models.lora import LoRA, dropout_key, layer_inputs, layer_scope
 from test_lora import TOKENS, _randomise_adapters, _tree_equal, lora_config
 
 DROPOUT = 0.3
@@ -118,10 +119,10 @@ def _train_beside_undropped_losses(cfg, corpus, run_dir):
 SETUPS = {
     # GSPMD's sums in the one pass; the PEFT export
     "one_pass": lambda: lora_config(init_std=0.3),
-    # a vmap over the data groups, each folding in its index (jaxtrain/memory/grad_comm.py); a key per micro-batch
+    # a vmap over the data groups (jaxtrain/memory/grad_comm.py), each carrying its rows' numbers; micro-batches
     "grad_sync_step": lambda: with_(lora_config(init_std=0.3), optim={"grad_sync": "step"},
                                     train={"microbatches": 2, "global_batch": 16}),
-    # the passes under shard_map, each batch shard folding in its index
+    # the passes under shard_map, each batch shard carrying its rows' numbers
     "grad_bfloat16": lambda: with_(lora_config(init_std=0.3, mesh=(8, 1, 1)), optim={"grad_dtype": "bfloat16"},
                                    train={"microbatches": 2, "global_batch": 16}),
     # 4 stages x 2 repeats x 1 layer, 4 micro-batches in flight, over data 2: each layer's key sliced with its weights
@@ -151,3 +152,82 @@ def test_dropout_changes_the_training_losses_and_resumes_exactly(setup, corpus, 
         out = tmp_path / "adapter"
         assert cli.main(["export-hf", str(run_dir), "--out", str(out), "--adapter-only", "--mesh", "cpu8"]) == 0
         assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == DROPOUT
+
+
+def test_a_pipelined_pass_draws_the_masks_of_the_unpipelined_one():
+    """The masks of a batch row come from its row's number in the pass, whatever the schedule: 8 layers as 4 stages x 2
+    repeats, 6 micro-batches (rows j, j + 6, ... each) over data 2, give the loss and the adapters' gradients of the
+    plain layer scan under the same dropout key. Keys per micro-batch index drew other masks than the plain pass's."""
+    cfg = with_dropout(dataclasses.replace(lora_config(init_std=0.3, mesh=(2, 1, 1, 4), num_layers=8,
+                                                       pipeline=PipelineConfig(microbatches=6, repeats=2)), rules="pp_dp"))
+    graphdef, params = nnx.split(Llama(cfg.model, rngs=nnx.Rngs(0)))
+    params = _randomise_adapters(nnx.to_pure_dict(params))
+    tokens = jax.random.randint(jax.random.key(1), (12, 16), 0, cfg.model.vocab_size)
+    probe = jax.random.normal(jax.random.key(2), (12, 16, cfg.model.d_model))  # hidden states are normed: weigh them
+
+    def loss(params, key=None):
+        with contextlib.nullcontext() if key is None else dropout_key(key):
+            return jnp.mean(probe * nnx.merge(graphdef, params).hidden(tokens))
+
+    def loss_and_grads(params, key):
+        return jax.value_and_grad(loss)(params, key)
+
+    plain = jax.jit(loss_and_grads)(params, jax.random.key(7))
+    undropped = jax.jit(loss)(params)
+    layout = make_layout(with_(cfg, train={"global_batch": 12}))
+    with model_tracing(layout.mesh, layout.rules, cfg.rules):
+        piped = jax.jit(loss_and_grads)(params, jax.random.key(7))
+    assert abs(float(plain[0]) - float(undropped)) > 1e-3 * abs(float(undropped))  # the masks act
+    np.testing.assert_allclose(piped[0], plain[0], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), piped[1], plain[1])
+
+
+def test_dropout_zeroes_a_share_p_of_each_adapters_input_and_rescales_the_rest():
+    """An adapter of A = B = identity and alpha = rank returns its dropped input: each entry 0 or x / (1 - p), 0 in a
+    share p of them (PEFT's nn.Dropout); the adapter of another target, each batch row and each layer draw their own
+    masks."""
+    d = 64
+    base = nnx.Param(jnp.zeros((d, d)), out_sharding=("embed", "mlp"), eager_sharding=False)
+    adapters = [LoRA(base, 1, d, float(d), nnx.Rngs(0), DROPOUT, salt) for salt in (0, 1)]
+    for adapter in adapters:
+        adapter.a[...], adapter.b[...] = jnp.eye(d), jnp.eye(d)
+    x = jax.random.uniform(jax.random.key(4), (4, 16, d), minval=1.0, maxval=2.0)
+    with dropout_key(jax.random.key(0)):
+        _, layer_keys = layer_inputs({}, 2)
+        dropped = []  # (layer, adapter)
+        for layer in range(2):
+            with layer_scope(({}, nnx.Variable(layer_keys[...][layer]))):
+                dropped.append([np.asarray(adapter(x)) for adapter in adapters])
+    for out in dropped[0] + dropped[1]:
+        kept = out != 0
+        np.testing.assert_allclose(out[kept], np.asarray(x)[kept] / (1 - DROPOUT), rtol=1e-6)
+        assert abs(1 - kept.mean() - DROPOUT) < 0.03, kept.mean()  # 4096 entries: a standard deviation of 0.007
+        assert not any(np.array_equal(kept[i], kept[j]) for i in range(4) for j in range(i))
+    assert not np.array_equal(dropped[0][0] != 0, dropped[0][1] != 0)
+    assert not np.array_equal(dropped[0][0] != 0, dropped[1][0] != 0)
+
+
+def test_a_pipelined_train_step_draws_the_masks_of_the_unpipelined_one(corpus):
+    """A train step with dropout through 4 stages x 2 repeats over data 2 (whose gradients optim.grad_sync=auto sums
+    once per step, each data group's passes apart), and through the plain layer scan on fsdp 4 x data 2 (GSPMD's sums in
+    the one pass), and in 2 accumulated micro-batches on fsdp 2 x tensor 2 x data 2: the same gradient norm and
+    adapters (B = 0 before the step: the masks show in the gradients, not the loss). Keys per micro-batch index gave the
+    pipeline other masks, keys per data group the grouped passes, keys per accumulated micro-batch the accumulation."""
+    piped = with_dropout(SETUPS["pipeline"]())
+    assert make_layout(piped).grad_reduction is not None
+    plain = with_(dataclasses.replace(piped, rules="fsdp", mesh=lora_config(mesh=(2, 4, 1)).mesh), model={"pipeline": PipelineConfig()})
+    accumulated = with_(dataclasses.replace(plain, rules="fsdp_tp", mesh=lora_config().mesh), train={"microbatches": 2})
+
+    def one_step(cfg):
+        layout = make_layout(cfg)
+        state = lora_lib.load_base(layout, None).start_state(layout)
+        batch = next(data_lib.train_batches(corpus, cfg.data, cfg.train.global_batch, layout.batch_sharding))
+        state, metrics = lower_steps(layout)[0].compile()(state, batch)
+        return float(metrics["grad_norm"]), jax.tree.map(np.asarray, state.params)
+
+    plain_norm, plain_params = one_step(plain)
+    for cfg in (piped, accumulated):
+        norm, params = one_step(cfg)
+        np.testing.assert_allclose(norm, plain_norm, rtol=1e-5)
+        # Adam's first step moves an adapter entry of a near-zero gradient by up to 5e-6 for float32 sums in another order
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), params, plain_params)

@@ -110,6 +110,18 @@ def test_shapes_dtypes_and_logical_axes():
     assert tuple(axes["layers"]["mlp"]["w_down"]) == ("layers", "mlp", "embed")
 
 
+def test_initial_weights_spread_as_configured_and_the_residual_outputs_shrink_with_depth():
+    """A normal truncated at 2 standard deviations (a spread of 0.8796 init_std); the projections writing into the
+    residual stream (attention's output, the MLP's down) scaled by 1 / sqrt(2 x layers), as GPT-2 and Megatron do."""
+    params = nnx.to_pure_dict(nnx.state(Llama(CFG, rngs=nnx.Rngs(0))))
+    spread, layers = 0.8796 * CFG.init_std, params["layers"]
+    for w in (params["embed"], params["lm_head"], layers["attn"]["wq"], layers["attn"]["wk"], layers["attn"]["wv"],
+              layers["mlp"]["w_gate"], layers["mlp"]["w_up"]):
+        assert np.std(w) == pytest.approx(spread, rel=0.05)
+    for w in (layers["attn"]["wo"], layers["mlp"]["w_down"]):
+        assert np.std(w) == pytest.approx(spread / (2 * CFG.num_layers) ** 0.5, rel=0.05)
+
+
 def test_tied_embeddings_have_no_output_projection():
     tied = Llama(LlamaConfig(**{**CFG.__dict__, "tie_embeddings": True}), rngs=nnx.Rngs(0))
     assert "lm_head" not in nnx.to_pure_dict(nnx.state(tied))

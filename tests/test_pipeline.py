@@ -17,6 +17,7 @@ from conftest import small_config, subprocess_env, with_
 from jaxtrain.plan import estimate as plan_lib
 from jaxtrain import stages as stages_lib
 from jaxtrain.config import AxisSizes, MeshConfig, SamplingConfig
+from jaxtrain.errors import UserError
 from jaxtrain.generate import generate, load
 from jaxtrain.layout import make_layout
 from jaxtrain.observe.metrics import format_summary, startup_summary
@@ -150,6 +151,16 @@ def test_per_stage_memory_counts_a_stage_of_layers_and_the_whole_embedding_and_o
     assert per_stage["logits working set"] == items["logits and loss"]
 
 
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_per_stage_memory_regroups_every_byte_of_the_estimate(repeats):
+    """The per-stage items add up to the planner's (within the int rounding of the split), the circular schedule's
+    re-layout of the layers (repeats 3) counted with the transformer layers."""
+    layout = make_layout(_weight_heavy(PipelineConfig(microbatches=4, repeats=repeats)))
+    items = plan_lib.estimate(layout)
+    assert ("circular re-layout" in items) == (repeats > 1)
+    assert sum(stages_lib.stage_memory(layout, items).values()) == pytest.approx(sum(items.values()), abs=2)
+
+
 def test_planner_suggests_pipeline_stages_when_fsdp_gathers_cross_the_network():
     across = dataclasses.replace(medium_config("fsdp", "full"), mesh=MeshConfig(ici=AxisSizes(1, 2, 1), dcn=AxisSizes(1, 4, 1)))
     best = plan_lib.suggest(across, 1e12, gpu="h100")[0]
@@ -165,6 +176,18 @@ def test_planner_suggests_pipeline_stages_when_fsdp_gathers_cross_the_network():
 @pytest.mark.parametrize("stages, microbatches, repeats, bubble", [(4, 4, 1, 3 / 7), (4, 8, 2, 3 / 19), (2, 2, 1, 1 / 3)])
 def test_bubble_formula(stages, microbatches, repeats, bubble):
     assert Schedule(stages, microbatches, repeats).bubble == pytest.approx(bubble)
+
+
+def test_packed_instruction_data_through_stages_is_one_line():
+    """The layers would see the packed rows' segment ids and positions whole, not per micro-batch."""
+    with pytest.raises(UserError, match=r"^data.format=sft \(packed instruction data\) does not run through pipeline stages yet"):
+        make_layout(with_(_config("pp_fsdp", (1, 2, 1, 4)), data={"format": "sft"}))
+
+
+def test_pipeline_micro_batches_default_to_the_stages():
+    """model.pipeline.microbatches unset (0): as many micro-batches in flight as stages, a bubble of 3 / 7 on 4."""
+    layout = make_layout(_config("pp_fsdp", (1, 2, 1, 4)))
+    assert stages_lib.schedule(layout.cfg, layout.rules, layout.mesh) == Schedule(4, 4, 1)
 
 
 def test_gpu_script_skips_the_pipelined_row_with_one_device_saying_why(tmp_path):

@@ -84,21 +84,19 @@ class GradReduction:
     def wrap(self, grad_fn: Callable) -> Callable:
         """``grad_fn(params, frozen, batch, counted, scale, key, share=) -> ((loss, stats), grads)``, the gradient passes
         of a whole batch (``share``: the part of the batch's value they make; ``key``: LoRA dropout's, or None), computed
-        per device group on its share of the batch (every micro-batch of it, each group drawing its own dropout masks) and
+        per device group on its share of the batch (every micro-batch of it; dropout's masks come from the rows' numbers) and
         summed over ``axes`` in ``dtype`` once. Each group's part is 1/ways of the batch's value, so the sum is the batch's."""
         return self._wrap_manual(grad_fn) if self.rules is None else self._wrap_grouped(grad_fn)
 
     def _wrap_grouped(self, grad_fn: Callable) -> Callable:
         def grouped(params, frozen, batch, counted, scale, key):
             groups = {name: x.reshape(self.ways, x.shape[0] // self.ways, *x.shape[1:]) for name, x in batch.items()}
-            keys = None if key is None else jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(self.ways))
 
-            def group_grads(group, group_key):
-                return grad_fn(params, frozen, group, counted, scale, group_key, share=1 / self.ways)
+            def group_grads(group):
+                return grad_fn(params, frozen, group, counted, scale, key, share=1 / self.ways)
 
             with spmd.logical_axis_rules(self._inner_rules()):
-                (loss, stats), grads = jax.vmap(group_grads, in_axes=(0, None if key is None else 0),
-                                                spmd_axis_name=self.axes)(groups, keys)
+                (loss, stats), grads = jax.vmap(group_grads, spmd_axis_name=self.axes)(groups)
             loss, stats = jax.tree.map(lambda x: x.sum(0), (loss, stats))
             return (loss, stats), jax.tree.map(lambda g: g.astype(self.dtype).sum(0).astype(g.dtype), grads)
 
@@ -108,8 +106,6 @@ class GradReduction:
         whole = PartitionSpec()
 
         def local(params, frozen, batch, counted, scale, key):
-            if key is not None:
-                key = jax.random.fold_in(key, jax.lax.axis_index(self.axes))
             with spmd.logical_axis_rules(()):  # every axis is manual: the activation constraints have nothing left to split
                 (loss, stats), grads = grad_fn(params, frozen, batch, counted, scale, key, share=1 / self.ways)
             loss, stats = jax.lax.psum((loss, stats), self.axes)
