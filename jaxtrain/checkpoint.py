@@ -181,7 +181,7 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
             iterator.set_state(state)
         except KeyError:  # the other data.format's position (text: sequences read; sft: the packer's state)
             step_dir = Path(directory).parent
-            written_with = saved_config(step_dir)["data"]["format"]
+            written_with = saved_data_format(step_dir)
             raise UserError(f"checkpoint {step_dir} holds the data position of data.format={written_with}, which another format "
                             f"cannot take; give data.format={written_with} to go on with it, or start a new run from it with "
                             f"--init-from {step_dir} (its data from the beginning; add --params-only for its parameters alone)") from None
@@ -233,6 +233,11 @@ def saved_config(step_dir: Path) -> dict:
     return json.loads((step_dir / "meta" / "metadata").read_text())["config"]
 
 
+def saved_data_format(step_dir: Path) -> str:
+    """The data.format a checkpoint was written under: text where its config predates the key."""
+    return saved_config(step_dir)["data"].get("format", "text")
+
+
 def _restore_args(abstract_state, data_iterator, *, partial: bool = False) -> ocp.args.Composite:
     """``partial``: the checkpoint may hold more of the state than ``abstract_state`` (a spike window it leaves out)."""
     items = {"state": _state_restore(abstract_state, partial=partial), "meta": ocp.args.JsonRestore()}
@@ -247,7 +252,7 @@ def _read(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterat
     with ``params_only``), after checking that its shapes are the model's (``where`` names it in that error). With
     ``data_format``, the data position is read only from a checkpoint written under that data.format (another's
     position cannot be taken, and a new run from it starts its data at the beginning)."""
-    if data_format is not None and saved_config(Path(manager.directory) / str(step))["data"]["format"] != data_format:
+    if data_format is not None and saved_data_format(Path(manager.directory) / str(step)) != data_format:
         data_iterator = None
     saved = manager.item_metadata(step)["state"]
     if params_only:

@@ -419,7 +419,7 @@ def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, para
     beginning = batches.iterator.get_state()
     data_format = layout.cfg.data.format
     step_dir, state = checkpoint_lib.restore_step_from(path, abstract, batches.iterator, params_only=False, data_format=data_format)
-    written_with = checkpoint_lib.saved_config(step_dir)["data"]["format"]
+    written_with = checkpoint_lib.saved_data_format(step_dir)
     step, steps = int(state.step), layout.cfg.train.steps
     if step >= steps:  # else a run directory with nothing in it, started from there again on every re-run
         raise UserError(f"--init-from {path} is at step {step}, at or past train.steps={steps}, so nothing would train; "

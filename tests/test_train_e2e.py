@@ -238,6 +238,20 @@ def test_init_from_a_run_of_another_data_format_takes_its_state_and_starts_the_d
                      "from its beginning; add --params-only to start at step 0 from its parameters alone"], notes
 
 
+def test_init_from_a_checkpoint_older_than_data_format_takes_its_data_position(short_run, tmp_path, capsys):
+    """A checkpoint whose config predates data.format (text, the only format then) is read as text: --init-from it
+    takes its data position (it was taken for unreadable: a KeyError)."""
+    from jaxtrain import train as train_lib
+    from jaxtrain.cli import resolve_config
+
+    step = _copy(short_run, tmp_path) / "checkpoints" / "4"
+    meta = json.loads((step / "meta" / "metadata").read_text())
+    del meta["config"]["data"]["format"]
+    (step / "meta" / "metadata").write_text(json.dumps(meta))
+    train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5"]), tmp_path / "new", init_from=step)
+    assert "and its data position, 32 sequences read: this run reads on from the next one" in capsys.readouterr().err
+
+
 def _as_sft_checkpoint(run_dir: Path) -> Path:
     """``run_dir``'s step 4, made a checkpoint of instruction data (the packer's position, data.format=sft)."""
     step = run_dir / "checkpoints" / "4"
