@@ -26,9 +26,7 @@ def learning_rate_schedule(cfg: Config) -> optax.Schedule:
     until the last ``optim.decay_fraction`` of the steps, then a decay of ``optim.decay_shape``, so a run extended in
     its stable phase goes on at the same rate, and a decay from any checkpoint of it is a shorter run's end."""
     o, steps = cfg.optim, cfg.train.steps
-    # optax counts the updates from 0, so step k gets lr * (k - 1) / warmup: a run shorter than its warmup
-    # warms up over one count fewer than its steps, so its last step applies optim.lr (a 1-step run: at once)
-    warmup, end = min(o.warmup_steps, steps - 1), o.lr * o.min_lr_ratio
+    warmup, end = _warmup_counts(cfg), o.lr * o.min_lr_ratio
     if o.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=o.lr, warmup_steps=warmup,
                                                   decay_steps=max(steps, o.warmup_steps + 1), end_value=end)
@@ -40,9 +38,16 @@ def learning_rate_schedule(cfg: Config) -> optax.Schedule:
                                 [warmup, steps - decay])
 
 
+def _warmup_counts(cfg: Config) -> int:
+    """The update counts the warmup takes. optax counts the updates from 0, so step k gets lr * (k - 1) / warmup: a run
+    shorter than its warmup warms up over one count fewer than its steps, so its last step applies optim.lr (a 1-step
+    run: at once)."""
+    return min(cfg.optim.warmup_steps, cfg.train.steps - 1)
+
+
 def _wsd_decay_steps(cfg: Config) -> int:
     """The updates a wsd schedule decays over: ``optim.decay_fraction`` of the steps, or what the warmup leaves."""
-    return min(round(cfg.optim.decay_fraction * cfg.train.steps), cfg.train.steps - min(cfg.optim.warmup_steps, cfg.train.steps - 1))
+    return min(round(cfg.optim.decay_fraction * cfg.train.steps), cfg.train.steps - _warmup_counts(cfg))
 
 
 def describe_schedule(cfg: Config) -> str:
