@@ -2,11 +2,13 @@
 process, before anything is compiled or written (a QA report: they deadlocked, trained silently with mixed settings,
 or aborted with C++ stack traces)."""
 
+import json
 import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from conftest import REPO, subprocess_env
@@ -128,3 +130,23 @@ def test_the_survivor_of_a_killed_process_says_so_in_one_line_and_exits_for_a_re
     assert len(errors) == 1 and "another process of the job stopped or lost its connection" in errors[0], stderr[-3000:]
     assert errors[0].endswith("restart the job, which resumes from the latest committed checkpoint (`jaxtrain checkpoints` lists them)")
     assert "Traceback" not in stderr and "Check failure" not in stderr, stderr[-3000:]
+
+
+def test_an_evaluation_of_a_split_ending_in_a_partial_batch_finishes_on_every_process(tmp_path):
+    """A validation split of 12 sequences and train.global_batch=8: one whole batch and 4 rows. The first process's
+    devices held those rows, the second's none, so the first evaluated a batch more and waited for the second at its
+    collective for ever. Both processes now evaluate the whole batch alone."""
+    tokens = np.random.default_rng(0).integers(0, 256, 3850, dtype=np.int32)  # 10%: 385 tokens, 12 windows of 32 + 1
+    np.save(tmp_path / "tokens.npy", tokens)
+    port, run_dir = _free_port(), tmp_path / "run"
+    overrides = (f"data.path={tmp_path / 'tokens.npy'}", "data.val_fraction=0.1", "train.eval_batches=4")
+    processes = [_start_process(i, port, run_dir, *overrides) for i in range(2)]
+    try:
+        for process in processes:
+            _, stderr = process.communicate(timeout=120)  # about 20 s
+            assert process.returncode == 0, stderr[-3000:]
+    finally:
+        for process in processes:
+            process.kill()
+    evaluations = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
+    assert [(e["step"], e["eval_tokens"]) for e in evaluations] == [(2, 8 * 32)]
