@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxtrain.config import CheckpointConfig, check_run_dir
+from jaxtrain.data.pipeline import PLAIN_SEEDS, SEED_SCHEME
 from jaxtrain.distributed import LostPeer
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
@@ -161,7 +162,8 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
     reads back only the file this process index and count wrote: a run resumed on another number of processes (a job
     requeued onto other nodes) found no such file, took the checkpoint for damaged and started again from step 0.
     Every process saves the same position, a count of sequences read (each takes its rows of the same batches,
-    ``jaxtrain/data/pipeline.py``), so such a run reads the one the saving processes agree on."""
+    ``jaxtrain/data/pipeline.py``) and the seed scheme that shuffled them, so such a run reads the one the saving
+    processes agree on."""
 
     def save(self, directory, item=None, args=None):
         state = json.dumps((item or args.item).get_state(), indent=4)
@@ -176,6 +178,7 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
         state = json.loads(saved.pop())
         if list(state) == ["next_index"]:  # grain's own position, written until 2026-12-05: a count of global batches
             state = {"sequences": state["next_index"] * saved_config(Path(directory).parent)["train"]["global_batch"]}
+        state.setdefault(SEED_SCHEME, PLAIN_SEEDS)  # written before the record: shuffled with data.seed as it is
         iterator = item or args.item
         try:
             iterator.set_state(state)

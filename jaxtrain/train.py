@@ -179,6 +179,11 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
         finished = state is not None and int(state.step) >= t.steps
         if state is not None and not finished:
             _say(checkpoints.resumed_line)
+            if _keeps_plain_seeds(batches, cfg.data.seed):
+                seed = cfg.data.seed
+                _say(f"jaxtrain: note: the checkpoint's data position predates spread shuffle seeds, so the run keeps its order "
+                     f"(grain's seed is data.seed={seed} itself, whose epoch e + 1 is seed {seed + 1}'s epoch e); "
+                     "new runs spread data.seed")
         if state is not None and init_from is not None and base is None:
             _say(f"jaxtrain: note: --init-from {init_from} is not used: the run resumes from its own checkpoint "
                  "(--init-from starts a run only while it has none)")
@@ -433,17 +438,25 @@ def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, para
     return state
 
 
+def _keeps_plain_seeds(batches: data_lib.GlobalBatches, seed: int) -> bool:
+    """Whether the data goes on in an order that spreading ``data.seed`` changed: from a position written before the
+    spread, of a seed the spread moves (0 is grain's seed 0 either way)."""
+    return batches.iterator.seed_scheme == data_lib.PLAIN_SEEDS and data_lib.grain_seed(seed, data_lib.SPREAD_SEEDS) != seed
+
+
 def _take_data_position(step_dir: Path, cfg: Config, batches: data_lib.GlobalBatches, beginning: dict) -> str:
     """Keep the data position ``--init-from`` restored where it counts this run's stream (the next sequence, or example,
-    the run it comes from had not read); with another stream (sequence length, shuffle, data: continued training on
-    new data) put the batches back at ``beginning``, where a count of another stream's would only skip that many.
-    Returns what was done, for the note."""
+    the run it comes from had not read, shuffled as it was: under its seed scheme); with another stream (sequence
+    length, shuffle, data: continued training on new data) put the batches back at ``beginning``, where a count of
+    another stream's would only skip that many, and a new stream's seed scheme. Returns what was done, for the note."""
     read, unit = batches.position(), batches.unit
     saved = checkpoint_lib.saved_config(step_dir)  # only what orders the data: its other keys may be an older jaxtrain's
     saved = config_lib.from_dict({"train": {"global_batch": saved["train"]["global_batch"]}, "data": saved["data"]})
     other = [f"{key}={now} here but {then} there" for key, (now, then, same) in _data_order_changes(saved, cfg).items() if not same]
     if not other:
-        return f"its data position, {read} {unit} read: this run reads on from the next one"
+        kept = (" in its order from before data.seed was spread over grain's shuffle seeds"
+                if _keeps_plain_seeds(batches, cfg.data.seed) else "")
+        return f"its data position, {read} {unit} read: this run reads on from the next one{kept}"
     batches.iterator.set_state(beginning)
     return (f"not its data position ({read} {unit} read), which counts another stream ({', '.join(other)}): this run's data "
             "starts from its beginning")

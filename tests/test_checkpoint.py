@@ -478,6 +478,72 @@ def test_init_from_params_only_starts_at_step_zero_with_those_weights(reference,
     _assert_identical(final.params, _state(ref_dir, cfg, params_only=True)[0])
 
 
+def _seed_scheme(step_dir):
+    """The seed scheme a checkpoint's data position records (None: written before the record)."""
+    (position,) = (step_dir / "data").glob("process_*.json")
+    return json.loads(position.read_text()).get("seed_scheme")
+
+
+def _from_before_spread_seeds(run_dir, step):
+    """``run_dir``'s checkpoint ``step`` as jaxtrain wrote it before data.seed was spread (its position records no seed
+    scheme), and the newest; a copy of that run directory, as it was, beside it."""
+    for later in range(step + 2, STEPS + 1, 2):
+        shutil.rmtree(run_dir / "checkpoints" / str(later))
+    (position,) = (run_dir / "checkpoints" / str(step) / "data").glob("process_*.json")
+    position.write_text(json.dumps({"sequences": json.loads(position.read_text())["sequences"]}))
+    shutil.copytree(run_dir, run_dir.parent / f"{run_dir.name}-as-written")
+    return run_dir.parent / f"{run_dir.name}-as-written"
+
+
+def test_a_checkpoint_from_before_spread_seeds_goes_on_in_its_order(reference, trainer, tmp_path, capsys):
+    """A checkpoint whose data position records no seed scheme (jaxtrain's before data.seed was spread): the run resumed
+    from it says so in one line and reads the stream it began (other batches than a spread run's, so other losses), its
+    own checkpoints record that scheme, and a resume from one of them reads the same batches again; --init-from it
+    continues its stream in that order too, while a new run from it with another data.seed is spread. data.seed=0 is
+    grain's seed 0 either way: its run resumes as before, and no note."""
+    from jaxtrain.data.pipeline import PLAIN_SEEDS, SPREAD_SEEDS
+
+    note = "predates spread shuffle seeds"
+    ref_dir, cfg = reference
+    assert cfg.data.seed == 0 and _seed_scheme(ref_dir / "checkpoints" / str(STEPS)) == SPREAD_SEEDS
+    seed_0 = tmp_path / "seed-0"
+    shutil.copytree(ref_dir, seed_0)
+    _from_before_spread_seeds(seed_0, STEPS - 4)
+    train(cfg, seed_0, trainer)
+    assert note not in capsys.readouterr().err
+    assert _losses(seed_0)[-4:] == _losses(ref_dir)[-4:] and _seed_scheme(seed_0 / "checkpoints" / str(STEPS)) == PLAIN_SEEDS
+
+    seeded = with_(cfg, data={"seed": 1})
+    seeded_trainer = build(seeded)
+    spread = tmp_path / "spread"
+    train(seeded, spread, seeded_trainer)
+    old = tmp_path / "old"
+    shutil.copytree(spread, old)
+    as_written = _from_before_spread_seeds(old, STEPS - 4)
+    capsys.readouterr()
+    train(seeded, old, seeded_trainer)
+    assert [line for line in capsys.readouterr().err.splitlines() if note in line] == [
+        "jaxtrain: note: the checkpoint's data position predates spread shuffle seeds, so the run keeps its order (grain's seed is "
+        "data.seed=1 itself, whose epoch e + 1 is seed 2's epoch e); new runs spread data.seed"]
+    resumed = _losses(old)[-4:]
+    assert [s for s, _ in resumed] == list(range(STEPS - 3, STEPS + 1)) and resumed[0] != _losses(spread)[STEPS - 4]
+    assert _seed_scheme(old / "checkpoints" / str(STEPS)) == PLAIN_SEEDS
+    again = tmp_path / "again"
+    shutil.copytree(old, again)
+    shutil.rmtree(again / "checkpoints" / str(STEPS))
+    train(seeded, again, seeded_trainer)
+    assert _losses(again)[-2:] == resumed[-2:]
+    source = as_written / "checkpoints" / str(STEPS - 4)
+    train(seeded, tmp_path / "continued", seeded_trainer, init_from=source)
+    assert "this run reads on from the next one in its order from before data.seed was spread over grain's shuffle seeds; " \
+        in capsys.readouterr().err
+    assert _losses(tmp_path / "continued") == resumed
+    assert _seed_scheme(tmp_path / "continued" / "checkpoints" / str(STEPS)) == PLAIN_SEEDS
+    train(cfg, tmp_path / "reseeded", trainer, init_from=source)  # data.seed=0 here: another stream, a new one
+    assert "(data.seed=0 here but 1 there): this run's data starts from its beginning" in capsys.readouterr().err
+    assert _seed_scheme(tmp_path / "reseeded" / "checkpoints" / str(STEPS)) == SPREAD_SEEDS
+
+
 def test_a_checkpoint_that_does_not_fit_the_state_is_refused_and_left_in_place(reference, tmp_path):
     """What the parameters' shape check before the compile cannot see: a resume switching to float16 (its loss scale
     is state the checkpoint lacks), --init-from a run of another model. One error naming what differs, every file

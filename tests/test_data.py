@@ -1,6 +1,7 @@
 import json
 import re
 
+import grain
 import jax
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.config import DataConfig
 from jaxtrain.data import GlobalBatches, Windows, eval_batches, is_validation_file, load_corpus, stdlib_files, train_tokenizer
+from jaxtrain.data.pipeline import PLAIN_SEEDS, SEED_SCHEME, SPREAD_SEEDS, grain_seed
 from jaxtrain.errors import UserError
 
 
@@ -188,6 +190,12 @@ def _rows(batches, count):
     return np.concatenate([np.asarray(next(batches)["inputs"]) for _ in range(count)])
 
 
+def _plain_seeds(batches):
+    """``batches`` from their beginning shuffled as before data.seed was spread: a run begun before then."""
+    batches.iterator.set_state({"sequences": 0, SEED_SCHEME: PLAIN_SEEDS})
+    return batches
+
+
 @pytest.mark.parametrize("before, after", [(8, 16), (16, 8), (8, 12)])
 def test_a_resume_with_another_global_batch_reads_on_from_the_next_sequence(before, after):
     """The data position counts sequences read: resumed under another global batch (here after 40 sequences too, which
@@ -206,7 +214,8 @@ def test_a_resume_with_another_global_batch_reads_on_from_the_next_sequence(befo
 
 def test_a_checkpoint_counting_global_batches_resumes_at_its_sequence_under_another_batch(tmp_path):
     """Checkpoints written until 2026-12-05 hold grain's position, a count of global batches of the size in their meta
-    item: 4 batches of 8, resumed at 16, go on at sequence 32."""
+    item: 4 batches of 8, resumed at 16, go on at sequence 32 of the stream they counted, shuffled with data.seed as it
+    was then (no seed scheme recorded)."""
     from jaxtrain.checkpoint import DataPositionHandler
 
     step = tmp_path / "4"
@@ -218,7 +227,7 @@ def test_a_checkpoint_counting_global_batches_resumes_at_its_sequence_under_anot
     resumed = GlobalBatches(tokens, 16, 16, _sharding(4), shuffle_seed=3, repeat=True)
     DataPositionHandler().restore(step / "data", resumed.iterator)
     assert resumed.position() == 32
-    uninterrupted = _rows(GlobalBatches(tokens, 16, 8, _sharding(4), shuffle_seed=3, repeat=True), 6)
+    uninterrupted = _rows(_plain_seeds(GlobalBatches(tokens, 16, 8, _sharding(4), shuffle_seed=3, repeat=True)), 6)
     np.testing.assert_array_equal(_rows(resumed, 1), uninterrupted[32:])
 
 
@@ -245,9 +254,58 @@ def test_each_epoch_has_its_own_order_and_a_resume_in_the_second_reads_on_exactl
     _rows(first, read)
     DataPositionHandler().save(tmp_path, first.iterator)  # what a checkpoint keeps, read back by a new process
     resumed = DataPositionHandler().restore(tmp_path, stream(after).iterator)
-    assert resumed.get_state() == {"sequences": 8 * read}
+    assert resumed.get_state() == {"sequences": 8 * read, SEED_SCHEME: SPREAD_SEEDS}
     np.testing.assert_array_equal(np.concatenate([np.asarray(next(resumed)["inputs"]) for _ in range(3)]),
                                   uninterrupted[8 * read:8 * read + 3 * after])
+
+
+def test_nearby_seeds_share_no_epoch_order():
+    """grain shuffles epoch e with its seed + e: with data.seed as grain's seed, seed 4's first epoch was seed 3's
+    second, and a sweep over nearby seeds trained on the same orders. Spread, no two of seeds 0..1000 give any of their
+    first 51 epochs the same grain seed, and the epochs of seeds 0..7 (20 sequences) are all different orders."""
+    seq_len, count = 4, 20
+    tokens = np.arange(seq_len * count + 1) % 251
+
+    def epochs(seed, number=4):
+        """The window order of each of the first ``number`` epochs."""
+        rows = _rows(GlobalBatches(tokens, seq_len, 4, _sharding(4), shuffle_seed=seed, repeat=True), number * count // 4)
+        return [tuple((rows[e * count:(e + 1) * count, 0] // seq_len).tolist()) for e in range(number)]
+
+    by_seed = {seed: epochs(seed) for seed in range(8)}
+    assert by_seed[3][1] != by_seed[4][0]
+    assert len({order for orders in by_seed.values() for order in orders}) == 8 * 4
+    assert len({(grain_seed(seed, SPREAD_SEEDS) + epoch) % 2**32 for seed in range(1001) for epoch in range(51)}) == 1001 * 51
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_a_position_resumes_the_order_of_its_seed_scheme(recorded, tmp_path):
+    """A checkpoint written before data.seed was spread records no seed scheme: the run resumed from it, in its second
+    epoch, reads on in the order it read before (grain's shuffle with data.seed itself), and records that scheme in its
+    own checkpoints; a position written since resumes the spread order."""
+    from jaxtrain.checkpoint import DataPositionHandler
+
+    seq_len, count = 4, 20
+    tokens = np.arange(seq_len * count + 1) % 251
+
+    def stream():
+        return GlobalBatches(tokens, seq_len, 8, _sharding(4), shuffle_seed=3, repeat=True)
+
+    scheme = SPREAD_SEEDS if recorded else PLAIN_SEEDS
+    uninterrupted = _rows(stream() if recorded else _plain_seeds(stream()), 6)
+    order = np.asarray(grain.MapDataset.source(list(range(count))).shuffle(seed=grain_seed(3, scheme)).repeat()[:48])
+    np.testing.assert_array_equal(uninterrupted[:, 0] // seq_len, order)  # grain's own order: the plain one is data.seed's
+    first = stream() if recorded else _plain_seeds(stream())
+    _rows(first, 3)
+    DataPositionHandler().save(tmp_path, first.iterator)
+    (written,) = tmp_path.glob("process_*.json")
+    position = json.loads(written.read_text())
+    assert position == {"sequences": 24, SEED_SCHEME: scheme}
+    if not recorded:  # as a checkpoint of jaxtrain before the spread wrote it
+        written.write_text(json.dumps({"sequences": 24}))
+    resumed = stream()
+    DataPositionHandler().restore(tmp_path, resumed.iterator)
+    assert resumed.iterator.seed_scheme == scheme and resumed.iterator.get_state() == position
+    np.testing.assert_array_equal(_rows(resumed, 3), uninterrupted[24:])
 
 
 def test_every_process_saves_the_position_of_the_whole_batch():

@@ -20,6 +20,7 @@ from conftest import small_config, with_
 from jaxtrain import cli
 from jaxtrain.config import DataConfig
 from jaxtrain.data import sft
+from jaxtrain.data.pipeline import PLAIN_SEEDS, SEED_SCHEME, SPREAD_SEEDS, grain_seed
 from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.errors import UserError
 from jaxtrain.layout import make_layout
@@ -394,6 +395,30 @@ def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path,
     assert not run_dir.exists()
 
 
+def _numbered_examples(count=40):
+    """Example i is 3 to 12 copies of token i + 1: the examples a batch holds are its tokens."""
+    lengths = np.random.default_rng(0).integers(3, 12, size=count)
+    return [sft.Example(np.full(n, i + 1, np.int32), np.ones(n, bool)) for i, n in enumerate(lengths)]
+
+
+def _grain_order(count, seed, scheme=SPREAD_SEEDS):
+    """The examples (numbered from 1) in the order grain's shuffle of ``data.seed`` under ``scheme`` reads them."""
+    shuffled = sft.grain.MapDataset.source(list(range(count))).shuffle(seed=grain_seed(seed, scheme)).repeat()
+    return np.asarray([i + 1 for i in shuffled[:3 * count]])
+
+
+def _read(batches, count):
+    """The examples of the next ``count`` batches of ``_numbered_examples``: the token of each segment of each row."""
+    batches = [{k: np.asarray(v) for k, v in next(batches).items()} for _ in range(count)]
+    return np.asarray([b["inputs"][row][b["segment_ids"][row] == segment][0] for b in batches
+                       for row in range(len(b["inputs"])) for segment in np.unique(b["segment_ids"][row]) if segment])
+
+
+def _four_devices():
+    return NamedSharding(jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)),
+                         PartitionSpec("data", None))
+
+
 def test_a_resume_with_another_global_batch_reads_on_from_the_next_example():
     """The packer's position between batches is the count of examples read (a batch is one round of packing), so
     resumed with another global batch, another sequence length or without packing, instruction data goes on at the
@@ -401,27 +426,15 @@ def test_a_resume_with_another_global_batch_reads_on_from_the_next_example():
     from jaxtrain.config import Config
     from jaxtrain.train import _data_order_changes
 
-    # example i is 3 to 12 copies of token i + 1: the examples a batch holds are its tokens
-    lengths = np.random.default_rng(0).integers(3, 12, size=40)
-    examples = [sft.Example(np.full(n, i + 1, np.int32), np.ones(n, bool)) for i, n in enumerate(lengths)]
-    order = np.asarray([i + 1 for i in sft.grain.MapDataset.source(list(range(40))).shuffle(seed=1).repeat()[:120]])
-    sharding = NamedSharding(jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)),
-                             PartitionSpec("data", None))
-
-    def read(batches, count):
-        """The examples of the next ``count`` batches: the token of each segment of each row."""
-        batches = [{k: np.asarray(v) for k, v in next(batches).items()} for _ in range(count)]
-        return np.asarray([b["inputs"][row][b["segment_ids"][row] == segment][0] for b in batches
-                           for row in range(len(b["inputs"])) for segment in np.unique(b["segment_ids"][row]) if segment])
-
+    examples, order, sharding = _numbered_examples(), _grain_order(40, seed=1), _four_devices()  # new runs' order: data.seed spread
     cfg = DataConfig(seq_len=16, format="sft", seed=1)
     first = sft.PackedBatches(examples, cfg, 4, sharding, shuffle_seed=1, repeat=True)
-    before = read(first, 3)
+    before = _read(first, 3)
     for changed in (dict(), dict(seq_len=24), dict(pack=False)):
         resumed = sft.PackedBatches(examples, dataclasses.replace(cfg, **changed), 8, sharding, shuffle_seed=1, repeat=True)
         resumed.iterator.set_state(first.iterator.get_state())
         assert resumed.position() == len(before)
-        after = read(resumed, 2)
+        after = _read(resumed, 2)
         np.testing.assert_array_equal(np.sort(np.concatenate([before, after])), np.sort(order[:len(before) + len(after)]))
     was = Config(data=cfg, train=dataclasses.replace(Config().train, global_batch=4))
     here = dataclasses.replace(was, data=dataclasses.replace(cfg, seq_len=24, pack=False, seed=2),
@@ -431,3 +444,62 @@ def test_a_resume_with_another_global_batch_reads_on_from_the_next_example():
     text = dataclasses.replace(here, data=dataclasses.replace(here.data, format="text"))  # reads neither pack nor truncate
     assert _data_order_changes(dataclasses.replace(was, data=dataclasses.replace(cfg, format="text")), text) == {
         "train.global_batch": ("8", "4", True), "data.seq_len": ("24", "16", False), "data.seed": ("2", "1", False)}
+
+
+def _plain_seeds(batches):
+    """``batches`` from their beginning shuffled as before data.seed was spread: a run begun before then."""
+    batches.iterator.set_state(batches.iterator.get_state() | {SEED_SCHEME: PLAIN_SEEDS})
+    return batches
+
+
+def test_nearby_seeds_share_no_epoch_order():
+    """grain shuffles epoch e with its seed + e: with data.seed as grain's seed, seed 4's first epoch of instruction
+    data was seed 3's second (here one example a sequence, 4 a batch: the same examples in each batch). Spread, the
+    epochs of seeds 0..5 are all different."""
+    cfg = DataConfig(seq_len=16, format="sft", pack=False)
+
+    def epochs(seed, number=3):
+        """The examples of each batch of the first ``number`` epochs (10 batches each), in row order."""
+        batches = sft.PackedBatches(_numbered_examples(), cfg, 4, _four_devices(), shuffle_seed=seed, repeat=True)
+        read = _read(batches, 10 * number).reshape(number, 40)
+        return [tuple(read[e].tolist()) for e in range(number)], [tuple(sorted(batch)) for batch in read.reshape(-1, 4).tolist()]
+
+    seed_3_batches, seed_4_batches = epochs(3)[1], epochs(4)[1]
+    assert seed_3_batches[10:20] != seed_4_batches[:10]
+    assert len({order for seed in range(6) for order in epochs(seed)[0]}) == 6 * 3
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_a_position_resumes_the_order_of_its_seed_scheme(recorded, tmp_path):
+    """A checkpoint written before data.seed was spread records no seed scheme: instruction data resumed from it, in
+    its second epoch, reads on in the order it read before (grain's shuffle and packing with data.seed itself), and
+    records that scheme in its own checkpoints; a position written since resumes the spread order."""
+    from jaxtrain.checkpoint import DataPositionHandler
+
+    cfg = DataConfig(seq_len=16, format="sft", seed=1)
+    scheme = SPREAD_SEEDS if recorded else PLAIN_SEEDS
+
+    def stream():
+        batches = sft.PackedBatches(_numbered_examples(), cfg, 4, _four_devices(), shuffle_seed=1, repeat=True)
+        return batches if recorded else _plain_seeds(batches)
+
+    examples = _read(stream(), 12)  # grain's own order: the plain one is data.seed's
+    np.testing.assert_array_equal(np.sort(examples), np.sort(_grain_order(40, seed=1, scheme=scheme)[:len(examples)]))
+    whole = stream()
+    uninterrupted = [{k: np.asarray(v) for k, v in next(whole).items()} for _ in range(12)]
+    first = stream()
+    for _ in range(8):  # into the second epoch: more than the 40 examples read
+        next(first)
+    DataPositionHandler().save(tmp_path, first.iterator)
+    (written,) = tmp_path.glob("process_*.json")
+    position = json.loads(written.read_text())
+    assert position[SEED_SCHEME] == scheme and position["parent"]["next_index"] > 40
+    if not recorded:  # as a checkpoint of jaxtrain before the spread wrote it
+        written.write_text(json.dumps({key: value for key, value in position.items() if key != SEED_SCHEME}))
+    resumed = sft.PackedBatches(_numbered_examples(), cfg, 4, _four_devices(), shuffle_seed=1, repeat=True)
+    DataPositionHandler().restore(tmp_path, resumed.iterator)
+    assert resumed.iterator.seed_scheme == scheme and resumed.iterator.get_state() == position
+    for want in uninterrupted[8:]:
+        got = next(resumed)
+        for key in want:
+            np.testing.assert_array_equal(np.asarray(got[key]), want[key])

@@ -10,7 +10,8 @@ from jaxtrain.data.documents import is_validation_file, stdlib_files, text_files
 from jaxtrain.data.token_file import read_token_file, write_token_file
 from jaxtrain.data.tokenizer import TextTokenizer, hf_tokenizer_files, load_tokenizer, train_tokenizer
 
-_PIPELINE = ("GlobalBatches", "Windows", "batch_fields", "check_sizes", "eval_batches", "train_batches")
+_PIPELINE = ("GlobalBatches", "PLAIN_SEEDS", "SPREAD_SEEDS", "Windows", "batch_fields", "check_sizes", "eval_batches", "grain_seed",
+             "train_batches")
 
 __all__ = ["Corpus", "TextTokenizer", "hf_tokenizer_files", "is_validation_file", "load_corpus", "load_tokenizer",
            "read_token_file", "stdlib_files", "text_files", "train_tokenizer", "write_token_file", *_PIPELINE]

@@ -14,6 +14,20 @@ from jaxtrain.config import DataConfig
 from jaxtrain.data.corpus import Corpus
 from jaxtrain.errors import UserError
 
+# how data.seed becomes grain's shuffle seed, which the data position records under SEED_SCHEME so a resumed run keeps
+# its order: grain shuffles epoch e with its seed + e, so with data.seed as it is (PLAIN_SEEDS, every position written
+# before the record) seed 4's first epoch was seed 3's second; SPREAD_SEEDS puts nearby seeds far apart
+SEED_SCHEME = "seed_scheme"
+PLAIN_SEEDS, SPREAD_SEEDS = 1, 2
+SEED_SCHEMES = (PLAIN_SEEDS, SPREAD_SEEDS)
+
+
+def grain_seed(seed: int, scheme: int) -> int:
+    """grain's shuffle seed for ``data.seed`` under ``scheme``. The spread is a multiplicative hash (by 2**32 over the
+    golden ratio): seeds 0..1000 land at least 1.9 million apart, so their epochs' seeds (grain's seed + epoch) do not
+    meet in their first 1.9 million epochs."""
+    return seed if scheme == PLAIN_SEEDS else seed * 0x9E3779B1 % 2**32
+
 
 class Windows:
     """Random-access source of non-overlapping (seq_len + 1)-token windows: inputs and shifted targets."""
@@ -42,21 +56,23 @@ def _to_example(window: np.ndarray) -> dict[str, np.ndarray]:
 
 
 class SequenceIterator:
-    """A grain iterator of batches of ``sequences`` (a shuffled, repeated stream, one batch row per sequence), this
-    process's ``rows`` (block index, block count) of each, from any sequence on: its state, the checkpoint's data
-    position, counts the sequences read, whatever the batch size that read them."""
+    """A grain iterator of batches of ``sequences`` (a shuffled, repeated stream per seed scheme, one batch row per
+    sequence), this process's ``rows`` (block index, block count) of each, from any sequence on: its state, the
+    checkpoint's data position, counts the sequences read, whatever the batch size that read them, and names the seed
+    scheme of the stream they were read from (``seed_scheme``: ``PLAIN_SEEDS`` only from a position written before the
+    spread)."""
 
-    def __init__(self, sequences: grain.MapDataset, global_batch: int, rows: tuple[int, int]):
+    def __init__(self, sequences: dict[int, grain.MapDataset], global_batch: int, rows: tuple[int, int]):
         self.sequences, self.global_batch, self.rows = sequences, global_batch, rows
-        self.set_state({"sequences": 0})
+        self.set_state({"sequences": 0, SEED_SCHEME: SPREAD_SEEDS})
 
     def get_state(self) -> dict[str, int]:
-        return {"sequences": self.first + self.batches.get_state()["next_index"] * self.global_batch}
+        return {"sequences": self.first + self.batches.get_state()["next_index"] * self.global_batch, SEED_SCHEME: self.seed_scheme}
 
     def set_state(self, state: dict[str, int]) -> None:
         block, blocks = self.rows
-        self.first = state["sequences"]
-        sequences = self.sequences[self.first:]
+        self.first, self.seed_scheme = state["sequences"], state[SEED_SCHEME]
+        sequences = self.sequences[self.seed_scheme][self.first:]
         # whole global batches only: a finite stream's partial last one gave the first processes rows and the others none,
         # so they read unequal numbers of batches (a multi-process evaluation waited on the processes that had stopped)
         sequences = sequences[:len(sequences) - len(sequences) % self.global_batch]
@@ -73,7 +89,8 @@ class SequenceIterator:
 class GlobalBatches:
     """Iterator of global batches. Each process reads only the rows its devices hold; ``iterator`` (grain's
     ``get_state``/``set_state``) is the pipeline's position for checkpoints: a count of the sequences read, so a run
-    resumed with another ``train.global_batch`` reads on from the next sequence, none skipped or read twice."""
+    resumed with another ``train.global_batch`` reads on from the next sequence, none skipped or read twice, and the
+    seed scheme that shuffled them, which the resumed run keeps."""
 
     unit = "sequences"  # what the position counts, for messages
 
@@ -81,12 +98,15 @@ class GlobalBatches:
                  *, shuffle_seed: int | None, repeat: bool):
         self.global_shape = (global_batch, seq_len)
         self.sharding = sharding
-        ds = grain.MapDataset.source(Windows(tokens, seq_len))
-        if shuffle_seed is not None:
-            ds = ds.shuffle(seed=shuffle_seed)
-        if repeat:
-            ds = ds.repeat()
-        self.iterator = SequenceIterator(ds, global_batch, process_rows(sharding, self.global_shape))
+
+        def sequences(scheme: int) -> grain.MapDataset:
+            ds = grain.MapDataset.source(Windows(tokens, seq_len))
+            if shuffle_seed is not None:
+                ds = ds.shuffle(seed=grain_seed(shuffle_seed, scheme))
+            return ds.repeat() if repeat else ds
+
+        self.iterator = SequenceIterator({scheme: sequences(scheme) for scheme in SEED_SCHEMES}, global_batch,
+                                         process_rows(sharding, self.global_shape))
 
     def position(self) -> int:
         """The ``unit`` read so far."""

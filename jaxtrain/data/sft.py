@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 
 from jaxtrain.config import DataConfig
 from jaxtrain.data.documents import JSONL_SUFFIX, check_split, check_utf8, is_validation_file, open_readable, utf8_of
-from jaxtrain.data.pipeline import GlobalBatches, process_rows
+from jaxtrain.data.pipeline import SEED_SCHEME, SEED_SCHEMES, SPREAD_SEEDS, GlobalBatches, grain_seed, process_rows
 from jaxtrain.data.tokenizer import TextTokenizer, load_tokenizer
 from jaxtrain.errors import UserError
 
@@ -215,19 +215,21 @@ def _padded(rows: int, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def packed_batches(examples: list[Example], cfg: DataConfig, global_batch: int, *, shuffle_seed: int | None,
-                   repeat: bool) -> grain.IterDataset:
+                   repeat: bool, seed_scheme: int = SPREAD_SEEDS) -> grain.IterDataset:
     """Global batches (numpy, ``BATCH_FIELDS``) of packed examples: each batch is one round of grain's best-fit
     packer over ``global_batch`` sequences, which the next example no longer fits; without ``repeat``, the last
-    round is padded with empty sequences, so every example is in a batch."""
+    round is padded with empty sequences, so every example is in a batch. ``shuffle_seed`` (data.seed) shuffles the
+    examples and the packer's rows as ``seed_scheme`` makes it grain's seed."""
+    seed = None if shuffle_seed is None else grain_seed(shuffle_seed, seed_scheme)
     ds = grain.MapDataset.source(examples)
-    if shuffle_seed is not None:
-        ds = ds.shuffle(seed=shuffle_seed)
+    if seed is not None:
+        ds = ds.shuffle(seed=seed)
     if repeat:
         ds = ds.repeat()
     lengths = {name: cfg.seq_len for name in ("inputs", "targets", "weights")}
     packed = grain.experimental.BestFitPackIterDataset(
         ds.map(_features).to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)),
-        length_struct=lengths, num_packing_bins=global_batch, seed=shuffle_seed or 0, shuffle_bins=shuffle_seed is not None,
+        length_struct=lengths, num_packing_bins=global_batch, seed=seed or 0, shuffle_bins=seed is not None,
         meta_features=("targets", "weights"), max_sequences_per_bin=None if cfg.pack else 1)
     return packed.batch(global_batch).map(_batch_fields).map(functools.partial(_padded, global_batch))
 
@@ -236,10 +238,42 @@ def _rows(start: int, stop: int, batch: dict[str, np.ndarray]) -> dict[str, np.n
     return {name: value[start:stop] for name, value in batch.items()}
 
 
+class PackedIterator:
+    """The grain iterator of one of ``streams`` (the batches under each seed scheme), whose state is grain's with the
+    stream's seed scheme beside it (``SEED_SCHEME``, as ``seed_scheme``): set to another scheme's, it reads on in that
+    stream."""
+
+    def __init__(self, streams: dict[int, grain.IterDataset]):
+        self.streams = streams
+        self._read(SPREAD_SEEDS)
+
+    def _read(self, scheme: int) -> None:
+        self.seed_scheme = scheme
+        # packing runs in a background thread while the devices compute; its state is that of the batches taken
+        self.batches = grain.experimental.ThreadPrefetchIterDataset(self.streams[scheme], prefetch_buffer_size=2).__iter__()
+
+    def get_state(self) -> dict:
+        return self.batches.get_state() | {SEED_SCHEME: self.seed_scheme}
+
+    def set_state(self, state: dict) -> None:
+        state = dict(state)
+        scheme = state.pop(SEED_SCHEME)
+        if scheme != self.seed_scheme:
+            self.batches.close()
+            self._read(scheme)
+        self.batches.set_state(state)
+
+    def start_prefetch(self) -> None:
+        self.batches.start_prefetch()
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self.batches)
+
+
 class PackedBatches(GlobalBatches):
     """Global batches of packed instruction data; each process packs every batch and keeps its own rows. The grain
     iterator's state between batches is the count of examples read (its source's ``next_index``: a global batch is one
-    round of the packer), whatever the batch size that packed them."""
+    round of the packer), whatever the batch size that packed them, and the seed scheme that shuffled them."""
 
     unit = "examples"
 
@@ -249,10 +283,12 @@ class PackedBatches(GlobalBatches):
         self.sharding = sharding
         block, blocks = process_rows(sharding, self.global_shape)
         per_process = global_batch // blocks
-        ds = packed_batches(examples, cfg, global_batch, shuffle_seed=shuffle_seed, repeat=repeat)
-        rows = ds.map(functools.partial(_rows, block * per_process, (block + 1) * per_process))
-        # packing runs in a background thread while the devices compute; its state is that of the batches taken
-        self.iterator = grain.experimental.ThreadPrefetchIterDataset(rows, prefetch_buffer_size=2).__iter__()
+
+        def rows(scheme: int) -> grain.IterDataset:
+            ds = packed_batches(examples, cfg, global_batch, shuffle_seed=shuffle_seed, repeat=repeat, seed_scheme=scheme)
+            return ds.map(functools.partial(_rows, block * per_process, (block + 1) * per_process))
+
+        self.iterator = PackedIterator({scheme: rows(scheme) for scheme in SEED_SCHEMES})
 
     def position(self) -> int:
         return self.iterator.get_state()["parent"]["next_index"]
