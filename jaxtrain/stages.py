@@ -63,6 +63,10 @@ def check_pipeline(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
     if layers % (s.stages * s.repeats):
         raise UserError(f"model.num_layers={layers} does not split into {s.stages} stages x model.pipeline.repeats={s.repeats}; "
                         f"use a number of layers divisible by {s.stages * s.repeats}, or change the stages or repeats")
+    rematted = cfg.model.remat_layers
+    if rematted is not None and rematted % (s.stages * s.repeats):
+        raise UserError(f"model.remat_layers={rematted} does not split over {s.stages} stages x model.pipeline.repeats={s.repeats}: each "
+                        f"stage rematerialises the same number of its layers in each repeat; use a multiple of {s.stages * s.repeats}")
     if s.microbatches < s.stages:
         raise UserError(f"model.pipeline.microbatches={s.microbatches} is fewer than the {s.stages} pipeline stages; "
                         f"use at least {s.stages} (more shrink the bubble)")

@@ -210,6 +210,9 @@ class LlamaConfig:
     dtype: str = "bfloat16"  # compute dtype; softmax, logits and loss are always float32
     param_dtype: str = "float32"
     remat: str = "none"
+    # the first this many layers rematerialised under model.remat, the others kept whole (Megatron's
+    # --recompute-method block --recompute-num-layers): for when every layer's activations almost fit. None: all
+    remat_layers: int | None = None
     attention: str = "auto"  # jax.nn.dot_product_attention implementation, or chunked (models/attention.py)
     # False: the loop over layers unrolled when compiling (faster steps on CPU, compile time grows with depth);
     # the parameters stay stacked on the layers axis either way, so checkpoints do not change. auto: the trainer
@@ -221,6 +224,11 @@ class LlamaConfig:
     pipeline: PipelineConfig = PipelineConfig()
     moe: MoEConfig = MoEConfig()
     quant: str = "none"  # quantized training of the layers' matmuls: none, int8, fp8
+
+    @property
+    def remat_description(self) -> str:
+        """The remat policy and, under model.remat_layers, the layers it applies to: e.g. ``full on the first 8 of 32 layers``."""
+        return self.remat if self.remat_layers is None else f"{self.remat} on the first {self.remat_layers} of {self.num_layers} layers"
 
     @property
     def resolved_head_dim(self) -> int:
@@ -275,6 +283,13 @@ class LlamaConfig:
         out = list(self.rope_scaling.problems()) + self.pipeline.problems() + self.moe.problems()
         if self.remat not in REMAT_POLICIES:
             out.append(f"model.remat={self.remat!r} is not a remat policy; choose one of {', '.join(REMAT_POLICIES)}")
+        if self.remat_layers is not None:
+            if type(self.remat_layers) is not int or not 0 < self.remat_layers <= self.num_layers:
+                out.append(f"model.remat_layers={self.remat_layers!r} must be a number of layers from 1 to "
+                           f"model.num_layers={self.num_layers}, or null for every layer")
+            elif self.remat == "none":
+                out.append(f"model.remat_layers={self.remat_layers} says how many layers model.remat recomputes, but model.remat=none; "
+                           "set a policy (model.remat=full, save_dots, ...) or model.remat_layers=null")
         for key in ("dtype", "param_dtype"):
             if getattr(self, key) not in COMPUTE_DTYPES:
                 out.append(f"model.{key}={getattr(self, key)!r} is not supported; choose one of {', '.join(COMPUTE_DTYPES)}")

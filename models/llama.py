@@ -486,9 +486,8 @@ class Llama(nnx.Module):
                 block = nnx.merge(layer_def, params)
                 return block(x, sin, cos, segment_ids), nnx.to_pure_dict(nnx.pop(block, nnx.Intermediate))  # e.g. MoE router statistics
 
-        with gathering_weights(REMAT_POLICY_FNS[cfg.remat] is not None):
-            x, sown = pipeline.apply_layers(layer, layer_inputs(layer_state, cfg.num_layers), x, cfg.pipeline, EMBED_ACT,
-                                            REMAT_POLICY_FNS[cfg.remat], unroll=self._unroll)
+        x, sown = pipeline.apply_layers(layer, layer_inputs(layer_state, cfg.num_layers), x, cfg.pipeline, EMBED_ACT,
+                                        REMAT_POLICY_FNS[cfg.remat], cfg.remat_layers, unroll=self._unroll)
         if sown:  # stacked over layers, for the trainer (models.moe.pop_router_stats)
             self.layer_intermediates = nnx.Intermediate(sown)
         return self.final_norm(x)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import PipelineConfig
+from models.quant import gathering_weights
 from models.sharding import constrain, logical_ways, mesh_axes_of
 
 STAGES = "layer_stages"  # logical axis of the stage dimension (of parameters and of activations in flight)
@@ -41,21 +42,53 @@ def microbatches(schedule: PipelineConfig, num_stages: int) -> int:
     return schedule.microbatches or num_stages
 
 
+def _rematted(layer: Callable, policy: Callable | None, looped: bool) -> Callable:
+    """``layer`` rematerialised in the backward under ``policy`` (None: as autodiff keeps it). Only a recomputed layer
+    lays its weights out for their products itself (models/quant.py ``gathering_weights``). ``looped``: the layer runs
+    in a loop XLA keeps, which alone stops it merging the recomputation with the forward; unrolled (or a loop of one
+    layer, which XLA inlines), the merge undid the remat: the GPU compile of 8 unrolled layers held 4.2 GiB under
+    remat full as under none, 0.9 with the merge prevented (README, "Partial remat")."""
+    def traced(*args, **kwargs):  # the context is read while jax traces the layer
+        with gathering_weights(policy is not None):
+            return layer(*args, **kwargs)
+    return jax.checkpoint(traced, policy=policy, prevent_cse=not looped) if policy else traced
+
+
+def _scan(layer: Callable, x: jax.Array, xs: Any, policy: Callable | None, unroll: bool) -> tuple[jax.Array, Any]:
+    """``lax.scan`` of ``layer`` rematerialised under ``policy`` over ``xs``."""
+    length = jax.tree.leaves(xs)[0].shape[0]
+    return jax.lax.scan(_rematted(layer, policy, looped=not unroll and length > 1), x, xs, unroll=unroll)
+
+
+def _scan_layers(layer: Callable, x: jax.Array, params: Any, policy: Callable | None, rematted: int | None,
+                 unroll: bool) -> tuple[jax.Array, Any]:
+    """``lax.scan`` of ``layer`` over ``params`` (stacked on a leading layers axis), the first ``rematted`` layers (None:
+    all) rematerialised under ``policy``, the others kept whole: two scans, over the stacks' two slices (XLA's GPU
+    compiler then keeps a copy of the slices, at most the device's share of the layers' weights: README, "Partial
+    remat")."""
+    num_layers = jax.tree.leaves(params)[0].shape[0]
+    if policy is None or rematted is None or rematted == num_layers:
+        return _scan(layer, x, params, policy, unroll)
+    x, recomputed = _scan(layer, x, jax.tree.map(lambda a: a[:rematted], params), policy, unroll)
+    x, kept = _scan(layer, x, jax.tree.map(lambda a: a[rematted:], params), None, unroll)
+    return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), recomputed, kept)
+
+
 def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: PipelineConfig,
                  activation_axes: tuple[str, ...], remat_policy: Callable | None = None,
-                 unroll: bool = False) -> tuple[jax.Array, Any]:
+                 remat_layers: int | None = None, unroll: bool = False) -> tuple[jax.Array, Any]:
     """``layer(x, layer_params) -> (x, per-layer outputs)`` over every layer of ``params`` (stacked on a leading
-    layers axis), each layer rematerialised in the backward under ``remat_policy`` (a ``jax.checkpoint`` policy;
-    None: no remat): one ``lax.scan`` (``unroll``: unrolled when compiling) without stages, returning x and the
+    layers axis), the first ``remat_layers`` of them (None: all; under stages, that share of each stage's layers of
+    each repeat) rematerialised in the backward under ``remat_policy`` (a ``jax.checkpoint`` policy; None: no remat):
+    ``lax.scan`` (``unroll``: unrolled when compiling) without stages, returning x and the
     outputs stacked over layers; the pipeline with them, returning x and None (per-layer outputs, such as MoE
     router statistics, are not collected through stages), where the layer is called as ``layer(x, layer_params,
     rows=numbers)`` with the numbers in the batch of the rows x holds (so that each row draws the random masks it
     draws without stages).
     ``activation_axes``: logical axes of x."""
-    remat = (lambda f: jax.checkpoint(f, policy=remat_policy, prevent_cse=False)) if remat_policy else (lambda f: f)
     num_stages = stages()
     if num_stages == 1:
-        return jax.lax.scan(remat(layer), x, params, unroll=unroll)
+        return _scan_layers(layer, x, params, remat_policy, remat_layers, unroll)
     repeats, num_micro = schedule.repeats, microbatches(schedule, num_stages)
     num_layers = jax.tree.leaves(params)[0].shape[0]
     per_stage = num_layers // (num_stages * repeats)
@@ -81,7 +114,11 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
         def layer_at(h, j):
             return layer(h, jax.tree.map(lambda p: jax.lax.select_n(repeat, *p[:, j]), stage_params), rows=rows)
 
-        return jax.lax.scan(remat(layer_at), h, jnp.arange(per_stage))[0]
+        if remat_policy is None or remat_layers in (None, num_layers):
+            return _scan(layer_at, h, jnp.arange(per_stage), remat_policy, unroll=False)[0]
+        rematted = remat_layers // (num_stages * repeats)
+        h = _scan(layer_at, h, jnp.arange(rematted), remat_policy, unroll=False)[0]
+        return _scan(layer_at, h, jnp.arange(rematted, per_stage), None, unroll=False)[0]
 
     # vmap over stages; its spmd axis keeps the per-stage constraints inside the layers split over stages
     all_stages = jax.vmap(run_stage, in_axes=(1, 0, 0, 0), spmd_axis_name=mesh_axes_of(STAGES))

@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,18 @@ def test_check_reports_model_problems():
         config_lib.check(apply_overrides(Config(), ["model.remat=fancy"]))
     with pytest.raises(UserError, match="num_heads=8 is not a multiple of model.num_kv_heads=3"):
         config_lib.check(apply_overrides(Config(), ["model.num_kv_heads=3"]))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.remat=full", "model.remat_layers=0"], "model.remat_layers=0 must be a number of layers from 1 to model.num_layers=4, or null"),
+    (["model.remat=full", "model.remat_layers=5"], "model.remat_layers=5 must be a number of layers from 1 to model.num_layers=4, or null"),
+    (["model.remat=full", "model.remat_layers=true"], "model.remat_layers expects int or NoneType, got 'true'"),
+    (["model.remat_layers=2"], "model.remat_layers=2 says how many layers model.remat recomputes, but model.remat=none; set a policy"),
+])
+def test_remat_layers_is_a_count_of_layers_under_a_policy(overrides, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        config_lib.check(apply_overrides(Config(), overrides))
+    config_lib.check(apply_overrides(Config(), ["model.remat=full", "model.remat_layers=4"]))  # every layer, as null
 
 
 def test_mesh_files_parse():

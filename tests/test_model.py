@@ -1,3 +1,4 @@
+import dataclasses
 import re
 from pathlib import Path
 
@@ -35,6 +36,51 @@ def test_remat_gives_same_loss_and_gradients(policy):
     loss, grads = _loss_and_grads(LlamaConfig(**{**CFG.__dict__, "remat": policy}))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+
+
+@pytest.mark.parametrize("policy,remat_layers,scan_layers", [("full", 1, True), ("save_dots", 2, True), ("full", 2, False)])
+def test_remat_on_the_first_layers_gives_same_loss_and_gradients(policy, remat_layers, scan_layers):
+    ref_loss, ref_grads = _loss_and_grads(CFG)
+    cfg = LlamaConfig(**{**CFG.__dict__, "remat": policy, "remat_layers": remat_layers, "scan_layers": scan_layers})
+    loss, grads = _loss_and_grads(cfg)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, ref_grads)
+
+
+def test_remat_layers_rematerialises_the_first_layers_only():
+    """model.remat_layers=2 of 3: a scan of the first 2 layers under the policy, then one of the last layer as
+    autodiff keeps it."""
+    cfg = LlamaConfig(**{**CFG.__dict__, "remat": "full", "remat_layers": 2})
+    graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)))
+    jaxpr = jax.make_jaxpr(lambda p: nnx.merge(graphdef, p).hidden(TOKENS))(params).jaxpr
+    scans = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
+    assert [scan.params["length"] for scan in scans] == [2, 1]
+    # the first scan's body is the whole layer under jax.checkpoint; the second's the layer's own operations
+    bodies = [{eqn.primitive.name for eqn in scan.params["jaxpr"].jaxpr.eqns} for scan in scans]
+    assert bodies[0] == {"remat2"} and "dot_general" in bodies[1]
+
+
+def test_remat_on_more_layers_compiles_to_less_memory():
+    """Saved activations dominate (6 scanned layers, 4 x 256 tokens): the compiled step's temporaries shrink as
+    model.remat_layers grows, from remat none's to remat on every layer's (XLA:CPU, float32: 138, 88 and 40 MiB for
+    none, 3 and 5 of 6 layers, 35 for all). Not for 1 layer here: XLA:CPU inlines a scan of one layer, whose
+    recomputation it then merges with the forward (README, "Partial remat")."""
+    cfg = LlamaConfig(vocab_size=64, d_model=128, num_layers=6, num_heads=4, num_kv_heads=2, mlp_dim=512, dtype="float32", scan_layers=True)
+    tokens = jax.random.randint(jax.random.key(1), (4, 257), 0, 64)
+
+    def temporaries(**changes) -> int:
+        graphdef, params = nnx.split(Llama(dataclasses.replace(cfg, **changes), rngs=nnx.Rngs(0)))
+
+        def loss(params):
+            logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+        return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    none, half, most, every = (temporaries(), temporaries(remat="full", remat_layers=3), temporaries(remat="full", remat_layers=5),
+                               temporaries(remat="full"))
+    assert none > half > most > every
+    assert abs((none - half) / (none - every) - 0.5) < 0.1  # half the layers save about half of what all of them do
 
 
 def test_save_qkv_out_recomputes_only_the_attention_scores_and_the_mlp():
