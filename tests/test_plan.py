@@ -40,6 +40,9 @@ def total(cfg, for_platform=None) -> int:
     ("fsdp", (1, 4, 2), "none", 512, "auto", {}, 0.15),  # every layer's intermediates saved
     ("tp", (2, 1, 4), "save_qkv_out", 1024, "xla", {}, 0.15),  # XLA attention's (query, key) scores dominate
     ("fsdp", (1, 4, 2), "save_dots", 1024, "chunked", {}, 0.15),  # chunked attention's share of them
+    # model.remat_layers: the policy's saved activations on the first layers, remat none's on the others (2%, 2% under)
+    ("fsdp", (1, 4, 2), "full", 512, "auto", {"remat_layers": 2}, 0.15),
+    ("fsdp_tp", (1, 4, 2), "save_dots", 512, "auto", {"remat_layers": 3}, 0.15),
     # the vocabulary tables dominate, split over tensor 4 ("vocab: tensor"): counted whole, the estimate is 3.3x the
     # compile. It is 18% over: XLA:CPU's float32 working copies of the tables, counted at 12 bytes an element, share
     # their buffers with the logits' here
@@ -362,6 +365,18 @@ def test_suggestions_fit_and_are_ranked_by_step_time():
     # written as the command line takes it
     offload = plan_lib.Suggestion(cfg, {"optim.offload": True}, 2**30, {}, 1.0)
     assert offload.describe(2**31).startswith("optim.offload=true: saves")
+
+
+def test_suggestions_weigh_remat_on_some_of_the_layers():
+    """Where remat full on half the layers fits, it is offered, and ranked above remat full on all of them, which
+    recomputes twice the forward; on one layer of four it does not fit."""
+    cfg = make_layout(medium_config("fsdp", "none", mesh=(1, 8, 1))).cfg  # resolved, as make_plan passes it
+    usable = total(with_(cfg, model={"remat": "full", "remat_layers": 2}), plan_lib.ACCELERATOR) * 1.01
+    alone = {(s.changes["model.remat"], s.changes.get("model.remat_layers")): s for s in plan_lib.suggest(cfg, usable, count=50)
+             if set(s.changes) <= {"model.remat", "model.remat_layers"}}
+    assert alone["full", 2].relative_step_time < alone["full", None].relative_step_time
+    assert ("full", 1) not in alone and ("full", 3) in alone
+    assert alone["full", 2].describe(usable).startswith("model.remat=full and model.remat_layers=2: saves")
 
 
 def test_suggestions_save_what_they_take_off_the_planned_micro_batch_count():

@@ -144,6 +144,21 @@ def test_each_remat_policy_adds_the_forward_flops_it_recomputes():
     recomputed = {remat: step_cost.step_flops_per_token(make_layout(with_(medium_config("fsdp", remat), model={"attention": "xla"})))
                   - palm for remat in ("none", "save_dots", "save_qkv_out", "full")}
     assert recomputed == {"none": 0, "save_dots": core, "save_qkv_out": core + mlp, "full": core + mlp + projections}
+    # model.remat_layers: only the first layers recompute (1 of 4), and of the tensor all-reduces only theirs (below)
+    one_layer = with_(medium_config("fsdp", "full"), model={"attention": "xla", "remat_layers": 1})
+    assert step_cost.step_flops_per_token(make_layout(one_layer)) - palm == (core + mlp + projections) / 4
+
+
+def test_remat_on_the_first_layers_recomputes_their_tensor_all_reduces_only():
+    """fsdp_tp under remat full: 4 all-reduces per layer and a recomputed one (the attention's) per rematerialised
+    layer; 2 of 4 layers rematerialised: 2 recomputed ones, not 4."""
+    def tensor_s(remat_layers):
+        cfg = with_(medium_config("fsdp_tp", "full", mesh=(1, 4, 2)), model={"remat_layers": remat_layers})
+        return step_cost.step_time(make_layout(cfg), "h100").communication_s["tensor"]
+
+    nvlink, _ = LINK_BYTES_PER_S["h100"]
+    one = 16 * 512 / 4 * 256 * 2 * 2 * 1 / 2 / nvlink  # as in the test above: one all-reduce of the residual stream
+    assert tensor_s(2) == pytest.approx((4 * 4 + 2 + 2) * one) and tensor_s(None) == pytest.approx((4 * 5 + 2) * one)
 
 
 def test_devices_along_an_idle_axis_repeat_the_work():

@@ -43,7 +43,7 @@ from jaxtrain.stages import pipelined_variants, schedule, stage_memory
 from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.memory.offload import HOST, offloads_master_weights
 from jaxtrain.plan.step_cost import (DEFAULT_GPU, StepTime, acting_remat, activation_widths, duration, embedding_gradient_by_columns,
-                                     step_time)
+                                     rematted_share, step_time)
 from jaxtrain.layout import Layout, idle_axes_note, lower_steps, make_layout, peak_bytes
 from models.attention import scored_fraction
 from models.pipeline import STAGES
@@ -129,8 +129,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # keeps only blocks of them; chunked attention the pairs of each query chunk with the keys up to its end
     scored = {"cudnn": 0.0, "chunked": scored_fraction(seq)}.get(m.attention, 1.0)
     scores = scored * b / pipe.microbatches * heads * seq**2
-    fused_attention = keeps_fused_attention * tokens * heads * (hd * act + 4)  # output, float32 statistics
-    saved_per_layer = fused_attention + {
+    saved_under = {
         # float32 norm inputs, the projections and 4 MLP intermediates (gate, up and their SwiGLU product among them:
         # models/llama.py recomputes the SwiGLU's own), float32 and compute-dtype probabilities
         "none": 16 * embed + stack * (2 * embed + qkv + 4 * mlp) + (4 + stack) * scores,
@@ -140,7 +139,11 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
         # offloaded to host memory; the device keeps each layer's input (the scan saves it) as with full remat
         "offload_dots": stack * embed,
         "offload_qkv_out": stack * embed,
-    }[remat]
+    }
+    fused_attention = keeps_fused_attention * tokens * heads * (hd * act + 4)  # output, float32 statistics
+    # model.remat_layers: the rematerialised layers save what the policy keeps, the others what remat none does
+    share = rematted_share(m)
+    saved_per_layer = share * (fused_attention + saved_under[remat]) + (1 - share) * saved_under["none"]
     # one layer's weights gathered over the batch axes (FSDP) for its forward and backward: compute-dtype copy
     # and float32 gradient; the tensor axes keep their split
     trained_axes, frozen_axes = split_frozen(layout.spec.logical_axes)
@@ -213,10 +216,13 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     }
     if pipe.repeats > 1:  # the circular schedule's view of the layers (stored split contiguously over stages) is a copy
         items["circular re-layout"] = bytes_per_device(state.params["layers"])
+    if share < 1 and pipe.stages == 1:  # the two layer scans' slices of the stacks (models/pipeline.py), kept for the backward
+        items["remat_layers slices"] = bytes_per_device(state.params["layers"]) + bytes_per_device((state.frozen or {}).get("layers", {}))
     # the dispatch and combine buffers (routed residual streams) each layer keeps: all of them, or those save_dots
-    # names (models/llama.py EXPERT_SAVED)
-    if moe.num_experts and remat in ("none", "save_dots"):
-        items["dispatch buffers"] = int(m.num_layers * stack * 2 * embed * routed)
+    # names (models/llama.py EXPERT_SAVED); the layers model.remat_layers leaves out keep theirs
+    keeping_dispatch = (1 - share) + share * (remat in ("none", "save_dots"))
+    if moe.num_experts and keeping_dispatch:
+        items["dispatch buffers"] = int(keeping_dispatch * m.num_layers * stack * 2 * embed * routed)
     return items
 
 
@@ -340,13 +346,23 @@ def accelerator_total(layout: Layout, compiled: Compiled) -> int:
 def _replace(cfg: Config, **changes) -> Config:
     train = {k: v for k, v in changes.items() if k == "microbatches"}
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
-    if "remat" in changes:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=changes["remat"]))
+    if "remat" in changes:  # on every layer unless told
+        model = dataclasses.replace(cfg.model, remat=changes["remat"], remat_layers=changes.get("remat_layers"))
+        cfg = dataclasses.replace(cfg, model=model)
     if "rules" in changes:
         cfg = dataclasses.replace(cfg, rules=changes["rules"])
     if "offload" in changes:
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, offload=changes["offload"]))
     return cfg
+
+
+def _remat_layer_counts(cfg: Config, remat: str, unit: int) -> list[int | None]:
+    """The model.remat_layers the search weighs for a policy: every layer (None), or about a quarter, half or three
+    quarters of them, as multiples of ``unit`` (a pipeline's stages x repeats: each stage rematerialises as many)."""
+    layers = cfg.model.num_layers
+    if remat == "none":
+        return [None]
+    return [None, *sorted({unit * round(layers * share / unit) for share in (0.25, 0.5, 0.75)} - {0, layers})]
 
 
 def _valid_microbatches(cfg: Config, shards: int) -> list[int]:
@@ -463,7 +479,8 @@ def _as_typed(value) -> str:
 
 def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = None, count: int = 5) -> list[Suggestion]:
     """Configurations that fit, over rule set (ZeRO-1/2 among them; none that leaves a mesh axis idle the plan uses)
-    x remat x optim.offload x micro-batches (the fewest that fit for each),
+    x remat (on every layer, or a quarter, half or three quarters of them: model.remat_layers) x optim.offload
+    x micro-batches (the fewest that fit for each),
     ranked by estimated step time on ``gpu`` (recompute and communication). Micro-batches are how the
     per-device batch shrinks: the global batch, a training hyper-parameter, is left alone."""
     layouts = _layouts_by_rules(cfg, devices, dict.fromkeys((cfg.rules, *RULE_SETS)))
@@ -479,9 +496,13 @@ def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = Non
     for variant, layout in options.values():
         if _idles_more(layout, planned):
             continue
-        for remat, offload in itertools.product(SEARCHED_REMAT, dict.fromkeys((cfg.optim.offload, True))):
-            for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh) * schedule(variant, layout.rules, layout.mesh).microbatches):
-                candidate = _replace(variant, remat=remat, microbatches=k, offload=offload)
+        pipe = schedule(variant, layout.rules, layout.mesh)
+        offloads = dict.fromkeys((cfg.optim.offload, True))
+        policies = [(remat, layers, offload) for remat, offload in itertools.product(SEARCHED_REMAT, offloads)
+                    for layers in _remat_layer_counts(cfg, remat, pipe.stages * pipe.repeats)]
+        for remat, layers, offload in policies:
+            for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh) * pipe.microbatches):
+                candidate = _replace(variant, remat=remat, remat_layers=layers, microbatches=k, offload=offload)
                 breakdown = estimate(_with_cfg(layout, candidate), ACCELERATOR)
                 total = estimate_total(breakdown)
                 if candidate != cfg and total <= limit_bytes:
@@ -622,8 +643,8 @@ class Plan:
     def to_json(self) -> dict:
         c = self.compiled
         return {
-            "experiment": {"rules": self.cfg.rules, "remat": self.cfg.model.remat, "attention": self.cfg.model.attention,
-                           "microbatches": self.cfg.train.microbatches,
+            "experiment": {"rules": self.cfg.rules, "remat": self.cfg.model.remat, "remat_layers": self.cfg.model.remat_layers,
+                           "attention": self.cfg.model.attention, "microbatches": self.cfg.train.microbatches,
                            "global_batch": self.cfg.train.global_batch, "seq_len": self.cfg.data.seq_len},
             "mesh": self.mesh, "idle_axes": self.idle_axes, "devices": self.devices, "gpu": self.gpu,
             "device_memory_bytes": self.device_memory, "headroom": self.headroom,
@@ -718,7 +739,8 @@ def render(plan: Plan) -> str:
     mesh = describe_axes(plan.mesh)
     moe = cfg.model.moe
     grouped = f"experts' grouped matmul {moe.grouped_matmul}, " if moe.num_experts and moe.dispatch == "dropless" else ""
-    lines = [(f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat}, {cfg.model.attention} attention, "
+    lines = [(f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat_description}, "
+              f"{cfg.model.attention} attention, "
               f"{grouped}batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"
               f"{' (auto)' if plan.microbatches_auto else ''}"),
              *([f"note: XLA's GPU compiler expands jax.lax.ragged_dot over every expert ({moe.num_experts}x the experts' "
@@ -889,7 +911,8 @@ def plot(plan: Plan, path: Path) -> None:
         ax.axhline(plan.device_memory / GIB, color="k", label="device memory")
         ax.axhline(plan.usable / GIB, color="k", linestyle="--", label=f"usable ({plan.usable_because})")
     ax.set_ylabel("GiB per device on the accelerator")
-    ax.set_title(f"{plan.devices} devices, rules {plan.cfg.rules}, remat {plan.cfg.model.remat}, {plan.cfg.train.microbatches} micro-batch(es)")
+    ax.set_title(f"{plan.devices} devices, rules {plan.cfg.rules}, remat {plan.cfg.model.remat_description}, "
+                 f"{plan.cfg.train.microbatches} micro-batch(es)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)

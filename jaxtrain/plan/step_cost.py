@@ -86,11 +86,17 @@ RECOMPUTED_ALL_REDUCES = {"none": 0, "save_dots": 0, "save_qkv_out": 0, "full": 
 ADAPTER_PRODUCT_RECOMPUTED = {"none": 0, "save_dots": 0, "save_qkv_out": 1, "full": 1, "offload_dots": 0, "offload_qkv_out": 1}
 
 
+def rematted_share(m: LlamaConfig) -> float:
+    """The share of the layers ``model.remat`` rematerialises: ``model.remat_layers`` of them (all when null); the
+    others recompute nothing, as under remat none."""
+    return 1.0 if m.remat_layers is None else m.remat_layers / m.num_layers
+
+
 def expert_bytes_per_token(m: LlamaConfig, expert_ways: int) -> float:
     """Expert-parallel bytes a device moves per token of its share, layer and micro-batch (the module docstring)."""
     act, moe = np.dtype(m.dtype).itemsize, m.moe
     if moe.dispatch == "capacity":  # dispatch and combine, forward and backward, plus a recomputed forward under remat full
-        all_to_alls = 4 + 2 * (m.remat == "full")
+        all_to_alls = 4 + 2 * (m.remat == "full") * rematted_share(m)
         return all_to_alls * moe.top_k * moe.capacity_factor * m.d_model * act * (expert_ways - 1) / expert_ways
     gathers = m.d_model * act + moe.top_k * 8  # the tokens, their float32 router weights and int32 expert choices
     # a recomputed forward: the tokens and one k-wide router array (XLA keeps the other); save_dots and offload_dots
@@ -98,7 +104,7 @@ def expert_bytes_per_token(m: LlamaConfig, expert_ways: int) -> float:
     recomputed = moe.top_k * 4 + m.d_model * act * (m.remat not in ("save_dots", "offload_dots"))
     forward = gathers + m.d_model * act  # and the outputs back
     backward = 2 * m.d_model * act + moe.top_k * 4  # the outputs' gradient in, the tokens' and weights' back
-    return (forward + backward + recomputed * (m.remat != "none")) * (expert_ways - 1)
+    return (forward + backward + recomputed * (m.remat != "none") * rematted_share(m)) * (expert_ways - 1)
 
 
 def adapter_all_reduces(layout: Layout) -> float:
@@ -117,7 +123,7 @@ def adapter_all_reduces(layout: Layout) -> float:
         dims = tuple(a for a in axes if a != "layers")
         split = dims[:-1] if factor == "a" else dims[1:]  # A's input dimensions, B's output dimensions
         ways = math.prod(logical_ways(layout.rules, layout.mesh, f"activation_{a}") for a in split if a)
-        times = 1 + ADAPTER_PRODUCT_RECOMPUTED[remat] if factor == "a" else 1
+        times = 1 + ADAPTER_PRODUCT_RECOMPUTED[remat] * rematted_share(m) if factor == "a" else 1
         layers = m.num_layers if "layers" in axes else 1
         moved += layers * times * m.lora.rank * act * 2 * (ways - 1) / ways
     return moved
@@ -164,7 +170,7 @@ def offloaded_bytes_per_token(layout: Layout, stages: int) -> float:
     elements = m.d_model + widths.qkv
     if remat == "offload_dots":
         elements += 2 * widths.mlp + 2 * m.d_model * widths.routed
-    return elements * np.dtype(m.dtype).itemsize
+    return elements * np.dtype(m.dtype).itemsize * rematted_share(m)
 
 
 def step_flops_per_token(layout: Layout) -> float:
@@ -180,9 +186,9 @@ def step_flops_per_token(layout: Layout) -> float:
                   "full": attention_core + layer_matmuls}[remat.replace("offload_", "save_")]  # offloading recomputes as saving
     if m.remat.startswith("save_") and m.attention == "cudnn":  # they keep flash attention's output (models/llama.py)
         recomputed -= attention_core
-    flops = model_flops_per_token(layout) + recomputed
+    flops = model_flops_per_token(layout) + recomputed * rematted_share(m)
     if split_frozen(layout.spec.shapes)[1] is not None:  # a LoRA run: every base weight is frozen
-        flops += 2 * adapter_params_per_token(layout) * ADAPTER_PRODUCT_RECOMPUTED[remat]
+        flops += 2 * adapter_params_per_token(layout) * ADAPTER_PRODUCT_RECOMPUTED[remat] * rematted_share(m)
     return flops
 
 
@@ -334,7 +340,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
             fsdp += passes_of(axes) * gathers_per_pass(axes) * gathered * itemsize * (split - 1) / split
             fsdp_axes.update(a for a in batch_axes if a in spec_axes(x.sharding.spec))
     tensor_ways = logical_ways(layout.rules, layout.mesh, "activation_mlp")
-    all_reduces = k * m.num_layers * (4 + RECOMPUTED_ALL_REDUCES[acting_remat(m.remat, pipe.stages)])
+    all_reduces = k * m.num_layers * (4 + RECOMPUTED_ALL_REDUCES[acting_remat(m.remat, pipe.stages)] * rematted_share(m))
     tensor = all_reduces * sequences * seq * m.d_model * act * 2 * (tensor_ways - 1) / tensor_ways
     tensor += k * sequences * seq * adapter_all_reduces(layout)
     # a vocabulary split over tensor: per micro-batch the looked-up rows summed over the table's shards, and the output
