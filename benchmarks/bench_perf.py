@@ -11,6 +11,7 @@ interleaved repetitions, so a noisy shared machine slows both sides alike):
 - ``host_gap_ms_per_step``: the real loop (``jaxtrain.train.train``: data pipeline, metrics) per-step
   time minus the device-bound step time (same batch, steps queued back to back).
 - ``remat_precision``: step time and compiled memory per remat policy x compute dtype.
+- ``partial_remat``: the same for remat full on none, half and all of the (scanned) layers (``model.remat_layers``).
 - ``step_profile``: what ``log.profile_steps`` costs (one device, the step of ``overhead_ratio``): the traced steps'
   time ÷ untraced steps' (``overhead``, interleaved rounds), seconds to write and summarize the trace
   (``summary_s``), and the summary's span per step ÷ the untraced step time (``span_vs_step``: whether the profile
@@ -265,6 +266,20 @@ def remat_precision(corpus) -> list[dict]:
              "tokens_per_s": cfg.train.global_batch * cfg.data.seq_len / steps[dtype, remat]} for dtype, remat in contenders]
 
 
+def partial_remat(corpus) -> list[dict]:
+    """model.remat_layers: remat full on none, 2 and all 4 of a model's scanned layers (saved activations dominate:
+    batch 8 x 512 tokens), compiled temporaries per device and step time, measured side by side."""
+    model = dataclasses.replace(STEP_MODEL, num_layers=4, d_model=128, num_heads=4, num_kv_heads=2, mlp_dim=512, scan_layers=True)
+    variants = {"none": dict(remat="none"), "full_on_2_of_4": dict(remat="full", remat_layers=2), "full": dict(remat="full")}
+    compiled, contenders = {}, {}
+    for name, changes in variants.items():
+        cfg = config(dataclasses.replace(model, **changes), seq_len=512)
+        compiled[name], contenders[name], batch, _, _ = compiled_train_step(cfg, corpus)
+    steps = interleaved_medians(contenders, batch)
+    return [{"remat": name, "step_s": steps[name], "step_time_vs_none": steps[name] / steps["none"],
+             "temp_mib_per_device": compiled[name].memory_analysis().temp_size_in_bytes / 2**20} for name in variants]
+
+
 def cross_entropy_comparison(tokens: int = 2048, vocab: int = 32768) -> dict:
     rng = np.random.default_rng(0)
     logits = jax.device_put(rng.normal(0, 3, (tokens, vocab)).astype(np.float32), jax.devices()[0])
@@ -301,6 +316,7 @@ def run() -> dict:
         **_timed("compile_by_depth", compile_by_depth, corpus),
         **_timed("host_gap", host_gap, config(), corpus),
         "remat_precision": _timed("remat_precision", remat_precision, corpus),
+        "partial_remat": _timed("partial_remat", partial_remat, corpus),
         "cross_entropy": _timed("cross_entropy", cross_entropy_comparison),
         "step_profile": _timed("step_profile", profile_cost, config(mesh=ONE_DEVICE, rules="dp"), corpus),
     }

@@ -85,6 +85,9 @@ ROWS = (
     # pay there too, against attention_xla_1b and cuDNN (mfu_1b)
     Row("attention_chunked_1b", "llama3_1b", ("train.global_batch=8", "model.remat=save_dots", "model.attention=chunked"), 60),
     Row("remat_full_1b", "llama3_1b", ("train.global_batch=8", "model.remat=full", "model.attention=auto"), 60),
+    # remat full on 8 of the 16 layers (model.remat_layers): between remat_full_1b and save_dots (mfu_1b) in memory and time
+    Row("remat_half_1b", "llama3_1b", ("train.global_batch=8", "model.remat=full", "model.remat_layers=8", "model.attention=auto"), 60,
+        tiny_overrides=("model.remat_layers=1",)),
     Row("mfu_3b_save_dots", "llama3_3b", ("train.global_batch=4", "model.remat=save_dots", "model.attention=auto"), 75),
     Row("loss_chunk_1b", "llama3_1b", (*MFU_1B, "train.loss_chunk=512"), 60),
     # LoRA (rank 16 on every projection, bf16 frozen base) and QLoRA (nf4 base): tokens/s and peak memory
