@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import fcntl
 import json
 import logging
 import math
+import os
 import re
 import shutil
 import signal
@@ -259,7 +261,7 @@ def _read(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterat
         data_iterator = None
     saved = manager.item_metadata(step)["state"]
     if params_only:
-        check_same_shapes(saved["params"], abstract_state.params, where)
+        check_same_shapes({"params": saved["params"]}, {"params": abstract_state.params}, where)  # named as in a whole state
         return manager.restore(step, args=ocp.args.Composite(state=_state_restore({"params": abstract_state.params}, partial=True)))
     target = saved_part(abstract_state)
     unclipped = _written_unclipped(saved)
@@ -375,6 +377,7 @@ class RunCheckpoints:
         # how this run is laid out (train sets it once its steps are compiled): written into every checkpoint's meta item
         self.meta = meta or {}
         _check_writable(self.directory)
+        self._lock = _lock_run_dir(run_dir)
         self.manager = _manager(self.directory, cfg)
         _quiet_replaced_partial_saves()
         self.preemption = PreemptionWatch()
@@ -389,12 +392,17 @@ class RunCheckpoints:
         with the data iterator moved to its position), or None when there is none. Unreadable
         checkpoints are moved aside with a one-line warning. The caller prints ``resumed_line``: a finished run
         started again resumes nothing."""
+        # Orbax restores the items in the order of their names, the data position before the state: a checkpoint
+        # whose arrays do not read has moved the iterator on by then
+        beginning = None if data_iterator is None else data_iterator.get_state()
         step, restored, unreadable = _newest_readable(self.manager.all_steps(), lambda s: _read(
             self.manager, s, abstract_state, data_iterator, f"checkpoint step {s} in {self.directory}"))
         for bad, reason in unreadable:
             self._quarantine(bad, reason, "falling back to the previous one" if step is not None or bad != unreadable[-1][0]
                              else "no earlier checkpoint is readable: training starts from step 0")
         if step is None:
+            if unreadable and data_iterator is not None:  # training starts from step 0: at the first sequence too
+                data_iterator.set_state(beginning)
             return None
         written = restored.meta.get("time", time.time())
         self.restored = (step, written)
@@ -484,11 +492,18 @@ class RunCheckpoints:
                     self.manager.close()
             finally:
                 self.preemption.close()
+                self._unlock()
 
     def abandon(self) -> None:
         """Let go of the signals without waiting for the saves in flight (a Ctrl-C stops the process instead)."""
         self.closed = True
         self.preemption.close()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor releases its flock
+            self._lock = None
 
     def interrupted_error(self) -> Interrupted:
         """What a KeyboardInterrupt in the training loop says: a second Ctrl-C (the first asked to stop after the
@@ -551,6 +566,26 @@ def _check_writable(directory: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise UserError(f"checkpoint directory {directory} is not writable ({e.strerror}); fix its permissions or use another --run-dir") from None
+
+
+def _lock_run_dir(run_dir: Path) -> int | None:
+    """Process 0's exclusive flock on the run directory itself (no file written), its descriptor to close when the run
+    lets go: two `jaxtrain train` of one run directory (a job requeued while the old one still runs, a command started
+    twice) each removed the other's save in progress (Orbax replaces a step's temporary directory it finds, and the
+    loser's error blamed the disk) and wrote their records into one metrics.jsonl. None on the other processes, and where
+    the file system takes no locks (some network ones): the run goes on unguarded, as before."""
+    lock, busy = None, False
+    if jax.process_index() == 0:
+        lock = os.open(run_dir, os.O_RDONLY)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(lock)
+            lock, busy = None, isinstance(e, BlockingIOError)
+    if not _all_processes(not busy):
+        raise UserError(f"--run-dir {run_dir} is in use by another jaxtrain train command, still running; wait for it to stop "
+                        "(or stop it), or give another --run-dir")
+    return lock
 
 
 def _say(line: str) -> None:

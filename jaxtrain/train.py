@@ -137,7 +137,9 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
     training loop), and ``checkpoint.Interrupted`` on a second Ctrl-C there. A Ctrl-C before the first step is
     KeyboardInterrupt, with no checkpoint written."""
     check_run_dir(run_dir)
-    if init_from is not None and not hf_config.is_hf_dir(init_from):  # a mistyped path fails before the compile
+    # a mistyped path fails before the compile; a resumed run ignores --init-from, which may be gone since (a step of a
+    # run training on, removed by its checkpoint.keep)
+    if init_from is not None and not hf_config.is_hf_dir(init_from) and not checkpoint_lib.has_checkpoints(run_dir):
         _check_not_lora_run(init_from, checkpoint_lib.checkpoints_dir(init_from, "--init-from")[0].parent)
     if cfg.log.prometheus_port and jax.process_index() == 0:
         exporters.check_port_free(cfg.log.prometheus_port)

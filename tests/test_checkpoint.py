@@ -329,6 +329,56 @@ def test_when_no_checkpoint_is_readable_the_last_warning_says_training_starts_ag
     assert warnings[-1].endswith(", no earlier checkpoint is readable: training starts from step 0")
 
 
+def test_data_positions_the_saving_processes_disagree_on_are_unreadable(tmp_path):
+    """Read on another process count, a checkpoint's data position is the one its processes agree on; where they
+    disagree there is none to take (not an arbitrary one of them): the checkpoint is unreadable, and a resume falls back."""
+    for index, read in enumerate((16, 24)):
+        (tmp_path / f"process_{index}-of-2.json").write_text(json.dumps({"sequences": read}))
+    with pytest.raises(ValueError, match="holds 2 different data positions and none for process 0 of 1$"):
+        checkpoint_lib.DataPositionHandler().restore(tmp_path, item=object())
+
+
+def _with_steps(trainer, steps: int):
+    """The compiled trainer running fewer steps: the same programs (its schedule still that of STEPS)."""
+    return dataclasses.replace(trainer, layout=dataclasses.replace(trainer.layout, cfg=with_(trainer.cfg, train={"steps": steps})))
+
+
+def test_a_run_whose_checkpoints_are_all_unreadable_starts_again_at_the_first_sequence(reference, trainer, tmp_path):
+    """Orbax restores a checkpoint's items in the order of their names, the data position before the state: each damaged
+    checkpoint moved the data on to its position before its arrays failed to read, so a run left with none trained
+    from step 0 on sequences from the middle of the stream, not the ones a new run reads."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0] / checkpoint_lib.CHECKPOINTS_DIR, run_dir / checkpoint_lib.CHECKPOINTS_DIR)
+    for step in checkpoint_lib.committed_steps(run_dir / checkpoint_lib.CHECKPOINTS_DIR):
+        _truncate(run_dir, step)
+    two = _with_steps(trainer, 2)
+    train(two.cfg, run_dir, two)
+    assert _losses(run_dir) == _losses(reference[0])[:2]
+
+
+def test_a_run_whose_checkpoints_are_all_unreadable_starts_again_from_its_init_from(reference, trainer, tmp_path):
+    """--init-from starts a run only while it has no checkpoint of its own; with every one of them unreadable, the
+    same command starts again from what it names (here the reference run's parameters), not from train.seed."""
+    run_dir, direct = tmp_path / "run", tmp_path / "direct"
+    shutil.copytree(reference[0] / checkpoint_lib.CHECKPOINTS_DIR, run_dir / checkpoint_lib.CHECKPOINTS_DIR)
+    for step in checkpoint_lib.committed_steps(run_dir / checkpoint_lib.CHECKPOINTS_DIR):
+        _truncate(run_dir, step)
+    two = _with_steps(trainer, 2)
+    for each in (run_dir, direct):
+        train(two.cfg, each, two, init_from=reference[0], params_only=True)
+    assert _losses(run_dir) == _losses(direct) and _losses(run_dir)[0] != _losses(reference[0])[0]
+
+
+def test_a_run_resumes_with_its_init_from_gone(reference, trainer, tmp_path, capsys):
+    """--init-from is ignored once the run has checkpoints of its own, so the same command resumes after what it named
+    is gone (a step directory of a run that trained on, removed by its checkpoint.keep); it was refused, naming it."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    gone = tmp_path / "base" / checkpoint_lib.CHECKPOINTS_DIR / "4"
+    train(reference[1], run_dir, trainer, init_from=gone)
+    assert f"jaxtrain: note: --init-from {gone} is not used: the run resumes from its own checkpoint" in capsys.readouterr().err
+
+
 def _files(run_dir) -> list:
     return sorted((p.relative_to(run_dir), p.stat().st_size) for p in run_dir.rglob("*"))
 
@@ -415,13 +465,29 @@ def test_the_newest_committed_save_is_reported_once_and_a_failed_or_unfinished_o
         checkpoints.close()
 
 
-def test_full_disk_is_one_line_error_and_earlier_checkpoints_stay(reference, tmp_path):
+def test_a_second_ctrl_c_blames_no_save_older_than_the_newest_checkpoint(tmp_path):
+    """A temporary directory older than the newest committed checkpoint (a killed save of a step the run, resumed under
+    another checkpoint.every, never saved again) is not the save a second Ctrl-C left: it says only where to resume."""
+    checkpoints = checkpoint_lib.RunCheckpoints(tmp_path, checkpoint_lib.CheckpointConfig(), 10, {})
+    try:
+        for name in ("3.orbax-checkpoint-tmp", "4"):
+            (checkpoints.directory / name).mkdir()
+        checkpoints.preemption.interrupted = True
+        assert str(checkpoints.interrupted_error()) == "interrupted again; run the same command again to resume from step 4"
+    finally:
+        checkpoints.close()
+
+
+@pytest.mark.parametrize("steps, failed", [(STEPS + 4, STEPS + 2), (STEPS + 1, STEPS + 1)], ids=["periodic", "final"])
+def test_full_disk_is_one_line_error_and_earlier_checkpoints_stay(reference, tmp_path, steps, failed):
+    """A periodic save's failure is seen by the next save, which waits for it; the final save's only by the wait at
+    the end, where the run must not end as if its last step were saved."""
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
     before = _complete_steps(run_dir)
-    status = _start(run_dir, f"train.steps={STEPS + 4}", limit_file_size=200_000).wait(timeout=300)
+    status = _start(run_dir, f"train.steps={steps}", limit_file_size=200_000).wait(timeout=300)
     errors = [line for line in _stderr(run_dir).splitlines() if "jaxtrain: error:" in line]
-    assert status == 2 and len(errors) == 1 and f"could not write checkpoint step {STEPS + 2} " in errors[0], errors
+    assert status == 2 and len(errors) == 1 and f"could not write checkpoint step {failed} " in errors[0], errors
     # no traceback, ours or Orbax's threads' (a QA run: 487 lines of them before the one line)
     assert "Traceback" not in _stderr(run_dir) and "ERROR:absl" not in _stderr(run_dir), _stderr(run_dir)[:3000]
     assert _complete_steps(run_dir) == before
@@ -561,9 +627,10 @@ def test_a_checkpoint_that_does_not_fit_the_state_is_refused_and_left_in_place(r
     finally:
         checkpoints.close()
     assert _files(run_dir) == before
-    with pytest.raises(UserError, match=r"does not match the model: params/embed has shape \(\d+, 64\) in the checkpoint but "
-                                        r"\(\d+, 128\) in this config"):
-        _state(ref_dir, with_(cfg, model={"d_model": 128}))
+    for params_only in (False, True):  # --params-only too: its read of another shape was taken for a damaged checkpoint
+        with pytest.raises(UserError, match=r"does not match the model: params/embed has shape \(\d+, 64\) in the checkpoint "
+                                            r"but \(\d+, 128\) in this config"):
+            _state(ref_dir, with_(cfg, model={"d_model": 128}), params_only=params_only)
 
 
 def test_clipping_switched_on_resume_and_an_unclipped_runs_older_checkpoint_restore(reference, tmp_path):
@@ -658,3 +725,27 @@ def test_switching_to_or_from_float16_on_resume_names_model_dtype():
         with pytest.raises(UserError) as e:
             checkpoint_lib.check_same_shapes(saved, wanted, "checkpoint step 2")
         assert str(e.value).startswith(f"checkpoint step 2 {said}: a run cannot switch to or from float16 on resume")
+
+
+def test_a_second_train_of_a_run_directory_still_training_is_one_line_and_changes_nothing(reference, tmp_path, capsys):
+    """A job requeued while its first attempt still runs, or a command started twice: the second `jaxtrain train` of the
+    run directory is refused before it writes anything (both trained on, each removing the other's saves in progress:
+    Orbax replaces a step's temporary directory it finds, and the loser's error blamed the disk). The first one's
+    lock goes with it, and the same command then resumes."""
+    from jaxtrain import cli
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    before = _files(run_dir)
+    command = ["train", "tiny", "--run-dir", str(run_dir), *ARGS]
+    still_training = checkpoint_lib.RunCheckpoints(run_dir, reference[1].checkpoint, STEPS)
+    try:
+        capsys.readouterr()
+        assert cli.main(command) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"jaxtrain: error: --run-dir {run_dir} is in use by another jaxtrain train command, still running; wait for it to "
+            "stop (or stop it), or give another --run-dir"]
+    finally:
+        still_training.close()
+    assert _files(run_dir) == before
+    assert cli.main(command) == 0 and "nothing to do" in capsys.readouterr().err
