@@ -346,10 +346,21 @@ def _not_orbax_error(record: logging.LogRecord) -> bool:
     return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname)
 
 
+def _ran_out_of_memory(error: BaseException | None) -> bool:
+    """Whether reading failed for want of device or host memory (XLA's RESOURCE_EXHAUSTED, Python's MemoryError), here or
+    in what the error was raised from."""
+    while error is not None:
+        if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error).split("\n", 1)[0]:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _newest_readable(steps, read) -> tuple[int | None, object, list[tuple[int, str]]]:
     """(step, ``read(step)``) of the newest of ``steps`` every process reads, and (step, reason) for each newer one
     that some process could not read; (None, None, all of them) when none is readable. A UserError (a model that
-    does not match) is not a damaged file: it propagates."""
+    does not match) is not a damaged file: it propagates; nor is a read that ran out of memory (a run resumed on too
+    few devices), which took every checkpoint of the run for damaged, moved them aside and started from step 0."""
     unreadable = []
     for step in sorted(steps, reverse=True):
         try:
@@ -358,6 +369,10 @@ def _newest_readable(steps, read) -> tuple[int | None, object, list[tuple[int, s
             raise
         except Exception as e:  # noqa: BLE001 - any unreadable file must lead to the previous checkpoint
             restored, error = None, e
+        if not _all_processes(not _ran_out_of_memory(error)):
+            raise UserError(f"checkpoint step {step} did not fit in memory as it was read ("
+                            f"{_first_line(error) if error else 'on another process'}); it is left in place: resume on more "
+                            "devices, or with a rule set that splits the state further (`jaxtrain plan` says what fits)")
         if _all_processes(error is None):
             return step, restored, unreadable
         unreadable.append((step, _first_line(error) if error else "unreadable on another process"))

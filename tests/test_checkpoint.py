@@ -5,6 +5,7 @@ meshes, --init-from."""
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -293,6 +294,29 @@ def test_corrupted_checkpoint_falls_back_with_one_warning(reference, trainer, tm
     assert _losses(run_dir)[-2:] == _losses(reference[0])[-2:]  # steps 15, 16 recomputed, same bits
     _assert_identical(final.params, _state(reference[0], reference[1], params_only=True)[0])
     assert (run_dir / checkpoint_lib.QUARANTINE_DIR).is_dir()
+
+
+def test_a_checkpoint_read_that_runs_out_of_memory_is_one_line_and_moves_nothing(reference, trainer, tmp_path, monkeypatch):
+    """A run resumed on devices too small for its state: the read's out-of-memory error (here raised, wrapped as Orbax
+    wraps what a read raises) was taken for a damaged file, so every checkpoint of the run was moved aside in turn and
+    training started again from step 0."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    before = sorted(p.name for p in (run_dir / checkpoint_lib.CHECKPOINTS_DIR).iterdir())
+
+    def out_of_memory(*args, **kwargs):
+        try:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.00GiB.")
+        except RuntimeError as e:
+            raise ValueError("Failed to restore the checkpoint's items") from e
+
+    monkeypatch.setattr(checkpoint_lib, "_read", out_of_memory)
+    with pytest.raises(UserError, match=re.escape(f"checkpoint step {STEPS} did not fit in memory as it was read (RuntimeError: "
+                                                  "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.00GiB.); it is left "
+                                                  "in place: resume on more devices")):
+        train(reference[1], run_dir, trainer)
+    assert sorted(p.name for p in (run_dir / checkpoint_lib.CHECKPOINTS_DIR).iterdir()) == before
+    assert not (run_dir / checkpoint_lib.QUARANTINE_DIR).exists()
 
 
 def test_the_command_resuming_past_a_damaged_checkpoint_prints_one_warning_and_no_tracebacks(reference, tmp_path):
