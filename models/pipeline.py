@@ -54,10 +54,12 @@ def _rematted(layer: Callable, policy: Callable | None, looped: bool) -> Callabl
     return jax.checkpoint(traced, policy=policy, prevent_cse=not looped) if policy else traced
 
 
-def _scan(layer: Callable, x: jax.Array, xs: Any, policy: Callable | None, unroll: bool) -> tuple[jax.Array, Any]:
-    """``lax.scan`` of ``layer`` rematerialised under ``policy`` over ``xs``."""
+def _scan(layer: Callable, x: jax.Array, xs: Any, policy: Callable | None, unroll: bool,
+          in_loop: bool = False) -> tuple[jax.Array, Any]:
+    """``lax.scan`` of ``layer`` rematerialised under ``policy`` over ``xs``; ``in_loop``: the scan runs inside another
+    loop (the pipeline's iterations), whose backward is a loop of its own."""
     length = jax.tree.leaves(xs)[0].shape[0]
-    return jax.lax.scan(_rematted(layer, policy, looped=not unroll and length > 1), x, xs, unroll=unroll)
+    return jax.lax.scan(_rematted(layer, policy, looped=in_loop or (not unroll and length > 1)), x, xs, unroll=unroll)
 
 
 def _scan_layers(layer: Callable, x: jax.Array, params: Any, policy: Callable | None, rematted: int | None,
@@ -115,10 +117,10 @@ def apply_layers(layer: Callable, params: nnx.State, x: jax.Array, schedule: Pip
             return layer(h, jax.tree.map(lambda p: jax.lax.select_n(repeat, *p[:, j]), stage_params), rows=rows)
 
         if remat_policy is None or remat_layers in (None, num_layers):
-            return _scan(layer_at, h, jnp.arange(per_stage), remat_policy, unroll=False)[0]
+            return _scan(layer_at, h, jnp.arange(per_stage), remat_policy, unroll=False, in_loop=True)[0]
         rematted = remat_layers // (num_stages * repeats)
-        h = _scan(layer_at, h, jnp.arange(rematted), remat_policy, unroll=False)[0]
-        return _scan(layer_at, h, jnp.arange(rematted, per_stage), None, unroll=False)[0]
+        h = _scan(layer_at, h, jnp.arange(rematted), remat_policy, unroll=False, in_loop=True)[0]
+        return _scan(layer_at, h, jnp.arange(rematted, per_stage), None, unroll=False, in_loop=True)[0]
 
     # vmap over stages; its spmd axis keeps the per-stage constraints inside the layers split over stages
     all_stages = jax.vmap(run_stage, in_axes=(1, 0, 0, 0), spmd_axis_name=mesh_axes_of(STAGES))
