@@ -1,5 +1,7 @@
 """Outputs that appear whole or not at all: written under a temporary name beside the target, renamed
-when complete, removed on any error. A killed command never leaves a file that looks finished."""
+when complete, removed on any error. A killed command never leaves a file that looks finished, and a completed one
+is on disk before its name appears (synced, then renamed, then the rename synced), so a node losing power right
+after a command finished does not leave an empty or truncated file under the final name."""
 
 from __future__ import annotations
 
@@ -31,6 +33,29 @@ def _temporary(path: Path, what: str, make: Callable[..., T]) -> T:
         raise UserError(f"{what} {path}: cannot write in {path.parent} ({e.strerror}); give a path in a writable directory") from None
 
 
+def _sync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(temp: Path, path: Path) -> None:
+    """Rename the finished ``temp`` (a file, or a directory with everything under it) to ``path`` durably: its
+    contents synced first, so the new name never points at data still in the page cache; the directory holding
+    the name synced after, so the rename itself survives a power loss."""
+    if temp.is_dir():
+        for directory, _, files in os.walk(temp, topdown=False):
+            for name in files:
+                _sync(Path(directory, name))
+            _sync(Path(directory))
+    else:
+        _sync(temp)
+    os.replace(temp, path)  # rename(2): replaces a file, or an empty directory
+    _sync(path.parent)
+
+
 @contextlib.contextmanager
 def made_parents(path: Path, what: str) -> Iterator[None]:
     """Make the missing directories above ``path`` for the block; remove them again (where still empty) when it
@@ -59,7 +84,7 @@ def atomic_file(path: Path, what: str = "output file") -> Iterator[BinaryIO]:
         with f:
             yield f
         os.chmod(f.name, 0o644)  # temporary files are created private
-        os.replace(f.name, path)
+        publish(Path(f.name), path)
     except BaseException:
         Path(f.name).unlink(missing_ok=True)
         raise
@@ -76,7 +101,7 @@ def atomic_dir(path: Path, what: str = "output directory") -> Iterator[Path]:
     try:
         yield temp
         temp.chmod(0o755)  # temporary directories are created private
-        os.replace(temp, path)  # rename(2) replaces an empty directory
+        publish(temp, path)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from jaxtrain.atomic import atomic_file
+from jaxtrain.atomic import atomic_dir, atomic_file
 
 
 def test_a_failed_rewrite_leaves_the_previous_file_whole_and_nothing_beside_it(tmp_path):
@@ -20,3 +20,43 @@ def test_a_failed_rewrite_leaves_the_previous_file_whole_and_nothing_beside_it(t
         f.write(b"new\n")
     assert path.read_bytes() == b"new\n" and os.listdir(tmp_path) == ["metrics.jsonl"]
     assert path.stat().st_mode & 0o777 == 0o644  # temporary files are created private; the output is not
+
+
+@pytest.fixture
+def disk_events(monkeypatch):
+    """The fsyncs (by path) and renames the atomic writers make, in order."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("sync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", str(src), str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def test_a_finished_file_is_on_disk_before_its_name_and_the_rename_after(tmp_path, disk_events):
+    """Renamed unsynced, a power loss can leave the new name over an empty file: the old run config gone, no new one."""
+    path = tmp_path / "config.yaml"
+    with atomic_file(path, "run config") as f:
+        f.write(b"model: {}\n")
+    (rename, temp, target), = [e for e in disk_events if e[0] == "rename"]
+    assert target == str(path) and disk_events == [("sync", temp), (rename, temp, target), ("sync", str(tmp_path))]
+
+
+def test_a_finished_directory_is_synced_file_by_file_before_its_rename(tmp_path, disk_events):
+    out = tmp_path / "tokenizer"
+    with atomic_dir(out, "tokenizer directory") as temp:
+        (temp / "sub").mkdir()
+        (temp / "sub" / "vocab.json").write_text("{}")
+        (temp / "tokenizer.json").write_text("{}")
+    renamed = disk_events.index(("rename", str(temp), str(out)))
+    assert sorted(path for _, path in disk_events[:renamed]) == sorted(
+        [str(temp / "sub" / "vocab.json"), str(temp / "sub"), str(temp / "tokenizer.json"), str(temp)])
+    assert disk_events[renamed + 1:] == [("sync", str(tmp_path))] and (out / "sub" / "vocab.json").read_text() == "{}"

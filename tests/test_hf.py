@@ -22,7 +22,7 @@ from flax.core import spmd
 from safetensors import safe_open
 
 from conftest import REPO, small_config, subprocess_env, with_
-from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import atomic, checkpoint as checkpoint_lib
 from jaxtrain import cli
 from jaxtrain.config import Config, load_experiment, save_yaml
 from jaxtrain.interop import hf_config, hf_export, hf_import
@@ -99,7 +99,7 @@ def _assert_close(ours, theirs, rtol=1e-4):
 
 @pytest.mark.parametrize("devices", [1, 8])
 @pytest.mark.parametrize("name", MODELS)
-def test_import_equals_transformers_and_export_loads_back(name, devices, hf_models, tmp_path, capsys):
+def test_import_equals_transformers_and_export_loads_back(name, devices, hf_models, tmp_path, capsys, monkeypatch):
     hf_dir, _, expected = hf_models[name]
     cfg = _config(hf_dir, mesh=(1, 1, 1) if devices == 1 else (2, 2, 2))
     layout = make_layout(cfg, jax.devices()[:devices])
@@ -111,7 +111,10 @@ def test_import_equals_transformers_and_export_loads_back(name, devices, hf_mode
         return
     # export (float32, small shards) -> transformers loads it unchanged -> the same logits
     out = tmp_path / "export"
+    published, publish = [], atomic.publish
+    monkeypatch.setattr(atomic, "publish", lambda temp, path: (published.append(path), publish(temp, path)))
     names = hf_export.write_model(params, cfg, out, "float32", source_dir=hf_dir, max_shard_bytes=20_000)
+    assert published == [out]  # synced before it is renamed (tests/test_atomic.py)
     assert len(names) > 1 and (out / "model.safetensors.index.json").is_file()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     source = json.loads((hf_dir / "config.json").read_text())

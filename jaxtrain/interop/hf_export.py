@@ -27,7 +27,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import atomic, checkpoint as checkpoint_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config
@@ -178,7 +178,7 @@ def write_model(params: dict, cfg: Config, out: Path, dtype: str, source_dir: Pa
                 writer.close()
         if is_main:
             _write_metadata(partial, cfg, dtype.name, shards, names, source_dir, tokenizer)
-            partial.rename(out)
+            atomic.publish(partial, out)
     except BaseException:
         if is_main:
             shutil.rmtree(partial, ignore_errors=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 
+from jaxtrain import atomic
 from jaxtrain.interop.hf_config import CONFIG_FILE, GENERATION_CONFIG_FILE, RUN_SUBDIR
 from jaxtrain.interop.hf_weights import Checkpoint, tensor_maps
 from models.config import LlamaConfig
@@ -58,4 +59,4 @@ def keep_source_files(hf_dir: Path, run_dir: Path) -> None:
         if (hf_dir / name).is_file():
             shutil.copy2(hf_dir / name, partial / name)
     shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
+    atomic.publish(partial, target)

@@ -26,6 +26,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from jaxtrain import atomic
 from jaxtrain.errors import UserError
 from jaxtrain.interop.hf_weights import tensor_maps
 from models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig
@@ -236,7 +237,7 @@ def write_adapter(adapters: dict, model_cfg: LlamaConfig, out: Path, base_path: 
         save_file({name: x.astype(np.dtype(dtype)) for name, x in to_peft(adapters, model_cfg).items()}, str(partial / WEIGHTS_FILE))
         (partial / CONFIG_FILE).write_text(json.dumps(adapter_config(model_cfg, base_path), indent=2) + "\n")
         (partial / JAXTRAIN_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        partial.rename(out)
+        atomic.publish(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
