@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxtrain.config import CheckpointConfig, check_run_dir
-from jaxtrain.data.pipeline import PLAIN_SEEDS, SEED_SCHEME
+from jaxtrain.data.pipeline import PLAIN_SEEDS, SEED_SCHEME, SEED_SCHEMES
 from jaxtrain.distributed import LostPeer
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
@@ -181,11 +181,15 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
         if list(state) == ["next_index"]:  # grain's own position, written until 2026-12-05: a count of global batches
             state = {"sequences": state["next_index"] * saved_config(Path(directory).parent)["train"]["global_batch"]}
         state.setdefault(SEED_SCHEME, PLAIN_SEEDS)  # written before the record: shuffled with data.seed as it is
+        step_dir = Path(directory).parent
+        if state[SEED_SCHEME] not in SEED_SCHEMES:  # a later jaxtrain's: its order cannot be rebuilt here
+            raise UserError(f"checkpoint {step_dir} holds a data position under seed scheme {state[SEED_SCHEME]}, which this "
+                            f"jaxtrain does not know (it knows {', '.join(map(str, SEED_SCHEMES))}): resume it with the jaxtrain "
+                            f"that wrote it, or start a new run from it with --init-from {step_dir} (its data from the beginning)")
         iterator = item or args.item
         try:
             iterator.set_state(state)
         except KeyError:  # the other data.format's position (text: sequences read; sft: the packer's state)
-            step_dir = Path(directory).parent
             written_with = saved_data_format(step_dir)
             raise UserError(f"checkpoint {step_dir} holds the data position of data.format={written_with}, which another format "
                             f"cannot take; give data.format={written_with} to go on with it, or start a new run from it with "

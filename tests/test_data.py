@@ -308,6 +308,22 @@ def test_a_position_resumes_the_order_of_its_seed_scheme(recorded, tmp_path):
     np.testing.assert_array_equal(_rows(resumed, 3), uninterrupted[24:])
 
 
+def test_a_position_under_an_unknown_seed_scheme_is_one_line(tmp_path):
+    """A checkpoint written by a later jaxtrain, with a seed scheme this one lacks, resumed here: one line naming the
+    scheme (it read as the other data.format's position: a KeyError)."""
+    from jaxtrain.checkpoint import DataPositionHandler
+
+    data_dir = tmp_path / "checkpoints" / "6" / "data"
+    data_dir.mkdir(parents=True)
+    (data_dir / "process_0-of-1.json").write_text(json.dumps({"sequences": 24, SEED_SCHEME: 7}))
+    batches = GlobalBatches(np.arange(81) % 251, 4, 8, _sharding(4), shuffle_seed=3, repeat=True)
+    with pytest.raises(UserError) as error:
+        DataPositionHandler().restore(data_dir, batches.iterator)
+    assert str(error.value) == (f"checkpoint {data_dir.parent} holds a data position under seed scheme 7, which this jaxtrain does "
+                                f"not know (it knows 1, 2): resume it with the jaxtrain that wrote it, or start a new run from it "
+                                f"with --init-from {data_dir.parent} (its data from the beginning)")
+
+
 def test_every_process_saves_the_position_of_the_whole_batch():
     """4 processes of 2 devices each read a quarter of every batch, yet each saves the count of the sequences of the
     global batches read: a checkpoint's position is any process's file (DataPositionHandler), and a run resumed on
