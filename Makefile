@@ -21,8 +21,8 @@ test: $(INSTALLED)
 
 # The code on the next jax (the GPU image's 0.11, which needs Python 3.12) beside our 0.10: the tests that need
 # no torch, on the CPU. Not part of `make test`: it needs a python3.12 and about 1 GB of downloads. Every test file
-# but those importing torch (test_hf, test_lora, test_lora_dropout through test_lora, test_moe_hf, test_sft,
-# test_finetune_demo) and test_plan_gpu (needs the CUDA plugin: make test-gpu-plan-next). Less the planner's
+# but those importing torch (test_hf, test_peft, test_moe_hf, test_finetune_demo) and test_plan_gpu (needs the CUDA
+# plugin: make test-gpu-plan-next); the sft extra's transformers (no torch) renders test_sft's chat templates. Less the planner's
 # estimate-vs-CPU-compile bounds (marker estimate_vs_cpu_compile): the CPU estimate is fitted to the pinned jax's
 # XLA:CPU, and 0.11's compiles the planner's test configurations 10-65% smaller (README, "GPU: one command for a lent
 # H200").
@@ -35,11 +35,11 @@ JAX_NEXT_TESTS ?= tests/test_model.py tests/test_attention.py tests/test_parity.
 	tests/test_loss_chunk.py tests/test_memory.py tests/test_step_cost.py tests/test_placement.py tests/test_optim.py \
 	tests/test_plan.py tests/test_spikes.py tests/test_observability.py tests/test_tokenizer.py tests/test_cli_errors.py \
 	tests/test_distributed.py tests/test_xla_env.py tests/test_atomic.py tests/test_bench_runner.py tests/test_gpu_runner.py \
-	tests/test_cluster_scripts.py
+	tests/test_cluster_scripts.py tests/test_lora.py tests/test_lora_dropout.py tests/test_sft.py
 $(JAX_NEXT_VENV)/.installed: pyproject.toml Makefile
 	test -x $(JAX_NEXT_VENV)/bin/python || $(JAX_NEXT_PYTHON) -m venv $(JAX_NEXT_VENV)
 	$(JAX_NEXT_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(JAX_NEXT_VENV)/bin/python -m pip install --quiet -e '.[mlflow,prometheus]' "jax==$(JAX_NEXT)" "jaxlib==$(JAX_NEXT)" \
+	$(JAX_NEXT_VENV)/bin/python -m pip install --quiet -e '.[mlflow,prometheus,sft]' "jax==$(JAX_NEXT)" "jaxlib==$(JAX_NEXT)" \
 		pytest pytest-xdist tensorboard
 	touch $@
 
