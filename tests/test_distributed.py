@@ -3,6 +3,7 @@ process, before anything is compiled or written (a QA report: they deadlocked, t
 or aborted with C++ stack traces)."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -135,12 +136,18 @@ def test_the_survivor_of_a_killed_process_says_so_in_one_line_and_exits_for_a_re
 def test_an_evaluation_of_a_split_ending_in_a_partial_batch_finishes_on_every_process(tmp_path):
     """A validation split of 12 sequences and train.global_batch=8: one whole batch and 4 rows. The first process's
     devices held those rows, the second's none, so the first evaluated a batch more and waited for the second at its
-    collective for ever. Both processes now evaluate the whole batch alone."""
+    collective for ever. Both processes now evaluate the whole batch alone.
+    The records, which the first process writes, carry the fuller process's memory: the second's, which holds 3 GiB
+    more (the first's own was recorded, so a job's fullest devices were not seen)."""
     tokens = np.random.default_rng(0).integers(0, 256, 3850, dtype=np.int32)  # 10%: 385 tokens, 12 windows of 32 + 1
     np.save(tmp_path / "tokens.npy", tokens)
+    ballast = tmp_path / "ballast"  # imported by the second process at start-up, as Python imports any sitecustomize
+    ballast.mkdir()
+    (ballast / "sitecustomize.py").write_text("import numpy\nBALLAST = numpy.ones(3 * 2**30 // 8)\n")
     port, run_dir = _free_port(), tmp_path / "run"
     overrides = (f"data.path={tmp_path / 'tokens.npy'}", "data.val_fraction=0.1", "train.eval_batches=4")
-    processes = [_start_process(i, port, run_dir, *overrides) for i in range(2)]
+    processes = [_start_process(0, port, run_dir, *overrides),
+                 _start_process(1, port, run_dir, *overrides, env={"PYTHONPATH": f"{ballast}{os.pathsep}{subprocess_env()['PYTHONPATH']}"})]
     try:
         for process in processes:
             _, stderr = process.communicate(timeout=120)  # about 20 s
@@ -150,3 +157,5 @@ def test_an_evaluation_of_a_split_ending_in_a_partial_batch_finishes_on_every_pr
             process.kill()
     evaluations = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
     assert [(e["step"], e["eval_tokens"]) for e in evaluations] == [(2, 8 * 32)]
+    (record,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert record["memory_process"] == 1 and record["memory_in_use_gib"] > 3 and record["memory_source"] == "host_rss"

@@ -95,7 +95,7 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
         assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 8, rel=1e-9)
         assert r["mfu"] == pytest.approx(hand_flops * r["tokens_per_s"] / (8 * PEAK_TFLOPS * 1e12), rel=1e-9)
         assert r["param_norm"] > 0 and r["memory_in_use_gib"] > 0 and r["memory_peak_gib"] >= r["memory_in_use_gib"]
-        assert r["memory_source"] == "host_rss" and r["data_wait_s"] >= 0 and r["checkpoint_s"] > 0
+        assert r["memory_source"] == "host_rss" and r["memory_process"] == 0 and r["data_wait_s"] >= 0 and r["checkpoint_s"] > 0
     layers = [r for r in records if "grad_norm_per_layer" in r]
     assert [r["step"] for r in layers] == [3, 6] and all(len(r["param_norm_per_layer"]) == 2 for r in layers)
     # the per-layer norms make up the layers' share of the total parameter norm
@@ -497,7 +497,7 @@ def test_a_records_step_time_is_its_steps_mean_less_checkpoint_eval_and_profiler
     records = _records(tmp_path)
     assert list(records[0]) == ["step", "loss", "learning_rate", "grad_norm", "param_norm", "step_time_s", "tokens_per_s",
                                 "tokens_per_s_per_device", "mfu", "data_wait_s", "checkpoint_s", "memory_in_use_gib",
-                                "memory_peak_gib", "memory_source"]
+                                "memory_peak_gib", "memory_source", "memory_process"]
     # steps 1-2: 0.5 + 4.25 + 2.0 s of data wait and steps (the 3.25 s of checkpoint, eval and profiler out) over 2 steps
     assert [(r["step"], r["loss"], r["step_time_s"], r["data_wait_s"], r["checkpoint_s"]) for r in records] == \
         [(2, 4.5, 3.375, 0.5, 1.0), (4, 6.5, 1.5, 0.0, 0.0), (5, 7.5, 2.5, 0.0, 0.0)]

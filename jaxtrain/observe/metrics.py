@@ -27,6 +27,7 @@ import jax
 import numpy as np
 import psutil
 import tqdm
+from jax.experimental import multihost_utils
 
 from jaxtrain import config as config_lib
 from jaxtrain.atomic import atomic_file
@@ -118,6 +119,19 @@ def memory_gib() -> tuple[float, float, str]:
     rss = psutil.Process().memory_info().rss
     peak = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss: KiB on Linux
     return rss / GIB, peak / GIB, "host_rss"
+
+
+def job_memory_gib() -> dict[str, Any]:
+    """The record's memory fields: ``memory_gib`` of the job's fullest process (every process calls this at once),
+    and which process that is (the largest peak): process 0 writes the record, and under pipeline stages or uneven
+    shards another process's devices may be the fuller ones."""
+    in_use, peak, source = memory_gib()
+    every = np.array([[in_use, peak]])
+    if jax.process_count() > 1:
+        every = multihost_utils.process_allgather(every[0])
+    fullest = int(np.argmax(every[:, 1]))
+    return {"memory_in_use_gib": float(every[:, 0].max()), "memory_peak_gib": float(every[fullest, 1]),
+            "memory_source": source, "memory_process": fullest}
 
 
 def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None, data: str, peak: float | None,
@@ -463,15 +477,13 @@ class MetricsLog:
         step_time = (now - self.last_time - sum(self.timers[name] for name in NOT_STEP_TIME)) / steps
         tokens_per_s = self.tokens_per_step / step_time
         metrics = fetched[-1][1]
-        in_use, peak_mem, memory_source = memory_gib()
         record = {
             "step": step, "loss": float(metrics["loss"]), "learning_rate": float(metrics["learning_rate"]),
             "grad_norm": float(metrics["grad_norm"]), "param_norm": float(metrics["param_norm"]),
             "step_time_s": step_time, "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.devices,
             "mfu": None if self.peak is None else self.flops_per_token * tokens_per_s / (self.devices * self.peak),
             "data_wait_s": self.timers["data_wait_s"], "checkpoint_s": self.timers["checkpoint_s"],
-            "memory_in_use_gib": in_use, "memory_peak_gib": peak_mem, "memory_source": memory_source,
-        } | {k: np.asarray(v).tolist() for k, v in metrics.items() if k.startswith("moe_")}
+        } | job_memory_gib() | {k: np.asarray(v).tolist() for k, v in metrics.items() if k.startswith("moe_")}
         if "loss_scale" in metrics:
             record |= {"loss_scale": float(metrics["loss_scale"]), "overflow_steps": self.overflows}
         if "spike" in metrics:
