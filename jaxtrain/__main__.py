@@ -7,20 +7,25 @@ import signal
 import sys
 import threading
 
+from jaxtrain.atomic import Terminated
 from jaxtrain.errors import UserError
 from jaxtrain.memory import host_malloc
+
+SIGNAL_OF = {KeyboardInterrupt: signal.SIGINT, Terminated: signal.SIGTERM}  # the exception a signal's handler raises
 
 
 def redeliver_dropped_interrupts() -> None:
     """A Ctrl-C that lands while a garbage-collection callback runs (jax's, during the imports) is raised inside it,
     and Python drops it as unraisable: the command went on to train to the end (a QA report, 2 of 17 tries in the
-    first 3 s). Such an interrupt is sent again, from another thread and a moment later: raised here, it would be
-    dropped again."""
+    first 3 s); so did a SIGTERM under atomic.sigterm_cleans_up (tokenize ran to the end, exit status 0, a traceback
+    printed). Such a signal is sent again, from another thread and a moment later: raised here, it would be dropped
+    again."""
     previous = sys.unraisablehook
 
     def hook(unraisable, previous=previous):
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            resend = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))  # once this hook has returned
+        signum = next((signum for kind, signum in SIGNAL_OF.items() if isinstance(unraisable.exc_value, kind)), None)
+        if signum is not None:
+            resend = threading.Timer(0.1, os.kill, (os.getpid(), signum))  # once this hook has returned
             resend.daemon = True
             resend.start()
         else:

@@ -120,8 +120,13 @@ def sigterm_cleans_up() -> Iterator[None]:
         yield
         return
 
+    said = False
+
     def terminate(signum, frame):
-        print("jaxtrain: terminated", file=sys.stderr)
+        nonlocal said
+        if not said:  # once: a SIGTERM dropped in a gc callback comes again (__main__.redeliver_dropped_interrupts)
+            print("jaxtrain: terminated", file=sys.stderr)
+            said = True
         raise Terminated(128 + signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, terminate)

@@ -460,6 +460,9 @@ def load_mesh_file(name_or_path: str) -> MeshConfig:
     body = read_yaml_mapping(path, "mesh file", expected)
     if set(body) - {"ici", "dcn"}:
         raise UserError(f"mesh file {path} must be {expected}, got keys {', '.join(map(str, body))}")
+    if not any(body.values()):  # read as every axis 1: an empty or cut-short file trained on one device (a QA report)
+        raise UserError(f"mesh file {path} gives no axis sizes; give them, e.g. ici: {{data: 2, fsdp: 2, tensor: 2}} "
+                        "(one device: --mesh gpu1)")
     levels = {}
     for level in ("ici", "dcn"):
         sizes = body.get(level) or {}

@@ -128,6 +128,10 @@ def check_run_dir(run_dir: Path) -> None:
     """Before any compile: the run directory must be a directory or not exist yet."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is an existing file, not a directory; give a new or existing run directory")
+    # --run-dir for --init-from trained, writing checkpoints and config.yaml among the model's files (a QA report)
+    if hf_config.is_hf_dir(run_dir) and not (run_dir / "config.yaml").exists():
+        raise UserError(f"--run-dir {run_dir} is a Hugging Face model directory (config.json); give a new directory for the run, "
+                        f"and --init-from {run_dir} to start from that model")
 
 
 def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_from: Path | None = None,
@@ -173,7 +177,10 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
              f"{base.record['seed']}, not on a trained model; give --init-from HF_DIR (or a run directory) to adapt one")
     initial = None if init_from is None or base is not None or not fresh else _init_from(layout, init_from, batches, params_only)
     if jax.process_index() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # where access(2) let it pass (a full disk; root, to whom /proc looks writable): a traceback
+            raise UserError(f"--run-dir {run_dir}: cannot make the directory ({e.strerror}); give a path in a writable directory") from None
     checkpoints = checkpoint_lib.RunCheckpoints(run_dir, cfg.checkpoint, t.steps)
     log = None
     try:  # from here on every exit closes the checkpoints (and the SIGTERM handler) and the metrics log

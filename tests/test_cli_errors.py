@@ -2,7 +2,10 @@
 `jaxtrain train` in the test's process (an interpreter and jax's import saved per case), as do those of a RUN_DIR
 argument that is a file; the last three run the command's entry point in a process of their own."""
 
+import errno
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ import yaml
 
 from conftest import REPO, run_cli, subprocess_env
 from jaxtrain import cli
+from jaxtrain.errors import UserError
 
 FAST = ["train.steps=1", "log.progress=false"]
 PIPELINE = ["--rules", "pp_fsdp_tp", "mesh.ici.data=1", "mesh.ici.stage=2"]  # stage 2 x fsdp 2 x tensor 2
@@ -46,6 +50,21 @@ def _random_bytes(path: Path) -> Path:
 def _text(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def _hf_dir(tmp_path: Path, **changes) -> str:
+    """A Hugging Face model directory of tiny's shape, its config.json alone (read before any weight file)."""
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 128, "intermediate_size": 384,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | changes))
+    return str(tmp_path / "hf")
+
+
+def _hf_dir_with_index(tmp_path: Path, weight_map) -> str:
+    directory = _hf_dir(tmp_path)
+    (Path(directory) / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return directory
 
 
 CASES = {
@@ -137,6 +156,23 @@ CASES = {
     "empty compilation cache path": (lambda t: ["train.compile_cache="], "train.compile_cache is empty; give auto, a folder path, or false"),
     "empty data path": (lambda t: ["data.path="], "data.path is empty; give a directory of text files, a .jsonl file or a token file"),
     "empty tokenizer": (lambda t: ["data.tokenizer="], "data.tokenizer is empty (an unset shell variable?); give a tokenizer.json"),
+    # a TypeError traceback from the range checks
+    "Hugging Face config.json with a size that is not a number": (
+        lambda t: ["--init-from", _hf_dir(t, num_hidden_layers="four", rope_theta=None)],
+        "hf/config.json: num_hidden_layers='four', rope_theta=None: expected a number (a whole one for a size); download the model again"),
+    "Hugging Face config.json with rope_scaling a string": (  # an AttributeError traceback
+        lambda t: ["--init-from", _hf_dir(t, rope_scaling="linear")],
+        "hf/config.json: rope_scaling='linear': expected an object (rope_type and its numbers) or null; download the model again"),
+    "Hugging Face config.json with tie_word_embeddings a string": (  # read as true: tied embeddings
+        lambda t: ["--init-from", _hf_dir(t, tie_word_embeddings="false")],
+        "hf/config.json: tie_word_embeddings='false': expected true or false; download the model again"),
+    "Hugging Face weight_map naming a file by a number": (  # a TypeError traceback
+        lambda t: ["--init-from", _hf_dir_with_index(t, {"model.embed_tokens.weight": 5})],
+        "hf/model.safetensors.index.json has no weight_map object of tensor names to file names; download the model again"),
+    # it trained, writing the run's files among the model's
+    "--run-dir a Hugging Face model directory": (lambda t: ["--run-dir", _hf_dir(t)],
+                                                 "hf is a Hugging Face model directory (config.json); give a new directory for the run, "
+                                                 "and --init-from "),
     "--init-from a path with no checkpoints": (lambda t: ["--init-from", str(t / "nonexistent")],
                                                "nonexistent: no checkpoints there; give a run directory"),
 }
@@ -186,6 +222,78 @@ def test_a_command_that_takes_no_overrides_refuses_an_extra_argument(command, ca
         f"jaxtrain: error: unrecognized arguments: other (see 'jaxtrain {command[0]} --help')"
 
 
+def test_a_run_dir_that_cannot_be_made(tmp_path, monkeypatch, capsys):
+    """mkdir failing where access(2) let the path pass (a full disk; root, to whom /proc looks writable) was a traceback
+    after the compile."""
+    run_dir = tmp_path / "run"
+    make_dir = Path.mkdir
+
+    def disk_full_at_run_dir(path, *args, **kwargs):
+        if path == run_dir:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return make_dir(path, *args, **kwargs)
+    monkeypatch.setattr(Path, "mkdir", disk_full_at_run_dir)
+    status = cli.main(["train", "tiny", "--run-dir", str(run_dir), *FAST, "model.num_layers=1", "data.seq_len=32",
+                       "train.global_batch=8", "train.eval_batches=1"])
+    assert _one_line_error(status, capsys.readouterr().err) == \
+        f"jaxtrain: error: --run-dir {run_dir}: cannot make the directory (No space left on device); give a path in a writable directory"
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("{", "is not readable JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    ("[8]", "must hold a JSON object, got list")])
+def test_adapters_refuses_a_broken_adapter_config(text, problem, tmp_path, capsys):
+    """`jaxtrain adapters DIR` over a PEFT directory whose adapter_config.json is damaged printed a traceback."""
+    (tmp_path / "peft").mkdir()
+    (tmp_path / "peft" / "adapter_config.json").write_text(text)
+    status = cli.main(["adapters", str(tmp_path)])
+    assert _one_line_error(status, capsys.readouterr().err) == \
+        f"jaxtrain: error: {tmp_path}/peft/adapter_config.json {problem}; save the adapter again (PEFT's save_pretrained writes it)"
+
+
+def test_sigterm_while_plot_writes_leaves_no_temporary_file(tmp_path, monkeypatch, capsys):
+    """`jaxtrain plot` (and `plan --plot`) terminated while writing the image left .x.png.*.tmp beside it."""
+    from matplotlib.figure import Figure
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
+    savefig = Figure.savefig
+
+    def savefig_then_terminated(fig, f, **kwargs):
+        savefig(fig, f, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(Figure, "savefig", savefig_then_terminated)
+
+    class Outside(Exception):
+        pass
+
+    def outside(*_):  # without the command's handler, the default one would end pytest
+        raise Outside
+    previous = signal.signal(signal.SIGTERM, outside)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "x.png")])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 143 and capsys.readouterr().err.strip() == "jaxtrain: terminated"
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+@pytest.mark.parametrize("text, problem", [(b'{"eos_token": ', "is not valid JSON (Expecting value: line 1 column 15 (char 14))"),
+                                           (b"[1]", "must hold a JSON object, got list")])
+def test_export_refuses_a_damaged_tokenizer_side_file(text, problem):
+    """export-hf of a run whose tokenizer directory holds a damaged special_tokens_map.json printed a traceback."""
+    from tokenizers import Tokenizer, models
+
+    from jaxtrain.data import tokenizer
+
+    files = {tokenizer.TOKENIZER_FILE: Tokenizer(models.BPE()).to_str().encode(), tokenizer.SPECIAL_TOKENS_FILE: text}
+    with pytest.raises(UserError) as refused:
+        tokenizer.special_token_ids(files)
+    assert str(refused.value).startswith(f"the special_tokens_map.json to export {problem}; fix it beside tokenizer.json")
+
+
 def test_mesh_size_differs_from_the_device_count(tmp_path):
     """In a process of its own: --devices sets how many devices jax starts with, once a process."""
     result = run_cli("train", "tiny", "--run-dir", str(tmp_path / "run"), *FAST, "--devices", "4", cwd=tmp_path)
@@ -210,34 +318,40 @@ def test_run_dir_that_is_a_file(tmp_path):
 
 
 
-DROPPED_INTERRUPT = """
-import gc, signal, sys, time
+DROPPED_SIGNAL = """
+import gc, os, signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal leaves it (pytest-xdist's workers ignore it)
 from jaxtrain.__main__ import redeliver_dropped_interrupts
+from jaxtrain.atomic import Terminated, sigterm_cleans_up
 if sys.argv[1] == "command":
     redeliver_dropped_interrupts()  # as the jaxtrain command does first
 dropped = []
-def collected(phase, info):  # a Ctrl-C that lands in a garbage-collection callback (jax's, in the imports)
+def collected(phase, info):  # a signal that lands in a garbage-collection callback (jax's, in the imports): raised there
     if not dropped:
         dropped.append(1)
-        raise KeyboardInterrupt
+        os.kill(os.getpid(), getattr(signal, sys.argv[2]))
 gc.callbacks.append(collected)
-gc.collect()
-try:
-    time.sleep(10)
-    print("ran on")
-except KeyboardInterrupt:
-    print("interrupted")
+with sigterm_cleans_up():  # as tokenize, train-tokenizer and export-hf run
+    gc.collect()
+    try:
+        time.sleep(10)
+        print("ran on")
+    except (KeyboardInterrupt, Terminated):
+        print("stopped")
 """
 
 
-@pytest.mark.parametrize("hook, outcome", [("command", "interrupted"), ("python's", "ran on")])
-def test_a_ctrl_c_python_drops_in_a_gc_callback_still_stops_the_command(hook, outcome):
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("hook, outcome", [("command", "stopped"), ("python's", "ran on")])
+def test_a_signal_python_drops_in_a_gc_callback_still_stops_the_command(signal_name, hook, outcome):
     """Python drops an exception raised in a gc callback as unraisable, a KeyboardInterrupt too: the command ran on
-    and trained to the end (a QA report, 2 of 17 Ctrl-Cs in the first 3 s). The command sends it again."""
-    done = subprocess.run([sys.executable, "-c", DROPPED_INTERRUPT, hook], cwd=REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=60)
+    and trained to the end (a QA report, 2 of 17 Ctrl-Cs in the first 3 s); a SIGTERM's Terminated too (tokenize ran
+    to the end, exit status 0). The command sends the signal again, and says it was terminated once."""
+    done = subprocess.run([sys.executable, "-c", DROPPED_SIGNAL, hook, signal_name], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == outcome, done.stderr[-2000:]
+    if signal_name == "SIGTERM" and hook == "command":
+        assert done.stderr.strip() == "jaxtrain: terminated"
 
 
 def test_an_empty_prompt_is_a_prompt_where_other_empty_options_are_refused():

@@ -97,11 +97,14 @@ def test_a_mesh_file_may_leave_out_dcn_and_axes(tmp_path: Path, body):
     ("ici: {data: 0}", "must be a positive integer or -1"),
     ("ici: {tensor: yes}", "ici.tensor=True must be a positive integer or -1"),  # YAML's yes is a bool, which int takes as 1
     ("hosts: 2", "only the keys 'ici' and 'dcn'"),
+    # read as every axis 1: one device, where the file was empty or cut short
+    ("", "m.yaml gives no axis sizes; give them, e.g. ici: {data: 2, fsdp: 2, tensor: 2} (one device: --mesh gpu1)"),
+    ("# h100x64\nici:\n", "m.yaml gives no axis sizes"),
 ])
 def test_bad_mesh_files(tmp_path: Path, body, message):
     path = tmp_path / "m.yaml"
     path.write_text(body)
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(UserError, match=re.escape(message)):
         load_mesh_file(str(path))
 
 

@@ -82,7 +82,7 @@ def pool(directory: Path) -> list[dict]:
         if (path / BASE_RECORD).is_file():
             rows.append({"adapter": str(path), "kind": "run"} | summary(path))
         elif peft.is_adapter_dir(path):
-            record, config = path / peft.JAXTRAIN_FILE, json.loads((path / peft.CONFIG_FILE).read_text())
+            record, config = path / peft.JAXTRAIN_FILE, peft.read_config(path)
             unsupported = {"unsupported": peft.unsupported_options(config)}  # what generate --adapter refuses
             if record.is_file():
                 rows.append({"adapter": str(path), "kind": "peft"} | json.loads(record.read_text()) | unsupported)

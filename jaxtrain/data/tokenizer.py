@@ -141,6 +141,18 @@ def hf_tokenizer_files(path: str | Path) -> dict[str, bytes]:
     return files
 
 
+def _json_object(files: dict[str, bytes], name: str) -> dict:
+    """The JSON object in the tokenizer side file ``name`` ({} where there is none); a damaged one was a traceback."""
+    try:
+        body = json.loads(files.get(name, b"{}"))
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise UserError(f"the {name} to export is not valid JSON ({e}); fix it beside {TOKENIZER_FILE} "
+                        "(transformers reads it too)") from None
+    if not isinstance(body, dict):
+        raise UserError(f"the {name} to export must hold a JSON object, got {type(body).__name__}; fix it beside {TOKENIZER_FILE}")
+    return body
+
+
 def special_token_ids(files: dict[str, bytes]) -> dict[str, int | None]:
     """``bos_token_id`` / ``eos_token_id`` of a Hugging Face model directory's tokenizer files (``hf_tokenizer_files``):
     the ids in tokenizer.json of the ``bos_token`` / ``eos_token`` that tokenizer_config.json (else the older
@@ -149,7 +161,7 @@ def special_token_ids(files: dict[str, bytes]) -> dict[str, int | None]:
         tokenizer = tokenizers.Tokenizer.from_str(files[TOKENIZER_FILE].decode())
     except Exception as e:  # the library reports a malformed file as a plain Exception
         raise UserError(f"the {TOKENIZER_FILE} to export could not be read for its bos/eos ids: {str(e).splitlines()[0]}") from None
-    config = json.loads(files.get(SPECIAL_TOKENS_FILE, b"{}")) | json.loads(files.get(CONFIG_FILE, b"{}"))
+    config = _json_object(files, SPECIAL_TOKENS_FILE) | _json_object(files, CONFIG_FILE)
     ids = {}
     for role in ("bos", "eos"):
         token = config.get(f"{role}_token")

@@ -35,6 +35,7 @@ SHAPE_KEYS = {
     "moe.shared_expert_gate": "architectures (Qwen2-MoE: a gated shared expert)",
 }
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim")  # null or missing: from num_attention_heads
 ROPE_TYPES = {"default": "none", "llama3": "llama3"}  # config.json rope_type -> model.rope_scaling.type
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")  # what transformers' llama3 rope requires
 # transformers' defaults for these architectures when config.json leaves a key out; ARCHITECTURE_DEFAULTS: where an
@@ -77,6 +78,10 @@ def architecture(config: dict, where: str) -> str:
     return name
 
 
+def _is_number(value, types=(int, float)) -> bool:
+    return isinstance(value, types) and not isinstance(value, bool)  # JSON's true is no size
+
+
 def _unsupported(where: str, field: str, value, supported: str) -> UserError:
     return UserError(f"{where}: {field}={value!r} is not supported ({supported})")
 
@@ -84,6 +89,9 @@ def _unsupported(where: str, field: str, value, supported: str) -> UserError:
 def _rope(config: dict, where: str) -> dict:
     """model.rope_theta and model.rope_scaling.* from either dialect."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):  # an AttributeError traceback (a QA report)
+        key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+        raise UserError(f"{where}: {key}={params!r}: expected an object (rope_type and its numbers) or null; download the model again")
     theta = params.get("rope_theta", config.get("rope_theta", DEFAULT_ROPE_THETA))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
@@ -93,8 +101,7 @@ def _rope(config: dict, where: str) -> dict:
         raise _unsupported(where, "partial_rotary_factor", partial, "rotary embeddings over the whole head only")
     values = {"rope_theta": float(theta), "rope_scaling.type": ROPE_TYPES[rope_type]}
     if rope_type == "llama3":
-        wrong = [f"{key}={params.get(key)!r}" for key in LLAMA3_ROPE_KEYS
-                 if isinstance(params.get(key), bool) or not isinstance(params.get(key), (int, float))]
+        wrong = [f"{key}={params.get(key)!r}" for key in LLAMA3_ROPE_KEYS if not _is_number(params.get(key))]
         if wrong:
             raise UserError(f"{where}: rope_type llama3 needs numbers {', '.join(LLAMA3_ROPE_KEYS)}; it has {', '.join(wrong)}")
         values |= {"rope_scaling.factor": float(params["factor"]), "rope_scaling.low_freq_factor": float(params["low_freq_factor"]),
@@ -112,6 +119,15 @@ def model_values(config: dict, where: str, seq_len: int) -> dict:
     missing = [k for k in REQUIRED if k not in config]
     if missing:
         raise UserError(f"{where}: {', '.join(missing)} missing; a {arch} config.json needs {', '.join(REQUIRED)}")
+    # a string or null size was a TypeError traceback in the range checks (a QA report); a null optional size is unset
+    sizes = [*REQUIRED, *(key for key in OPTIONAL_SIZES if config.get(key) is not None)]
+    wrong = [f"{key}={config[key]!r}" for key in sizes if not _is_number(config[key], int)]
+    wrong += [f"{key}={config[key]!r}" for key in ("rms_norm_eps", "rope_theta") if key in config and not _is_number(config[key])]
+    if wrong:
+        raise UserError(f"{where}: {', '.join(wrong)}: expected a number (a whole one for a size); download the model again")
+    tied = config.get("tie_word_embeddings") or False
+    if not isinstance(tied, bool):  # bool() read the string "false" as tied
+        raise UserError(f"{where}: tie_word_embeddings={tied!r}: expected true or false; download the model again")
     if config.get("hidden_act", "silu") != "silu":
         raise _unsupported(where, "hidden_act", config["hidden_act"], "only silu (SwiGLU)")
     if arch not in WITH_QKV_BIAS and config.get("attention_bias"):
@@ -128,7 +144,7 @@ def model_values(config: dict, where: str, seq_len: int) -> dict:
         "num_heads": heads, "num_kv_heads": config.get("num_key_value_heads") or heads,
         "head_dim": config.get("head_dim") or config["hidden_size"] // heads, "mlp_dim": config["intermediate_size"],
         "norm_eps": float(config.get("rms_norm_eps", DEFAULT_NORM_EPS)),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)), "qkv_bias": arch in WITH_QKV_BIAS,
+        "tie_embeddings": tied, "qkv_bias": arch in WITH_QKV_BIAS,
     } | _rope(config, where) | _moe(config, arch, where)
 
 

@@ -156,8 +156,9 @@ class Checkpoint:
         self.bytes_read = 0
         if (hf_dir / INDEX_FILE).is_file():
             weight_map = read_json(hf_dir / INDEX_FILE).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise UserError(f"{hf_dir / INDEX_FILE} has no weight_map object; download the model again")
+            # a file name that is not a string was a TypeError traceback (a QA report)
+            if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+                raise UserError(f"{hf_dir / INDEX_FILE} has no weight_map object of tensor names to file names; download the model again")
             self.where, self.listing = dict(weight_map), INDEX_FILE
         elif (hf_dir / SINGLE_FILE).is_file():
             self.where, self.listing = None, SINGLE_FILE  # every tensor in model.safetensors

@@ -253,10 +253,22 @@ def unsupported_options(config: dict) -> list[str]:
         ([f"init_lora_weights={init!r}"] if isinstance(init, str) and init.startswith(BASE_REWRITING_INITS) else [])
 
 
+def read_config(adapter_dir: Path) -> dict:
+    """adapter_config.json, a UserError where it is not a JSON object (``jaxtrain adapters`` printed a traceback)."""
+    path, fix = adapter_dir / CONFIG_FILE, "save the adapter again (PEFT's save_pretrained writes it)"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not readable JSON ({e}); {fix}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} must hold a JSON object, got {type(config).__name__}; {fix}")
+    return config
+
+
 def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict | None]:
     """(adapter_config.json, PEFT tensors, our record or None) of an adapter directory."""
+    config = PEFT_DEFAULTS | read_config(adapter_dir)
     try:
-        config = PEFT_DEFAULTS | json.loads((adapter_dir / CONFIG_FILE).read_text())
         tensors = load_file(str(adapter_dir / WEIGHTS_FILE))
     except (OSError, ValueError, SafetensorError) as e:
         raise UserError(f"{adapter_dir} is not a readable PEFT adapter directory ({e}); give a directory with "

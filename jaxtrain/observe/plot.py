@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from jaxtrain.atomic import atomic_file
+from jaxtrain.atomic import atomic_file, sigterm_cleans_up
 from jaxtrain.errors import UserError
 from jaxtrain.observe.records import read_records
 
@@ -71,7 +71,7 @@ def save_figure(fig, out: Path, **savefig_args) -> None:
     /proc): one line."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(out, "image") as f:
+        with sigterm_cleans_up(), atomic_file(out, "image") as f:  # killed while writing, it left its temporary file
             fig.savefig(f, format=out.suffix[1:].lower(), **savefig_args)
     except OSError as e:
         raise UserError(f"cannot write {out}: {e.strerror or e}; give another path") from None
