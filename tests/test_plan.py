@@ -38,6 +38,8 @@ def total(cfg, for_platform=None) -> int:
     ("fsdp_tp", (1, 4, 2), "full", 512, "auto", {}, 0.15),
     ("fsdp", (1, 4, 2), "save_dots", 512, "auto", {}, 0.15),
     ("fsdp", (1, 4, 2), "none", 512, "auto", {}, 0.15),  # every layer's intermediates saved
+    # XLA:CPU has one memory: what offload_dots sends to the host stays in it, a peak as save_dots's
+    ("fsdp", (1, 4, 2), "offload_dots", 512, "auto", {}, 0.15),
     ("tp", (2, 1, 4), "save_qkv_out", 1024, "xla", {}, 0.15),  # XLA attention's (query, key) scores dominate
     ("fsdp", (1, 4, 2), "save_dots", 1024, "chunked", {}, 0.15),  # chunked attention's share of them
     # model.remat_layers: the policy's saved activations on the first layers, remat none's on the others (2%, 2% under)
@@ -239,6 +241,8 @@ def test_usable_memory_is_at_most_jaxs_allocator_pool_in_the_plan_and_in_the_tra
     memory = int(plan.accelerator_total / 0.82)  # fits in 90% of it, not in 75%
     plan = dataclasses.replace(plan, device_memory=memory)
     assert plan.fits and plan.usable == int(0.9 * memory) and "10% headroom" in plan_lib.render(plan)
+    assert dataclasses.replace(plan, accelerator_total=plan.usable).fits  # all of the usable memory, not a byte more
+    assert not dataclasses.replace(plan, accelerator_total=plan.usable + 1).fits
     pool_bound = dataclasses.replace(plan, allocator_fraction=0.75)
     assert not pool_bound.fits and pool_bound.usable == int(0.75 * memory)
     assert "verdict: DOES NOT FIT" in plan_lib.render(pool_bound)
@@ -587,3 +591,201 @@ def test_a_plan_compiled_on_cpus_for_a_gpu_it_could_compile_for_says_how_to_comp
     assert "  the estimate for the GPU " in plan_lib.render(tight)
     on_gpu = dataclasses.replace(tight, compiled=dataclasses.replace(plan.compiled, platform="gpu"))
     assert "  the estimate for the GPU " not in plan_lib.render(on_gpu)
+
+
+# fsdp 4 x tensor 2 (medium_config's default mesh): per device 4 of the 16 sequences of 512 tokens; tensor splits q into
+# 4 heads of 32, k and v into 2 kv heads of 32 each, each MLP intermediate into 512 of 1024
+_QKV, _MLP, _HEADS = 4 * 32 + 2 * 2 * 32, 512, 4
+_FLASH = _HEADS * (32 * 2 + 4)  # cuDNN's attention output (bfloat16) and its float32 softmax statistics, per head
+
+
+@pytest.mark.parametrize("remat,attention,bytes_per_token_and_layer", [
+    ("full", "cudnn", 2 * 256),  # the layer's input, bfloat16
+    ("offload_dots", "cudnn", 2 * 256),  # the rest goes to the host: the device keeps the input, as under full
+    ("save_qkv_out", "xla", 2 * (2 * 256 + _QKV)),  # also the attention's output projection and q, k, v
+    ("save_qkv_out", "cudnn", 2 * (2 * 256 + _QKV) + _FLASH),
+    ("save_dots", "xla", 2 * (2 * 256 + _QKV + 2 * _MLP)),  # also the MLP's gate and up
+    ("save_dots", "cudnn", 2 * (2 * 256 + _QKV + 2 * _MLP) + _FLASH),
+    # four float32 residual-stream arrays (the norms' inputs), and in bfloat16 the input, output projection, q, k, v and
+    # four MLP intermediates
+    ("none", "cudnn", 4 * 4 * 256 + 2 * (2 * 256 + _QKV + 4 * _MLP)),
+    # XLA attention also keeps every (query, key) probability per head, in float32 and in bfloat16
+    ("none", "xla", 4 * 4 * 256 + 2 * (2 * 256 + _QKV + 4 * _MLP) + (4 + 2) * _HEADS * 512),
+])
+def test_the_accelerator_estimate_keeps_what_each_remat_policy_saves_per_token_and_layer(remat, attention, bytes_per_token_and_layer):
+    """Counted by hand from the shapes: the CPU compile bounds the total within 15%, which a lost MLP intermediate
+    (save_dots kept one of two) or cuDNN's kept attention output did not move out of."""
+    layout = make_layout(with_(medium_config("fsdp_tp", remat), model={"attention": attention}))
+    tokens = 16 * 512 / 4
+    assert plan_lib.estimate(layout, plan_lib.ACCELERATOR)["activations"] == 4 * tokens * bytes_per_token_and_layer
+
+
+def test_remat_on_the_first_layers_keeps_what_remat_none_saves_on_the_others():
+    """model.remat_layers=1 of 4 under remat full: one layer keeps its input, three keep remat none's activations;
+    the two layer scans' slices of the weight stacks are kept for the backward (the device's layer weights)."""
+    from jaxtrain.state import bytes_per_device
+
+    cfg = with_(medium_config("fsdp_tp", "full"), model={"attention": "cudnn", "remat_layers": 1})
+    items = plan_lib.estimate(make_layout(cfg), plan_lib.ACCELERATOR)
+    tokens = 16 * 512 / 4
+    none = 4 * 4 * 256 + 2 * (2 * 256 + _QKV + 4 * _MLP)
+    assert items["activations"] == tokens * (2 * 256 + 3 * none)
+    # float32 bytes of a layer on the device: its matrices split 8 ways, its two norm scales whole
+    layer_weights = 4 * ((256 * 32 * (2 * 8 + 2 * 4) + 3 * 256 * 1024) // 8 + 2 * 256)
+    assert items["remat_layers slices"] == 4 * layer_weights
+    # a LoRA run's scans slice the frozen base's stacks (float32 here) as well as the adapters'
+    lora = make_layout(with_(cfg, model={"lora": LoraConfig(rank=4, alpha=8.0)}))
+    adapters = bytes_per_device(lora.abstract_state().params["layers"])
+    assert plan_lib.estimate(lora, plan_lib.ACCELERATOR)["remat_layers slices"] == 4 * layer_weights + adapters
+
+
+def test_optimizer_offload_leaves_the_accelerator_but_not_the_cpu_compiles_one_memory():
+    """optim.offload: on a GPU the moments and the float32 master weights live in host memory, the device holds a
+    bfloat16 compute copy; XLA:CPU has one memory, where its compile holds them all, so the CPU estimate keeps them (or
+    the figure for the accelerator, the compile less the estimated CPU-only part, would count them twice over)."""
+    layout = make_layout(with_(medium_config("fsdp_tp", "full"), optim={"offload": True}))
+    norms = (2 * 4 + 1) * 256  # replicated; every other weight split over fsdp 4 x tensor 2
+    master = ((layout.spec.num_params - norms) // 8 + norms) * 4
+    cpu, gpu = plan_lib.estimate(layout, "cpu"), plan_lib.estimate(layout, plan_lib.ACCELERATOR)
+    assert (cpu["parameters"], cpu["optimizer state"]) == (master, 2 * master + 8)  # Adam's mu and nu, two int32 counts
+    assert (gpu["parameters"], gpu["optimizer state"]) == (master // 2, 0)
+
+
+def test_a_circular_pipeline_keeps_each_iterations_layers_of_one_repeat():
+    """2 stages x 2 repeats x 2 micro-batches: 5 iterations, each running a stage's layers of one repeat (4 layers /
+    (2 stages x 2 repeats) = 1) on one micro-batch; remat full keeps each such layer's input."""
+    from models.config import PipelineConfig
+
+    cfg = with_(medium_config("pp_fsdp_tp", "full", mesh=(1, 2, 2, 2)),
+                model={"pipeline": PipelineConfig(microbatches=2, repeats=2), "attention": "cudnn"})
+    items = plan_lib.estimate(make_layout(cfg), plan_lib.ACCELERATOR)
+    sequences = 16 // 2  # per device and pass: the batch split over fsdp 2
+    layer_input = sequences // 2 * 512 * 256 * 2  # a micro-batch's residual stream, bfloat16
+    # 5 iterations' saved inputs; the micro-batch buffer and its gradient; two copies of one iteration's saves in its backward
+    assert items["activations"] == 5 * layer_input + 2 * sequences * 512 * 256 * 2 + 2 * layer_input
+    # the device's float32 share of its stage's 2 layers (one a repeat): matrices split over stage, fsdp and tensor, norm
+    # scales over stage. The circular view of the stack is a copy of it; a layer's backward selects its repeat's weights
+    # from the stack, holding a gradient of the device's share of that layer for each repeat: the same bytes
+    stage_layers = 4 * (4 * (256 * 32 * (2 * 8 + 2 * 4) + 3 * 256 * 1024) // 8 + 4 * 2 * 256 // 2)
+    one_repeat = plan_lib.estimate(make_layout(with_(cfg, model={"pipeline": PipelineConfig(microbatches=2, repeats=1)})),
+                                   plan_lib.ACCELERATOR)
+    assert items["circular re-layout"] == items["layer backward"] - one_repeat["layer backward"] == stage_layers
+
+
+@pytest.mark.parametrize("attention,scores", [("cudnn", 0), ("xla", 12 * 4 * _HEADS * 512**2)])
+def test_the_accelerator_estimate_of_a_layers_backward_counted_by_hand(attention, scores):
+    """One layer's backward on the GPU (fsdp 4 x tensor 2, 4 sequences of 512 tokens a device): XLA attention's
+    probabilities, their gradient and the scores' (two float32 and two bfloat16 arrays per head, none with cuDNN's flash
+    attention), the residual stream's float32 gradients, the MLP's gate, up and gradients, the embedding lookup's float32
+    gradient of the device's shard of the table (vocabulary over tensor, columns over fsdp), and the layer's weights
+    gathered over fsdp (bfloat16) with their float32 gradient."""
+    layout = make_layout(with_(medium_config("fsdp_tp", "full"), model={"attention": attention}))
+    tokens = 4 * 512
+    layer = (256 * 32 * (2 * 8 + 2 * 4) + 3 * 256 * 1024) // 2 + 2 * 256  # split over tensor 2, the norm scales whole
+    expected = scores + 4 * 4 * tokens * 256 + 4 * 2 * tokens * _MLP + 4096 // 2 * 256 // 4 * 4 + (2 + 4) * layer
+    assert plan_lib.estimate(layout, plan_lib.ACCELERATOR)["layer backward"] == expected
+
+
+@pytest.mark.parametrize("model,train,logit_tokens,table_bytes", [
+    ({}, {}, 4 * 512, 2 + 4),  # the output table's bfloat16 copy and its float32 gradient
+    ({}, {"loss_chunk": 128}, 4 * 128, 2 + 4),  # one chunk's logits live at a time
+    ({"lora": LoraConfig(rank=4, alpha=8.0)}, {}, 4 * 512, 2),  # a frozen table takes no gradient
+], ids=["whole-sequence", "loss-chunk", "lora-frozen-table"])
+def test_the_accelerator_estimate_of_the_loss_counted_by_hand(model, train, logit_tokens, table_bytes):
+    """The logits of the device's tokens over its half of the vocabulary (tensor 2) in float32 and their bfloat16
+    gradient, and the output table gathered over fsdp (256 x 2048 a device)."""
+    layout = make_layout(with_(medium_config("fsdp_tp", "full"), model=model, train=train))
+    expected = logit_tokens * 2048 * (4 + 2) + 256 * 2048 * table_bytes
+    assert plan_lib.estimate(layout, plan_lib.ACCELERATOR)["logits and loss"] == expected
+
+
+def test_the_accelerator_estimate_of_a_mixture_of_experts_layers_backward_counted_by_hand():
+    """fsdp 4 x expert 2, dropless dispatch, 4 experts (top 2) and 2 shared ones, XLA's grouped matmul: per device
+    2 sequences of 512 tokens, each token's 2 choices among the expert group's (gathered over expert 2): 4 routed rows."""
+    moe = MoEConfig(num_experts=4, top_k=2, num_shared_experts=2, grouped_matmul="xla")
+    layout = make_layout(with_(medium_config("fsdp_ep", "full", mesh=(1, 4, 1, 1, 2)), model={"attention": "cudnn", "moe": moe}))
+    tokens, rows = 2 * 512, 4
+    # a layer gathered over fsdp: attention, the shared experts' MLP (twice as wide), the router, the device's 2 experts,
+    # the norm scales
+    layer = 256 * 32 * (2 * 8 + 2 * 4) + 3 * 256 * 2048 + 256 * 4 + 2 * 3 * 256 * 1024 + 2 * 256
+    expected = (4 * 4 * tokens * 256  # the residual stream's float32 gradients
+                + 4 * 2 * tokens * 2048  # the shared experts' gate, up and gradients, bfloat16
+                + 4096 * 256 // 4 * 4  # the embedding lookup's float32 gradient of the device's columns
+                + (2 + 4) * layer  # the gathered layer, bfloat16, and its float32 gradient
+                # the routed rows' gate, up, product and their gradients, the rows in and out and theirs, bfloat16
+                + 2 * tokens * rows * (6 * 1024 + 4 * 256)
+                # ragged_dot expanded by XLA's GPU compiler over the device's 2 experts: gate and up products of every row
+                + 2 * 2 * 2 * tokens * rows * 1024)
+    assert plan_lib.estimate(layout, plan_lib.ACCELERATOR)["layer backward"] == expected
+
+
+def test_a_frozen_nf4_layer_is_dequantized_to_the_compute_dtype_in_its_backward():
+    """nf4 codes hold two weights a byte; the layer's backward works on a bfloat16 copy of them, as it does on a bfloat16
+    base's: the two working sets differ by the quantization scales alone (counted as weights), not half the layer."""
+    lora = with_(medium_config("fsdp_tp", "full"), model={"lora": LoraConfig(rank=4, alpha=8.0), "param_dtype": "bfloat16"})
+    working = {quant: plan_lib.estimate(make_layout(with_(lora, model={"base_quant": quant})), plan_lib.ACCELERATOR)["layer backward"]
+               for quant in ("none", "nf4")}
+    layer_copy = 2 * ((256 * 32 * (2 * 8 + 2 * 4) + 3 * 256 * 1024) // 2 + 2 * 256)  # bfloat16, gathered over fsdp
+    assert abs(working["nf4"] - working["none"]) < 0.1 * layer_copy
+
+
+def test_suggested_remat_layers_split_over_the_pipeline_stages():
+    """Each stage rematerialises the same number of its layers (stages.check_pipeline): a suggestion of model.remat_layers
+    that does not split over 2 stages (1 or 3 of 4 layers) would stop the run it was offered for."""
+    from models.config import PipelineConfig
+
+    cfg = with_(medium_config("pp_fsdp_tp", "none", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2)})
+    layout = make_layout(cfg)
+    suggestions = plan_lib.suggest(layout.cfg, total(layout.cfg, plan_lib.ACCELERATOR) * 0.9, gpu="h100", count=100)
+    remat_layers = {s.cfg.model.remat_layers for s in suggestions}
+    assert 2 in remat_layers and remat_layers <= {None, 2}
+
+
+@pytest.mark.parametrize("grad_sync,held", [("auto", 1), ("microbatch", 0)])
+def test_gradients_summed_once_per_step_over_vmapped_groups_are_held_before_their_sum(grad_sync, held):
+    """pp_fsdp on data 2 x fsdp 2 x stage 2, one micro-batch: GSPMD would sum a layer's gradient over data in each of the
+    3 iterations that run it, so optim.grad_sync=auto sums once per step, over data groups vmapped on that axis, each
+    holding its whole gradients until then (jaxtrain/memory/grad_comm.py): an accumulator's worth beside the gradients."""
+    from models.config import PipelineConfig
+
+    cfg = with_(medium_config("pp_fsdp", "full", mesh=(2, 2, 1, 2)), model={"pipeline": PipelineConfig(microbatches=2)},
+                optim={"grad_sync": grad_sync})
+    items = plan_lib.estimate(make_layout(cfg), plan_lib.ACCELERATOR)
+    # float32 per device: the layers' matrices split over fsdp and stage, their norm scales over stage; the tables over
+    # fsdp; the final norm scale whole
+    layers = 4 * (256 * 32 * (2 * 8 + 2 * 4) + 3 * 256 * 1024)
+    gradients = 4 * (layers // 4 + 4 * 2 * 256 // 2 + 2 * 4096 * 256 // 2 + 256)
+    assert (items["gradients"], items["gradient accumulator"]) == (gradients, held * gradients)
+
+
+def test_each_suggestion_takes_the_fewest_micro_batches_that_fit():
+    """More micro-batches only cost time: a change is offered once, with the fewest the limit allows (1 or 2 here:
+    16 sequences over 8 batch shards), not again with more, which would crowd the list's other changes out."""
+    cfg = make_layout(medium_config("fsdp", "none", mesh=(1, 8, 1))).cfg  # resolved, as make_plan passes it
+    limit = total(cfg, plan_lib.ACCELERATOR) / 2
+    suggestions = plan_lib.suggest(cfg, limit, count=100)
+    changes = [tuple((key, value) for key, value in s.changes.items() if key != "train.microbatches") for s in suggestions]
+    assert len(set(changes)) == len(changes)
+    twice = [s for s in suggestions if s.cfg.train.microbatches == 2]
+    assert twice and all(total(dataclasses.replace(s.cfg, train=dataclasses.replace(s.cfg.train, microbatches=1)), plan_lib.ACCELERATOR)
+                         > limit for s in twice)
+
+
+def test_a_remat_technique_names_every_key_it_was_weighed_with():
+    """Under model.remat_layers=2 the activation-offload technique is weighed on every layer: it read "model.remat=
+    offload_dots: saves 55.9 MiB", which the config with that key alone (offload_dots on the first 2 layers) does not save."""
+    layout = make_layout(with_(medium_config("fsdp", "full", mesh=(1, 8, 1)), model={"remat_layers": 2}))
+    offload = next(t for t in plan_lib.technique_effects(layout, "h100") if t.change.startswith("model.remat="))
+    assert offload.change == "model.remat=offload_dots and model.remat_layers=null"
+    applied = with_(layout.cfg, model={"remat": "offload_dots", "remat_layers": None})
+    assert offload.saved == total(layout.cfg, plan_lib.ACCELERATOR) - total(applied, plan_lib.ACCELERATOR) > 0
+
+
+@pytest.mark.parametrize("logits,moment,total", [(60, "layer backward", 300 + 20 + 30 + 10 + 50), (80, "loss", 300 + 80 + 30 + 10)])
+def test_the_peak_counts_what_is_live_at_its_moment(logits, moment, total):
+    """The state lives through the step. At the loss's backward every layer's saved activations (and a mixture of
+    experts' dispatch buffers) are held, no gradient yet; in a layer's backward the saved ones are not yet freed and the
+    scan's stacked gradients are allocated whole. The peak is the larger of the two."""
+    items = {"parameters": 100, "optimizer state": 200, "gradients": 50, "activations": 30, "logits and loss": logits,
+             "layer backward": 20, "dispatch buffers": 10}
+    assert plan_lib.peak_moment(items) == moment and plan_lib.estimate_total(items) == total

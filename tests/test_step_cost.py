@@ -12,7 +12,7 @@ from jaxtrain.config import AxisSizes, MeshConfig
 from jaxtrain.observe.flops import flops_per_token
 from jaxtrain.plan.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.layout import make_layout
-from models.config import LoraConfig
+from models.config import LoraConfig, MoEConfig
 
 H100_BF16 = 989.4e12
 
@@ -260,3 +260,125 @@ def test_a_lora_runs_frozen_base_takes_no_weight_gradients_as_compiled():
         predicted[name] = step_cost.step_flops_per_token(layout) * cfg.train.global_batch * cfg.data.seq_len
     assert compiled["lora"] < 0.8 * compiled["plain"]
     assert predicted["plain"] - predicted["lora"] == pytest.approx(compiled["plain"] - compiled["lora"], rel=0.02)
+
+
+@pytest.mark.parametrize("dispatch,remat,rel", [
+    ("capacity", "save_dots", 1e-6), ("capacity", "save_qkv_out", 1e-6), ("capacity", "full", 1e-6),
+    # XLA:CPU's dropless program moves 1.5% more than counted, under every policy that recomputes (save_dots, full)
+    ("dropless", "offload_dots", 0.02)])
+def test_expert_dispatch_moves_what_the_compiled_step_moves(dispatch, remat, rel):
+    """Expert-parallel traffic compiled on these CPUs. Capacity dispatch: its all-to-alls, forward and backward, and again
+    in the backward's recomputed forward wherever the policy keeps none of the routed rows: save_qkv_out keeps only the
+    attention's projections and moves what full remat moves (it was counted as keeping the rows). Dropless: offload_dots
+    keeps the gathered tokens as save_dots does (in host memory), gathering only a router array again."""
+    from jaxtrain.plan import estimate as plan_lib
+
+    cfg = with_(small_config("dp_ep", (2, 1, 1, 1, 4), remat=remat, scan_layers=True,
+                             moe=MoEConfig(num_experts=8, top_k=2, dispatch=dispatch, grouped_matmul="xla")), data={"seq_len": 32})
+    plan = plan_lib.make_plan(cfg, hlo_report=True)
+    assert plan.compiled_traffic["expert"] == pytest.approx(plan.step_time.traffic_bytes["expert"], rel=rel)
+
+
+@pytest.mark.parametrize("rules,mesh,remat,model,measure", [
+    # the residual stream's and a LoRA adapter's x @ A sums over tensor, again in a recomputed forward
+    ("fsdp_tp", (1, 4, 2), "full", {"lora": LoraConfig(rank=4, alpha=8.0)}, lambda t: t.traffic_bytes["tensor"]),
+    # the recomputed forward's dispatch: capacity all-to-alls; dropless, the tokens and a router array gathered again
+    ("fsdp_ep", (1, 4, 1, 1, 2), "full", {"moe": MoEConfig(num_experts=4, dispatch="capacity")}, lambda t: t.traffic_bytes["expert"]),
+    ("fsdp_ep", (1, 4, 1, 1, 2), "full", {"moe": MoEConfig(num_experts=4, dispatch="dropless")}, lambda t: t.traffic_bytes["expert"]),
+    # what the policy copies to the host and back (none copies nothing)
+    ("fsdp", (1, 8, 1), "offload_dots", {}, lambda t: t.host_s),
+], ids=["tensor-lora", "expert-capacity", "expert-dropless", "host"])
+def test_remat_on_half_the_layers_costs_half_way_between_no_remat_and_remat_on_all(rules, mesh, remat, model, measure):
+    """model.remat_layers=2 of 4: what the policy adds to the step (recomputed collectives, host copies) on those 2 only."""
+    cfg = with_(medium_config(rules, remat, mesh=mesh), model=model)
+
+    def cost(remat, remat_layers=None):
+        return measure(step_cost.step_time(make_layout(with_(cfg, model={"remat": remat, "remat_layers": remat_layers})), "h100"))
+
+    assert cost(remat) > cost("none")
+    assert cost(remat, 2) == pytest.approx((cost(remat) + cost("none")) / 2)
+
+
+@pytest.mark.parametrize("base_quant,bytes_per_weight", [("int8", 1), ("nf4", 0.5)])
+def test_a_quantized_frozen_base_is_gathered_as_stored(base_quant, bytes_per_weight):
+    """FSDP 8 gathers a LoRA run's frozen layers, for the forward and again for the recomputed backward, in the compute
+    dtype (2 bytes a weight); an int8 or nf4 base as stored: its codes and their bfloat16 scales (one per 32 to 64 weights)."""
+    cfg = with_(medium_config("fsdp", "full", mesh=(1, 8, 1)), model={"lora": LoraConfig(rank=4, alpha=8.0)})
+    fsdp = {quant: step_cost.step_time(make_layout(with_(cfg, model={"base_quant": quant})), "h100").traffic_bytes["fsdp"]
+            for quant in ("none", base_quant)}
+    weights = 4 * (256 * 32 * (2 * 8 + 2 * 4) + 3 * 256 * 1024)  # the layers' matrices (their norm scales are not split)
+    as_bfloat16 = 2 * weights * 2 * 7 / 8
+    as_stored = as_bfloat16 - (fsdp["none"] - fsdp[base_quant])
+    assert bytes_per_weight / 2 < as_stored / as_bfloat16 < (bytes_per_weight + 1 / 16) / 2
+
+
+def test_activation_offload_of_a_mixture_of_experts_moves_its_routed_rows():
+    """offload_dots also offloads what save_dots keeps of the experts (models/llama.py EXPERT_SAVED): each routed row's
+    gate and up, and the rows in and out. fsdp 4 x expert 2, dropless, top 2 of 4 experts: per device 1024 tokens a step,
+    each with 4 routed rows (its 2 choices among the expert group's 2 x 512 tokens, gathered over expert 2)."""
+    cfg = with_(medium_config("fsdp_ep", "offload_dots", mesh=(1, 4, 1, 1, 2)), model={"moe": MoEConfig(num_experts=4, top_k=2)})
+    rows = 4
+    per_token = 256 + 32 * (8 + 2 * 4) + rows * (2 * 1024 + 2 * 256)  # output projection, q, k, v; the rows' gate, up, in, out
+    expected = 2 * 1024 * 4 * per_token * 2 / step_cost.PCIE_BYTES_PER_S["h100"]  # both ways, 4 layers, bfloat16
+    assert step_cost.step_time(make_layout(cfg), "h100").host_s == pytest.approx(expected)
+
+
+def test_expert_weights_gradients_are_summed_over_the_data_axis_only():
+    """dp_ep on data 2 x expert 4: every dense weight is whole on each of the 8 devices, its gradient all-reduced over all
+    of them (bfloat16, but the norm scales' and the embedding lookup's float32); an expert's weights live on the 2
+    devices of its expert shard, its gradient all-reduced over data alone."""
+    layout = make_layout(with_(medium_config("dp_ep", "full", mesh=(2, 1, 1, 1, 4)), model={"moe": MoEConfig(num_experts=8, top_k=2)}))
+    attention, router, norms, table = 4 * 256 * 32 * (2 * 8 + 2 * 4), 4 * 256 * 8, (2 * 4 + 1) * 256, 4096 * 256
+    experts = 4 * 8 * 3 * 256 * 1024 // 4  # the device's 2 of 8, in 4 layers
+    dense = 2 * ((attention + router + table) * 2 + (norms + table) * 4) * 7 / 8
+    assert step_cost.step_time(layout, "h100").traffic_bytes["data"] == pytest.approx(dense + 2 * experts * 2 * 1 / 2)
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_expert_traffic_per_step_does_not_depend_on_the_micro_batch_count(dispatch):
+    """Each micro-batch dispatches its own tokens: 2 micro-batches move the step's tokens as 1 pass does."""
+    cfg = with_(medium_config("fsdp_ep", "full", mesh=(1, 4, 1, 1, 2)), model={"moe": MoEConfig(num_experts=4, dispatch=dispatch)})
+    expert = [step_cost.step_time(make_layout(with_(cfg, train={"microbatches": k})), "h100").traffic_bytes["expert"] for k in (1, 2)]
+    assert expert[0] > 0 and expert[1] == pytest.approx(expert[0])
+
+
+def test_optimizer_offload_under_float32_compute_copies_no_master_weights():
+    """Compute in float32: the parameters on the device are the master weights; only Adam's moments go to the host."""
+    layout = make_layout(with_(medium_config("fsdp", "full", mesh=(1, 8, 1)), model={"dtype": "float32"}, optim={"offload": True}))
+    norms = (2 * 4 + 1) * 256
+    moments = 2 * ((layout.spec.num_params - norms) / 8 + norms) * 4 + 8
+    assert step_cost.step_time(layout, "h100").host_s == pytest.approx(2 * moments / step_cost.PCIE_BYTES_PER_S["h100"])
+
+
+def test_a_tied_table_is_gathered_for_the_lookup_and_again_for_the_output_layer():
+    """fsdp 8, tied embeddings: per pass the one table is gathered twice (bfloat16) and the output layer's gradient of it
+    reduce-scattered; the lookup's gradient rows go to the columns' devices, as without tying."""
+    layout = make_layout(with_(medium_config("fsdp", "full", mesh=(1, 8, 1)), model={"tie_embeddings": True}))
+    norms, table = (2 * 4 + 1) * 256, 4096 * 256
+    layers = layout.spec.num_params - norms - table
+    tokens = 16 * 512 / 8
+    fsdp = (layers * (2 * 2 + 2) + table * (2 * 2 + 2)) * 7 / 8 + tokens * (256 * 2 * 7 / 8 + 4 * 7)
+    assert step_cost.step_time(layout, "h100").traffic_bytes["fsdp"] == pytest.approx(fsdp)
+
+
+def test_a_chunked_loss_reduce_scatters_the_output_tables_gradient_in_each_chunk():
+    """train.loss_chunk=128 of 512 tokens, fsdp 8: the output table is gathered once a pass as without chunks, and its
+    gradient reduce-scattered in each of the 4 chunks' backward (bfloat16): three reductions more."""
+    cfg = medium_config("fsdp", "full", mesh=(1, 8, 1))
+    fsdp = {chunk: step_cost.step_time(make_layout(with_(cfg, train={"loss_chunk": chunk})), "h100").traffic_bytes["fsdp"]
+            for chunk in (0, 128)}
+    assert fsdp[128] - fsdp[0] == pytest.approx(3 * 4096 * 256 * 2 * 7 / 8)
+
+
+def test_activation_offload_under_pipeline_stages_moves_a_stages_layers():
+    """2 stages of 2 layers, fsdp 2 x tensor 2: a device runs its stage's 2 layers on its 8 sequences a step, offloading
+    (offload_qkv_out) each layer's attention output projection and q, k, v (256 + 32 x (4 + 2 x 2) a token, bfloat16)."""
+    from models.config import PipelineConfig
+
+    cfg = with_(medium_config("pp_fsdp_tp", "offload_qkv_out", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2)})
+    expected = 2 * 8 * 512 * 2 * (256 + 32 * (4 + 2 * 2)) * 2 / step_cost.PCIE_BYTES_PER_S["h100"]  # both ways
+    assert step_cost.step_time(make_layout(cfg), "h100").host_s == pytest.approx(expected)
+
+
+def test_durations_read_in_the_unit_that_shows_them():
+    assert [step_cost.duration(s) for s in (1234.5, 0.5, 0.05, 5e-5)] == ["1,234.50 s", "0.50 s", "50 ms", "50 µs"]

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec
 
 from jaxtrain import compile_cache, xla_env
 from jaxtrain.adapt.adapters import split_frozen
-from jaxtrain.config import Config, flatten, resolve_for_devices, to_dict
+from jaxtrain.config import Config, as_override, flatten, resolve_for_devices, to_dict
 from jaxtrain.errors import UserError
 from jaxtrain.observe.flops import model_flops_per_token, peak_flops
 from jaxtrain.plan.gpu_targets import GPU_MEMORY_MIB, GPU_MODELS, compile_only_devices, gpu_memory_bytes
@@ -464,17 +464,12 @@ class Suggestion:
     host_s: float = 0.0  # step_cost.StepTime.host_s: optim.offload's or an offload_* remat policy's copies over PCIe per step
 
     def describe(self, limit: int) -> str:
-        change = " and ".join(f"{k}={_as_typed(v)}" for k, v in self.changes.items())
+        change = " and ".join(f"{k}={as_override(v)}" for k, v in self.changes.items())
         checked = "" if self.compiled is None else \
             f"; compiled {_size(self.compiled)}: {'fits' if self.compiled <= limit else 'does NOT fit'}"
         host = f", costs {duration(self.host_s)}/step of host transfer at PCIe bandwidth" if self.host_s else ""
         return (f"{change}: saves {_size(self.saved)} per device{host}; {_size(self.total)} of {_size(limit)} "
                 f"usable, step time x{self.relative_step_time:.2f}{checked}")
-
-
-def _as_typed(value) -> str:
-    """A suggested value as the command line takes it: ``true``, not Python's ``True``."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = None, count: int = 5) -> list[Suggestion]:
@@ -526,7 +521,7 @@ TECHNIQUES = ({"rules": "zero1"}, {"rules": "zero2"}, {"rules": "fsdp"}, {"offlo
 
 @dataclasses.dataclass(frozen=True)
 class Technique:
-    change: str  # the config key=value
+    change: str  # the config key=value (keys it sets together joined by "and")
     saved: int  # estimated bytes per device on the accelerator below the planned config (negative: more)
     relative_step_time: float
     host_s: float
@@ -543,6 +538,7 @@ def technique_effects(layout: Layout, gpu: str | None = None) -> list[Technique]
     axis idle, or that change neither memory nor step time, left out."""
     cfg = layout.cfg
     base_total, base_time = estimate_total(estimate(layout, ACCELERATOR)), step_time(layout, gpu).total_s
+    current = flatten(to_dict(cfg))
     out = []
     for change in TECHNIQUES:
         candidate = _replace(cfg, **change)
@@ -558,9 +554,9 @@ def technique_effects(layout: Layout, gpu: str | None = None) -> list[Technique]
         saved = base_total - estimate_total(estimate(changed, ACCELERATOR))
         if saved == 0 and timed.total_s == base_time:  # e.g. another rule set on one device: the same program
             continue
-        key, value = next(iter(change.items()))
-        name = {"rules": "rules", "offload": "optim.offload", "remat": "model.remat"}[key]
-        out.append(Technique(f"{name}={str(value).lower() if isinstance(value, bool) else value}",
+        # every key the change sets: a remat policy is weighed on every layer, so model.remat_layers is named where set
+        changes = {key: new for key, new in flatten(to_dict(candidate)).items() if current[key] != new}
+        out.append(Technique(" and ".join(f"{key}={as_override(new)}" for key, new in changes.items()),
                              saved, timed.total_s / base_time, timed.host_s))
     return out
 
@@ -895,7 +891,7 @@ def plot(plan: Plan, path: Path) -> None:
     from jaxtrain.observe.plot import plt, save_figure
 
     bars = [("plan (estimate)", plan.accelerator_estimate)] + [
-        (" & ".join(f"{k.split('.')[-1]}={_as_typed(v)}" for k, v in s.changes.items()), s.breakdown) for s in plan.suggestions]
+        (" & ".join(f"{k.split('.')[-1]}={as_override(v)}" for k, v in s.changes.items()), s.breakdown) for s in plan.suggestions]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * (len(bars) + 1)), 5))
     items = list(plan.accelerator_estimate)
     for i, (_, breakdown) in enumerate(bars):

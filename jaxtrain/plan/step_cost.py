@@ -41,7 +41,8 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
   forward and of their gradients in the backward;
 - expert parallel (mixture of experts, capacity dispatch): per micro-batch and layer, the dispatch buffer
   (top_k x capacity_factor tokens' residual streams) all-to-all to the experts and back, in the forward and
-  the backward, and again in a recomputed forward (remat full); an all-to-all of N bytes over n devices moves
+  the backward, and again in a recomputed forward (any policy but none, save_dots and offload_dots, which keep the
+  routed rows); an all-to-all of N bytes over n devices moves
   N (n-1)/n per device. Dropless dispatch: per micro-batch and layer the expert group's tokens (the batch
   shards over the expert axes) gathered with their router weights and choices, and the outputs reduce-scattered
   back, in the forward; in the backward the outputs' gradient gathered and the tokens' and router weights'
@@ -95,8 +96,9 @@ def rematted_share(m: LlamaConfig) -> float:
 def expert_bytes_per_token(m: LlamaConfig, expert_ways: int) -> float:
     """Expert-parallel bytes a device moves per token of its share, layer and micro-batch (the module docstring)."""
     act, moe = np.dtype(m.dtype).itemsize, m.moe
-    if moe.dispatch == "capacity":  # dispatch and combine, forward and backward, plus a recomputed forward under remat full
-        all_to_alls = 4 + 2 * (m.remat == "full") * rematted_share(m)
+    if moe.dispatch == "capacity":  # dispatch and combine, forward and backward, and again in the recomputed forward of a
+        # policy that keeps none of the routed rows (models/llama.py EXPERT_SAVED): all but none and the dot-saving ones
+        all_to_alls = 4 + 2 * (m.remat not in ("none", "save_dots", "offload_dots")) * rematted_share(m)
         return all_to_alls * moe.top_k * moe.capacity_factor * m.d_model * act * (expert_ways - 1) / expert_ways
     gathers = m.d_model * act + moe.top_k * 8  # the tokens, their float32 router weights and int32 expert choices
     # a recomputed forward: the tokens and one k-wide router array (XLA keeps the other); save_dots and offload_dots
