@@ -3,6 +3,7 @@
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -84,6 +85,20 @@ def corpus():
 
     phrase = np.random.default_rng(0).integers(0, 64, 397).astype(np.int32)
     return Corpus(np.tile(phrase, 50), np.tile(phrase, 5), 64, "repeated random phrase")
+
+
+@pytest.fixture
+def sigterm_outside():
+    """The test's own SIGTERM handler while it runs a command in its process (the default one would end pytest where
+    the command's handler misses the signal); yields it, to check the command leaves it in place."""
+    class Outside(Exception):
+        pass
+
+    def outside(*_):
+        raise Outside
+    previous = signal.signal(signal.SIGTERM, outside)
+    yield outside
+    signal.signal(signal.SIGTERM, previous)
 
 
 def subprocess_env() -> dict[str, str]:

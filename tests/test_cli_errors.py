@@ -252,7 +252,7 @@ def test_adapters_refuses_a_broken_adapter_config(text, problem, tmp_path, capsy
         f"jaxtrain: error: {tmp_path}/peft/adapter_config.json {problem}; save the adapter again (PEFT's save_pretrained writes it)"
 
 
-def test_sigterm_while_plot_writes_leaves_no_temporary_file(tmp_path, monkeypatch, capsys):
+def test_sigterm_while_plot_writes_leaves_no_temporary_file(tmp_path, monkeypatch, capsys, sigterm_outside):
     """`jaxtrain plot` (and `plan --plot`) terminated while writing the image left .x.png.*.tmp beside it."""
     from matplotlib.figure import Figure
 
@@ -264,18 +264,8 @@ def test_sigterm_while_plot_writes_leaves_no_temporary_file(tmp_path, monkeypatc
         savefig(fig, f, **kwargs)
         os.kill(os.getpid(), signal.SIGTERM)
     monkeypatch.setattr(Figure, "savefig", savefig_then_terminated)
-
-    class Outside(Exception):
-        pass
-
-    def outside(*_):  # without the command's handler, the default one would end pytest
-        raise Outside
-    previous = signal.signal(signal.SIGTERM, outside)
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            cli.main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "x.png")])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "x.png")])
     assert stopped.value.code == 143 and capsys.readouterr().err.strip() == "jaxtrain: terminated"
     assert [p.name for p in tmp_path.iterdir()] == ["run"]
 

@@ -314,7 +314,8 @@ def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path
     assert cli.main(["adapters", str(pool_dir)]) == 0
     listing = capsys.readouterr().out.splitlines()
     assert listing[0] == f"base {record['hash']}  {hf_dir.absolute()}"
-    assert len(listing) == 3 and f"  {pool_dir / 'adapter-only'}  peft  rank 2  targets q,k,v,o,gate,up,down  steps 4  eval loss" in listing[1]
+    assert len(listing) == 3
+    assert f"  {pool_dir / 'adapter-only'}  peft  rank 2  targets q,k,v,o,gate,up,down  steps 4  eval loss" in listing[1]
     assert f"  {run_dir}  run  rank 2  targets q,k,v,o,gate,up,down  steps 4  eval loss" in listing[2]
 
     other = tmp_path / "other_base"

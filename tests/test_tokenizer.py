@@ -514,18 +514,11 @@ SLOW_DOCUMENTS = [chr(97 + i) * (MAX_PRE_TOKEN - 1) + " " + chr(97 + 7 * i % 26)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_stops_tokenizer_training_at_once_and_leaves_nothing(signum, tmp_path, capsys):
+def test_a_signal_stops_tokenizer_training_at_once_and_leaves_nothing(signum, tmp_path, capsys, sigterm_outside):
     (tmp_path / "in").mkdir()
     for i, text in enumerate(SLOW_DOCUMENTS):
         (tmp_path / "in" / f"{i}.txt").write_text(text)
     command = ["train-tokenizer", str(tmp_path / "in"), "--vocab-size", "300", "--out", str(tmp_path / "tok")]
-
-    class Outside(Exception):
-        pass
-
-    def outside(*_):  # the test's own SIGTERM handler: without the command's, the default one would end pytest
-        raise Outside
-    previous = signal.signal(signal.SIGTERM, outside)
     # Python's Ctrl-C handler, whatever this process inherited: a background CI job starts its children with SIGINT ignored
     previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signum))
@@ -539,35 +532,24 @@ def test_a_signal_stops_tokenizer_training_at_once_and_leaves_nothing(signum, tm
                 cli.main(command)
             assert stopped.value.code == 143 and capsys.readouterr().err.strip() == "jaxtrain: terminated"
         elapsed = time.perf_counter() - start
-        assert signal.getsignal(signal.SIGTERM) is outside  # the command's handler is gone with the command
+        assert signal.getsignal(signal.SIGTERM) is sigterm_outside  # the command's handler is gone with the command
     finally:
         timer.cancel()  # where the command ended first (a machine much faster than this one), no signal lands on pytest
-        signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_interrupt)
     assert elapsed < 1.5, f"stopped {elapsed:.1f}s after it started, the signal sent at 0.5s"
     assert [p.name for p in tmp_path.iterdir()] == ["in"]  # no temporary directory beside --out
 
 
-def test_sigterm_during_tokenize_exits_143_and_leaves_nothing(trained, texts, tmp_path, monkeypatch, capsys):
+def test_sigterm_during_tokenize_exits_143_and_leaves_nothing(trained, texts, tmp_path, monkeypatch, capsys, sigterm_outside):
     encode = TextTokenizer.encode
 
     def encode_then_terminated(self, documents):
         os.kill(os.getpid(), signal.SIGTERM)
         return encode(self, documents)
     monkeypatch.setattr(TextTokenizer, "encode", encode_then_terminated)
-
-    class Outside(Exception):
-        pass
-
-    def outside(*_):  # without the command's handler, the default one would end pytest
-        raise Outside
-    previous = signal.signal(signal.SIGTERM, outside)
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            cli.main(["tokenize", str(texts), "--tokenizer", str(trained), "--out", str(tmp_path / "new" / "t.bin")])
-        assert signal.getsignal(signal.SIGTERM) is outside
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["tokenize", str(texts), "--tokenizer", str(trained), "--out", str(tmp_path / "new" / "t.bin")])
+    assert signal.getsignal(signal.SIGTERM) is sigterm_outside
     assert stopped.value.code == 143 and capsys.readouterr().err.strip() == "jaxtrain: terminated"
     assert list(tmp_path.iterdir()) == []  # neither the temporary file nor the directory made for it
 

@@ -58,13 +58,14 @@ def is_hf_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file()
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path, fix: str = "give a Hugging Face model directory") -> dict:
+    """The JSON object in ``path``; one line ending in ``fix`` where it is unreadable or not an object."""
     try:
         body = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise UserError(f"{path} is not readable JSON ({e}); give a Hugging Face model directory") from None
+        raise UserError(f"{path} is not readable JSON ({e}); {fix}") from None
     if not isinstance(body, dict):
-        raise UserError(f"{path} must hold a JSON object, got {type(body).__name__}")
+        raise UserError(f"{path} must hold a JSON object, got {type(body).__name__}; {fix}")
     return body
 
 

@@ -28,6 +28,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxtrain import atomic
 from jaxtrain.errors import UserError
+from jaxtrain.interop.hf_config import read_json
 from jaxtrain.interop.hf_weights import tensor_maps
 from models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig
 from models.lora import adapter_name
@@ -255,14 +256,7 @@ def unsupported_options(config: dict) -> list[str]:
 
 def read_config(adapter_dir: Path) -> dict:
     """adapter_config.json, a UserError where it is not a JSON object (``jaxtrain adapters`` printed a traceback)."""
-    path, fix = adapter_dir / CONFIG_FILE, "save the adapter again (PEFT's save_pretrained writes it)"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} is not readable JSON ({e}); {fix}") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{path} must hold a JSON object, got {type(config).__name__}; {fix}")
-    return config
+    return read_json(adapter_dir / CONFIG_FILE, fix="save the adapter again (PEFT's save_pretrained writes it)")
 
 
 def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict | None]:
