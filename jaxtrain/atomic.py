@@ -6,6 +6,7 @@ after a command finished does not leave an empty or truncated file under the fin
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -33,10 +34,18 @@ def _temporary(path: Path, what: str, make: Callable[..., T]) -> T:
         raise UserError(f"{what} {path}: cannot write in {path.parent} ({e.strerror}); give a path in a writable directory") from None
 
 
+# fsync's errors from a file system that does not sync such a file (some FUSE and network file systems, for a
+# directory): the output is then as durable as that file system makes it, and the command must not fail for it
+UNSYNCABLE = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
 def _sync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in UNSYNCABLE:
+            raise
     finally:
         os.close(fd)
 

@@ -1,5 +1,6 @@
 """jaxtrain/atomic.py: an output appears whole or not at all."""
 
+import errno
 import os
 
 import pytest
@@ -60,3 +61,19 @@ def test_a_finished_directory_is_synced_file_by_file_before_its_rename(tmp_path,
     assert sorted(path for _, path in disk_events[:renamed]) == sorted(
         [str(temp / "sub" / "vocab.json"), str(temp / "sub"), str(temp / "tokenizer.json"), str(temp)])
     assert disk_events[renamed + 1:] == [("sync", str(tmp_path))] and (out / "sub" / "vocab.json").read_text() == "{}"
+
+
+def test_a_file_system_that_cannot_sync_a_directory_still_gets_the_output(tmp_path, monkeypatch):
+    """Some FUSE and network file systems answer a directory's fsync with EINVAL: the file is written and renamed, so
+    the command must not fail after it (nor leave the output missing)."""
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = tmp_path / "config.yaml"
+    with atomic_file(path, "run config") as f:
+        f.write(b"model: {}\n")
+    assert path.read_bytes() == b"model: {}\n" and os.listdir(tmp_path) == ["config.yaml"]
