@@ -21,10 +21,11 @@ from pathlib import Path
 
 from jaxtrain import config as config_lib
 from jaxtrain import distributed, xla_env
+from jaxtrain.adapt import adapters
 from jaxtrain.atomic import sigterm_cleans_up
 from jaxtrain.config import SamplingConfig
 from jaxtrain.errors import UserError
-from jaxtrain.interop import hf_config, hf_weights, peft
+from jaxtrain.interop import hf_config, hf_weights
 from jaxtrain.memory import host_malloc
 
 DEFAULT_CPU_DEVICES = 8
@@ -252,7 +253,7 @@ def cmd_generate(args) -> int:
                         "give the --run-dir of a training run or a model directory")
     run_cfg = None if hf_config.is_hf_dir(path) else config_lib.load_run_config(path)
     if args.adapter:
-        peft.check_adapter_source(Path(args.adapter))
+        adapters.check_adapter(Path(args.adapter))
     if args.adapter and run_cfg is not None and run_cfg.model.lora.rank:
         raise UserError(f"{path} is a LoRA run, and `jaxtrain generate {path}` already applies its adapters on its base; drop "
                         f"--adapter, or give the base the adapter {args.adapter} was trained on")
@@ -319,8 +320,6 @@ def cmd_checkpoints(args) -> int:
 
 
 def cmd_adapters(args) -> int:
-    from jaxtrain.adapt import adapters
-
     print(adapters.format_pool(adapters.pool(Path(args.dir))))
     return 0
 

@@ -252,6 +252,30 @@ def test_adapters_refuses_a_broken_adapter_config(text, problem, tmp_path, capsy
         f"jaxtrain: error: {tmp_path}/peft/adapter_config.json {problem}; save the adapter again (PEFT's save_pretrained writes it)"
 
 
+def _not_a_lora_run(tmp_path: Path) -> Path:
+    from jaxtrain.config import Config, save_yaml
+
+    (tmp_path / "full").mkdir()
+    save_yaml(Config(), tmp_path / "full" / "config.yaml")
+    return tmp_path / "full"
+
+
+def _dora_adapter(tmp_path: Path) -> Path:
+    (tmp_path / "dora").mkdir()
+    (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "use_dora": True}))
+    return tmp_path / "dora"
+
+
+@pytest.mark.parametrize("adapter, message", [
+    (_not_a_lora_run, "full has no lora_base.json: it is not a LoRA run (model.lora.rank > 0); train one, or give its --run-dir"),
+    (_dora_adapter, "dora/adapter_config.json: use_dora=True: jaxtrain applies plain LoRA adapters only")])
+def test_generate_refuses_an_adapter_it_cannot_apply_before_reading_the_base(adapter, message, tmp_path, capsys):
+    """The base here is a config.json alone: a mistake in --adapter found only after the whole base was read (minutes on
+    a large model) would be reported as the base's missing files, not as the adapter's."""
+    status = cli.main(["generate", _hf_dir(tmp_path), "--adapter", str(adapter(tmp_path)), "--prompt", "hi"])
+    assert message in _one_line_error(status, capsys.readouterr().err)
+
+
 def test_sigterm_while_plot_writes_leaves_no_temporary_file(tmp_path, monkeypatch, capsys, sigterm_outside):
     """`jaxtrain plot` (and `plan --plot`) terminated while writing the image left .x.png.*.tmp beside it."""
     from matplotlib.figure import Figure

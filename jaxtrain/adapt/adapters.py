@@ -72,6 +72,16 @@ def summary(run_dir: Path) -> dict:
     return record | {"steps": max(steps, default=0), "eval_loss": evals[-1] if evals else None}
 
 
+def check_adapter(adapter: Path) -> None:
+    """``generate --adapter PATH`` before any weight is read: a LoRA run (its base record) or a PEFT adapter that
+    jaxtrain applies; such a mistake was one line only once the whole base model had been read."""
+    peft.check_adapter_source(adapter)
+    if peft.is_adapter_dir(adapter):
+        peft.read_adapter_config(adapter)
+    else:
+        summary(adapter)
+
+
 def pool(directory: Path) -> list[dict]:
     """One row per adapter in ``directory`` (itself, or its immediate subdirectories): LoRA run directories and
     PEFT adapter directories, with their base's hash and path, rank, targets, steps and last eval loss."""

@@ -259,14 +259,10 @@ def read_config(adapter_dir: Path) -> dict:
     return read_json(adapter_dir / CONFIG_FILE, fix="save the adapter again (PEFT's save_pretrained writes it)")
 
 
-def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict | None]:
-    """(adapter_config.json, PEFT tensors, our record or None) of an adapter directory."""
+def read_adapter_config(adapter_dir: Path) -> dict:
+    """adapter_config.json with PEFT's defaults, a UserError unless it is a LoRA adapter jaxtrain applies as it is
+    (read before any weight, the base's or the adapter's)."""
     config = PEFT_DEFAULTS | read_config(adapter_dir)
-    try:
-        tensors = load_file(str(adapter_dir / WEIGHTS_FILE))
-    except (OSError, ValueError, SafetensorError) as e:
-        raise UserError(f"{adapter_dir} is not a readable PEFT adapter directory ({e}); give a directory with "
-                        f"{CONFIG_FILE} and {WEIGHTS_FILE}") from None
     if config.get("peft_type") != "LORA":
         raise UserError(f"{adapter_dir / CONFIG_FILE}: peft_type {config.get('peft_type')!r} is not LORA; only LoRA adapters are supported")
     # read as plain adapters, they generated other text with exit 0
@@ -275,5 +271,16 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict |
                         "lora_alpha / r, or / sqrt(r) with use_rslora, on every layer, no biases or other trained modules, on the base "
                         "as it is); "
                         "merge this adapter into its base with peft (merge_and_unload) and give the merged model instead")
+    return config
+
+
+def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict | None]:
+    """(adapter_config.json, PEFT tensors, our record or None) of an adapter directory."""
+    config = read_adapter_config(adapter_dir)
+    try:
+        tensors = load_file(str(adapter_dir / WEIGHTS_FILE))
+    except (OSError, ValueError, SafetensorError) as e:
+        raise UserError(f"{adapter_dir} is not a readable PEFT adapter directory ({e}); give a directory with "
+                        f"{CONFIG_FILE} and {WEIGHTS_FILE}") from None
     record_path = adapter_dir / JAXTRAIN_FILE
     return config, tensors, json.loads(record_path.read_text()) if record_path.is_file() else None
