@@ -17,6 +17,7 @@ import yaml
 
 from conftest import REPO, run_cli, subprocess_env
 from jaxtrain import cli
+from jaxtrain.__main__ import interrupts_held
 from jaxtrain.errors import UserError
 
 FAST = ["train.steps=1", "log.progress=false"]
@@ -375,3 +376,22 @@ def test_an_empty_prompt_is_a_prompt_where_other_empty_options_are_refused():
     assert parser.parse_args(["generate", "run", "--prompt", ""]).prompt == ""
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "run", "--prompt", "hi", "--adapter", ""])
+
+
+def test_a_ctrl_c_during_the_imports_is_raised_after_them():
+    """Raised inside jax's imports, a KeyboardInterrupt could land in a C++ extension's initialization (exit status 134,
+    once a segmentation fault): the command holds it until its imports are done; an ignored SIGINT stays ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    went_on = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts_held():
+                os.kill(os.getpid(), signal.SIGINT)
+                went_on.append("after the signal")
+        assert went_on and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

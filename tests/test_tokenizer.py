@@ -4,6 +4,7 @@ trained tokenizer, token-file sidecars, and every bad input as one line with exi
 import errno
 import io
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -460,6 +461,7 @@ def test_what_cannot_be_read_or_written_is_one_line(case, bad_inputs, tmp_path, 
     _deny(monkeypatch, tmp_path / denied)
     status, err = jaxtrain(capsys, *make_args(tmp_path, bad_inputs["tokenizer"]))
     assert status == 2 and len(err) == 1 and err[0].startswith("jaxtrain: error: ") and message.format(t=tmp_path) in err[0], err
+    assert not multiprocessing.active_children()  # train-tokenizer's trainer process stopped with the command
     monkeypatch.undo()
     assert sorted(tmp_path.rglob("*")) == before
 
@@ -513,12 +515,18 @@ def test_a_malformed_sidecar_is_one_line(case, bad_inputs, tmp_path):
 SLOW_DOCUMENTS = [chr(97 + i) * (MAX_PRE_TOKEN - 1) + " " + chr(97 + 7 * i % 26) * (MAX_PRE_TOKEN - 2 - i) for i in range(12)]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_stops_tokenizer_training_at_once_and_leaves_nothing(signum, tmp_path, capsys, sigterm_outside):
+@pytest.fixture
+def slow_documents(tmp_path) -> Path:
     (tmp_path / "in").mkdir()
     for i, text in enumerate(SLOW_DOCUMENTS):
         (tmp_path / "in" / f"{i}.txt").write_text(text)
-    command = ["train-tokenizer", str(tmp_path / "in"), "--vocab-size", "300", "--out", str(tmp_path / "tok")]
+    return tmp_path / "in"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_tokenizer_training_at_once_and_leaves_nothing(signum, slow_documents, tmp_path, capsys, sigterm_outside):
+    threads = set(threading.enumerate())
+    command = ["train-tokenizer", str(slow_documents), "--vocab-size", "300", "--out", str(tmp_path / "tok")]
     # Python's Ctrl-C handler, whatever this process inherited: a background CI job starts its children with SIGINT ignored
     previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signum))
@@ -535,9 +543,28 @@ def test_a_signal_stops_tokenizer_training_at_once_and_leaves_nothing(signum, tm
         assert signal.getsignal(signal.SIGTERM) is sigterm_outside  # the command's handler is gone with the command
     finally:
         timer.cancel()  # where the command ended first (a machine much faster than this one), no signal lands on pytest
+        timer.join()
         signal.signal(signal.SIGINT, previous_interrupt)
     assert elapsed < 1.5, f"stopped {elapsed:.1f}s after it started, the signal sent at 0.5s"
     assert [p.name for p in tmp_path.iterdir()] == ["in"]  # no temporary directory beside --out
+    # nothing left training: a thread left running the Rust trainer now and then aborted the interpreter's exit
+    assert not multiprocessing.active_children() and set(threading.enumerate()) <= threads
+
+
+def test_a_tokenizer_trainer_killed_from_outside_is_one_line(slow_documents, tmp_path, capsys):
+    def kill_trainer():
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGKILL)  # as the kernel's out-of-memory killer does
+
+    timer = threading.Timer(1.0, kill_trainer)
+    timer.start()
+    try:
+        status, err = jaxtrain(capsys, "train-tokenizer", str(slow_documents), "--vocab-size", "300", "--out", str(tmp_path / "tok"))
+    finally:
+        timer.cancel()
+    assert status == 2 and err == [f"jaxtrain: error: the tokenizer trainer's process died (exit status -{int(signal.SIGKILL)}); if it "
+                                   "ran out of memory, give fewer or smaller inputs or a smaller --vocab-size"]
+    assert [p.name for p in tmp_path.iterdir()] == ["in"]
 
 
 def test_sigterm_during_tokenize_exits_143_and_leaves_nothing(trained, texts, tmp_path, monkeypatch, capsys, sigterm_outside):

@@ -12,10 +12,13 @@ import functools
 import hashlib
 import json
 import re
+import multiprocessing
+import signal
 import sys
-import threading
+import traceback
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import tokenizers
@@ -44,6 +47,8 @@ MAX_PRE_TOKEN = 10_000
 _CLASSES = (r"[^\W\d_]", r"\d", r"(?:[^\s\w]|_)", r"\s")
 LONG_PRE_TOKEN = re.compile("|".join(f"(?<!{c}){c}{{{MAX_PRE_TOKEN + 1},}}" for c in _CLASSES))
 LONG_WHITESPACE = re.compile(rf"\s{{{MAX_PRE_TOKEN + 1}}}")
+# texts go to the trainer's process in batches of about this many characters: few messages, little held in them
+CHARACTERS_PER_MESSAGE = 1 << 20
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -188,15 +193,7 @@ def train_tokenizer(inputs: Iterable[str], vocab_size: int, out: str | Path) -> 
                         "vocabularies models use (about 256k); the trainer allocates memory for every token asked for")
     _, docs = input_documents(inputs)
     with sigterm_cleans_up(), atomic_dir(Path(out), "tokenizer directory") as temp:
-        bpe = tokenizers.Tokenizer(models.BPE())
-        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        bpe.decoder = decoders.ByteLevel()
-        bpe.post_processor = processors.ByteLevel(trim_offsets=False)
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], initial_alphabet=alphabet,
-                                      show_progress=sys.stderr.isatty())
-        _interruptible(bpe.train_from_iterator, map(_checked_text, docs), trainer)
-        bpe.save(str(temp / TOKENIZER_FILE))
-        (temp / CONFIG_FILE).write_bytes(_hf_config(END_OF_TEXT))
+        _train_in_child(map(_checked_text, docs), vocab_size, temp)
     return load_tokenizer(out)
 
 
@@ -214,20 +211,66 @@ def _checked_text(doc: Document) -> str:
     return text
 
 
-def _interruptible(function, *args) -> None:
-    """``function(*args)`` in a worker thread, the main thread waiting where Python can raise KeyboardInterrupt: the
-    Rust trainer never looks at signals, so Ctrl-C waited for it to finish (minutes to hours on long pre-tokens).
-    The daemon worker is abandoned on an interrupt; the process exits without waiting for it."""
-    failure: list[BaseException] = []
+def _train_in_child(texts: Iterator[str], vocab_size: int, directory: Path) -> None:
+    """Train on ``texts`` (read and checked here, sent on in batches) in a child process that saves the tokenizer into
+    ``directory``, and which a signal to this process kills at once: the Rust trainer never looks at signals, so
+    Ctrl-C waited for it to finish (minutes to hours on long pre-tokens), and a thread left running it now and then
+    aborted the interpreter's exit ("FATAL: exception not rethrown", 1 Ctrl-C in 16)."""
+    context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks (jax's, where loaded)
+    connection, child_end = context.Pipe()
+    child = context.Process(target=_train_bpe, args=(child_end, vocab_size, str(directory)), name="train-tokenizer", daemon=True)
+    # blocked in the child for good (the mask is inherited): a Ctrl-C reaches the whole process group, and this process,
+    # not the child, answers it (one line, its cleanup) and kills the child
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        child.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    child_end.close()
+    try:
+        batch, size = [], 0
+        for text in texts:
+            batch.append(text)
+            size += len(text)
+            if size >= CHARACTERS_PER_MESSAGE:
+                connection.send(batch)
+                batch, size = [], 0
+        connection.send(batch)
+        connection.send(None)
+        failure = connection.recv()
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # it died: killed by the kernel (out of memory) or by another process
+        child.join()
+        raise UserError(f"the tokenizer trainer's process died (exit status {child.exitcode}); if it ran out of memory, give "
+                        "fewer or smaller inputs or a smaller --vocab-size") from None
+    except BaseException:  # the documents' UserErrors, a signal
+        child.kill()
+        raise
+    finally:
+        child.join()
+        connection.close()
+    if failure is not None:
+        raise RuntimeError(f"tokenizer training failed in its process:\n{failure}")
 
-    def run():
-        try:
-            function(*args)
-        except BaseException as e:  # re-raised in the main thread: the documents' UserErrors among them
-            failure.append(e)
 
-    worker = threading.Thread(target=run, name="train-tokenizer", daemon=True)
-    worker.start()
-    worker.join()
-    if failure:
-        raise failure[0]
+def _train_bpe(connection: Connection, vocab_size: int, directory: str) -> None:
+    """The child process of ``_train_in_child``: train on the texts it is sent (a None after the last batch), save,
+    and send back None or the failure's traceback."""
+
+    def texts() -> Iterator[str]:
+        while (batch := connection.recv()) is not None:
+            yield from batch
+
+    try:
+        bpe = tokenizers.Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=sys.stderr.isatty())
+        bpe.train_from_iterator(texts(), trainer)
+        bpe.save(str(Path(directory) / TOKENIZER_FILE))
+        (Path(directory) / CONFIG_FILE).write_bytes(_hf_config(END_OF_TEXT))
+        failure = None
+    except BaseException:
+        failure = traceback.format_exc()
+    connection.send(failure)
