@@ -551,6 +551,27 @@ def test_a_signal_stops_tokenizer_training_at_once_and_leaves_nothing(signum, sl
     assert not multiprocessing.active_children() and set(threading.enumerate()) <= threads
 
 
+def test_a_ctrl_c_while_the_trainer_process_starts_stops_it_too(slow_documents, tmp_path, capsys, monkeypatch):
+    """A Ctrl-C during the start (signals are blocked in the starting thread so that the child inherits them blocked; another
+    thread of this process takes it, or the unblocking does): before, raised ahead of the part that kills the child, it
+    left the child waiting for input and the exit waiting for the child."""
+    spawned = multiprocessing.get_context("spawn").Process
+    start = spawned.start
+
+    def start_then_interrupted(process):
+        start(process)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(spawned, "start", start_then_interrupted)
+    previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        status, err = jaxtrain(capsys, "train-tokenizer", str(slow_documents), "--vocab-size", "300", "--out", str(tmp_path / "tok"))
+    finally:
+        signal.signal(signal.SIGINT, previous_interrupt)
+    assert status == 130 and err == ["jaxtrain: interrupted"]
+    assert not multiprocessing.active_children() and [p.name for p in tmp_path.iterdir()] == ["in"]
+
+
 def test_a_tokenizer_trainer_killed_from_outside_is_one_line(slow_documents, tmp_path, capsys):
     def kill_trainer():
         for child in multiprocessing.active_children():

@@ -219,15 +219,15 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, directory: Path) -> N
     context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks (jax's, where loaded)
     connection, child_end = context.Pipe()
     child = context.Process(target=_train_bpe, args=(child_end, vocab_size, str(directory)), name="train-tokenizer", daemon=True)
-    # blocked in the child for good (the mask is inherited): a Ctrl-C reaches the whole process group, and this process,
-    # not the child, answers it (one line, its cleanup) and kills the child
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
-        child.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    child_end.close()
-    try:
+        # blocked in the child for good (the mask is inherited): a Ctrl-C reaches the whole process group, and this
+        # process, not the child, answers it (one line, its cleanup) and kills the child
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            child.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        child_end.close()
         batch, size = [], 0
         for text in texts:
             batch.append(text)
@@ -242,12 +242,16 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, directory: Path) -> N
         child.join()
         raise UserError(f"the tokenizer trainer's process died (exit status {child.exitcode}); if it ran out of memory, give "
                         "fewer or smaller inputs or a smaller --vocab-size") from None
-    except BaseException:  # the documents' UserErrors, a signal
-        child.kill()
+    except BaseException:  # the documents' UserErrors, a signal (during the start too: other threads take it)
+        if child.pid is not None:
+            child.kill()
         raise
     finally:
-        child.join()
+        # closed, a child this process lost track of (interrupted inside start) reads the end of its input and exits
         connection.close()
+        child_end.close()
+        if child.pid is not None:
+            child.join()
     if failure is not None:
         raise RuntimeError(f"tokenizer training failed in its process:\n{failure}")
 
