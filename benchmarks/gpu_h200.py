@@ -71,6 +71,8 @@ GENERATE = dict(script="bench_generate.py", options=("--prompt-tokens", "512", "
 MFU_1B = ("train.global_batch=8", "model.remat=save_dots", "model.attention=auto")  # the 1B rows' shape
 # where the MFU rows' device time goes: 3 steps more under jax's profiler, by kind of kernel (record key "profile")
 PROFILED = ("--profile-steps", "3")
+# 4 micro-batches of 8 sequences, data 2 x fsdp over the rest: gradients summed over data (the grad_sync / grad_dtype rows)
+GRAD_SUMS_OVER_DATA = ("train.global_batch=32", "train.microbatches=4", "mesh.ici.data=2", "mesh.ici.fsdp=-1")
 ROWS = (
     Row("mfu_1b", "llama3_1b", MFU_1B, 60, options=PROFILED),
     Row("mfu_3b", "llama3_3b", ("train.global_batch=4", "model.remat=full", "model.attention=auto"), 75, options=PROFILED),
@@ -131,9 +133,6 @@ ROWS = (
     Row("quant_int8_1b", "llama3_1b", (*MFU_1B, "model.quant=int8"), 60),
     Row("offload_1b", "llama3_1b", (*MFU_1B, "optim.offload=true"), 60),
     Row("float16_1b", "llama3_1b", (*MFU_1B, "model.dtype=float16"), 60),
-    # optim.grad_dtype=bfloat16 on one GPU: no other device to sum with, so this prices the per-device gradient pass
-    # (jaxtrain/memory/grad_comm.py) against mfu_1b; the bytes it saves need several GPUs (bench_memory counts them)
-    Row("grad_bf16_1b", "llama3_1b", (*MFU_1B, "optim.grad_dtype=bfloat16"), 60),
     # the spike guard (train.skip_spikes, jaxtrain/spikes.py, OLMo 2's 6 deviations over 128 steps) against mfu_1b
     Row("skip_spikes_1b", "llama3_1b", (*MFU_1B, "train.skip_spikes=6"), 60),
     # the persistent compilation cache (train.compile_cache): mfu_1b's program compiled into the runner's new folder,
@@ -148,10 +147,13 @@ ROWS = (
     # optim.grad_sync on 2+ GPUs: 4 micro-batches of llama3_1b, data 2 x fsdp over the rest, the sums over data once per
     # step against GSPMD's in every micro-batch (jaxtrain/memory/grad_comm.py; 4 micro-batches x bfloat16 against one
     # float32 sum: half the bytes over data); compare step_s, and hlo_report's bytes with `jaxtrain plan --hlo-report`
-    *(Row(f"grad_sync_{sync}_1b", "llama3_1b", (*MFU_1B, "train.global_batch=32", "train.microbatches=4", f"optim.grad_sync={sync}",
-                                               "mesh.ici.data=2", "mesh.ici.fsdp=-1"), 60, min_devices=2,
-          tiny_overrides=("train.global_batch=32", "train.microbatches=4"))
+    *(Row(f"grad_sync_{sync}_1b", "llama3_1b", (*MFU_1B, *GRAD_SUMS_OVER_DATA, f"optim.grad_sync={sync}"), 60, min_devices=2,
+          tiny_overrides=GRAD_SUMS_OVER_DATA[:2])
       for sync in ("step", "microbatch")),
+    # optim.grad_dtype=bfloat16: grad_sync_step_1b's job with its sums over data in bfloat16, half the bytes; compare
+    # step_s with that row's (on one GPU there is no sum to narrow: the program was mfu_1b's)
+    Row("grad_bf16_1b", "llama3_1b", (*MFU_1B, *GRAD_SUMS_OVER_DATA, "optim.grad_sync=step", "optim.grad_dtype=bfloat16"), 60,
+        min_devices=2, tiny_overrides=GRAD_SUMS_OVER_DATA[:2]),
     # a 1 GiB state split over the GPUs saved (device to host to disk), restored, and saved in the background under a
     # loop of steps (benchmarks/bench_checkpoint.py; on one GPU its small replicated arrays have no replicas to share)
     Row("checkpoint_1gib", "tiny", (), 60, script="bench_checkpoint.py"),
