@@ -22,6 +22,7 @@ Router statistics (load-balancing loss, z-loss, expert load, dropped share) are 
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import functools
 import math
 from typing import NamedTuple
@@ -46,9 +47,10 @@ STATS_NAME = "router_stats"
 
 
 def capacity(seq_len: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
-    """Slots per expert and sequence: capacity_factor x the fair share, at most seq_len (an expert takes a
-    token at most once)."""
-    return min(seq_len, math.ceil(capacity_factor * seq_len * top_k / num_experts))
+    """Slots per expert and sequence: capacity_factor x the fair share, rounded up, at most seq_len (an expert takes
+    a token at most once). The factor as written (its shortest decimal): in floats 1.1 x 100 x 2 / 4 is
+    55.00000000000001, one slot more than the documented ceiling."""
+    return min(seq_len, math.ceil(fractions.Fraction(repr(float(capacity_factor))) * seq_len * top_k / num_experts))
 
 
 class MoE(nnx.Module):

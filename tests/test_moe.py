@@ -53,9 +53,10 @@ def _silu(x):
 
 
 def _reference(block: MoE, x: np.ndarray, slots: int | None = None):
-    """Token by token in numpy: router softmax, top-k renormalised, the chosen experts' SwiGLU mixed, shared experts
-    added; with ``slots`` an assignment is dropped when its expert already took that many of the sequence's
-    assignments, first choices of every position before second choices. (output, dropped share)."""
+    """Token by token in numpy: router softmax, top-k (renormalised with ``normalize_top_k``), the chosen experts'
+    SwiGLU mixed, shared experts added; with ``slots`` an assignment is dropped when its expert already took that
+    many of the sequence's assignments, first choices of every position before second choices. (output, dropped
+    share)."""
     p = {k: np.asarray(v, np.float64) for k, v in nnx.to_pure_dict(nnx.state(block)).items() if not isinstance(v, dict)}
     for name, (_, weights) in EXPERT_LORA.items():  # an adapter's update added to each of its weights, per expert
         adapter = getattr(block, adapter_name(name), None)
@@ -76,7 +77,7 @@ def _reference(block: MoE, x: np.ndarray, slots: int | None = None):
                 if slots is not None and taken[e] > slots:
                     dropped += 1
                     continue
-                weight = probs[b, t, e] / probs[b, t, chosen[t]].sum()
+                weight = probs[b, t, e] / (probs[b, t, chosen[t]].sum() if block.moe.normalize_top_k else 1.0)
                 hidden = _silu(x[b, t] @ p["w_gate"][e]) * (x[b, t] @ p["w_up"][e])
                 out[b, t] += weight * hidden @ p["w_down"][e]
     if block.moe.num_shared_experts:
@@ -86,14 +87,15 @@ def _reference(block: MoE, x: np.ndarray, slots: int | None = None):
     return out, dropped / (x.shape[0] * x.shape[1] * K)
 
 
-@pytest.mark.parametrize("adapters", [False, True])
+# normalize_top_k=false (Qwen2-MoE's norm_topk_prob=false): the chosen experts' raw softmax shares
+@pytest.mark.parametrize("adapters, normalize_top_k", [(False, True), (True, True), (False, False)])
 @pytest.mark.parametrize("dispatch, grouped_matmul", [("dropless", "xla"), pytest.param("dropless", "tokamax", marks=needs_tokamax),
                                                       ("capacity", "xla")])
-def test_dispatch_matches_per_token_reference(dispatch, grouped_matmul, adapters):
+def test_dispatch_matches_per_token_reference(dispatch, grouped_matmul, adapters, normalize_top_k):
     # capacity factor num_experts / top_k: every expert can take every position, nothing is dropped; the reference
     # adds the adapters' updates to the weights (PEFT's merge). tokamax on CPUs: its XLA implementation
     block, _ = _block(adapters, dispatch=dispatch, grouped_matmul=grouped_matmul, capacity_factor=E / K, num_shared_experts=2,
-                      shared_expert_gate=True)
+                      shared_expert_gate=True, normalize_top_k=normalize_top_k)
     x = np.random.default_rng(0).normal(size=(3, T, 32)).astype(np.float32)
     expected, _ = _reference(block, x.astype(np.float64))
     np.testing.assert_allclose(_apply(block, jnp.asarray(x)), expected, rtol=1e-5, atol=1e-5)
@@ -112,8 +114,20 @@ def test_capacity_drops_and_counts_assignments_past_an_experts_slots(capacity_fa
     np.testing.assert_allclose(float(block.router_stats.get_value()["dropped_fraction"]), dropped, rtol=1e-6)
 
 
-def test_router_statistics_and_losses():
-    block, cfg = _block(aux_loss_weight=0.5, router_z_loss_weight=0.25)
+@pytest.mark.parametrize("seq_len, experts, top_k, capacity_factor, slots", [
+    (16, 8, 2, 0.5, 2), (16, 8, 2, 0.6, 3),
+    # 1.1 x 100 x 2 / 4 is 55; in floats 55.00000000000001, which was rounded up to 56
+    (100, 4, 2, 1.1, 55), (3000, 4, 1, 1.1, 825),
+    (16, 8, 2, 8.0, 16)])  # room for every position twice over: an expert takes a token once, seq_len slots suffice
+def test_capacity_is_the_fair_share_times_the_factor_rounded_up(seq_len, experts, top_k, capacity_factor, slots):
+    assert capacity(seq_len, experts, top_k, capacity_factor) == slots
+
+
+# capacity 0.5: the load and the load-balancing loss count the assignments past an expert's slots too (the router's
+# choices, not what the experts took)
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_router_statistics_and_losses(dispatch):
+    block, cfg = _block(aux_loss_weight=0.5, router_z_loss_weight=0.25, dispatch=dispatch, capacity_factor=0.5)
     x = np.random.default_rng(2).normal(size=(2, T, 32)).astype(np.float32)
     _apply(block, jnp.asarray(x))
     stats = block.router_stats.get_value()
@@ -128,6 +142,7 @@ def test_router_statistics_and_losses():
     np.testing.assert_allclose(stats["aux_loss"], aux, rtol=1e-5)
     np.testing.assert_allclose(stats["z_loss"], z, rtol=1e-5)
     np.testing.assert_allclose(stats["router_loss"], 0.5 * aux + 0.25 * z, rtol=1e-5)
+    assert (float(stats["dropped_fraction"]) > 0) is (dispatch == "capacity")
 
 
 def test_a_bfloat16_model_routes_by_float32_router_logits():
@@ -140,6 +155,13 @@ def test_a_bfloat16_model_routes_by_float32_router_logits():
     _apply(block, x)
     logits = np.asarray(x, np.float64) @ np.asarray(block.router[...], np.float64)
     np.testing.assert_allclose(block.router_stats.get_value()["z_loss"], np.mean(np.log(np.exp(logits).sum(-1)) ** 2), rtol=1e-5)
+
+
+def test_expert_output_weights_start_scaled_as_the_dense_mlps():
+    """The experts' w_down is drawn with init_std / sqrt(2 num_layers), as the dense MLP's (models/llama.py), so the
+    residual stream grows alike with either block."""
+    block, cfg = _block()
+    np.testing.assert_allclose(np.std(block.w_down[...]) / np.std(block.w_gate[...]), 1 / (2 * cfg.num_layers) ** 0.5, rtol=0.05)
 
 
 def _moe_config(rules="dp", mesh=(1, 1, 1, 1, 1), **moe):
@@ -303,6 +325,12 @@ BAD_INPUT = {
                                                  "model.moe.num_experts=5 is not divisible by the 2 ways rule set fsdp_tp_ep splits the experts over"),
     "capacity factor not positive": (["model.moe.capacity_factor=0"],
                                      "model.moe.capacity_factor=0.0 must be a finite positive number"),
+    # without these checks an unknown dispatch would route by capacity (MoE.__call__), a negative count fail in jax
+    "unknown dispatch": (["model.moe.dispatch=gshard"], "model.moe.dispatch='gshard' is unknown; choose one of "),
+    "negative experts": (["model.moe.num_experts=-4"], "model.moe.num_experts=-4 must be 0 (dense MLP) or positive"),
+    "negative shared experts": (["model.moe.num_shared_experts=-1"], "model.moe.num_shared_experts=-1 must be 0 or positive"),
+    "negative z-loss weight": (["model.moe.router_z_loss_weight=-0.001"],
+                               "model.moe.router_z_loss_weight=-0.001 must be 0 (off) or a finite positive number"),
     # PEFT's experts.gate_up_proj: one adapter on both; and PEFT has no dropout on parameter targets
     "the experts' gate without up": (["model.lora.rank=4", "model.lora.targets=q,gate,down"],
                                      "model.lora.targets names gate without up: a mixture of experts takes one adapter on its experts' gate and up"),
@@ -339,6 +367,33 @@ def test_mixtral_sizes_are_the_published_ones(name, total, active):
     assert matmul_params(model) + model.vocab_size * model.d_model == active
 
 
+def test_expert_weights_are_split_by_expert_and_like_the_dense_mlp_within_each():
+    """fsdp_tp_ep: each expert array over expert, then as the dense MLP's (embed over fsdp, hidden over tensor); the
+    router over embed like every weight. A weight laid out otherwise computes the same (the dropless shard_map
+    takes it in the layout it needs), only replicated over expert or gathered every layer, which no numeric test sees."""
+    specs = make_layout(load_experiment("tiny_moe")).shardings.params["layers"]["mlp"]
+    assert {name: tuple(specs[name].spec) for name in ("router", "w_gate", "w_up", "w_down")} == {
+        "router": (None, "fsdp", None), "w_gate": (None, "expert", "fsdp", "tensor"), "w_up": (None, "expert", "fsdp", "tensor"),
+        "w_down": (None, "expert", "tensor", "fsdp")}
+
+
+@pytest.mark.parametrize("rules, batch_size, axes", [
+    ({}, 16, (("fsdp", "expert"), ("expert",), ("fsdp",), ("tensor",))),
+    ({}, 6, None),  # a batch the 4 batch shards do not divide (as generation's one prompt): GSPMD's global sort
+    ({"experts": ("tensor",)}, 16, None),  # experts over an axis the batch is not split over
+    ({"mlp": ("fsdp",)}, 16, None),  # the experts' hidden dimension over a batch axis
+    ({"embed": ("expert",), "experts": ("expert",)}, 16, None)])  # the embed dimension and the experts over one axis
+def test_dropless_sorts_per_device_only_where_its_shard_map_applies(rules, batch_size, axes):
+    """dropless_axes: the per-device dispatch's mesh axes (batch, experts, embed, hidden) on fsdp_tp_ep's mesh, or None
+    where its all-gather over the experts' axes would not gather the expert group's tokens (or the weights' layout
+    does not fit it), so the block takes GSPMD's global sort instead."""
+    from jaxtrain.partitioning import model_tracing
+
+    layout = make_layout(with_(_moe_config("fsdp_tp_ep", (1, 2, 2, 1, 2)), train={"global_batch": 16}))
+    with model_tracing(layout.mesh, layout.rules | rules, "fsdp_tp_ep"):
+        assert dropless_axes(batch_size) == axes
+
+
 def test_planner_counts_expert_weights_by_the_expert_axis_and_all_to_all_traffic():
     from jaxtrain.plan.estimate import estimate
     from jaxtrain.state import bytes_per_device
@@ -370,17 +425,39 @@ def test_planner_counts_expert_weights_by_the_expert_axis_and_all_to_all_traffic
     assert matmul_params(m) == matmul_params(dense_mlp) + m.num_layers * m.d_model * 8
 
 
+def _unspecified_past_the_groups(ragged_dot):
+    """``ragged_dot`` whose rows past its groups are 1e4, in its output and in its input's gradient: jax leaves them
+    unspecified, and a GPU kernel leaves there what the memory held (XLA:CPU writes zeros, where a dispatch
+    reading them would pass). Finite: the dispatch multiplies them by zero (an adapter's one-hot of their experts)."""
+    def past_the_groups_garbage(rows, group_sizes):
+        return jnp.where((jnp.arange(rows.shape[0]) < jnp.sum(group_sizes))[:, None], rows, 1e4)
+
+    @jax.custom_vjp
+    def unspecified(lhs, rhs, group_sizes):
+        return past_the_groups_garbage(ragged_dot(lhs, rhs, group_sizes), group_sizes)
+
+    def backward(residuals, g):
+        lhs, rhs, group_sizes = residuals
+        d_lhs, d_rhs = jax.vjp(lambda lhs, rhs: ragged_dot(lhs, rhs, group_sizes), lhs, rhs)[1](g)
+        return past_the_groups_garbage(d_lhs, group_sizes), d_rhs, None
+
+    unspecified.defvjp(lambda lhs, rhs, group_sizes: (unspecified(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)), backward)
+    return unspecified
+
+
 @pytest.mark.parametrize("rules, ici, grouped_matmul", [
     ("fsdp_ep", (2, 2, 1, 1, 2), "xla"), ("fsdp_tp_ep", (1, 2, 2, 1, 2), "xla"), ("dp_ep", (2, 1, 1, 1, 4), "xla"),
     ("fsdp", (2, 4, 1, 1, 1), "xla"), pytest.param("fsdp_tp_ep", (1, 2, 2, 1, 2), "tokamax", marks=needs_tokamax)])
-def test_dropless_sorts_per_device_and_matches_one_device(rules, ici, grouped_matmul):
+def test_dropless_sorts_per_device_and_matches_one_device(rules, ici, grouped_matmul, monkeypatch):
     """Dropless dispatch on a mesh: each device sorts its own tokens (those of its expert group, gathered over the
     expert axis) for its own experts, summed back to the tokens' devices; the objective and every gradient equal
     one device's. A global sort made GSPMD gather every token to every device (and replicate dispatch tensors whole
     on fsdp_ep with data 2 and on fsdp_tp_ep). With adapters on the experts (B random), theirs too: A's embed
     dimension gathered with the weights', the down adapter's partial sums over tensor summed with the output's.
     tokamax's grouped matmul (its XLA implementation on CPUs) inside the shard_map, which has no vma checks for it:
-    the tensor sum's gradient is scaled back by hand there (models/moe.py _sum_over)."""
+    the tensor sum's gradient is scaled back by hand there (models/moe.py _sum_over). A device's rows of other experts'
+    assignments lie past its groups, where jax's grouped matmul's output and gradient are unspecified: 1e4 here, so
+    any of them read back reaches the objective or a gradient."""
     from jaxtrain.partitioning import model_tracing
 
     cfg = with_(_moe_config(rules, ici, grouped_matmul=grouped_matmul), train={"global_batch": 16},
@@ -395,6 +472,7 @@ def test_dropless_sorts_per_device_and_matches_one_device(rules, ici, grouped_ma
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
     objective = jax.value_and_grad(lambda p: training_objective(graphdef, p, batch)[0])
     expected, expected_grads = jax.jit(objective)(params)
+    monkeypatch.setattr(jax.lax, "ragged_dot", _unspecified_past_the_groups(jax.lax.ragged_dot))
     with model_tracing(layout.mesh, layout.rules, cfg.rules):
         assert dropless_axes(16) is not None  # the per-device path, not GSPMD's global sort
         value, grads = jax.jit(objective)(jax.device_put(params, join_frozen(layout.shardings.frozen, layout.shardings.params)))
