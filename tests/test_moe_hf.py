@@ -11,8 +11,11 @@ import peft
 import pytest
 import torch
 import transformers
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from conftest import small_config
+from models.config import MoEConfig
+from models.moe import router_stats
 from jaxtrain.interop import hf_config, hf_export, hf_import
 from jaxtrain.layout import make_layout
 from test_hf import SEQ, _assert_close, _hf_logits, _our_logits
@@ -51,6 +54,21 @@ def test_moe_import_equals_transformers_and_export_loads_back(name, tmp_path):
     assert type(reloaded).__name__ == json.loads((hf_dir / "config.json").read_text())["architectures"][0]
     _assert_close(_hf_logits(reloaded), ours)
     assert jax.tree.structure(params) == jax.tree.structure(layout.abstract_state().params)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_the_exported_load_balancing_coefficient_weighs_transformers_loss_as_the_run_weighed_ours(top_k):
+    """transformers' load-balancing loss is top_k times ours at the same routing (its token shares sum to top_k): the
+    exported router_aux_loss_coef was our weight, so fine-tuning the export weighed that loss top_k times as much."""
+    moe = MoEConfig(num_experts=4, top_k=top_k, aux_loss_weight=0.01)
+    model = dataclasses.replace(small_config().model, moe=moe)
+    coefficient = hf_config.export_config(model, "float32", SEQ)["router_aux_loss_coef"]
+    logits = np.random.default_rng(top_k).normal(size=(2, 8, 4)).astype(np.float32)  # one layer's router, (batch, length, experts)
+    probs = jax.nn.softmax(logits, axis=-1)
+    experts = jax.lax.top_k(probs, top_k)[1]
+    ours = router_stats(logits, probs, experts, np.ones(experts.shape, bool))["aux_loss"]
+    theirs = load_balancing_loss_func((torch.from_numpy(logits.reshape(16, 4)),), 4, top_k)
+    assert coefficient * float(theirs) == pytest.approx(moe.aux_loss_weight * float(ours), rel=1e-6)
 
 
 @pytest.mark.parametrize("name", MODELS)

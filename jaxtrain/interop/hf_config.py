@@ -297,12 +297,15 @@ def export_config(model: LlamaConfig, dtype: str, seq_len: int, base: dict | Non
     if arch == "LlamaForCausalLM":
         body |= {"attention_bias": False, "mlp_bias": False}
     moe = model.moe
+    # transformers' load-balancing loss is top_k times ours at the same routing (its token shares sum to top_k): its
+    # coefficient at our weight / top_k weighs it as the run did
+    router = {"num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_weight / moe.top_k}
     if arch == "MixtralForCausalLM":
-        body |= {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_weight}
+        body |= router | {"num_local_experts": moe.num_experts}
     elif arch == "Qwen2MoeForCausalLM":
-        body |= {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k, "norm_topk_prob": moe.normalize_top_k,
-                 "moe_intermediate_size": model.mlp_dim, "shared_expert_intermediate_size": moe.num_shared_experts * model.mlp_dim,
-                 "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": moe.aux_loss_weight}
+        body |= router | {"num_experts": moe.num_experts, "norm_topk_prob": moe.normalize_top_k, "moe_intermediate_size": model.mlp_dim,
+                          "shared_expert_intermediate_size": moe.num_shared_experts * model.mlp_dim, "decoder_sparse_step": 1,
+                          "mlp_only_layers": []}
     return base | body
 
 
