@@ -25,7 +25,7 @@ from jaxtrain.observe.metrics import format_summary, startup_summary
 from jaxtrain.partitioning import model_tracing
 from jaxtrain.stages import Schedule
 from jaxtrain.train import build, train
-from models.config import PipelineConfig
+from models.config import MoEConfig, PipelineConfig
 from models.llama import Llama
 from test_parity import _losses
 from test_plan import medium_config
@@ -113,11 +113,27 @@ def test_remat_on_the_first_layers_of_each_stage_matches_plain_layers(remat_laye
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), piped_grads, plain_grads)
 
 
-def test_remat_layers_must_split_evenly_over_the_stages():
-    cfg = with_(_config("pp_fsdp", (1, 4, 1, 2), PipelineConfig(microbatches=2), remat="full"), model={"remat_layers": 3})
-    message = ("model.remat_layers=3 does not split over 2 stages x model.pipeline.repeats=1: each stage rematerialises the same "
-               "number of its layers in each repeat; use a multiple of 2")
-    with pytest.raises(UserError, match=re.escape(message)):
+@pytest.mark.parametrize("cfg, message", [
+    (with_(_config("pp_fsdp", (1, 4, 1, 2), PipelineConfig(microbatches=2), remat="full"), model={"remat_layers": 3}),
+     "model.remat_layers=3 does not split over 2 stages x model.pipeline.repeats=1: each stage rematerialises the same "
+     "number of its layers in each repeat; use a multiple of 2"),
+    # 2 of 8 layers over 2 stages x 2 repeats: each stage's group of 2 layers would have recomputed 2 // 4 = none
+    (with_(_config("pp_fsdp", (1, 4, 1, 2), PipelineConfig(microbatches=2, repeats=2), remat="full"), model={"remat_layers": 2}),
+     "model.remat_layers=2 does not split over 2 stages x model.pipeline.repeats=2: each stage rematerialises the same "
+     "number of its layers in each repeat; use a multiple of 4"),
+    # the whole batch splits into 8 micro-batches over 2 batch shards; each of the 4 gradient-accumulation passes does not
+    (with_(_config("pp_dp", (2, 1, 1, 4), PipelineConfig(microbatches=8)), train={"global_batch": 32, "microbatches": 4}),
+     "train.global_batch=32 / train.microbatches=4 = 8 sequences do not split into model.pipeline.microbatches=8 micro-batches "
+     "over the 2 batch shards; use a multiple of 16 per pass"),
+    (with_(_config("pp_fsdp", (1, 2, 1, 4)), model={"moe": MoEConfig(num_experts=4)}),
+     "model.moe.num_experts=4: mixture-of-experts layers do not run through pipeline stages yet (rule set pp_fsdp); use an "
+     "expert-parallel rule set without pp_ (dp_ep, fsdp_ep, fsdp_tp_ep)"),
+    (_config("pp_fsdp", (1, 2, 1, 4), PipelineConfig(repeats=0)), "model.pipeline.repeats=0 must be at least 1"),
+    (_config("pp_fsdp", (1, 2, 1, 4), PipelineConfig(microbatches=-1)),
+     "model.pipeline.microbatches=-1 must be 0 (as many as stages) or positive"),
+], ids=["remat-layers", "remat-layers-circular", "micro-batches-per-pass", "moe", "no-repeats", "negative-micro-batches"])
+def test_a_pipeline_the_model_batch_or_config_cannot_run_is_one_line(cfg, message):
+    with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
         make_layout(cfg)
 
 
@@ -139,6 +155,31 @@ def test_circular_schedule_with_more_microbatches_than_stages_matches_plain_laye
         piped, piped_grads = jax.jit(jax.grad(loss, has_aux=True))(params)[::-1]
     np.testing.assert_allclose(piped, plain, rtol=1e-5, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), piped_grads, plain_grads)
+
+
+def _compiled_backward(cfg):
+    """The compiled gradient, over the parameters laid out as ``cfg`` says, of the final hidden states' mean square."""
+    layout = make_layout(cfg)
+    graphdef, params = nnx.split(Llama(layout.cfg.model, rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((cfg.train.global_batch, cfg.data.seq_len), jnp.int32)
+
+    def loss(params):
+        return jnp.mean(jnp.square(nnx.merge(graphdef, params).hidden(tokens)))
+
+    with model_tracing(layout.mesh, layout.rules, cfg.rules):
+        return jax.jit(jax.grad(loss), in_shardings=(layout.shardings.params,)).lower(nnx.to_pure_dict(params)).compile()
+
+
+def test_remat_layers_under_a_circular_schedule_recompute_their_share_of_each_repeat():
+    """8 layers as 2 stages x 2 repeats x 2 layers, model.remat_layers=4: the first layer of each stage's group in
+    each repeat recomputed, the other's activations kept, so the compiled backward's working memory lies between full
+    remat's and none's (recomputing both layers of each group, as 4 // 2 stages would, is full remat's)."""
+    def temp_bytes(remat, remat_layers=None):
+        cfg = with_(_config("pp_fsdp", (1, 4, 1, 2), PipelineConfig(microbatches=2, repeats=2), remat=remat),
+                    model={"remat_layers": remat_layers}, train={"global_batch": 8})
+        return _compiled_backward(cfg).memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes("full") < temp_bytes("full", remat_layers=4) < temp_bytes("none")
 
 
 def _weight_heavy(pipeline: PipelineConfig):
@@ -169,11 +210,13 @@ def test_planner_memory_estimate_of_a_pipeline_within_15_percent_of_compiled_or_
     assert abs(estimate / plan_lib.compile_truth(layout).total - 1) < within
 
 
-def test_per_stage_memory_counts_a_stage_of_layers_and_the_whole_embedding_and_output_layer():
+@pytest.mark.parametrize("repeats, accumulation, copies", [(1, 1, 5), (3, 1, 5), (1, 2, 6)])
+def test_per_stage_memory_counts_a_stage_of_layers_and_the_whole_embedding_and_output_layer(repeats, accumulation, copies):
     """stage 2 x fsdp 2 x tensor 2: a device holds 1/8 of the layers' weights but 1/4 of the embedding and output
     tables (split over fsdp and tensor, not over stages; the final norm is replicated); each with AdamW's two moments, the gradient and the
-    update: 5 float32 copies."""
-    cfg = _weight_heavy(PipelineConfig(microbatches=4))
+    update: 5 float32 copies, 6 with the accumulator of 2 gradient-accumulation passes. The circular schedule's re-layout
+    (repeats 3: one more copy of the stage's layers) is the transformer layers'."""
+    cfg = with_(_weight_heavy(PipelineConfig(microbatches=4, repeats=repeats)), train={"microbatches": accumulation})
     layout = make_layout(cfg)
     items = plan_lib.estimate(layout)
     per_stage = stages_lib.stage_memory(layout, items)
@@ -181,8 +224,9 @@ def test_per_stage_memory_counts_a_stage_of_layers_and_the_whole_embedding_and_o
     hd = m.d_model // m.num_heads
     per_layer = m.d_model * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * m.d_model * m.mlp_dim
     norms = 2 * m.d_model  # split over stages only
-    assert per_stage["transformer layers"] == pytest.approx(5 * 4 * m.num_layers * (per_layer / 8 + norms / 2), rel=1e-6)
-    assert per_stage["embedding and output layer"] == pytest.approx(5 * 4 * (2 * m.vocab_size * m.d_model / 4 + m.d_model), rel=1e-6)
+    layers_copy = 4 * m.num_layers * (per_layer / 8 + norms / 2)
+    assert per_stage["transformer layers"] == pytest.approx((copies + (repeats > 1)) * layers_copy, rel=1e-6)
+    assert per_stage["embedding and output layer"] == pytest.approx(copies * 4 * (2 * m.vocab_size * m.d_model / 4 + m.d_model), rel=1e-6)
     assert per_stage["micro-batch activations in flight"] == items["activations"]
     assert per_stage["logits working set"] == items["logits and loss"]
 
