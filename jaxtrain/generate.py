@@ -309,7 +309,9 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax
     scalars, so one compiled program serves every setting."""
 
     def draw(logits):
-        logits = logits / temperature
+        # shifted to a maximum of 0 first (the same distribution): divided by a tiny temperature (2e-38 is allowed) the
+        # largest logits overflowed to inf and tied, and the draw was the first of them, not the most likely token
+        logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
         logits = jax.lax.cond(top_p < 1, nucleus, lambda x, _: x, logits, top_p)
         return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 

@@ -19,7 +19,7 @@ from jaxtrain.generate import Loaded, _knobs, _sample_at, generate, nucleus, sam
 from jaxtrain.partitioning import model_tracing
 from jaxtrain.state import init_state, model_spec
 from jaxtrain.layout import make_layout
-from models.config import LoraConfig, MoEConfig
+from models.config import LoraConfig, MoEConfig, RopeScaling
 from models.llama import KVCache
 
 NEW_TOKENS = 32
@@ -42,9 +42,14 @@ def _prompts(batch, length=5) -> np.ndarray:
     return np.random.default_rng(1).integers(0, MODEL["vocab_size"], (batch, length)).astype(np.int32)
 
 
-def _greedy_without_cache(loaded: Loaded, prompts: np.ndarray) -> np.ndarray:
-    """The whole forward re-run on the growing sequence, argmax of the last position each time (one
-    compiled shape: the sequence padded to its final length; causal attention ignores the padding)."""
+def _argmax(logits: np.ndarray, index: int) -> np.ndarray:
+    return np.argmax(logits, axis=-1)
+
+
+def _without_cache(loaded: Loaded, prompts: np.ndarray, pick=_argmax) -> np.ndarray:
+    """The whole forward re-run on the growing sequence, new token number ``index`` picked from the last position's
+    logits by ``pick(logits, index)`` each time (greedy by default; one compiled shape: the sequence padded to its
+    final length; causal attention ignores the padding)."""
     graphdef = model_spec(loaded.model_cfg).graphdef
     forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
     params = jax.device_get(loaded.params)  # one device, no sharding rules: the plain model
@@ -52,7 +57,7 @@ def _greedy_without_cache(loaded: Loaded, prompts: np.ndarray) -> np.ndarray:
     sequence = np.zeros((batch, length + NEW_TOKENS), np.int32)
     sequence[:, :length] = prompts
     for position in range(length, length + NEW_TOKENS):
-        sequence[:, position] = np.argmax(np.asarray(forward(params, sequence))[:, position - 1], axis=-1)
+        sequence[:, position] = pick(np.asarray(forward(params, sequence))[:, position - 1], position - length)
     return sequence[:, length:]
 
 
@@ -66,7 +71,7 @@ def test_greedy_with_cache_equals_full_forward(rules, mesh, devices, batch, expe
     out = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS))
     assert out.tokens.shape == (batch, NEW_TOKENS)
     assert len(np.unique(out.tokens)) > 8  # a varied continuation, not one token repeated
-    np.testing.assert_array_equal(out.tokens, _greedy_without_cache(loaded, prompts))
+    np.testing.assert_array_equal(out.tokens, _without_cache(loaded, prompts))
     assert out.prefill_tokens_per_s > 0 and out.decode_tokens_per_s > 0
 
 
@@ -78,7 +83,7 @@ def test_a_capacity_routed_model_generates_routing_every_token():
     capacity, dropless = (_loaded("dp", (1, 1, 1), 1, 4, dispatch) for dispatch in ("capacity", "dropless"))
     prompts = _prompts(2, 12)
     out = generate(capacity, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS))
-    np.testing.assert_array_equal(out.tokens, _greedy_without_cache(dropless, prompts))
+    np.testing.assert_array_equal(out.tokens, _without_cache(dropless, prompts))
 
 
 def test_decoding_ends_once_every_sequence_has_made_its_stop_token():
@@ -169,31 +174,57 @@ def test_seeded_sampling_is_reproducible_and_tiny_top_p_is_greedy():
     np.testing.assert_array_equal(run(temperature=1.0, top_p=1e-6, seed=5), greedy)
 
 
+def test_each_sampled_token_is_its_own_keys_draw_from_the_models_logits():
+    """New token number i is ``_sample_at(logits, knobs, i)`` of the whole forward's logits at its position: the prefill
+    draws token 0, the decoding steps 1, 2, ... (with the first step's key in the prefill as well, the first two tokens
+    shared their noise, and every other test still passed). Temperature 3 flattens the decisive logits, so the draws vary."""
+    loaded = _loaded("dp", (1, 1, 1), 1)
+    prompts = _prompts(2)
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=3.0, top_p=0.9, seed=11)
+    knobs = _knobs(sampling)
+    out = generate(loaded, prompts, sampling)
+    expected = _without_cache(loaded, prompts, lambda logits, index: np.asarray(_sample_at(jnp.asarray(logits), knobs, index)))
+    assert not np.array_equal(expected, _without_cache(loaded, prompts))  # not greedy
+    np.testing.assert_array_equal(out.tokens, expected)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_tiny_temperature_samples_the_most_likely_token(top_p):
+    """Any positive temperature is allowed: divided by 2e-38 logits above 6.8 overflowed to inf and tied, and the draw
+    was the first of them (with top-p, nan probabilities), where a temperature near 0 means the most likely token.
+    (Below float32's smallest normal number, 1.2e-38, XLA:CPU reads a temperature as 0: greedy.)"""
+    logits = jnp.array([[29.0, 30.0, 1.0, 2.0], [1.0, 2.0, 30.0, 29.0]])
+    draws = sample(logits, jax.random.key(0), jnp.float32(2e-38), jnp.float32(top_p))
+    np.testing.assert_array_equal(draws, [1, 2])
+
+
 @pytest.fixture(scope="module")
 def byte_run(tmp_path_factory):
-    """A byte-level run (vocab 256, cpu8 mesh, fsdp_tp) trained for 3 steps on a repeated sentence."""
+    """A byte-level run (vocab 256, 32 positions, cpu8 mesh, fsdp_tp) trained for 3 steps on a repeated sentence."""
     from jaxtrain.data import Corpus
     from jaxtrain.train import build, train
 
     text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 60, np.uint8)
-    cfg = with_(small_config(vocab_size=256), train={"steps": 3}, log={"peak_tflops": 1.0, "tensorboard": False, "layer_every": 0})
+    cfg = with_(small_config(vocab_size=256), data={"seq_len": 32}, train={"steps": 3},
+                log={"peak_tflops": 1.0, "tensorboard": False, "layer_every": 0})
     run_dir = tmp_path_factory.mktemp("generate") / "run"
     train(cfg, run_dir, build(cfg, Corpus(text, text[:400], 256, "a sentence")))
     return run_dir
 
 
 def test_generate_command_prints_the_runs_greedy_text(byte_run):
-    """One prompt on the run's cpu8 mesh: a batch of 1, left whole by the fsdp_tp rules' batch split."""
+    """One prompt on the run's cpu8 mesh: a batch of 1, left whole by the fsdp_tp rules' batch split; 9 + 23 tokens fill
+    the run's 32 positions."""
     from jaxtrain.generate import load
 
-    result = run_cli("generate", str(byte_run), "--prompt", "the quick", "--max-new-tokens", "24", cwd=REPO)
+    result = run_cli("generate", str(byte_run), "--prompt", "the quick", "--max-new-tokens", "23", cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = load(byte_run)  # the run's own mesh and rules, its latest checkpoint
-    expected = generate(loaded, np.array([loaded.encode("the quick")]), SamplingConfig(max_new_tokens=24)).tokens[0]
+    expected = generate(loaded, np.array([loaded.encode("the quick")]), SamplingConfig(max_new_tokens=23)).tokens[0]
     assert result.stdout == "the quick" + loaded.decode(expected) + "\n"
-    assert re.search(r"24 new tokens; prefill 9 tokens in [\d.]+ s \([\d,]+ tokens/s\); decode [\d,.]+ tokens/s", result.stderr)
+    assert re.search(r"23 new tokens; prefill 9 tokens in [\d.]+ s \([\d,]+ tokens/s\); decode [\d,.]+ tokens/s", result.stderr)
     # the same command again reads every program it compiles back from the run's compilation cache (train.compile_cache)
-    again = run_cli("generate", str(byte_run), "--prompt", "the quick", "--max-new-tokens", "24", cwd=REPO)
+    again = run_cli("generate", str(byte_run), "--prompt", "the quick", "--max-new-tokens", "23", cwd=REPO)
     assert again.returncode == 0 and again.stdout == result.stdout, again.stderr[-3000:]
     folder = compile_cache.directory("auto")  # the run's setting, in the tests' XDG_CACHE_HOME (conftest.py)
     read_back = re.search(rf"\((\d+) of (\d+) programs read back from the compilation cache {re.escape(str(folder))}\)", again.stderr)
@@ -226,7 +257,9 @@ def test_generate_command_bad_input(args, message, byte_run, tmp_path):
         (run / "config.yaml").write_bytes((byte_run / "config.yaml").read_bytes())
     elif args == "no run":
         run = tmp_path
-    result = run_cli("generate", str(run), "--prompt", "a", *(args if isinstance(args, list) else []), cwd=tmp_path)
+    # 8 new tokens fit the run's context; a case's own --max-new-tokens comes after, so argparse takes it
+    result = run_cli("generate", str(run), "--prompt", "a", "--max-new-tokens", "8", *(args if isinstance(args, list) else []),
+                     cwd=tmp_path)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("jaxtrain: error: ") and message.format(run=run) in lines[0], lines[0]
@@ -255,7 +288,7 @@ def test_text_codecs(tmp_path):
     in RUN_DIR/hf/ when there is one, else token ids; a run with data.tokenizer: that tokenizer."""
     import tokenizers
 
-    from jaxtrain.generate import codec
+    from jaxtrain.generate import _until, codec
 
     byte_run = small_config(vocab_size=256)
     encode, decode, stop = codec(byte_run, tmp_path)
@@ -276,6 +309,8 @@ def test_text_codecs(tmp_path):
         assert encode("the lazy fox") == tokenizer.encode("the lazy fox").ids and decode(encode("the lazy fox")) == "the lazy fox"
         # up to the end of text, as the byte-level runs' output (a QA report: what followed it was printed on as continuation)
         assert decode(encode("the lazy") + [end_of_text] + encode("fox")) == "the lazy"
+    # the end itself is cut too, not left to skip_special_tokens: a tokenizer need not mark its end token special
+    assert _until([5, 9, 2, 9], 9) == [5] and _until([5, 2], 9) == [5, 2]
 
 
 def test_a_prompt_token_id_past_the_vocabulary_is_one_line():
@@ -334,6 +369,38 @@ def test_generating_past_the_models_context_is_one_line(tmp_path, capsys, monkey
     assert cli.main(["generate", str(tmp_path), "--prompt", long_prompt, "--max-new-tokens", "1"]) == 2
     assert capsys.readouterr().err == ("jaxtrain: error: the prompt is 1024 tokens and fills the model's context of 1024 positions "
                                        "(max_position_embeddings), leaving no room for a new token; shorten the prompt\n")
+
+
+@pytest.mark.parametrize("new_tokens, message", [
+    (24, "--max-new-tokens 24 with a prompt of 9 tokens runs past the model's context of 32 positions (data.seq_len); "
+         "give --max-new-tokens 23 or less"),
+    (100000, "--max-new-tokens 100000 runs past the model's context of 32 positions (data.seq_len) before any prompt; "
+             "give fewer than 32, less the prompt's tokens"),
+])
+def test_generating_past_a_runs_trained_context_is_one_line(new_tokens, message, byte_run, capsys, monkeypatch):
+    """A run trained from scratch learnt data.seq_len positions, the max_position_embeddings its export-hf writes, which
+    bounds generating from that export: from the run itself --max-new-tokens 100000 was taken and decoded on (a QA
+    report). Refused before the weights are read."""
+    from jaxtrain import cli
+    from jaxtrain import generate as generate_lib
+
+    monkeypatch.setattr(generate_lib, "load", lambda *a, **k: pytest.fail("read the weights first"))
+    capsys.readouterr()
+    assert cli.main(["generate", str(byte_run), "--prompt", "the quick", "--max-new-tokens", str(new_tokens)]) == 2
+    assert capsys.readouterr().err == f"jaxtrain: error: {message}\n"
+
+
+@pytest.mark.parametrize("scaling, context", [
+    (RopeScaling(), (32, "data.seq_len")),
+    (RopeScaling(type="llama3", original_max_len=64), (64, "model.rope_scaling.original_max_len")),
+    (RopeScaling(type="llama3", original_max_len=16), (32, "data.seq_len")),
+])
+def test_a_runs_context_is_the_max_position_embeddings_its_export_writes(scaling, context):
+    from jaxtrain.interop import hf_config
+
+    model = small_config(rope_scaling=scaling).model
+    assert hf_config.trained_context(model, 32) == context
+    assert hf_config.export_config(model, "float32", 32)["max_position_embeddings"] == context[0]
 
 
 def test_generating_past_a_sliding_window_is_one_line(tmp_path, capsys, monkeypatch):
@@ -397,19 +464,25 @@ def test_seeds_up_to_32_bits_sample_and_train_and_data_seeds_share_the_bound():
             config_lib.check(with_(small_config(), **{section: {"seed": 2**32}}))
 
 
-def test_a_cache_larger_than_memory_is_one_line_before_the_weights(byte_run, capsys, monkeypatch):
+def test_a_cache_larger_than_memory_is_one_line_before_the_weights(byte_run, tmp_path, capsys, monkeypatch):
     """A QA report: --max-new-tokens 1000000000 failed in an allocation (RESOURCE_EXHAUSTED) after the weights were read.
     The byte run's cache: 2 layers x 2 x 1 x positions x 2 kv heads x 8 x 4 bytes, kv heads split 2 ways over tensor and
-    the rest copied on the 8 CPU devices: 1 KiB of host memory per position, so 1 GiB holds 2**20 positions."""
+    the rest copied on the 8 CPU devices: 1 KiB of host memory per position, so 1 GiB holds 2**20 positions. The run's
+    config with data.seq_len as long as positions go, so its context holds the request and the cache is what refuses it."""
     from types import SimpleNamespace
+
+    import yaml
 
     from jaxtrain import cli
     from jaxtrain import generate as generate_lib
 
+    config = yaml.safe_load((byte_run / "config.yaml").read_text())
+    config["data"]["seq_len"] = generate_lib.MAX_POSITIONS
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     monkeypatch.setattr(generate_lib.psutil, "virtual_memory", lambda: SimpleNamespace(available=2**30))
     monkeypatch.setattr(generate_lib, "load", lambda *a, **k: pytest.fail("read the weights first"))
     capsys.readouterr()
-    assert cli.main(["generate", str(byte_run), "--prompt", "the quick", "--max-new-tokens", "1000000000"]) == 2
+    assert cli.main(["generate", str(tmp_path), "--prompt", "the quick", "--max-new-tokens", "1000000000"]) == 2
     assert capsys.readouterr().err == (
         "jaxtrain: error: --max-new-tokens 1000000000 with a prompt of 9 tokens needs a key/value cache of 238.4 GiB (2 layers x 2 "
         "(keys, values) x batch 1 x 1000000009 positions x 2 kv heads x 8 head dim x 4 bytes (float32)), 953.7 GiB with the copies "

@@ -212,6 +212,15 @@ def context_length(directory: Path) -> tuple[int, str] | None:
     return min(limits, default=None)
 
 
+def trained_context(model: LlamaConfig, seq_len: int) -> tuple[int, str]:
+    """The positions of a run trained from scratch and the key that decides them: what its export-hf writes as
+    max_position_embeddings, so generating from the run and from its export is bounded alike."""
+    # transformers refuses to call a scaled rope's original context longer than the model's
+    if model.rope_scaling.type != "none" and model.rope_scaling.original_max_len > seq_len:
+        return model.rope_scaling.original_max_len, "model.rope_scaling.original_max_len"
+    return seq_len, "data.seq_len"
+
+
 def has_placeholder_shape(model: LlamaConfig) -> bool:
     """Whether ``model``'s shape is LlamaConfig's default: a placeholder, what an experiment that sets no shape of
     its own (finetune, which takes one from --init-from HF_DIR) holds."""
@@ -284,8 +293,7 @@ def export_config(model: LlamaConfig, dtype: str, seq_len: int, base: dict | Non
     rope_scaling = None if s.type == "none" else {
         "rope_type": s.type, "factor": s.factor, "low_freq_factor": s.low_freq_factor,
         "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_len}
-    # transformers refuses to call a scaled rope's original context longer than the model's
-    positions = seq_len if rope_scaling is None else max(seq_len, s.original_max_len)
+    positions, _ = trained_context(model, seq_len)
     body = {
         "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": model.vocab_size,
         "hidden_size": model.d_model, "intermediate_size": model.mlp_dim, "num_hidden_layers": model.num_layers,
