@@ -150,10 +150,12 @@ ROWS = (
     *(Row(f"grad_sync_{sync}_1b", "llama3_1b", (*MFU_1B, *GRAD_SUMS_OVER_DATA, f"optim.grad_sync={sync}"), 60, min_devices=2,
           tiny_overrides=GRAD_SUMS_OVER_DATA[:2])
       for sync in ("step", "microbatch")),
-    # optim.grad_dtype=bfloat16: grad_sync_step_1b's job with its sums over data in bfloat16, half the bytes; compare
-    # step_s with that row's (on one GPU there is no sum to narrow: the program was mfu_1b's)
-    Row("grad_bf16_1b", "llama3_1b", (*MFU_1B, *GRAD_SUMS_OVER_DATA, "optim.grad_sync=step", "optim.grad_dtype=bfloat16"), 60,
-        min_devices=2, tiny_overrides=GRAD_SUMS_OVER_DATA[:2]),
+    # optim.grad_dtype on 2+ GPUs under pure data parallelism (rules dp, which bfloat16 sums need): the sums over data
+    # once a step in float32 against bfloat16, half the bytes; compare their step_s (on one GPU there is no sum)
+    *(Row(f"grad_{short}_1b", "llama3_1b", (*MFU_1B, *GRAD_SUMS_OVER_DATA[:2], "mesh.ici.data=-1", "mesh.ici.fsdp=1",
+                                            "optim.grad_sync=step", f"optim.grad_dtype={dtype}"), 60,
+          options=("--rules", "dp"), min_devices=2, tiny_overrides=GRAD_SUMS_OVER_DATA[:2])
+      for short, dtype in (("f32", "float32"), ("bf16", "bfloat16"))),
     # a 1 GiB state split over the GPUs saved (device to host to disk), restored, and saved in the background under a
     # loop of steps (benchmarks/bench_checkpoint.py; on one GPU its small replicated arrays have no replicas to share)
     Row("checkpoint_1gib", "tiny", (), 60, script="bench_checkpoint.py"),
