@@ -97,6 +97,18 @@ def idle_axes_note(idle: dict[str, int], rules: str) -> str | None:
             f"{math.prod(idle.values())} times over; give those devices to data or fsdp, or use a rule set that maps them")
 
 
+def unsplit_experts_note(layout: Layout) -> str | None:
+    """The start-up summary's and the plan's note where the rule set splits a mixture of experts' experts over mesh axes
+    of one device in all (an expert-parallel rule set on a mesh without an expert axis): it trains, every device holding
+    every expert. None otherwise."""
+    experts, axes = layout.cfg.model.moe.num_experts, tuple(layout.rules.get("experts") or ())
+    if not experts or not axes or logical_ways(layout.rules, layout.mesh, "experts") > 1:
+        return None
+    return (f"note: rule set {layout.cfg.rules} splits the experts over mesh axis {', '.join(axes)}, of 1 device here: every "
+            f"device holds all {experts} experts of each layer (no expert parallelism); set mesh.ici.{axes[0]} to a divisor "
+            f"of {experts} above 1, or use a rule set without _ep")
+
+
 def make_layout(cfg: Config, devices: list | None = None) -> Layout:
     """Check the config against the devices, mesh, rules and model parameters; no compilation."""
     config_lib.check(cfg)

@@ -87,6 +87,28 @@ def test_mesh_axes_that_split_nothing_are_named_with_the_work_they_repeat():
         "4 times over; give those devices to data or fsdp, or use a rule set that maps them")
 
 
+def test_an_expert_parallel_rule_set_on_a_mesh_without_an_expert_axis_is_noted_in_the_summary_and_the_plan():
+    """fsdp_ep with mesh.ici.expert left at 1 trains, every device holding every expert: a note says so (a QA report:
+    no word of it before)."""
+    from jaxtrain.layout import unsplit_experts_note
+    from jaxtrain.observe.metrics import format_summary, startup_summary
+    from jaxtrain.plan import estimate as plan_lib
+    from models.config import MoEConfig
+
+    experts = {"mlp_dim": 16, "moe": MoEConfig(num_experts=4, top_k=2)}
+    note = ("note: rule set fsdp_ep splits the experts over mesh axis expert, of 1 device here: every device holds all 4 "
+            "experts of each layer (no expert parallelism); set mesh.ici.expert to a divisor of 4 above 1, or use a rule set "
+            "without _ep")
+    cfg = small_config("fsdp_ep", (2, 4, 1, 1, 1), **experts)
+    assert unsplit_experts_note(make_layout(cfg)) == note
+    assert unsplit_experts_note(make_layout(small_config("fsdp_ep", (2, 2, 1, 1, 2), **experts))) is None  # split in 2
+    assert unsplit_experts_note(make_layout(small_config("fsdp_ep", (2, 4, 1, 1, 1)))) is None  # a dense model
+    assert unsplit_experts_note(make_layout(small_config("fsdp", (2, 4, 1), **experts))) is None  # a rule set without experts
+    assert f"\n  {note}" in format_summary(startup_summary(make_layout(cfg), 0.0, None, "test", None, "none"))
+    plan = plan_lib.make_plan(cfg)
+    assert note in plan_lib.render(plan).splitlines() and plan.to_json()["unsplit_experts_note"] == note
+
+
 def test_the_mesh_holds_the_devices_in_order_with_its_last_axes_the_nearest():
     """Axes (data, fsdp, tensor, stage, expert), the last varying fastest: on GPUs tensor parallelism's every-layer
     sums stay among neighbouring devices (one node) and data parallelism spans the farthest. One process multiplies
