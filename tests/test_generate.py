@@ -231,6 +231,19 @@ def test_generate_command_prints_the_runs_greedy_text(byte_run):
     assert read_back and read_back[1] == read_back[2] != "0", again.stderr[-2000:]
 
 
+def test_the_generate_command_hands_decoding_the_runs_stop_token(byte_run, monkeypatch, capsys):
+    """Decoding ends at the codec's stop token (a byte-level run's document separator, 0) only if the command passes it
+    on; this small model never makes it, so its output alone could not show a command that dropped it (a QA audit)."""
+    from jaxtrain import cli
+    from jaxtrain import generate as generate_lib
+
+    stops, decoding = [], generate_lib.generate
+    monkeypatch.setattr(generate_lib, "generate", lambda loaded, prompts, sampling, stop=None: (
+        stops.append(stop), decoding(loaded, prompts, sampling, stop))[1])
+    assert cli.main(["generate", str(byte_run), "--prompt", "the", "--max-new-tokens", "4"]) == 0
+    assert stops == [0]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-new-tokens", "0", "--temperature", "-1", "--top-p", "1.5"],
      "--max-new-tokens 0 must be at least 1; --temperature -1 must be 0 (greedy) or positive; --top-p 1.5 must be in (0, 1]"),
