@@ -146,16 +146,17 @@ class HloReport:
                                   expert_axes: tuple[str, ...] = ()) -> dict[str, float]:
         """Traffic in step_cost's terms: collectives over pipeline stage axes are the pipeline's, all-gathers,
         reduce-scatters and all-to-alls over batch axes but no expert axis FSDP's (an all-to-all there: the embedding
-        lookup's gradient to the table's columns), all-reduces over batch axes data parallelism's, other all-to-alls
-        and all-gathers and reduce-scatters over an expert axis expert parallelism's (tokens to their experts and
-        back: models/moe.py), collectives over other axes tensor parallelism's."""
+        lookup's gradient to the table's columns), all-reduces over batch axes data parallelism's, all-to-alls,
+        all-gathers and reduce-scatters over an expert axis expert parallelism's (tokens to their experts and back:
+        models/moe.py), collectives over other axes tensor parallelism's (an all-to-all over tensor among them: counted
+        as the experts', it was left out of the printed comparison of a dense model, which predicts none)."""
         out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0}
         for c in self.collectives:
             on_batch = c.axes is not None and set(c.axes) <= set(batch_axes)
             kind = ("fsdp" if c.kind in ("all-gather", "reduce-scatter") else "data") if on_batch else "tensor"
             by_expert = bool(set(c.axes or ()) & set(expert_axes))
             if c.kind == "all-to-all" or by_expert and c.kind in ("all-gather", "reduce-scatter"):
-                kind = "fsdp" if on_batch and not by_expert else "expert"
+                kind = "expert" if by_expert else "fsdp" if on_batch else "tensor"
             if stage_axes and c.axes and set(c.axes) <= set(stage_axes):  # shifts, and the circular schedule's weights
                 kind = "pipeline"
             out[kind] = out.get(kind, 0.0) + c.traffic
