@@ -422,6 +422,8 @@ def test_suggestions_and_techniques_leave_no_mesh_axis_idle_that_the_plan_uses()
     assert suggestions and all("rules" not in s.changes for s in suggestions)
     techniques = [t.change for t in plan_lib.technique_effects(layout, "h100")]
     assert techniques and not any(change.startswith("rules=") for change in techniques)
+    # nor offload_dots, which runs as full under stages (its line named offloading, with full's figures and no host transfer)
+    assert not any(change.startswith("model.remat=") for change in techniques)
 
 
 def test_techniques_that_change_nothing_are_left_out():

@@ -535,14 +535,17 @@ class Technique:
 def technique_effects(layout: Layout, gpu: str | None = None) -> list[Technique]:
     """What each memory technique alone would change of the planned layout: estimated bytes per device on the
     accelerator and step time (``step_cost``); those the config already uses, the mesh cannot take, that leave a mesh
-    axis idle, or that change neither memory nor step time, left out."""
+    axis idle, that change neither memory nor step time, or that would not run as named (a dot-offloading remat
+    policy under pipeline stages runs as full: its line named offloading, with full's figures and no host transfer),
+    left out."""
     cfg = layout.cfg
+    stages = schedule(cfg, layout.rules, layout.mesh).stages
     base_total, base_time = estimate_total(estimate(layout, ACCELERATOR)), step_time(layout, gpu).total_s
     current = flatten(to_dict(cfg))
     out = []
     for change in TECHNIQUES:
         candidate = _replace(cfg, **change)
-        if candidate == cfg:
+        if candidate == cfg or acting_remat(candidate.model.remat, stages) != candidate.model.remat:
             continue
         try:
             changed = make_layout(candidate, list(layout.mesh.devices.flat)) if "rules" in change else _with_cfg(layout, candidate)
