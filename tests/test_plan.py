@@ -426,6 +426,15 @@ def test_suggestions_and_techniques_leave_no_mesh_axis_idle_that_the_plan_uses()
     assert not any(change.startswith("model.remat=") for change in techniques)
 
 
+def test_a_mixture_of_experts_is_offered_the_expert_parallel_rule_sets():
+    """The search weighed the dense rule sets alone, which leave an expert axis idle: a dp_ep plan over expert 2 that
+    did not fit was offered no other rule set, fsdp_ep (its dense weights split over fsdp) among them (a QA audit)."""
+    experts = {"mlp_dim": 512, "moe": MoEConfig(num_experts=4, top_k=2)}
+    layout = make_layout(with_(medium_config("dp_ep", "full", mesh=(1, 4, 1, 1, 2)), model=experts))
+    suggestions = plan_lib.suggest(layout.cfg, total(layout.cfg, plan_lib.ACCELERATOR) * 0.9, gpu="h100", count=100)
+    assert "fsdp_ep" in {s.changes.get("rules") for s in suggestions}
+
+
 def test_techniques_that_change_nothing_are_left_out():
     """On one device every rule set compiles the same program: `tiny_moe --mesh gpu1` listed rules=zero1, zero2 and
     fsdp as "saves 0 KiB per device, step time x1.00"."""

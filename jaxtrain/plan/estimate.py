@@ -54,6 +54,8 @@ MIB = 2**20
 KIB = 2**10
 DEFAULT_HEADROOM = 0.10  # share of device memory kept free for the CUDA context, NCCL buffers, fragmentation
 RULE_SETS = ("dp", "fsdp", "tp", "fsdp_tp", "zero1", "zero2")
+# weighed besides for a mixture of experts: on a mesh with an expert axis the rule sets above leave it idle
+EXPERT_RULE_SETS = ("dp_ep", "fsdp_ep", "fsdp_tp_ep")
 ACCELERATOR = "gpu"  # the platform plans are for, whatever the step was compiled on
 # the offload_* policies are itemised (technique_effects), not searched: a compile on CPUs, which have one memory,
 # cannot check what they save
@@ -473,12 +475,14 @@ class Suggestion:
 
 
 def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = None, count: int = 5) -> list[Suggestion]:
-    """Configurations that fit, over rule set (ZeRO-1/2 among them; none that leaves a mesh axis idle the plan uses)
+    """Configurations that fit, over rule set (ZeRO-1/2 among them, and the expert-parallel ones for a mixture of
+    experts; none that leaves a mesh axis idle the plan uses)
     x remat (on every layer, or a quarter, half or three quarters of them: model.remat_layers) x optim.offload
     x micro-batches (the fewest that fit for each),
     ranked by estimated step time on ``gpu`` (recompute and communication). Micro-batches are how the
     per-device batch shrinks: the global batch, a training hyper-parameter, is left alone."""
-    layouts = _layouts_by_rules(cfg, devices, dict.fromkeys((cfg.rules, *RULE_SETS)))
+    rule_sets = (*RULE_SETS, *(EXPERT_RULE_SETS if cfg.model.moe.num_experts else ()))
+    layouts = _layouts_by_rules(cfg, devices, dict.fromkeys((cfg.rules, *rule_sets)))
     planned = _with_cfg(layouts[cfg.rules], cfg)  # the layouts are built at one micro-batch: the plan's own count here
     base = step_time(planned, gpu)
     base_time = base.total_s
