@@ -424,6 +424,9 @@ def test_suggestions_and_techniques_leave_no_mesh_axis_idle_that_the_plan_uses()
     assert techniques and not any(change.startswith("rules=") for change in techniques)
     # nor offload_dots, which runs as full under stages (its line named offloading, with full's figures and no host transfer)
     assert not any(change.startswith("model.remat=") for change in techniques)
+    # while the others stay where the plan's own policy is one that runs as full there
+    dots = make_layout(with_(cfg, model={"remat": "save_dots"}))
+    assert [t.change for t in plan_lib.technique_effects(dots, "h100")] == techniques
 
 
 def test_a_mixture_of_experts_is_offered_the_expert_parallel_rule_sets():

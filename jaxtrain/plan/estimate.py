@@ -549,7 +549,7 @@ def technique_effects(layout: Layout, gpu: str | None = None) -> list[Technique]
     out = []
     for change in TECHNIQUES:
         candidate = _replace(cfg, **change)
-        if candidate == cfg or acting_remat(candidate.model.remat, stages) != candidate.model.remat:
+        if candidate == cfg or "remat" in change and acting_remat(change["remat"], stages) != change["remat"]:
             continue
         try:
             changed = make_layout(candidate, list(layout.mesh.devices.flat)) if "rules" in change else _with_cfg(layout, candidate)
