@@ -243,26 +243,33 @@ def _own_experts_output(x, weights, experts, expert_params, grouped_matmul: str,
     rows = x.reshape(b * t, d).at[source].get(mode="fill", fill_value=0)
     ragged_dot = _grouped_matmul(grouped_matmul)
     row_expert = jax.nn.one_hot(group[order], count, dtype=x.dtype)  # other experts' rows: all zeros
+    in_groups = None if first is None else mine[order][:, None]  # else every row is in a group
     out = checkpoint_name(_experts_swiglu(rows, lambda lhs, w: ragged_dot(lhs, w, sizes), expert_params,
-                                          adapter_matmul=lambda lhs, w: _rank_sized_matmul(lhs, w, row_expert)), EXPERT_SAVED[-1])
+                                          adapter_matmul=lambda lhs, w: _rank_sized_matmul(lhs, w, row_expert, in_groups)),
+                          EXPERT_SAVED[-1])
     out = jnp.zeros_like(out).at[target].set(out, mode="drop").reshape(b, t, k, d)  # back to token order
     return jnp.einsum("btkd,btk->btd", out, weights.astype(out.dtype))
 
 
-def _rank_sized_matmul(lhs, w, row_expert):
+def _rank_sized_matmul(lhs, w, row_expert, in_groups=None):
     """Each row of ``lhs`` (rows, in) by its expert's ``w`` (experts, in, out), one of whose sides is an adapter's rank,
     as dense matmuls over all the experts' ``w`` side by side: where ``out`` is the smaller side, every expert's
     product (rows x experts x out) and then the row's own kept (``row_expert``: one-hot, rows x experts); else the
     row spread to its expert's place (rows x experts x in, zeros elsewhere) and one product. Either costs experts x
     the smaller side per row and element of the other, a few percent of the weights' products for rank 16. A ragged
     dot does not suit them: XLA's GPU compiler expands it over every expert as wide as its output (experts x rows x
-    the hidden dimension for B), and a grouped-matmul kernel's tiles are wider than a rank."""
+    the hidden dimension for B), and a grouped-matmul kernel's tiles are wider than a rank. ``in_groups`` (rows, 1),
+    if given, keeps only those rows, of ``lhs`` and of the product's gradient: the others come from or go back to a
+    grouped matmul, which leaves rows past its groups unspecified (NaN is possible), and 0 x NaN in these dense
+    products reached the adapters' gradients."""
     experts, inputs, outputs = w.shape
+    kept = (lambda rows: rows) if in_groups is None else (lambda rows: jnp.where(in_groups, rows, 0))
+    lhs = kept(lhs)
     if outputs <= inputs:
         every = jnp.einsum("ri,eio->reo", lhs, w)
-        return jnp.einsum("reo,re->ro", every, row_expert)
+        return kept(jnp.einsum("reo,re->ro", every, row_expert))
     spread = (row_expert[:, :, None] * lhs[:, None, :]).reshape(lhs.shape[0], experts * inputs)
-    return spread @ w.reshape(experts * inputs, outputs)
+    return kept(spread @ w.reshape(experts * inputs, outputs))
 
 
 def _top_k(probs, k: int):

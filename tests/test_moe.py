@@ -426,11 +426,12 @@ def test_planner_counts_expert_weights_by_the_expert_axis_and_all_to_all_traffic
 
 
 def _unspecified_past_the_groups(ragged_dot):
-    """``ragged_dot`` whose rows past its groups are 1e4, in its output and in its input's gradient: jax leaves them
+    """``ragged_dot`` whose rows past its groups are NaN, in its output and in its input's gradient: jax leaves them
     unspecified, and a GPU kernel leaves there what the memory held (XLA:CPU writes zeros, where a dispatch
-    reading them would pass). Finite: the dispatch multiplies them by zero (an adapter's one-hot of their experts)."""
+    reading them would pass). NaN, not any finite value: the adapters' dense products took those rows times zero (a
+    one-hot of their experts), and 0 x NaN made the adapters' gradients NaN."""
     def past_the_groups_garbage(rows, group_sizes):
-        return jnp.where((jnp.arange(rows.shape[0]) < jnp.sum(group_sizes))[:, None], rows, 1e4)
+        return jnp.where((jnp.arange(rows.shape[0]) < jnp.sum(group_sizes))[:, None], rows, jnp.nan)
 
     @jax.custom_vjp
     def unspecified(lhs, rhs, group_sizes):
@@ -456,7 +457,7 @@ def test_dropless_sorts_per_device_and_matches_one_device(rules, ici, grouped_ma
     dimension gathered with the weights', the down adapter's partial sums over tensor summed with the output's.
     tokamax's grouped matmul (its XLA implementation on CPUs) inside the shard_map, which has no vma checks for it:
     the tensor sum's gradient is scaled back by hand there (models/moe.py _sum_over). A device's rows of other experts'
-    assignments lie past its groups, where jax's grouped matmul's output and gradient are unspecified: 1e4 here, so
+    assignments lie past its groups, where jax's grouped matmul's output and gradient are unspecified: NaN here, so
     any of them read back reaches the objective or a gradient."""
     from jaxtrain.partitioning import model_tracing
 
