@@ -115,6 +115,24 @@ def test_a_chat_answer_ends_at_the_eos_token_the_tokenizer_config_names(data):
     tokenizer = load_tokenizer(tok_dir)
     assert sft.ChatTemplate(tokenizer).end_of_turn() == tokenizer.tokenizer.token_to_id("<|im_end|>") == 2
 
+
+def test_a_chat_answer_is_printed_up_to_the_end_of_its_turn_and_decoding_stops_there(data, tmp_path):
+    """`generate --chat`'s codec: the answer's text ends where its turn does (what follows, a next turn the model
+    went on to write, is not printed), and decoding is told to stop at that token."""
+    import shutil
+
+    from jaxtrain import generate
+
+    tok_dir, _ = data
+    shutil.copytree(tok_dir, tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    codec = generate.chat_codec(tmp_path / "hf", VOCAB)
+    tokenizer = load_tokenizer(tok_dir).tokenizer
+    answer, after = tokenizer.encode("alpha beta").ids, tokenizer.encode("gamma").ids
+    end = tokenizer.token_to_id("<|im_end|>")
+    assert codec.stop == end
+    assert codec.decode(answer + [end] + after + [end]) == codec.decode(answer) == tokenizer.decode(answer) == "alpha beta"
+
 def test_load_splits_counts_and_truncates(data, tmp_path):
     tok_dir, path = data
     cfg = DataConfig(path=str(path), tokenizer=str(tok_dir), seq_len=SEQ, val_fraction=0.2, format="sft")
