@@ -143,6 +143,10 @@ CASES = {
     "unknown model.quant": (lambda t: ["model.quant=int4"], "model.quant='int4' is unknown"),
     "unknown model.scan_layers": (lambda t: ["model.scan_layers=sometimes"],
                                   "model.scan_layers='sometimes' is unknown; choose true, false or auto"),
+    # each was a TypeError traceback ("data type 'bf16' not understood") with the check left out: no test had one
+    "unknown compute dtype": (lambda t: ["model.dtype=bf16"], "model.dtype='bf16' is not supported; choose one of float32, bfloat16, float16"),
+    "unknown parameter dtype": (lambda t: ["model.param_dtype=fp32"],
+                                "model.param_dtype='fp32' is not supported; choose one of float32, bfloat16, float16"),
     "float16 without master weights": (lambda t: ["model.dtype=float16", "model.param_dtype=float16"],
                                        "model.param_dtype=float16 (with model.dtype=float16) keeps no float32 master weights"),
     "unknown gradient dtype": (lambda t: ["optim.grad_dtype=float16"], "optim.grad_dtype='float16' must be float32 or bfloat16"),

@@ -10,23 +10,28 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 from conftest import small_config, with_
 from test_model import _dot_operand_dtypes
 from test_plan import medium_config
 from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import config as config_lib
+from jaxtrain.memory import loss_scale as loss_scale_lib
 from jaxtrain.memory import offload
+from jaxtrain.memory.quant import quantized
 from jaxtrain.plan import step_cost
 from jaxtrain.plan import estimate as plan_lib
 from jaxtrain.data import train_batches
 from jaxtrain.errors import UserError
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.observe import metrics as metrics_lib
-from jaxtrain.state import model_spec
-from jaxtrain.step import token_nll
+from jaxtrain.state import TrainState, model_spec
+from jaxtrain.step import make_train_step, token_nll
 from jaxtrain.train import build, train
+from models.llama import Llama
 
 STEPS = 20
 DP_MESH = (8, 1, 1)
@@ -192,10 +197,87 @@ def test_float16_overflow_at_the_lowest_scale_is_a_nonfinite_step(trainers, corp
 def test_float16_gradients_reach_the_clipping_and_the_log_unscaled(trainers, references, corpus):
     """The loss scale (2**15) is divided out of the gradients before the optimizer: the logged gradient norm is
     float32's, and the clipping (optim.clip_norm=1) sees that norm, not 2**15 times it. The losses cannot tell: Adam
-    divides a constant scale out again, and the run trained like float32 with the division left out."""
+    divides a constant scale out again, and the run trained like float32 with the division left out. This test reads
+    the logged norm only (it passed with the scaled gradients clipped): what the optimizer receives is
+    test_narrow_compute_hands_the_optimizer_unscaled_float32_gradients_and_updates_float32_masters's."""
     _, metrics = _run(trainers["float16"], corpus, 1)
     assert float(metrics[0]["loss_scale"]) == 2.0**15 and not metrics[0]["overflow"]
     np.testing.assert_allclose(metrics[0]["grad_norm"], references[1][0]["grad_norm"], rtol=1e-2)
+
+
+def _one_device_step(dtype: str, tx, params: dict, batch: dict):
+    """One train step of the small model in ``dtype`` compute on one device, with the optimizer ``tx`` (whose learning
+    rate must be a schedule: the step reads its count) and a fresh loss scale where the layout carries one: (state, metrics)."""
+    layout = make_layout(small_config("dp", (1, 1, 1), dtype=dtype), jax.devices()[:1])
+    scale = None if layout.shardings.loss_scale is None else loss_scale_lib.initial_state()
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), loss_scale=scale)
+    logged_rate = optax.constant_schedule(0.0)  # the learning_rate metric's only: tx applies its own
+    return jax.jit(make_train_step(layout.spec.graphdef, tx, logged_rate, 1, loss_scale_period=2000))(state, batch)
+
+
+def _small_params_and_batch() -> tuple[dict, dict]:
+    """float32 weights of the small model and a batch of 8 random sequences."""
+    params = nnx.to_pure_dict(nnx.state(Llama(small_config().model, rngs=nnx.Rngs(0))))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (8, 16)), jnp.int32)
+    return params, {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
+
+
+def _float32_gradients(params: dict, batch: dict) -> dict:
+    """The gradients of the training loss (weighted where the batch has weights) computed in float32 throughout."""
+    layout = make_layout(small_config("dp", (1, 1, 1)), jax.devices()[:1])
+    weights = batch.get("weights", 1.0 / batch["targets"].size)
+    return jax.grad(lambda p: (token_nll(layout.spec.graphdef, p, batch) * weights).sum())(params)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_narrow_compute_hands_the_optimizer_unscaled_float32_gradients_and_updates_float32_masters(dtype):
+    """Only float16 carries a loss scale. Its gradients are divided by the scale (2**15) before the optimizer: with
+    clipping at 100, far above float32's gradient norm (0.73) and far below 2**15 times it, SGD moves the weights by
+    lr x the float32 gradient, unclipped; clipped scaled gradients moved them by lr x 100, and an update divided by the
+    scale after the optimizer by lr x 100 / 2**15. Adam, which divides a constant scale out, hides both (the losses of
+    test_float16_trains_like_float32_and_checkpoints_its_scale). The weights stay float32 masters: an update of 1e-3 x the gradient is far below bfloat16's
+    spacing at the weights' size (rounded to bfloat16 they move 5.6 times as far)."""
+    params, batch = _small_params_and_batch()
+    reference_norm = optax.tree.norm(_float32_gradients(params, batch))
+    lr = 1e-3
+    tx = optax.chain(optax.clip_by_global_norm(100.0), optax.sgd(optax.constant_schedule(lr)))
+    state, metrics = _one_device_step(dtype, tx, params, batch)
+    assert (state.loss_scale is not None) == (dtype == "float16")
+    if dtype == "float16":
+        assert float(metrics["loss_scale"]) == 2.0**15 and not metrics["overflow"]
+    np.testing.assert_allclose(metrics["grad_norm"], reference_norm, rtol=1e-3)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(state.params))
+    moved = optax.tree.norm(jax.tree.map(jnp.subtract, params, state.params))
+    np.testing.assert_allclose(moved, lr * metrics["grad_norm"], rtol=1e-4)
+
+
+def test_float16_gradients_below_float16s_range_reach_the_optimizer():
+    """What loss scaling is for: token weights of 1e-6 make gradients of 1e-9 to 3e-8 for 44% of the weights, below
+    half of float16's smallest subnormal (2**-25), which float16 rounds to 0: each reaches the optimizer within 1% of float32's gradient (median;
+    0.2% here), scaled by 2**15 through the float16 backward pass and divided by it in float32. Divided in float16, or
+    never scaled, they are 0."""
+    params, batch = _small_params_and_batch()
+    batch |= {"weights": jnp.full(batch["targets"].shape, 1e-6, jnp.float32)}
+    reference = np.concatenate([np.ravel(g) for g in jax.tree.leaves(_float32_gradients(params, batch))])
+    lr = 1e3  # moves a weight of 0.02 by 1e-6 or more, which float32 resolves to 0.2%
+    state, metrics = _one_device_step("float16", optax.sgd(optax.constant_schedule(lr)), params, batch)
+    assert not metrics["overflow"]
+    moved = np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params))]) / lr
+    tiny = (np.abs(reference) >= 1e-9) & (np.abs(reference) < 2.0**-25)
+    assert tiny.mean() > 0.4
+    assert np.median(np.abs(moved[tiny] / reference[tiny] - 1)) < 1e-2
+
+
+def test_float16_non_finite_loss_is_not_an_overflow():
+    """An overflow is finite loss with gradients that overflow: what a lower scale cures. A non-finite loss (bad
+    data, diverged weights) is not the scaler's to skip quietly while it halves the scale from 2**15 down to 1 (15
+    steps): it is a non-finite step for the health guard at once, and not applied."""
+    params, batch = _small_params_and_batch()
+    params = {**params, "embed": params["embed"].at[0].set(jnp.nan)}
+    tx = optax.sgd(optax.constant_schedule(1e-3))
+    state, metrics = _one_device_step("float16", tx, params, batch)
+    assert not np.isfinite(metrics["loss"]) and not metrics["overflow"]
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)))
 
 
 def test_float16_trains_like_float32_and_checkpoints_its_scale(trainers, references, corpus, tmp_path):
@@ -293,6 +375,55 @@ def test_int8_and_fp8_quantize_the_layers_products_whatever_the_process_traced_b
     assert products("none") == plain
     assert products("int8", loss_chunk=8)[0] == Counter({("int8", "int8"): 9, (bf16, bf16): 1})
     assert products("fp8") == (Counter({(e4m3, e4m3): 9, (bf16, bf16): 1}), Counter({(e5m2, e4m3): 18, (bf16, bf16): 3}))
+
+
+class _OneProduct(nnx.Module):
+    """The model's shape as quant.quantized sees it: a ``hidden`` method whose product lies under ``layers/``."""
+
+    class Mlp(nnx.Module):
+        def __init__(self, w):
+            self.w = nnx.Param(w)
+
+        def __call__(self, x):
+            return jnp.einsum("btd,df->btf", x, self.w[...].astype(x.dtype))
+
+    def __init__(self, table, w):
+        self.table = nnx.Param(table)
+        self.layers = nnx.Dict(mlp=self.Mlp(w))
+
+    def hidden(self, tokens):
+        return self.layers["mlp"](jnp.take(self.table[...], tokens, axis=0))
+
+
+def _positive_peaks(a: np.ndarray, axis: int) -> np.ndarray:
+    """``a`` with each channel's sign flipped so its largest magnitude is positive: int8's scale puts that entry at
+    127.5, whose rounding (to 127 or -128 by sign) float32 division then decides only for positive entries."""
+    return a * np.sign(np.take_along_axis(a, np.abs(a).argmax(axis=axis, keepdims=True), axis=axis))
+
+
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+def test_int8_and_fp8_quantize_each_operand_per_channel_by_its_absmax(quant):
+    """The forward product of ``model.quant`` against numpy: each operand scaled per channel (a token's row of the
+    activations, an output column of the weight) by its absolute maximum over the summed dimension to int8's 127.5
+    (qwix's symmetric bound: round, clip to [-128, 127]) or e4m3's 448, the quantized operands multiplied and the
+    scales applied to the sums. Channels of magnitudes 1e-3 to 50 side by side: one scale per tensor rounds the small
+    ones to nothing."""
+    rng = np.random.default_rng(0)
+    table = _positive_peaks(rng.normal(size=(3, 16)).astype(np.float32) * np.float32([[1.0], [1e-3], [30.0]]), 1)
+    w = _positive_peaks(rng.normal(size=(16, 4)).astype(np.float32) * np.float32([1.0, 1e-3, 1.0, 50.0]), 0)
+    tokens = np.array([[0, 1, 2, 0]], np.int32)
+
+    def quantize(a, axis):
+        if quant == "int8":
+            scale = np.abs(a).max(axis=axis, keepdims=True) / 127.5
+            return np.clip(np.round(a / scale), -128, 127), scale
+        scale = np.abs(a).max(axis=axis, keepdims=True) / 448
+        return (a / scale).astype(jnp.float8_e4m3fn).astype(np.float32), scale
+
+    (qx, x_scale), (qw, w_scale) = quantize(table[tokens], -1), quantize(w, 0)
+    expected = np.einsum("btd,df->btf", qx, qw) * x_scale * w_scale
+    model = quantized(_OneProduct(jnp.asarray(table), jnp.asarray(w)), quant)
+    np.testing.assert_allclose(model.hidden(jnp.asarray(tokens)), expected, rtol=1e-5)
 
 
 def _medium(rules="dp", mesh=DP_MESH, **optim):
