@@ -144,7 +144,8 @@ CASES = {
     "unknown model.scan_layers": (lambda t: ["model.scan_layers=sometimes"],
                                   "model.scan_layers='sometimes' is unknown; choose true, false or auto"),
     # each was a TypeError traceback ("data type 'bf16' not understood") with the check left out: no test had one
-    "unknown compute dtype": (lambda t: ["model.dtype=bf16"], "model.dtype='bf16' is not supported; choose one of float32, bfloat16, float16"),
+    "unknown compute dtype": (lambda t: ["model.dtype=bf16"],
+                              "model.dtype='bf16' is not supported; choose one of float32, bfloat16, float16"),
     "unknown parameter dtype": (lambda t: ["model.param_dtype=fp32"],
                                 "model.param_dtype='fp32' is not supported; choose one of float32, bfloat16, float16"),
     "float16 without master weights": (lambda t: ["model.dtype=float16", "model.param_dtype=float16"],

@@ -235,8 +235,8 @@ def test_narrow_compute_hands_the_optimizer_unscaled_float32_gradients_and_updat
     clipping at 100, far above float32's gradient norm (0.73) and far below 2**15 times it, SGD moves the weights by
     lr x the float32 gradient, unclipped; clipped scaled gradients moved them by lr x 100, and an update divided by the
     scale after the optimizer by lr x 100 / 2**15. Adam, which divides a constant scale out, hides both (the losses of
-    test_float16_trains_like_float32_and_checkpoints_its_scale). The weights stay float32 masters: an update of 1e-3 x the gradient is far below bfloat16's
-    spacing at the weights' size (rounded to bfloat16 they move 5.6 times as far)."""
+    test_float16_trains_like_float32_and_checkpoints_its_scale). The weights stay float32 masters: an update of 1e-3 x
+    the gradient is far below bfloat16's spacing at the weights' size (rounded to bfloat16 they move 5.6 times as far)."""
     params, batch = _small_params_and_batch()
     reference_norm = optax.tree.norm(_float32_gradients(params, batch))
     lr = 1e-3
@@ -253,9 +253,9 @@ def test_narrow_compute_hands_the_optimizer_unscaled_float32_gradients_and_updat
 
 def test_float16_gradients_below_float16s_range_reach_the_optimizer():
     """What loss scaling is for: token weights of 1e-6 make gradients of 1e-9 to 3e-8 for 44% of the weights, below
-    half of float16's smallest subnormal (2**-25), which float16 rounds to 0: each reaches the optimizer within 1% of float32's gradient (median;
-    0.2% here), scaled by 2**15 through the float16 backward pass and divided by it in float32. Divided in float16, or
-    never scaled, they are 0."""
+    half of float16's smallest subnormal (2**-25), which float16 rounds to 0: each reaches the optimizer within 1% of
+    float32's gradient (median; 0.2% here), scaled by 2**15 through the float16 backward pass and divided by it in
+    float32. Divided in float16, or never scaled, they are 0."""
     params, batch = _small_params_and_batch()
     batch |= {"weights": jnp.full(batch["targets"].shape, 1e-6, jnp.float32)}
     reference = np.concatenate([np.ravel(g) for g in jax.tree.leaves(_float32_gradients(params, batch))])
