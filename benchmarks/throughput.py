@@ -3,8 +3,9 @@
     python benchmarks/throughput.py llama3_1b --mesh gpu1 --rules fsdp model.remat=save_dots data.seq_len=4096
 
 Prints one JSON line. Random tokens (the step time does not depend on the data); model FLOPs counted
-as in jaxtrain.observe.flops (PaLM, causal attention halved); MFU against --peak-tflops (default 989: H100/H200
-dense bf16) or, on CPUs, the measured matmul peak. Memory per device, side by side: the planner's
+as in jaxtrain.observe.flops (PaLM, causal attention halved); MFU against the peak a training run's summary uses
+(jaxtrain.observe.metrics.resolve_peak: --peak-tflops, else the datasheet's for the device and model.dtype, 989.4 for
+an H100 SXM or H200 in bf16, else on CPUs the measured matmul peak). Memory per device, side by side: the planner's
 estimate for these devices, XLA's compiled peak, and the peak the device measured (``memory_stats()``;
 none on CPUs). Used by benchmarks/gpu_h200.sh.
 """
@@ -12,6 +13,7 @@ none on CPUs). Used by benchmarks/gpu_h200.sh.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -38,7 +40,8 @@ def experiment_parser(description: str) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = experiment_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU; ignored on CPUs")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="per-device peak for MFU; default: the datasheet's for the device and model.dtype (log.peak_tflops)")
     parser.add_argument("--profile-steps", type=int, default=0, metavar="N",
                         help="after the timed steps, N more under jax's profiler: the record's 'profile' says where the "
                              "device time went (jaxtrain.observe.step_profile); default none")
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax  # after the config: a bad one fails fast, before any device starts
 
     from bench_perf import fixed_batch, random_corpus
-    from jaxtrain.observe.flops import measure_matmul_peak, model_flops_per_token
+    from jaxtrain.observe.flops import model_flops_per_token
+    from jaxtrain.observe.metrics import resolve_peak
     from jaxtrain.layout import peak_bytes
     from jaxtrain.plan import hlo_report
     from jaxtrain.plan.estimate import estimate, estimate_total
@@ -79,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     step_s = statistics.median(times)
     profile = profile_steps(trainer, state, batch, args.profile_steps) if args.profile_steps else None
     devices = trainer.mesh.size
-    on_cpu = trainer.mesh.devices.flat[0].platform == "cpu"
-    peak = measure_matmul_peak(list(trainer.mesh.devices.flat)) / devices if on_cpu else args.peak_tflops * 1e12
+    # the trainer's MFU denominator: a fixed 989 had read an H200 0.04% high and any other GPU against an H100's peak
+    peak_cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, peak_tflops=args.peak_tflops or cfg.log.peak_tflops))
+    peak, peak_source = resolve_peak(peak_cfg, list(trainer.mesh.devices.flat))
     model_flops = model_flops_per_token(trainer.layout) * trainer.tokens_per_step / step_s / devices
     memory = trainer.train_step.memory_analysis()
     # the program as XLA compiled it for these devices (on a GPU after autotuning: which gemms went to cuBLAS)
@@ -93,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         "attention": trainer.cfg.model.attention, "scan_layers": trainer.cfg.model.scan_layers,  # auto resolved
         "compile_s": round(trainer.compile_s, 1), "compile_cache": trainer.compiled.record(cache_dir),
         "step_s": step_s, "tokens_per_s": trainer.tokens_per_step / step_s,
-        "tflops_per_device": model_flops / 1e12, "peak_tflops_per_device": peak / 1e12, "mfu": model_flops / peak,
+        "tflops_per_device": model_flops / 1e12, "peak_tflops_per_device": None if peak is None else peak / 1e12,
+        "peak_source": peak_source, "mfu": None if peak is None else model_flops / peak,
         "estimate_gib_per_device": estimate_total(estimate(trainer.layout)) / 2**30,
         "compiled_gib_per_device": peak_bytes(memory) / 2**30,
         "measured_peak_gib_per_device": None if measured is None else measured / 2**30,

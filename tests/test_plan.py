@@ -294,6 +294,14 @@ def test_a_throughput_target_above_the_gpus_peak_is_called_impossible():
         f"needs MFU 200.0%: impossible, above the GPU's peak; the plan's estimated step time gives {estimated:,.0f} tokens/s")
 
 
+def test_the_plans_xla_flops_per_token_are_the_whole_jobs_over_its_tokens():
+    """XLA's cost analysis is one device's: the plan's figure multiplies it by the 8 devices. The layer scan's body is
+    counted once, so at least one layer's and the output layer's 6 FLOPs a weight (small_config: 9216 and 2048
+    weights), and below twice the model's count."""
+    plan = plan_lib.make_plan(small_config(dtype="bfloat16"), gpu="h100")
+    assert plan.devices == 8 and 6 * (9216 + 2048) < plan.xla_flops_per_token < 2 * plan.flops_per_token
+
+
 def test_a_lora_plans_flops_per_token_count_its_frozen_base_at_4_per_parameter():
     """The MFU a LoRA plan asks for counts the work its step needs: no weight gradients for the frozen base."""
     plain = plan_lib.make_plan(small_config(dtype="bfloat16"), gpu="h100")

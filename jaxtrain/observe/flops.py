@@ -25,8 +25,11 @@ if TYPE_CHECKING:
 # plain row.
 PEAK_TFLOPS = (
     ("H100", "PCIE", 756.0, 378.0),
+    ("H100", "NVL", 835.5, 417.5),  # the PCIe cards of NVLink pairs: read as SXM they had MFU 16% low
     ("H100", None, 989.4, 494.7),  # SXM
+    ("H200", "NVL", 835.5, 417.5),
     ("H200", None, 989.4, 494.7),
+    ("GH200", None, 989.4, 494.7),  # an H100 SXM's tensor cores
     ("A100", None, 312.0, 156.0),
     ("L4", None, 121.0, 60.0),
     ("B200", None, 2250.0, 1125.0),
