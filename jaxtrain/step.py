@@ -161,13 +161,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
         def accumulate(carry, micro):
             parts, grads = pass_grads(params, frozen, micro, counted, share / microbatches, scale, key)
-            return jax.tree.map(jnp.add, carry, (parts, place(grads))), None
+            return jax.tree.map(jnp.add, carry, (parts, place(jax.tree.map(lambda g: g.astype(jnp.float32), grads)))), None
 
         micro = _split_microbatches(batch, microbatches)
-        # zeros shaped like (loss, router stats) of one micro-batch; gradients like the parameters
+        # zeros shaped like (loss, router stats) of one micro-batch; gradients like the parameters, in float32 whatever
+        # their dtype (bfloat16 parameters' passes make bfloat16 gradients: summed in it, each addition rounded again)
         first = jax.tree.map(lambda x: x[0], micro)
         one_pass = jax.eval_shape(lambda p, f, b: pass_grads(p, f, b, counted, 1.0, scale), params, frozen, first)
-        zeros = (jax.tree.map(jnp.zeros_like, one_pass[0]), place(jax.tree.map(jnp.zeros_like, params)))
+        zeros = (jax.tree.map(jnp.zeros_like, one_pass[0]), place(jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)))
         return jax.lax.scan(accumulate, zeros, micro)[0]
 
     def train_step(state: TrainState, batch: Batch):
@@ -185,7 +186,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         else:  # each device accumulates its own passes; one sum over the devices after the last
             (loss, stats), grads = grad_reduction.wrap(batch_grads)(state.params, state.frozen, batch, counted, scale, key)
             grads = placed(grads)
-        grads = scale.unscale(grads)
+        # the float32 sums rounded once to the parameters' dtype, which the optimizer's moments keep
+        grads = scale.unscale(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params))
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

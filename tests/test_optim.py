@@ -10,14 +10,17 @@ from jaxtrain.config import DECAY_SHAPES, SCHEDULES
 from jaxtrain.data import train_batches
 from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.train import build
+from models.config import LoraConfig, MoEConfig
 
 LR, WEIGHT_DECAY = 1e-2, 0.5
 
 
-def _one_step(corpus, weight_decay: float):
-    cfg = with_(small_config("dp", (1, 1, 1), qkv_bias=True), optim={"lr": LR, "weight_decay": weight_decay})
+def _one_step(corpus, weight_decay: float, **model):
+    cfg = with_(small_config("dp", (1, 1, 1), **({"qkv_bias": True} | model)), optim={"lr": LR, "weight_decay": weight_decay})
     trainer = build(cfg, corpus, jax.devices()[:1])
     state = trainer.init_state()
+    # the biases and LoRA's b start at zero, where decay has nothing to take: moved off it, a decayed one shows
+    state = state.replace(params=jax.tree.map(lambda x: x + 0.5, state.params))
     before = jax.device_get(state.params)
     state, _ = trainer.train_step(state, next(train_batches(corpus, cfg.data, cfg.train.global_batch, trainer.batch_sharding)))
     return before, jax.device_get(state.params)
@@ -27,16 +30,26 @@ def _by_name(params: dict) -> dict:
     return {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(params)}
 
 
-def test_weight_decay_reaches_the_matrices_not_the_norm_scales_or_biases(corpus):
+NORMS_AND_BIASES = {"['final_norm']['scale']", "['layers']['attn_norm']['scale']", "['layers']['mlp_norm']['scale']",
+                    "['layers']['attn']['bq']", "['layers']['attn']['bk']", "['layers']['attn']['bv']"}
+
+
+@pytest.mark.parametrize("model, exempt, decayed_names", [
+    ({}, NORMS_AND_BIASES, {"['embed']", "['lm_head']", "['layers']['attn']['wq']", "['layers']['mlp']['w_down']"}),
+    # a mixture of experts' router (layers, embed, experts unnamed) and experts
+    ({"moe": MoEConfig(num_experts=4, top_k=2), "mlp_dim": 16}, NORMS_AND_BIASES,
+     {"['layers']['mlp']['router']", "['layers']['mlp']['w_up']"}),
+    # a LoRA run trains its adapters alone, a (layers, embed, rank unnamed) and b: all decayed, as PEFT's under Trainer
+    ({"lora": LoraConfig(rank=4, alpha=8.0)}, set(), {"['layers']['attn']['lora_q']['a']", "['layers']['mlp']['lora_down']['b']"}),
+])
+def test_weight_decay_reaches_the_matrices_not_the_norm_scales_or_biases(corpus, model, exempt, decayed_names):
     """The layers' norm scales (layers, d_model) and biases (layers, heads, head_dim) are stacked to two dimensions or
     more: decay is decided by what they are, as Hugging Face's Trainer and PyTorch recipes' ``ndim >= 2`` on unstacked
     weights decide it, not by their stacked ``ndim``."""
-    before, decayed = _one_step(corpus, WEIGHT_DECAY)
-    _, plain = _one_step(corpus, 0.0)
+    before, decayed = _one_step(corpus, WEIGHT_DECAY, **model)
+    _, plain = _one_step(corpus, 0.0, **model)
     before, decayed, plain = (_by_name(tree) for tree in (before, decayed, plain))
-    exempt = {"['final_norm']['scale']", "['layers']['attn_norm']['scale']", "['layers']['mlp_norm']['scale']",
-              "['layers']['attn']['bq']", "['layers']['attn']['bk']", "['layers']['attn']['bv']"}
-    assert exempt < before.keys()
+    assert exempt | decayed_names <= before.keys() and not exempt & decayed_names
     for name, weight in before.items():
         if name in exempt:
             assert np.array_equal(decayed[name], plain[name]), name
@@ -44,11 +57,12 @@ def test_weight_decay_reaches_the_matrices_not_the_norm_scales_or_biases(corpus)
             np.testing.assert_allclose(decayed[name] - plain[name], -LR * WEIGHT_DECAY * weight, atol=1e-6, err_msg=name)
 
 
-def test_the_optimizer_is_pytorchs_adamw_with_clipping_and_transformers_cosine_schedule():
+@pytest.mark.parametrize("clip_norm", [1.0, 0.0])
+def test_the_optimizer_is_pytorchs_adamw_with_clipping_and_transformers_cosine_schedule(clip_norm):
     """Every setting the optimizer reads, against an independent implementation: torch.optim.AdamW (decay on the
     matrices only), torch's clip_grad_norm_ before it, and transformers' cosine-with-min-lr schedule with warmup.
     The gradients' norms straddle optim.clip_norm, so clipping changes Adam's moments; one leaf's gradients are small
-    enough for optim.eps to matter."""
+    enough for optim.eps to matter. optim.clip_norm=0: no clipping."""
     import torch
     from jax.sharding import PartitionSpec as P
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
@@ -58,7 +72,7 @@ def test_the_optimizer_is_pytorchs_adamw_with_clipping_and_transformers_cosine_s
     steps, warmup = 7, 2
     cfg = with_(small_config(), train={"steps": steps},
                 optim={"lr": 1e-2, "warmup_steps": warmup, "min_lr_ratio": 0.2, "weight_decay": 0.3, "b1": 0.8,
-                       "b2": 0.9, "eps": 1e-4, "clip_norm": 1.0})
+                       "b2": 0.9, "eps": 1e-4, "clip_norm": clip_norm})
     axes = {"layers": {"w": P("layers", "embed", "mlp"), "scale": P("layers", "norm")}, "embed": P("vocab", "embed")}
     rng = np.random.default_rng(0)
     params = {"layers": {"w": rng.normal(size=(2, 4, 3)), "scale": 1 + rng.normal(size=(2, 4))}, "embed": rng.normal(size=(5, 4))}
@@ -87,7 +101,8 @@ def test_the_optimizer_is_pytorchs_adamw_with_clipping_and_transformers_cosine_s
     for g in grads:
         for p, grad in zip(jax.tree.leaves(theirs), jax.tree.leaves(g), strict=True):
             p.grad = torch.tensor(grad)
-        torch.nn.utils.clip_grad_norm_(jax.tree.leaves(theirs), o.clip_norm)
+        if o.clip_norm:
+            torch.nn.utils.clip_grad_norm_(jax.tree.leaves(theirs), o.clip_norm)
         torch_opt.step()
         schedule.step()
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs), strict=True):

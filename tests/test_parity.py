@@ -1,6 +1,7 @@
 """Numerical parity: the same model, seed and batches give the same losses on any mesh / rule set."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import small_config, with_
-from jaxtrain.layout import make_layout
+from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.step import make_train_step
 from jaxtrain.train import build, train
@@ -79,3 +80,13 @@ def test_gradient_accumulation_runs_one_micro_batch_at_a_time():
         step = make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), microbatches)
         jaxpr = jax.make_jaxpr(step)(layout.abstract_state(), layout.abstract_batch()).jaxpr
         assert max(_activation_rows(jaxpr, cfg.data.seq_len)) == 8 // microbatches
+
+
+def test_micro_batches_are_cut_where_the_devices_hold_the_rows():
+    """Micro-batch j takes rows j, j + k, ...: each device's block of the batch holds its share of every micro-batch, so
+    the data-parallel step moves no rows between devices (only the gradients' all-reduces). Cut into contiguous halves,
+    each micro-batch lay on half the devices, and every pass gathered and permuted its tokens and activations."""
+    cfg = with_(small_config("dp", (8, 1, 1)), train={"global_batch": 16, "microbatches": 2}, optim={"grad_sync": "microbatch"})
+    text = lower_steps(make_layout(cfg))[0].compile().as_text()
+    assert "all-reduce(" in text
+    assert not re.findall(r"\b(all-gather|all-to-all|collective-permute)(-start)?\(", text)

@@ -132,6 +132,10 @@ def test_estimate_counts_state_shards_exactly():
     # micro-batches sum into a float32 accumulator, split as the gradients are, held through the step
     accumulated = plan_lib.estimate(make_layout(medium_config("fsdp_tp", "full", microbatches=2)), plan_lib.ACCELERATOR)
     assert accumulated["gradient accumulator"] == accumulated["gradients"] == items["parameters"]
+    # float32 whatever the parameters' dtype: bfloat16 parameters' accumulator is twice their gradients
+    narrow = plan_lib.estimate(make_layout(with_(medium_config("fsdp_tp", "full", microbatches=2), model={"param_dtype": "bfloat16"})),
+                               plan_lib.ACCELERATOR)
+    assert narrow["gradient accumulator"] == 2 * narrow["gradients"] == items["parameters"]
 
 
 @pytest.mark.estimate_vs_cpu_compile

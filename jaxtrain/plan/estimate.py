@@ -98,8 +98,10 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # optim.offload and the offload_* remat policies keep their arrays in host memory; the CPU backend has one
     # memory, where the compile counts them as it would unmoved arrays
     optimizer = (0 if cfg.optim.offload and not on_cpu else bytes_per_device(state.opt_state)) + bytes_per_device(state.spikes)
-    as_placed = lambda shardings: bytes_per_device(jax.tree.map(lambda x, sh: x.update(sharding=sh), state.params, shardings))  # noqa: E731
+    as_placed = lambda shardings, dtype=None: bytes_per_device(  # noqa: E731
+        jax.tree.map(lambda x, sh: x.update(sharding=sh, dtype=dtype or x.dtype), state.params, shardings))
     grads, updates = as_placed(layout.gradient_shardings()), as_placed(layout.optimizer_shardings())
+    accumulator = as_placed(layout.gradient_shardings(), jnp.float32)  # float32 whatever the parameters' dtype (jaxtrain/step.py)
     k = cfg.train.microbatches
     b = cfg.train.global_batch // k / batch_shards(layout.rules, layout.mesh)  # sequences per device per pass
     seq = cfg.data.seq_len
@@ -209,7 +211,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
         # keeps the CPU estimate within 15% of that compile (tests/test_plan.py)
         "gradients": grads + (updates if on_cpu else 0),
         # (or, summed once per step over groups vmapped on the summed axes, the groups' gradients before their sum)
-        "gradient accumulator": grads if k > 1 or grouped_sum else 0,
+        "gradient accumulator": accumulator if k > 1 else grads if grouped_sum else 0,
         # with a pipeline, also the micro-batch buffer the stages read and write, and its gradient; and, in the
         # backward of each iteration, two copies of what that iteration saved (its stage's layers of one repeat)
         "activations": int(layers_saved * saved_per_layer + (pipe.stages > 1) * (2 * b * seq * m.d_model * act + 2 * per_stage * saved_per_layer)),
