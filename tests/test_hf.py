@@ -42,8 +42,9 @@ MODELS = {  # class, config class, config, max shard size, file dtype
     # tied embeddings (Llama 3.2 1B / 3B), plain rope
     "llama_tied": (transformers.LlamaForCausalLM, transformers.LlamaConfig, dict(tie_word_embeddings=True, rms_norm_eps=1e-5), None,
                    torch.bfloat16),
-    # head_dim 16, not hidden_size / heads = 8 (Mistral NeMo's kind): o_proj (32, 64) is not square either
-    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(sliding_window=4096, head_dim=16), None, torch.float32),
+    # head_dim 16, not hidden_size / heads = 8 (Mistral NeMo's kind): o_proj (32, 64) is not square either; a window as
+    # long as the sequence (Mistral 7B v0.1's 4096 at finetune's data.seq_len 4096) attends to all of it
+    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(sliding_window=SEQ, head_dim=16), None, torch.float32),
     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, dict(tie_word_embeddings=True), None, torch.float16),  # q/k/v biases
     # a window from layer max_window_layers on: here no layer's, so seq 16 > window 8 is the model (it was refused)
     "qwen2_window_unused": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
@@ -108,6 +109,12 @@ def test_import_equals_transformers_and_export_loads_back(name, devices, hf_mode
     _assert_close(ours, expected)
     if devices == 1:  # every byte read, the total counted in the file's dtype (bfloat16 and float16: 2 bytes)
         assert "(100%: the slices its devices hold)" in capsys.readouterr().err
+        # exported as a run trained from scratch is (no source config.json to keep fields from): config.json alone
+        # makes transformers' model ours
+        scratch = tmp_path / "scratch"
+        hf_export.write_model(params, cfg, scratch, "float32")
+        assert not (scratch / INDEX_FILE).exists()  # one file: no index, as transformers saves it
+        _assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(scratch)), ours)
         return
     # export (float32, small shards) -> transformers loads it unchanged -> the same logits
     out = tmp_path / "export"
@@ -116,6 +123,7 @@ def test_import_equals_transformers_and_export_loads_back(name, devices, hf_mode
     names = hf_export.write_model(params, cfg, out, "float32", source_dir=hf_dir, max_shard_bytes=20_000)
     assert published == [out]  # synced before it is renamed (tests/test_atomic.py)
     assert len(names) > 1 and (out / "model.safetensors.index.json").is_file()
+    _assert_shards_as_transformers_names_and_indexes_them(out, len(names))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     source = json.loads((hf_dir / "config.json").read_text())
     assert type(reloaded).__name__ == source["architectures"][0]
@@ -128,13 +136,32 @@ def test_import_equals_transformers_and_export_loads_back(name, devices, hf_mode
     # read back by the import, which finds each tensor where the index says (transformers reads every listed file whole)
     again = hf_import.load_params(out, cfg.model, layout.abstract_state().params)
     assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), again, params))
-    # bfloat16: the same weights rounded
+    # bfloat16: the same weights rounded, the index counting 2 bytes a weight
     out16 = tmp_path / "export16"
-    hf_export.write_model(params, cfg, out16, "bfloat16")
-    with safe_open(out16 / "model.safetensors", "pt") as f, safe_open(out / names[0], "pt") as g:
+    names16 = hf_export.write_model(params, cfg, out16, "bfloat16", max_shard_bytes=10_000)
+    _assert_shards_as_transformers_names_and_indexes_them(out16, len(names16))
+    # transformers 5 loads in config.json's "dtype" (4 in "torch_dtype", given torch_dtype="auto"): bfloat16, not float32
+    reloaded16 = transformers.AutoModelForCausalLM.from_pretrained(out16)
+    assert reloaded16.dtype == torch.bfloat16 and json.loads((out16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with safe_open(out16 / names16[0], "pt") as f, safe_open(out / names[0], "pt") as g:
         embed = f.get_tensor("model.embed_tokens.weight")
         assert embed.dtype == torch.bfloat16 and torch.equal(embed, g.get_tensor("model.embed_tokens.weight").bfloat16())
-    _assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(out16).float()), ours, rtol=3e-2)
+    _assert_close(_hf_logits(reloaded16.float()), ours, rtol=3e-2)
+
+
+def _assert_shards_as_transformers_names_and_indexes_them(directory, count):
+    """Shards named model-0000I-of-0000N.safetensors, as transformers names them; the index lists each tensor in the file
+    that holds it and, as metadata.total_size, the bytes of all the tensors (what the Hub shows as the model's size)."""
+    index = json.loads((directory / INDEX_FILE).read_text())
+    names = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    assert sorted(p.name for p in directory.glob("*.safetensors")) == names
+    held, total = {}, 0
+    for name in names:
+        with safe_open(directory / name, "np") as f:
+            for key in f.keys():
+                held[key] = name
+                total += f.get_tensor(key).nbytes
+    assert index["weight_map"] == held and index["metadata"]["total_size"] == total
 
 
 def _launch(*args, stderr):
@@ -211,6 +238,22 @@ def test_keys_config_json_leaves_out_are_what_transformers_makes_them(config_cls
     if config_cls is transformers.MistralConfig:
         with pytest.raises(hf_config.UserError, match="sliding_window=4096 is shorter than data.seq_len=8192"):
             hf_config.model_values(body, "config.json", seq_len=8192)
+
+
+@pytest.mark.parametrize("config_cls", [transformers.LlamaConfig, transformers.MistralConfig, transformers.Qwen2Config,
+                                        transformers.MixtralConfig, transformers.Qwen2MoeConfig])
+def test_a_llama3_rope_without_its_original_context_is_what_transformers_makes_it(config_cls, tmp_path):
+    """original_max_position_embeddings (where llama3 scaling starts) left out: transformers takes max_position_embeddings,
+    and where that is left out too, the architecture's default (Llama's 2048, Qwen2's 32768...); it was read as 8192."""
+    rope = {k: v for k, v in LLAMA3_ROPE.items() if k != "original_max_position_embeddings"}
+    config_cls(**SHAPE, rope_parameters=dict(rope)).save_pretrained(tmp_path)  # a copy: transformers fills in the one it is given
+    body = json.loads((tmp_path / "config.json").read_text())
+    body["rope_parameters"] = rope
+    for without in ((), ("max_position_embeddings",)):
+        body = {k: v for k, v in body.items() if k not in without}
+        (tmp_path / "config.json").write_text(json.dumps(body))
+        theirs = transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters["original_max_position_embeddings"]
+        assert hf_config.model_values(body, "config.json", SEQ)["rope_scaling.original_max_len"] == theirs
 
 
 def _edit_config(hf_dir, **changes):
@@ -327,11 +370,51 @@ def test_weight_files_that_do_not_hold_what_the_index_or_config_says_are_one_lin
         checkpoint.check([tm])
 
 
+def test_a_single_file_beside_shards_is_read_as_transformers_reads_it(hf_models, tmp_path):
+    """model.safetensors beside model.safetensors.index.json and its shards (another save into the same directory):
+    transformers loads model.safetensors, and so does the import (it read the shards: another model)."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(hf_models["llama3"][0], hf_dir)
+    weights = {}
+    for name in set(json.loads((hf_dir / INDEX_FILE).read_text())["weight_map"].values()):
+        with safe_open(hf_dir / name, "np") as f:
+            weights |= {key: -f.get_tensor(key) for key in f.keys()}
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    cfg = _config(hf_dir, mesh=(1, 1, 1))
+    layout = make_layout(cfg, jax.devices()[:1])
+    ours = _our_logits(layout, hf_import.load_params(hf_dir, cfg.model, layout.abstract_state().params))
+    _assert_close(ours, _hf_logits(transformers.AutoModelForCausalLM.from_pretrained(hf_dir)))
+
+
 def test_shards_hold_consecutive_tensors_up_to_the_limit():
     """A tensor that would take a shard past max_bytes starts the next one; one larger than max_bytes has a shard of its own."""
     tensors = [hf_export.Tensor(TensorMap((str(i),), f"t{i}", (n,), (n,), (0,))) for i, n in enumerate((10, 3, 3, 3, 5, 1))]
     shards = hf_export.plan_shards(tensors, np.dtype("float32"), max_bytes=24)  # 24 bytes: 6 float32
     assert [[t.tm.hf_shape[0] for t in shard] for shard in shards] == [[10], [3, 3], [3], [5, 1]]
+
+
+def test_a_block_split_within_every_dimension_reads_those_rows_and_columns(tmp_path):
+    """A device's block of an attention projection split in every dimension (a --rules file may split head_dim, which
+    no shipped rule set does): the rows and columns of our layout, as the torch weight reshaped by hand."""
+    from safetensors.numpy import save_file
+
+    heads, head_dim, d = 4, 6, 5
+    torch_q = np.arange(heads * head_dim * d, dtype=np.float32).reshape(heads * head_dim, d)  # (heads * head_dim, d_model)
+    torch_o = torch_q.T.copy()  # (d_model, heads * head_dim)
+    save_file({"q": torch_q, "o": torch_o}, tmp_path / "model.safetensors")
+    ours_q = torch_q.reshape(heads, head_dim, d).transpose(2, 0, 1)  # (d_model, heads, head_dim)
+    ours_o = torch_o.reshape(d, heads, head_dim).transpose(1, 2, 0)  # (heads, head_dim, d_model)
+    q = TensorMap(("wq",), "q", (heads * head_dim, d), (heads, head_dim, d), (2, 0, 1))
+    o = TensorMap(("wo",), "o", (d, heads * head_dim), (d, heads, head_dim), (1, 2, 0))
+    with Checkpoint(tmp_path) as checkpoint:
+        block = (slice(1, 4), slice(1, 3), slice(2, 5))
+        np.testing.assert_array_equal(q.read_block(checkpoint, block, ours_q.shape, np.float32), ours_q[block])
+        block = (slice(2, 4), slice(3, 6), slice(0, 2))
+        np.testing.assert_array_equal(o.read_block(checkpoint, block, ours_o.shape, np.float32), ours_o[block])
 
 
 def test_shard_writer_writes_a_tensor_larger_than_a_chunk_a_few_rows_at_a_time(tmp_path, monkeypatch):
@@ -394,6 +477,22 @@ def test_a_sigterm_during_export_leaves_no_directory(tmp_path, monkeypatch):
         signal.signal(signal.SIGTERM, ignored)
     assert exited.value.code == 143
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_the_tokenizer_files_transformers_saves_are_kept_for_the_export(tmp_path):
+    """Every file a transformers tokenizer saves is kept in RUN_DIR/hf/, from where export-hf copies them: with its
+    tokenizer_config.json (special tokens) and chat template, the run's export chats as the source model did."""
+    import tokenizers
+
+    hf_dir, run_dir = tmp_path / "hf", tmp_path / "run"
+    words = tokenizers.models.WordLevel({"<s>": 0, "</s>": 1, "hi": 2, "[UNK]": 3}, unk_token="[UNK]")
+    source = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(words), bos_token="<s>", eos_token="</s>",
+                                                  chat_template="{{ messages[0]['content'] }}")
+    source.save_pretrained(hf_dir)
+    hf_import.keep_source_files(hf_dir, run_dir)
+    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == sorted(p.name for p in hf_dir.iterdir())
+    kept = transformers.AutoTokenizer.from_pretrained(run_dir / "hf")
+    assert (kept.chat_template, kept.bos_token, kept.eos_token) == (source.chat_template, "<s>", "</s>")
 
 
 def test_a_from_scratch_export_without_tokenizer_files_knows_its_token_ids(tmp_path):

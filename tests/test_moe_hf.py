@@ -25,8 +25,8 @@ SHAPE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_h
 MODELS = {
     "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig(**SHAPE, intermediate_size=16, num_local_experts=4)),
     "qwen2_moe": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
-        **SHAPE, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
-        norm_topk_prob=False)),
+        **SHAPE | dict(num_experts_per_tok=3), intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+        num_experts=4, norm_topk_prob=False)),
 }
 
 
@@ -54,6 +54,11 @@ def test_moe_import_equals_transformers_and_export_loads_back(name, tmp_path):
     assert type(reloaded).__name__ == json.loads((hf_dir / "config.json").read_text())["architectures"][0]
     _assert_close(_hf_logits(reloaded), ours)
     assert jax.tree.structure(params) == jax.tree.structure(layout.abstract_state().params)
+    # exported as a run trained from scratch is: config.json alone says how many experts there are (4, not transformers'
+    # default 8 for Mixtral or 60 for Qwen2-MoE) and how many a token takes (Qwen2-MoE: 3, not its default 4)
+    scratch = tmp_path / "scratch"
+    hf_export.write_model(params, cfg, scratch, "float32")
+    _assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(scratch)), ours)
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3])

@@ -43,6 +43,10 @@ LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")  # what tra
 # another model, and a Mistral without sliding_window attended past transformers' window)
 DEFAULT_NORM_EPS = 1e-6
 DEFAULT_ROPE_THETA = 10000.0
+# transformers' max_position_embeddings, which a llama3 rope without original_max_position_embeddings scales from; not a
+# context limit here (context_length: none where config.json names none)
+DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768,
+                         "MixtralForCausalLM": 4096 * 32, "Qwen2MoeForCausalLM": 32768}
 QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2's and Qwen2-MoE's default: the first layer with a sliding window, if any
 ARCHITECTURE_DEFAULTS = {
     "MistralForCausalLM": {"num_key_value_heads": 8, "sliding_window": 4096},
@@ -87,7 +91,7 @@ def _unsupported(where: str, field: str, value, supported: str) -> UserError:
     return UserError(f"{where}: {field}={value!r} is not supported ({supported})")
 
 
-def _rope(config: dict, where: str) -> dict:
+def _rope(config: dict, arch: str, where: str) -> dict:
     """model.rope_theta and model.rope_scaling.* from either dialect."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(params, dict):  # an AttributeError traceback (a QA report)
@@ -108,7 +112,7 @@ def _rope(config: dict, where: str) -> dict:
         values |= {"rope_scaling.factor": float(params["factor"]), "rope_scaling.low_freq_factor": float(params["low_freq_factor"]),
                    "rope_scaling.high_freq_factor": float(params["high_freq_factor"]),
                    "rope_scaling.original_max_len": int(params.get("original_max_position_embeddings",
-                                                                   config.get("max_position_embeddings", 8192)))}
+                                                                   config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[arch])))}
     return values
 
 
@@ -146,7 +150,7 @@ def model_values(config: dict, where: str, seq_len: int) -> dict:
         "head_dim": config.get("head_dim") or config["hidden_size"] // heads, "mlp_dim": config["intermediate_size"],
         "norm_eps": float(config.get("rms_norm_eps", DEFAULT_NORM_EPS)),
         "tie_embeddings": tied, "qkv_bias": arch in WITH_QKV_BIAS,
-    } | _rope(config, where) | _moe(config, arch, where)
+    } | _rope(config, arch, where) | _moe(config, arch, where)
 
 
 def _moe(config: dict, arch: str, where: str) -> dict:

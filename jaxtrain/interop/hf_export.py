@@ -38,7 +38,7 @@ from jaxtrain.interop.hf_import import KEPT_FILES, RUN_SUBDIR
 from jaxtrain.interop.hf_weights import DTYPES, INDEX_FILE, SINGLE_FILE, TensorMap, tensor_maps
 from jaxtrain.layout import make_layout
 
-MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
+MAX_SHARD_BYTES = 5 * 10**9  # transformers 4's default max_shard_size, "5GB" (5's is "50GB")
 WRITE_CHUNK_BYTES = 16 << 20
 SAFETENSORS_DTYPE = {np.dtype(v).name: k for k, v in DTYPES.items()}  # 'bfloat16' -> 'BF16'
 

@@ -154,14 +154,14 @@ class Checkpoint:
     def __init__(self, hf_dir: Path):
         self.dir = hf_dir
         self.bytes_read = 0
-        if (hf_dir / INDEX_FILE).is_file():
+        if (hf_dir / SINGLE_FILE).is_file():  # before an index beside it, as transformers reads them
+            self.where, self.listing = None, SINGLE_FILE  # every tensor in model.safetensors
+        elif (hf_dir / INDEX_FILE).is_file():
             weight_map = read_json(hf_dir / INDEX_FILE).get("weight_map")
             # a file name that is not a string was a TypeError traceback (a QA report)
             if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
                 raise UserError(f"{hf_dir / INDEX_FILE} has no weight_map object of tensor names to file names; download the model again")
             self.where, self.listing = dict(weight_map), INDEX_FILE
-        elif (hf_dir / SINGLE_FILE).is_file():
-            self.where, self.listing = None, SINGLE_FILE  # every tensor in model.safetensors
         else:
             raise UserError(f"{hf_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}; give a Hugging Face model directory with its weights")
         self._stack = contextlib.ExitStack()
