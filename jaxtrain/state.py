@@ -81,7 +81,7 @@ class Placement:
     set's ``optimizer_state:`` section), its memory kind (optim.offload: ``pinned_host``), and whether a
     float16 loss scale and a spike window (train.skip_spikes) are carried."""
 
-    optimizer_rules: Rules | None = None  # None: the parameters' rules
+    optimizer_rules: Rules
     optimizer_memory: str | None = None  # None: the device's default memory
     params_memory: str | None = None  # the trained parameters' memory kind (optim.offload of master weights); None: device
     loss_scale: bool = False
@@ -89,12 +89,12 @@ class Placement:
 
 
 def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation, rules: Rules, mesh: Mesh,
-                    placement: Placement = Placement()) -> TrainState:
-    """Shardings of every TrainState leaf; optimizer moments follow their parameter's sharding, under the
-    optimizer state's own rules where the placement has them. A LoRA run's base is ``frozen``, with no moments."""
+                    placement: Placement) -> TrainState:
+    """Shardings of every TrainState leaf; optimizer moments follow their parameter's sharding under the optimizer
+    state's own rules (the parameters' unless the rule set says otherwise). A LoRA run's base is ``frozen``, with no
+    moments."""
     params, frozen = split_frozen(param_shardings(spec.logical_axes, spec.shapes, rules, mesh))
-    moments = params if placement.optimizer_rules is None else \
-        split_frozen(param_shardings(spec.logical_axes, spec.shapes, placement.optimizer_rules, mesh, "optimizer_state"))[0]
+    moments = split_frozen(param_shardings(spec.logical_axes, spec.shapes, placement.optimizer_rules, mesh, "optimizer_state"))[0]
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_state = optax.tree_map_params(
         tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, split_frozen(spec.shapes)[0]), moments,
