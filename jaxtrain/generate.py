@@ -36,7 +36,8 @@ from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import, hf_weights
 from jaxtrain.layout import make_layout
 from jaxtrain.mesh import build_mesh
-from jaxtrain.partitioning import Rules, batch_sharding, load_rules, logical_to_spec, logical_ways, model_tracing
+from jaxtrain.partitioning import (Rules, batch_sharding, check_rules_against_mesh, load_rules, logical_to_spec, logical_ways,
+                                  model_tracing)
 from jaxtrain.state import model_spec
 from models.config import LlamaConfig
 from models.llama import KVCache
@@ -256,7 +257,9 @@ def check_request(path: Path, mesh: str | None, rules: str | None, batch: int, p
         _with_layout(config_lib.load_run_config(path), mesh, rules)
     model = lora_lib.plain_config(cfg.model)
     built = build_mesh(cfg.mesh)
-    cache_rules = generation_rules(load_rules(cfg.rules), built, batch)
+    rules = load_rules(cfg.rules)
+    check_rules_against_mesh(rules, built, cfg.rules)  # a rule over an axis the mesh lacks: one line, not a KeyError below
+    cache_rules = generation_rules(rules, built, batch)
     itemsize = jnp.dtype(model.dtype).itemsize
     # (layers, batch, length, kv heads, head dim); the length is counted apart, to find the most that fits
     sizes = (model.num_layers, batch, 1, model.num_kv_heads, model.resolved_head_dim)

@@ -49,14 +49,19 @@ def resolve_shape(mesh_cfg: MeshConfig, num_devices: int, num_processes: int) ->
     return ici, dcn
 
 
+def device_array(mesh_cfg: MeshConfig, devices: list, num_processes: int) -> np.ndarray:
+    """``devices`` arranged on the axes (data, fsdp, tensor, stage, expert); with several processes each axis is its dcn
+    size of process blocks (outer) times its ici size within a process (inner). Apart from build_mesh so that a
+    multi-process arrangement can be checked in one process."""
+    ici, dcn = resolve_shape(mesh_cfg, len(devices), num_processes)
+    if num_processes == 1:
+        return np.asarray(mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True))
+    return np.asarray(mesh_utils.create_hybrid_device_mesh(
+        ici, dcn, devices, process_is_granule=True, allow_split_physical_axes=True))
+
+
 def build_mesh(mesh_cfg: MeshConfig, devices: list | None = None) -> Mesh:
     """An Auto-typed (GSPMD) mesh with axes (data, fsdp, tensor, stage, expert) over ``devices`` (default: all);
     hybrid ICI/DCN across processes."""
-    devices = devices or jax.devices()
-    ici, dcn = resolve_shape(mesh_cfg, len(devices), jax.process_count())
-    if jax.process_count() == 1:
-        array = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
-    else:
-        array = mesh_utils.create_hybrid_device_mesh(
-            ici, dcn, devices, process_is_granule=True, allow_split_physical_axes=True)
-    return Mesh(np.asarray(array), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    array = device_array(mesh_cfg, devices or jax.devices(), jax.process_count())
+    return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

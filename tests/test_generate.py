@@ -507,3 +507,19 @@ def test_a_cache_larger_than_memory_is_one_line_before_the_weights(byte_run, tmp
     with pytest.raises(generate_lib.UserError, match="^--max-new-tokens 2147483640 with a prompt of 9 tokens makes 2147483649 "
                        "positions, more than the 2147483647 an int32 position holds; give --max-new-tokens 2147483638 or less$"):
         generate_lib.check_request(byte_run, None, None, 1, 9, 2**31 - 8)
+
+
+def test_a_rule_set_whose_batch_names_a_mesh_axis_the_mesh_lacks_is_one_line(tmp_path):
+    """generate sized the key/value cache by the rules before checking them against the mesh: a batch rule over a mesh
+    axis the mesh lacks stopped with a KeyError traceback (a QA report), where train says it in one line."""
+    import yaml
+
+    from jaxtrain import config as config_lib
+    from jaxtrain import generate as generate_lib
+
+    rules = yaml.safe_load((REPO / "sharding_rules" / "fsdp_tp.yaml").read_text()) | {"activation_batch": ["data", "pipeline"]}
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
+    config_lib.save_yaml(small_config(), tmp_path / "config.yaml")
+    with pytest.raises(generate_lib.UserError, match=r"^rule set \S+rules.yaml: 'activation_batch' maps to mesh axis 'pipeline', "
+                                                     r"which the mesh does not have \(mesh axes: data, fsdp, tensor, stage, expert\)$"):
+        generate_lib.check_request(tmp_path, None, str(tmp_path / "rules.yaml"), 1, 4, 4)
