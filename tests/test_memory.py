@@ -262,7 +262,7 @@ def test_float16_gradients_below_float16s_range_reach_the_optimizer():
     lr = 1e3  # moves a weight of 0.02 by 1e-6 or more, which float32 resolves to 0.2%
     state, metrics = _one_device_step("float16", optax.sgd(optax.constant_schedule(lr)), params, batch)
     assert not metrics["overflow"]
-    moved = np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params))]) / lr
+    moved = np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params), strict=True)]) / lr
     tiny = (np.abs(reference) >= 1e-9) & (np.abs(reference) < 2.0**-25)
     assert tiny.mean() > 0.4
     assert np.median(np.abs(moved[tiny] / reference[tiny] - 1)) < 1e-2
@@ -277,7 +277,7 @@ def test_float16_non_finite_loss_is_not_an_overflow():
     tx = optax.sgd(optax.constant_schedule(1e-3))
     state, metrics = _one_device_step("float16", tx, params, batch)
     assert not np.isfinite(metrics["loss"]) and not metrics["overflow"]
-    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)))
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True))
 
 
 def test_float16_trains_like_float32_and_checkpoints_its_scale(trainers, references, corpus, tmp_path):
