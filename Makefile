@@ -35,7 +35,8 @@ JAX_NEXT_TESTS ?= tests/test_model.py tests/test_attention.py tests/test_parity.
 	tests/test_loss_chunk.py tests/test_memory.py tests/test_step_cost.py tests/test_placement.py tests/test_optim.py \
 	tests/test_plan.py tests/test_spikes.py tests/test_observability.py tests/test_tokenizer.py tests/test_cli_errors.py \
 	tests/test_distributed.py tests/test_xla_env.py tests/test_atomic.py tests/test_bench_runner.py tests/test_gpu_runner.py \
-	tests/test_cluster_scripts.py tests/test_lora.py tests/test_lora_dropout.py tests/test_sft.py
+	tests/test_cluster_scripts.py tests/test_lora.py tests/test_lora_dropout.py tests/test_sft.py tests/test_step.py \
+	tests/test_rule_sets.py
 $(JAX_NEXT_VENV)/.installed: pyproject.toml Makefile
 	test -x $(JAX_NEXT_VENV)/bin/python || $(JAX_NEXT_PYTHON) -m venv $(JAX_NEXT_VENV)
 	$(JAX_NEXT_VENV)/bin/python -m pip install --quiet --upgrade pip
