@@ -53,6 +53,11 @@ def test_moe_import_equals_transformers_and_export_loads_back(name, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(reloaded).__name__ == json.loads((hf_dir / "config.json").read_text())["architectures"][0]
     _assert_close(_hf_logits(reloaded), ours)
+    # the source's config.json comes back as it was on every key it sets (Qwen2-MoE's intermediate_size was the
+    # experts'), but the load-balancing coefficient: the run's own (README, "Losses")
+    source, exported = (json.loads((d / "config.json").read_text()) for d in (hf_dir, out))
+    changed = {k for k in source.keys() & exported.keys() if source[k] is not None and source[k] != exported[k]}
+    assert changed == {"router_aux_loss_coef"}, {k: (source[k], exported[k]) for k in changed}
     assert jax.tree.structure(params) == jax.tree.structure(layout.abstract_state().params)
     # exported as a run trained from scratch is: config.json alone says how many experts there are (4, not transformers'
     # default 8 for Mixtral or 60 for Qwen2-MoE) and how many a token takes (Qwen2-MoE: 3, not its default 4)

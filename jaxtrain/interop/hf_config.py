@@ -315,7 +315,9 @@ def export_config(model: LlamaConfig, dtype: str, seq_len: int, base: dict | Non
     if arch == "MixtralForCausalLM":
         body |= router | {"num_local_experts": moe.num_experts}
     elif arch == "Qwen2MoeForCausalLM":
-        body |= router | {"num_experts": moe.num_experts, "norm_topk_prob": moe.normalize_top_k, "moe_intermediate_size": model.mlp_dim,
+        # every layer is sparse, so transformers sizes no MLP by intermediate_size: the imported model's value stays
+        body |= router | {"intermediate_size": base.get("intermediate_size", model.mlp_dim),
+                          "num_experts": moe.num_experts, "norm_topk_prob": moe.normalize_top_k, "moe_intermediate_size": model.mlp_dim,
                           "shared_expert_intermediate_size": moe.num_shared_experts * model.mlp_dim, "decoder_sparse_step": 1,
                           "mlp_only_layers": []}
     return base | body
