@@ -63,8 +63,9 @@ def default_cpu_devices(mesh_cfg: config_lib.MeshConfig, num_processes: int | No
     this process's part of the mesh holds, so a 1-device mesh runs on one device, whose XLA:CPU thread pool has a
     thread per core (a thread per device when there are more: README, "--devices"). At most DEFAULT_CPU_DEVICES,
     which a mesh with a -1 axis also gets: a cluster's mesh on a CPU is still the one-line error that asks for
-    --devices."""
-    local = mesh_cfg.ici.as_tuple() if (num_processes or 1) > 1 else mesh_cfg.ici.as_tuple() + mesh_cfg.dcn.as_tuple()
+    --devices. Processes: ``num_processes`` (--num-processes), else those srun or mpirun started (the flags left out)."""
+    processes = num_processes or distributed.cluster_tasks()
+    local = mesh_cfg.ici.as_tuple() if processes > 1 else mesh_cfg.ici.as_tuple() + mesh_cfg.dcn.as_tuple()
     return DEFAULT_CPU_DEVICES if -1 in local else min(math.prod(local), DEFAULT_CPU_DEVICES)
 
 

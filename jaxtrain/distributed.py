@@ -17,7 +17,8 @@ from jaxtrain.errors import UserError
 CLUSTER_TASK_COUNT_VARS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")
 
 
-def _cluster_tasks() -> int:
+def cluster_tasks() -> int:
+    """The tasks a cluster manager started (srun, mpirun), which jax's cluster detection joins; 1 elsewhere."""
     return max((int(os.environ[v]) for v in CLUSTER_TASK_COUNT_VARS if os.environ.get(v, "").isdigit()), default=1)
 
 
@@ -36,7 +37,7 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
     if given and not (host and port_text.isascii() and port_text.isdigit() and 1 <= int(port_text) <= 65535):
         raise UserError(f"--coordinator {coordinator!r} must be HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:12355 "
                         "(process 0's address)")
-    if not given and _cluster_tasks() == 1:
+    if not given and cluster_tasks() == 1:
         return
     if given and process_id == 0:  # it serves the coordinator: a busy port was a traceback after a gRPC log line
         port = int(port_text)
@@ -50,7 +51,7 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     timeout_s = join_timeout_s()
     where = f"the coordinator {coordinator}" if given else "the cluster's coordinator"
-    count = num_processes if given else _cluster_tasks()
+    count = num_processes if given else cluster_tasks()
     # jax aborts with a C++ stack trace when the job is not whole by its deadline: this one line comes first
     watchdog = threading.Timer(timeout_s, _give_up_joining, (where, count, timeout_s))
     watchdog.daemon = True

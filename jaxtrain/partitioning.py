@@ -28,14 +28,27 @@ Rules = dict[str, tuple[str, ...] | None]
 STATE_SECTIONS = ("optimizer_state", "gradients")
 
 
-def _rule_file(name_or_path: str) -> tuple[Path, dict]:
+def _rule_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if not path.is_file():
         path = RULES_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         names = ", ".join(sorted(p.stem for p in RULES_DIR.glob("*.yaml")))
         raise UserError(f"rule set '{name_or_path}' not found; give a path or one of: {names}")
+    return path
+
+
+def _rule_file(name_or_path: str) -> tuple[Path, dict]:
+    path = _rule_path(name_or_path)
     return path, read_yaml_mapping(path, "rule set", "a mapping of logical axis names to mesh axes")
+
+
+def _base_rule_set(path: Path, base: str) -> str:
+    """What ``extends: base`` in rule file ``path`` names: a file beside it (a relative path is read from the file's
+    directory, not the working directory, which a resumed run or ``generate`` elsewhere need not share), else what
+    ``--rules base`` names (a shipped rule set, or a path from the working directory)."""
+    beside = path.parent / base
+    return str(beside) if beside.is_file() else base
 
 
 def _parse_rules(body: dict, where: str) -> Rules:
@@ -58,16 +71,17 @@ def _parse_rules(body: dict, where: str) -> Rules:
     return rules
 
 
-def load_rules(name_or_path: str, _extending: tuple[str, ...] = ()) -> Rules:
+def load_rules(name_or_path: str, _extending: tuple[Path, ...] = ()) -> Rules:
     """A rule set maps each logical axis name to a mesh axis, a list of mesh axes, or null; ``extends: NAME``
     starts from rule set NAME and overrides its entries (e.g. a pipeline on top of fsdp_tp)."""
     path, body = _rule_file(name_or_path)
+    chain = _extending + (path.resolve(),)
     rules: Rules = {}
     base = body.pop("extends", None)
     if base is not None:
-        if not isinstance(base, str) or base in _extending + (name_or_path,):
+        if not isinstance(base, str) or _rule_path(_base_rule_set(path, base)).resolve() in chain:
             raise UserError(f"rule set {path}: 'extends' must name another rule set without a cycle, got {base!r}")
-        rules = load_rules(base, _extending + (name_or_path,))
+        rules = load_rules(_base_rule_set(path, base), chain)
     return rules | _parse_rules({k: v for k, v in body.items() if k not in STATE_SECTIONS}, str(path))
 
 
@@ -84,7 +98,7 @@ def _section_overrides(name_or_path: str) -> dict[str, Rules]:
     path, body = _rule_file(name_or_path)
     base = load_rules(name_or_path)
     extends = body.get("extends")
-    out = _section_overrides(extends) if extends is not None else {section: {} for section in STATE_SECTIONS}
+    out = _section_overrides(_base_rule_set(path, extends)) if extends is not None else {section: {} for section in STATE_SECTIONS}
     for section in STATE_SECTIONS:
         overrides = body.get(section) or {}
         if not isinstance(overrides, dict):

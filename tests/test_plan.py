@@ -262,6 +262,25 @@ def test_usable_memory_is_at_most_jaxs_allocator_pool_in_the_plan_and_in_the_tra
         assert plan_lib.memory_limit([gpu]) == pytest.approx(min(fraction, 0.9) * device_memory)
 
 
+def test_the_trainers_memory_limit_comes_from_a_device_of_its_own_process(monkeypatch):
+    """In a job of several processes jax.devices()[0] is process 0's, whose memory_stats the others may not read: with
+    train.microbatches=auto (every experiment built by experiments/_llama.py) process 1 stopped with a traceback
+    ("MemoryStats is only supported for addressable PjRt devices") and the job hung at jax's shutdown barrier."""
+    from types import SimpleNamespace
+
+    import jax
+
+    def not_addressable():
+        raise RuntimeError("INVALID_ARGUMENT: MemoryStats is only supported for addressable PjRt devices.")
+
+    own = SimpleNamespace(memory_stats=lambda: {"bytes_limit": 0.92 * 80e9})
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: [SimpleNamespace(memory_stats=not_addressable), own])
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [own])
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.92")
+    assert plan_lib.memory_limit() == pytest.approx(0.9 * 80e9)
+
+
 def test_a_larger_allocator_pool_is_offered_only_as_a_fraction_that_fits(monkeypatch):
     """The "0." line offered XLA_CLIENT_MEM_FRACTION=1.00 "or more" with no headroom, and "or with it unset" where
     jaxtrain's default 0.92 was the pool that did not fit: it names the fraction the step needs, at most 1, and unset

@@ -190,6 +190,23 @@ def test_rule_files_that_extend_each_other_are_refused(tmp_path):
         load_rules(str(first))
 
 
+def test_a_relative_extends_is_read_beside_the_rule_file_not_in_the_working_directory(tmp_path, monkeypatch):
+    """A user's rule file extending their own base beside it (``extends: base.yaml``) was looked up in the working
+    directory: 'not found' unless run from the rules' directory, and a resume, ``generate`` or cluster job started
+    elsewhere read another directory's base.yaml, or none (config.yaml records the rule file by absolute path)."""
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "rules" / "base.yaml").write_text("extends: fsdp_tp\noptimizer_state:\n  embed: [data, fsdp]\n")
+    (tmp_path / "rules" / "mine.yaml").write_text("extends: base.yaml\nmlp: null\n")
+    (tmp_path / "rules" / "loop.yaml").write_text("extends: ../rules/loop.yaml\n")
+    (tmp_path / "base.yaml").write_text("extends: dp\n")  # another base.yaml where the job is started
+    monkeypatch.chdir(tmp_path)
+    assert load_rules("rules/mine.yaml") == load_rules("fsdp_tp") | {"mlp": None}
+    assert load_state_rules("rules/mine.yaml")["optimizer_state"]["embed"] == ("data", "fsdp")
+    with pytest.raises(UserError, match="rule set rules/loop.yaml: 'extends' must name another rule set without a cycle, "
+                                        "got '../rules/loop.yaml'"):
+        load_rules("rules/loop.yaml")
+
+
 def test_a_section_overriding_a_logical_axis_its_rule_set_does_not_map_is_refused(tmp_path):
     """README: a section naming a logical axis the rule set does not map is one line. dp maps no ``layer_stages`` (only
     the pp_ sets do), so ZeRO moments split over it would be a rule for nothing."""

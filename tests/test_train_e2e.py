@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from conftest import REPO, run_cli, subprocess_env
+from jaxtrain import distributed
 from jaxtrain.cli import DEFAULT_CPU_DEVICES, default_cpu_devices, simulate_cpu_devices
 from jaxtrain.config import AxisSizes, MeshConfig, from_dict, load_mesh_file
 
@@ -319,11 +320,17 @@ def test_the_commands_tests_start_run_this_checkout(tmp_path):
     assert found == f"{REPO / 'jaxtrain' / '__init__.py'}\n"
 
 
-def test_train_simulates_as_many_cpu_devices_as_its_mesh_holds_up_to_the_default():
+def test_train_simulates_as_many_cpu_devices_as_its_mesh_holds_up_to_the_default(monkeypatch):
+    for name in distributed.CLUSTER_TASK_COUNT_VARS:
+        monkeypatch.delenv(name, raising=False)
     assert default_cpu_devices(load_mesh_file("gpu1"), None) == 1
     assert default_cpu_devices(load_mesh_file("a100x4"), None) == 4
     assert default_cpu_devices(load_mesh_file("cpu2x4"), 2) == 4  # this process's part: ici
     assert default_cpu_devices(load_mesh_file("cpu2x4"), None) == 8  # one process holds ici x dcn
+    # srun without the flags (jax's cluster detection joins the tasks): each task held ici x dcn, the one-line error
+    # "make ici cover one process and dcn the process count" for a mesh that did
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    assert default_cpu_devices(load_mesh_file("cpu2x4"), None) == 4
     # a cluster's mesh, or an unknown size, gets the default (and training asks for --devices in one line)
     assert default_cpu_devices(load_mesh_file("h100x64"), None) == DEFAULT_CPU_DEVICES
     assert default_cpu_devices(MeshConfig(ici=AxisSizes(data=-1)), None) == DEFAULT_CPU_DEVICES

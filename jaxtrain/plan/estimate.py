@@ -442,8 +442,9 @@ def fit_microbatches(base: Layout, limit_bytes: float, compile_fn: Callable[[Lay
 
 def memory_limit(devices=None) -> float | None:
     """Usable bytes on the first device, as a plan counts them (``usable_bytes``): the device memory less the
-    default headroom, at most jax's allocator pool. None where devices report no limit (CPU)."""
-    pool = ((devices or jax.devices())[0].memory_stats() or {}).get("bytes_limit")
+    default headroom, at most jax's allocator pool. None where devices report no limit (CPU). By default the first
+    of this process's devices: another process's refuses ``memory_stats`` (every process but 0 of a job)."""
+    pool = ((devices or jax.local_devices())[0].memory_stats() or {}).get("bytes_limit")
     if pool is None:
         return None
     fraction = xla_env.memory_fraction()  # the pool's share of the device's memory, which devices do not report
