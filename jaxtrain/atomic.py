@@ -65,6 +65,16 @@ def publish(temp: Path, path: Path) -> None:
     _sync(path.parent)
 
 
+def fresh_dir(path: Path, what: str) -> None:
+    """An empty directory at ``path`` (an earlier attempt's removed), its parents made; a UserError where mkdir fails though
+    the output path passed its access(2) check (a quota or a full disk; /proc, which looks writable to root)."""
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        path.mkdir(parents=True)
+    except OSError as e:
+        raise UserError(f"{what}: cannot make the directory {path} ({e.strerror}); give a path in a writable directory") from None
+
+
 @contextlib.contextmanager
 def made_parents(path: Path, what: str) -> Iterator[None]:
     """Make the missing directories above ``path`` for the block; remove them again (where still empty) when it

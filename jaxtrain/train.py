@@ -150,7 +150,14 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
     if cfg.log.mlflow and jax.process_index() == 0:
         exporters.check_mlflow(cfg.log.mlflow, run_dir)
     if checkpoint_lib.has_checkpoints(run_dir):  # a resume with another model fails before the compile
-        checkpoint_lib.check_resume_shapes(run_dir, split_frozen(model_spec(cfg.model).shapes)[0])
+        try:
+            checkpoint_lib.check_resume_shapes(run_dir, split_frozen(model_spec(cfg.model).shapes)[0])
+        except UserError as e:
+            # the run's shape came from --init-from HF_DIR's config.json, which a resume without it does not read
+            if init_from is None and (run_dir / hf_config.RUN_SUBDIR).is_dir():
+                raise UserError(f"{run_dir} started from a Hugging Face model, whose config.json gives the model's shape: "
+                                f"give --init-from that model's directory again, as the run's first command did ({e})") from None
+            raise
         if cfg.model.lora.rank:
             lora_lib.check_resume_dtype(run_dir, cfg.model)
     with compile_cache.using(cfg.train.compile_cache) as cache_dir:

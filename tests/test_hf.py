@@ -5,12 +5,14 @@ each experiment named after a published model reading as that model's."""
 
 import copy
 import dataclasses
+import errno
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -26,6 +28,7 @@ from jaxtrain import atomic, checkpoint as checkpoint_lib
 from jaxtrain import cli
 from jaxtrain.config import Config, load_experiment, save_yaml
 from jaxtrain.interop import hf_config, hf_export, hf_import
+from jaxtrain.interop import peft as peft_io
 from jaxtrain.interop.hf_weights import INDEX_FILE, Checkpoint, TensorMap
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.layout import make_layout
@@ -313,6 +316,25 @@ def test_bad_input_is_one_line(case, tmp_path, capsys):
     assert not run_dir.exists()
 
 
+def test_a_resume_without_its_init_from_says_to_give_it_again(tmp_path, capsys):
+    """The shape of a run started from a Hugging Face model is that model's config.json's: resumed without --init-from,
+    finetune's default shape did not match the checkpoint, and the one line only said to "use the model config of that
+    run" (a QA report)."""
+    hf_dir, run_dir, tokens = tmp_path / "hf", tmp_path / "run", tmp_path / "tokens.npy"
+    _make_hf_model(hf_dir, "llama_tied")
+    np.save(tokens, np.random.default_rng(1).integers(0, 64, 2000).astype(np.int32))
+    args = ["train", "finetune", "--run-dir", str(run_dir), f"data.path={tokens}", f"data.seq_len={SEQ}", "data.val_fraction=0.1",
+            "train.global_batch=8", "train.eval_batches=1", "model.dtype=float32", "model.remat=none", "log.progress=false",
+            "log.tensorboard=false"]
+    assert cli.main([*args, "--init-from", str(hf_dir), "train.steps=1"]) == 0
+    before = sorted((p, p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
+    capsys.readouterr()
+    assert cli.main([*args, "train.steps=2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{run_dir} started from a Hugging Face model" in lines[0] and "give --init-from" in lines[0], lines
+    assert sorted((p, p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
+
+
 
 REFUSED = {  # config.json values this model would load without reproducing: refused, not read as another model
     "mlp_bias": ({"mlp_bias": True}, "mlp_bias=True is not supported (MLP without biases only)"),
@@ -452,6 +474,23 @@ def test_an_export_that_fails_leaves_no_directory(hf_models, tmp_path, monkeypat
         hf_export.write_model(params, cfg, tmp_path / "out", "float32", source_dir=hf_dir)
     assert list(tmp_path.iterdir()) == []
 
+
+
+def test_an_export_directory_that_cannot_be_made_is_one_line(tmp_path, monkeypatch):
+    """Where access(2) lets --out pass but mkdir fails (a quota or full disk; /proc, to root), the model and the adapter
+    export stopped with mkdir's traceback (a QA report), where train's --run-dir is one line."""
+    hf_dir, out = tmp_path / "hf", tmp_path / "out"
+    _make_hf_model(hf_dir, "llama_tied")
+    cfg = _config(hf_dir, mesh=(1, 1, 1))
+
+    def over_quota(self, *args, **kwargs):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(Path, "mkdir", over_quota)
+    for export in (lambda: hf_export.write_model({}, cfg, out, "float32"), lambda: peft_io.write_adapter({}, cfg.model, out, None, {})):
+        with pytest.raises(hf_config.UserError, match=re.escape(f"--out {out}: cannot make the directory {out}.partial (Disk quota")):
+            export()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 def test_a_sigterm_during_export_leaves_no_directory(tmp_path, monkeypatch):
     """A SIGTERM (a scheduler's time limit) after the weights are written: status 143 through the export's cleanup, and

@@ -205,7 +205,7 @@ def test_a_base_run_that_trains_on_still_gives_the_adapters_their_base(corpus, t
     longer = with_(cfg, train={"steps": 4})  # the same command, resumed: --init-from the base run, which has trained on
     longer_trainer = build(longer, corpus, devices)
     assert int(train(longer, tmp_path / "lora", longer_trainer, init_from=tmp_path / "base").step) == 4
-    _, base = lora_lib.run_model_params(make_layout(cfg, devices), tmp_path / "lora")  # export-hf's and generate's path
+    _, base, _ = lora_lib.run_model_params(make_layout(cfg, devices), tmp_path / "lora")  # export-hf's and generate's path
     assert base.record["hash"] == record["hash"]
     # resumed in another dtype: its base would hash otherwise; said so (it was "the LoRA base ... is not the base ...")
     in_bfloat16 = with_(longer, train={"steps": 6}, model={"param_dtype": "bfloat16"})

@@ -98,6 +98,11 @@ def test_peft_export_loads_in_peft_and_merged_export_in_transformers(hf_base, co
     for name, weight in peft_merged.items():
         np.testing.assert_allclose(our_merged[name].numpy(), weight.numpy(), rtol=0, atol=1e-6, err_msg=name)
     assert json.loads((adapter_dir / "jaxtrain_adapter.json").read_text())["steps"] == 4
+    # --step 2: the record is that checkpoint's (it said the run's 4 steps and step 4's eval loss; a QA report)
+    early_dir = tmp_path / "adapter_step2"
+    assert cli.main(["export-hf", str(run_dir), "--out", str(early_dir), "--adapter-only", "--step", "2"]) == 0
+    early = json.loads((early_dir / "jaxtrain_adapter.json").read_text())
+    assert (early["steps"], early["eval_loss"]) == (2, None)
     # float32 by default, as PEFT saves adapters; --dtype bfloat16 honoured (it was ignored: float32 whatever it said)
     bf16_dir = tmp_path / "adapter_bf16"
     assert cli.main(["export-hf", str(run_dir), "--out", str(bf16_dir), "--adapter-only", "--dtype", "bfloat16"]) == 0

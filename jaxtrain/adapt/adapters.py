@@ -60,16 +60,19 @@ def read_record(run_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def summary(run_dir: Path) -> dict:
-    """A LoRA run's base record with its adapter shape, and its progress: steps done, last eval loss."""
+def summary(run_dir: Path, step: int | None = None) -> dict:
+    """A LoRA run's base record with its adapter shape, and its progress: steps done, last eval loss; with ``step`` (the
+    checkpoint an export read), that checkpoint's: its step, the last eval loss up to it."""
     record = read_record(run_dir)
     if record is None:
         raise UserError(f"{run_dir} has no {BASE_RECORD}: it is not a LoRA run (model.lora.rank > 0); train one, or give its --run-dir")
     metrics = run_dir / "metrics.jsonl"
     records = read_records(metrics) if metrics.is_file() else []  # a live run's partial last line left out
+    if step is not None:  # the records past it are of later adapters (an export's --step, or its newest readable one)
+        records = [r for r in records if r["step"] <= step]
     steps = [r["step"] for r in records if "loss" in r]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    return record | {"steps": max(steps, default=0), "eval_loss": evals[-1] if evals else None}
+    return record | {"steps": max(steps, default=0) if step is None else step, "eval_loss": evals[-1] if evals else None}
 
 
 def check_adapter(adapter: Path) -> None:

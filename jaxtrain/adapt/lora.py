@@ -211,9 +211,10 @@ def _write_record_file(run_dir: Path, body: dict) -> None:
         f.write((json.dumps(body, indent=2) + "\n").encode())
 
 
-def run_model_params(layout: Layout, run_dir: Path, step: int | None = None, source: str = "jaxtrain export-hf") -> tuple[dict, Base]:
-    """Every parameter of a LoRA run: its adapters restored from the latest checkpoint (or ``step``'s), on its base
-    reloaded from the path its record names and checked against the recorded hash."""
+def run_model_params(layout: Layout, run_dir: Path, step: int | None = None,
+                     source: str = "jaxtrain export-hf") -> tuple[dict, Base, int]:
+    """Every parameter of a LoRA run: its adapters restored from the newest readable checkpoint (or ``step``'s), on its
+    base reloaded from the path its record names and checked against the recorded hash; and the step read."""
     record = summary(run_dir)
     # the base comes from the run's record, not from the command line: no flag can name another
     base_path = None if record["path"] is None else Path(record["path"])
@@ -221,10 +222,10 @@ def run_model_params(layout: Layout, run_dir: Path, step: int | None = None, sou
         raise UserError(f"the LoRA base {base_path}, which {run_dir / BASE_RECORD} records, does not exist; put it back there, or "
                         f"set \"path\" in {run_dir / BASE_RECORD} to where it is now (its content hash is checked)")
     where = run_dir if step is None else run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)
-    adapters = checkpoint_lib.restore_from(where, layout.abstract_state(), None, params_only=True, source=source)
+    read, adapters = checkpoint_lib.restore_step_from(where, layout.abstract_state(), None, params_only=True, source=source)
     base = load_base(layout, base_path, record, f"run {run_dir}",
                      f"restore the base {run_dir / BASE_RECORD} records (the run's adapters are reloaded onto it)")
-    return join_frozen(base.frozen, adapters), base
+    return join_frozen(base.frozen, adapters), base, int(read.name)
 
 
 def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: str, adapter_only: bool) -> None:
@@ -235,11 +236,11 @@ def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: st
     source_dir = hf_export.run_source_dir(run_dir)
     # first: a tokenizer moved away is an error before minutes of restoring and merging
     tokenizer = None if adapter_only else hf_export.tokenizer_files(cfg, source_dir)
-    model_params, base = run_model_params(layout, run_dir, step)
+    model_params, base, read = run_model_params(layout, run_dir, step)
     if adapter_only:
         adapters = multihost_utils.process_allgather(split_frozen(model_params)[0], tiled=True)
         if jax.process_index() == 0:
-            peft.write_adapter(adapters["layers"], cfg.model, out, base.record["path"], summary(run_dir), dtype)
+            peft.write_adapter(adapters["layers"], cfg.model, out, base.record["path"], summary(run_dir, read), dtype)
         what = f"PEFT adapter ({dtype})"
     else:
         plain_cfg = dataclasses.replace(cfg, model=plain_config(cfg.model))
@@ -257,7 +258,7 @@ def merge_on_devices(model_params: dict, model_cfg: LlamaConfig, shardings: dict
 
 def merged_run_params(layout: Layout, run_dir: Path, source: str) -> dict:
     """A LoRA run's adapters merged into its base, placed as the base model's parameters."""
-    model_params, _ = run_model_params(layout, run_dir, None, source)
+    model_params, _, _ = run_model_params(layout, run_dir, None, source)
     return merge_on_devices(model_params, layout.cfg.model, jax.tree.map(lambda a: a.sharding, plain_abstract(layout)))
 
 

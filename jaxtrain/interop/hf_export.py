@@ -163,8 +163,7 @@ def write_model(params: dict, cfg: Config, out: Path, dtype: str, source_dir: Pa
     is_main = jax.process_index() == 0
     partial = out.with_name(f"{out.name}.partial")
     if is_main:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        atomic.fresh_dir(partial, f"--out {out}")
     gather = Gatherer(params, dtype)
     try:
         for name, shard in zip(names, shards):

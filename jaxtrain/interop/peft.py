@@ -232,8 +232,7 @@ def write_adapter(adapters: dict, model_cfg: LlamaConfig, out: Path, base_path: 
                   dtype: str = "float32") -> None:
     """Write the adapter directory ``out`` whole (a temporary directory renamed when complete), tensors in ``dtype``."""
     partial = out.with_name(f"{out.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    atomic.fresh_dir(partial, f"--out {out}")
     try:
         save_file({name: x.astype(np.dtype(dtype)) for name, x in to_peft(adapters, model_cfg).items()}, str(partial / WEIGHTS_FILE))
         (partial / CONFIG_FILE).write_text(json.dumps(adapter_config(model_cfg, base_path), indent=2) + "\n")
