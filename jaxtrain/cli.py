@@ -303,7 +303,7 @@ def cmd_generate(args) -> int:
             from jaxtrain.adapt import lora
 
             loaded = lora.with_adapter(loaded, Path(args.adapter))
-        out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling, loaded.stop)
+        out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling, loaded.stops)
     new = out.tokens[0]
     text = loaded.decode(new) if args.chat else args.prompt + loaded.decode(new)
     print(text, flush=True)

@@ -4,7 +4,7 @@ sharded with the run's rules.
 ``load(path)`` gives a ``Loaded`` model (config, parameters on the mesh, encode, decode) from a run
 directory or a Hugging Face model directory; ``generate`` runs a prefill of the prompts, which fills a
 fixed-size cache (prompt + max_new_tokens), then a ``lax.while_loop`` of one-token decoding steps over it, until
-every sequence has made the stop token:
+every sequence has made one of the stop tokens:
 greedy at temperature 0, else temperature and top-p (nucleus) sampling from a seed.
 """
 
@@ -50,8 +50,10 @@ class Codec(NamedTuple):
     """How a model reads a prompt and writes its output."""
 
     encode: Encode  # prompt text -> token ids
-    decode: Decode  # token ids -> text to print after the prompt, up to ``stop``
-    stop: int | None  # the token that ends a text (end of text, of the chat turn); None: none, generate them all
+    decode: Decode  # token ids -> text to print after the prompt, up to the first of ``stops``
+    # the tokens that end a text (the end of text or a Hugging Face model's eos_token_id, as transformers' generate
+    # stops; the chat turn's end): (): none, generate them all
+    stops: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +68,7 @@ class Loaded:
     rules_name: str
     encode: Encode  # prompt text -> token ids
     decode: Decode  # token ids -> text to print after the prompt
-    stop: int | None = None  # Codec.stop: generation ends once every sequence has made it
+    stops: tuple[int, ...] = ()  # Codec.stops: generation ends once every sequence has made one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +78,7 @@ class Generation:
     prefill_s: float  # prompt through the layers and the first new token (compiled, timed apart from compiling)
     decode_s: float  # the decoding steps after it
     compile_s: float
-    decode_steps: int  # at most max_new_tokens - 1: fewer where every sequence made its stop token sooner
+    decode_steps: int  # at most max_new_tokens - 1: fewer where every sequence made a stop token sooner
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -151,9 +153,10 @@ def codec(cfg: Config, run_dir: Path) -> Codec:
     vocab = cfg.model.vocab_size
     if is_byte_level(cfg.data.tokenizer, cfg.data.path):
         return Codec(lambda text: _in_vocab(list(text.encode("utf-8")), vocab, "a byte of the prompt's UTF-8"), _bytes_to_text,
-                     RawBytes().end_of_text)
+                     (RawBytes().end_of_text,))
     found = run_tokenizer(cfg, run_dir)
-    return _token_codec(vocab, None if found is None else load_tokenizer(found))
+    return _token_codec(vocab, None if found is None else load_tokenizer(found),
+                        hf_config.end_of_sequence_ids(run_dir / hf_import.RUN_SUBDIR))
 
 
 def run_tokenizer(cfg: Config, run_dir: Path) -> Path | None:
@@ -169,45 +172,49 @@ def run_tokenizer(cfg: Config, run_dir: Path) -> Path | None:
 
 
 def chat_codec(path: Path, vocab: int) -> Codec:
-    """A prompt as one user turn of the chat template, ready for the answer; the answer decoded up to the end of its turn."""
+    """A prompt as one user turn of the chat template, ready for the answer; the answer decoded up to the end of its turn
+    (or the model's eos_token_id, where transformers' generate stops too)."""
+    model_dir = path if hf_config.is_hf_dir(path) else path / hf_import.RUN_SUBDIR
     if hf_config.is_hf_dir(path):
         file = path / TOKENIZER_FILE
     else:
-        file = run_tokenizer(config_lib.load_run_config(path), path) or path / hf_import.RUN_SUBDIR / TOKENIZER_FILE
+        file = run_tokenizer(config_lib.load_run_config(path), path) or model_dir / TOKENIZER_FILE
     if not (file / TOKENIZER_FILE if file.is_dir() else file).is_file():
         raise UserError(f"--chat: {path} has no tokenizer, so no chat template; generate without --chat, or from a model "
                         "with a tokenizer directory holding a chat template")
     template = ChatTemplate(load_tokenizer(file))
-    end = template.end_of_turn()
+    stops = tuple(dict.fromkeys((template.end_of_turn(), *hf_config.end_of_sequence_ids(model_dir))))
 
     def decode(ids: Sequence[int]) -> str:
-        return template.tokenizer.tokenizer.decode(_until(ids, end), skip_special_tokens=True)
+        return template.tokenizer.tokenizer.decode(_until(ids, stops), skip_special_tokens=True)
 
-    return Codec(lambda text: _in_vocab(template.prompt_tokens(text), vocab, "a prompt token id"), decode, end)
+    return Codec(lambda text: _in_vocab(template.prompt_tokens(text), vocab, "a prompt token id"), decode, stops)
 
 
-def _until(ids: Sequence[int], end: int | None) -> list[int]:
-    """``ids`` up to the first ``end`` token: what the model generates after it belongs to another text."""
+def _until(ids: Sequence[int], ends: tuple[int, ...]) -> list[int]:
+    """``ids`` up to the first of the ``ends`` tokens: what the model generates after it belongs to another text."""
     ids = [int(i) for i in ids]
-    return ids[:ids.index(end)] if end in ids else ids
+    return next((ids[:at] for at, i in enumerate(ids) if i in ends), ids)
 
 
 def _hf_codec(vocab: int, hf_dir: Path) -> Codec:
     """A Hugging Face model's tokenizer.json when it has one, else token ids."""
-    return _token_codec(vocab, load_tokenizer(hf_dir) if (hf_dir / TOKENIZER_FILE).is_file() else None)
+    return _token_codec(vocab, load_tokenizer(hf_dir) if (hf_dir / TOKENIZER_FILE).is_file() else None,
+                        hf_config.end_of_sequence_ids(hf_dir))
 
 
-def _token_codec(vocab: int, tokenizer: TextTokenizer | None) -> Codec:
-    """A ``tokenizers`` tokenizer when there is one (the output decoded up to its end-of-text token), else token ids
-    written as numbers, each after a space (so the prompt's ids and the new ones print as one sequence, as text prompts
-    print with their continuation)."""
+def _token_codec(vocab: int, tokenizer: TextTokenizer | None, eos_ids: tuple[int, ...]) -> Codec:
+    """A ``tokenizers`` tokenizer when there is one, else token ids written as numbers, each after a space (so the
+    prompt's ids and the new ones print as one sequence, as text prompts print with their continuation); the output
+    up to the first of the model's ``eos_ids`` (a Hugging Face model's, where transformers' generate stops: an instruct
+    model's end of turn among them), else of the tokenizer's end-of-text token."""
     if tokenizer is None:
-        return Codec(lambda text: _in_vocab(_ids(text), vocab, "a prompt token id"), lambda ids: "".join(f" {int(i)}" for i in ids),
-                     None)
+        return Codec(lambda text: _in_vocab(_ids(text), vocab, "a prompt token id"),
+                     lambda ids: "".join(f" {i}" for i in _until(ids, eos_ids)), eos_ids)
     # up to the end of text, as byte-level runs' output stops at theirs (it was printed on into the next document)
+    stops = eos_ids or (tokenizer.end_of_text,)
     return Codec(lambda text: _in_vocab(tokenizer.tokenizer.encode(text).ids, vocab, "a prompt token id"),
-                 lambda ids: tokenizer.tokenizer.decode(_until(ids, tokenizer.end_of_text), skip_special_tokens=True),
-                 tokenizer.end_of_text)
+                 lambda ids: tokenizer.tokenizer.decode(_until(ids, stops), skip_special_tokens=True), stops)
 
 
 def _bytes_to_text(ids: Sequence[int]) -> str:
@@ -342,19 +349,21 @@ def routing_every_token(cfg: LlamaConfig) -> LlamaConfig:
     return cfg
 
 
-def generate(loaded: Loaded, prompts: np.ndarray, sampling: SamplingConfig, stop: int | None = None) -> Generation:
-    """``prompts`` (batch, length) int32, all of one length -> ``sampling.max_new_tokens`` new tokens each; with ``stop``
-    (e.g. ``loaded.stop``) decoding ends once every sequence has made that token, and each holds it from there on.
+def generate(loaded: Loaded, prompts: np.ndarray, sampling: SamplingConfig, stops: tuple[int, ...] = ()) -> Generation:
+    """``prompts`` (batch, length) int32, all of one length -> ``sampling.max_new_tokens`` new tokens each; with ``stops``
+    (e.g. ``loaded.stops``) decoding ends once every sequence has made one of those tokens, and each holds its own from
+    there on.
     The compiled prefill and decode are kept for later calls with the same shapes and max_new_tokens."""
     batch, prompt_len = prompts.shape
     rules = generation_rules(loaded.rules, loaded.mesh, batch)
     param_shardings = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, loaded.params))
     start = time.perf_counter()
     prefill, decode = _compiled(routing_every_token(loaded.model_cfg), loaded.mesh, tuple(rules.items()), loaded.rules_name,
-                                (param_shardings[1], tuple(param_shardings[0])), batch, prompt_len, sampling.max_new_tokens)
+                                (param_shardings[1], tuple(param_shardings[0])), batch, prompt_len, sampling.max_new_tokens,
+                                _stop_slots(stops))
     compile_s = time.perf_counter() - start
     prompt = jax.device_put(np.asarray(prompts, np.int32), batch_sharding(rules, loaded.mesh))
-    knobs = jax.device_put(_knobs(sampling, stop), NamedSharding(loaded.mesh, PartitionSpec()))
+    knobs = jax.device_put(_knobs(sampling, stops), NamedSharding(loaded.mesh, PartitionSpec()))
 
     start = time.perf_counter()
     cache, first = jax.block_until_ready(prefill(loaded.params, prompt, knobs))
@@ -366,10 +375,17 @@ def generate(loaded: Loaded, prompts: np.ndarray, sampling: SamplingConfig, stop
     return Generation(tokens, batch * prompt_len, prefill_s, decode_s, compile_s, int(steps))
 
 
-def _knobs(sampling: SamplingConfig, stop: int | None = None) -> dict[str, np.ndarray]:
-    # uint32: every seed SamplingConfig allows (jax keys keep 32 bits), and the same key as an int32 below 2**31; stop -1: none
+STOP_SLOTS = 8  # stop tokens a compiled program takes (more: the next multiple): a model's few, and none filled with -1
+
+
+def _stop_slots(stops: tuple[int, ...]) -> int:
+    return max(1, math.ceil(len(stops) / STOP_SLOTS)) * STOP_SLOTS
+
+
+def _knobs(sampling: SamplingConfig, stops: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
+    # uint32: every seed SamplingConfig allows (jax keys keep 32 bits), and the same key as an int32 below 2**31; stops -1: none
     return {"seed": np.uint32(sampling.seed), "temperature": np.float32(sampling.temperature), "top_p": np.float32(sampling.top_p),
-            "stop": np.int32(-1 if stop is None else stop)}
+            "stops": np.array([*stops, *[-1] * (_stop_slots(stops) - len(stops))], np.int32)}
 
 
 def _sample_at(logits, knobs, index):
@@ -380,12 +396,12 @@ def _sample_at(logits, knobs, index):
 
 @functools.lru_cache(maxsize=8)
 def _compiled(cfg: LlamaConfig, mesh: Mesh, rule_items: tuple, rules_name: str, param_shardings: tuple, batch: int,
-              prompt_len: int, new: int):
+              prompt_len: int, new: int, stop_slots: int):
     """(prefill, decode) compiled for these shapes and shardings; decode is None for a single new token.
 
     prefill(params, prompt, knobs) -> (cache, first token); decode(params, cache (donated), token, knobs) ->
-    (the other new - 1 tokens (batch, new - 1), cache, the decoding steps run). knobs: seed, temperature, top_p, stop
-    (``_knobs``)."""
+    (the other new - 1 tokens (batch, new - 1), cache, the decoding steps run). knobs: seed, temperature, top_p, stops
+    (``_knobs``, ``stop_slots`` of them)."""
     rules = dict(rule_items)
     spec = model_spec(cfg)
     graphdef, params_sharding = spec.graphdef, jax.tree.unflatten(*param_shardings)
@@ -404,25 +420,30 @@ def _compiled(cfg: LlamaConfig, mesh: Mesh, rule_items: tuple, rules_name: str, 
 
     def decode(params, cache, token, knobs):
         model = nnx.merge(graphdef, params)
-        stop = knobs["stop"]
 
-        def going(carry):  # a step left, and a sequence that has not made its stop token (-1: none ever does)
+        def stopped(token):  # (-1 fills the unused slots: no token is)
+            return jnp.any(token[:, None] == knobs["stops"][None, :], axis=1)
+
+        def going(carry):  # a step left, and a sequence that has not made a stop token
             index, _, _, _, done = carry
             return (index < new) & ~jnp.all(done)
 
         def step(carry):
             index, cache, token, tokens, done = carry
             hidden, cache = model.extend(token[:, None], cache)
-            token = jnp.where(done, stop, _sample_at(model.logits(hidden)[:, 0], knobs, index))
-            return index + 1, cache, token, tokens.at[:, index - 1].set(token), done | (token == stop)
+            token = jnp.where(done, token, _sample_at(model.logits(hidden)[:, 0], knobs, index))  # a stopped one holds its own
+            return index + 1, cache, token, tokens.at[:, index - 1].set(token), done | stopped(token)
 
-        tokens = jnp.full((batch, new - 1), stop, jnp.int32)  # what a sequence holds after its stop token
-        index, cache, _, tokens, _ = jax.lax.while_loop(going, step, (jnp.int32(1), cache, token, tokens, token == stop))
+        tokens = jnp.zeros((batch, new - 1), jnp.int32)
+        index, cache, token, tokens, _ = jax.lax.while_loop(going, step, (jnp.int32(1), cache, token, tokens, stopped(token)))
+        # the steps not run (every sequence had stopped): each sequence's stop token
+        tokens = jnp.where(jnp.arange(new - 1)[None, :] >= index - 1, token[:, None], tokens)
         return tokens, cache, index - 1  # the cache returned, so the donated cache's buffers can hold it
 
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), spec.shapes, params_sharding)
     prompt = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=batch_sharding(rules, mesh))
-    knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct((), x.dtype, sharding=replicated), _knobs(SamplingConfig()))
+    knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                         _knobs(SamplingConfig(), (-1,) * stop_slots))
     with model_tracing(mesh, rules, rules_name):
         prefill = jax.jit(prefill, out_shardings=(cache_sharding, token_sharding)).lower(params, prompt, knobs).compile()
         if new == 1:

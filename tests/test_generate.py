@@ -3,6 +3,7 @@ cpu8 mesh; prefill equal to the training forward; seeded sampling; the command l
 
 import dataclasses
 import functools
+import json
 import re
 import shutil
 
@@ -87,7 +88,7 @@ def test_a_capacity_routed_model_generates_routing_every_token():
 
 
 def test_decoding_ends_once_every_sequence_has_made_its_stop_token():
-    """A model's end of text (``Loaded.stop``): decoding ran on to --max-new-tokens after it (a QA report). A sequence
+    """A model's end of text (``Loaded.stops``): decoding ran on to --max-new-tokens after it (a QA report). A sequence
     holds the stop token after its own; the steps end when the last sequence has made it."""
     loaded = _loaded("dp", (1, 1, 1), 1)
     for batch in (1, 2):
@@ -95,12 +96,22 @@ def test_decoding_ends_once_every_sequence_has_made_its_stop_token():
         greedy = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS)).tokens
         stop = int(greedy[0, 1])  # early in the first sequence; in a second (the seeded model's), not at all
         ends = [list(row).index(stop) if stop in row else NEW_TOKENS - 1 for row in greedy]
-        out = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS), stop=stop)
+        out = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS), stops=(stop,))
         expected = [np.concatenate([row[:end + 1], np.full(NEW_TOKENS - end - 1, stop)])
                     for row, end in zip(greedy, ends, strict=True)]
         np.testing.assert_array_equal(out.tokens, np.stack(expected))
         assert out.decode_steps == max(ends) and (batch > 1 or out.decode_steps <= 1)
         assert out.decode_tokens_per_s == pytest.approx(batch * out.decode_steps / out.decode_s)
+    # several stop tokens (an instruct model's end of text and end of turn): each sequence ends at the first it makes
+    # and holds that one
+    stops = (int(greedy[1, 2]), int(greedy[0, 1]))
+    ends = [min(list(row).index(s) for s in stops if s in row) for row in greedy]
+    out = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS), stops=stops)
+    held = [row[end] for row, end in zip(greedy, ends, strict=True)]
+    assert held[0] != held[1]
+    np.testing.assert_array_equal(out.tokens, np.stack([np.concatenate([row[:end + 1], np.full(NEW_TOKENS - end - 1, row[end])])
+                                                        for row, end in zip(greedy, ends, strict=True)]))
+    assert out.decode_steps == max(ends)
 
 
 def test_a_first_new_token_that_is_the_stop_token_ends_generation_without_decoding():
@@ -109,7 +120,7 @@ def test_a_first_new_token_that_is_the_stop_token_ends_generation_without_decodi
     loaded = _loaded("dp", (1, 1, 1), 1)
     prompts = _prompts(1)
     stop = int(generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS)).tokens[0, 0])
-    out = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS), stop=stop)
+    out = generate(loaded, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS), stops=(stop,))
     assert out.decode_steps == 0
     np.testing.assert_array_equal(out.tokens, np.full((1, NEW_TOKENS), stop))
 
@@ -238,10 +249,10 @@ def test_the_generate_command_hands_decoding_the_runs_stop_token(byte_run, monke
     from jaxtrain import generate as generate_lib
 
     stops, decoding = [], generate_lib.generate
-    monkeypatch.setattr(generate_lib, "generate", lambda loaded, prompts, sampling, stop=None: (
-        stops.append(stop), decoding(loaded, prompts, sampling, stop))[1])
+    monkeypatch.setattr(generate_lib, "generate", lambda loaded, prompts, sampling, given=(): (
+        stops.append(given), decoding(loaded, prompts, sampling, given))[1])
     assert cli.main(["generate", str(byte_run), "--prompt", "the", "--max-new-tokens", "4"]) == 0
-    assert stops == [0]
+    assert stops == [(0,)]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -304,11 +315,11 @@ def test_text_codecs(tmp_path):
     from jaxtrain.generate import _until, codec
 
     byte_run = small_config(vocab_size=256)
-    encode, decode, stop = codec(byte_run, tmp_path)
-    assert encode("é!") == [0xC3, 0xA9, 0x21] and decode([0xC3, 0xA9, 0x21, 0, 0x41]) == "é!" and stop == 0
+    encode, decode, stops = codec(byte_run, tmp_path)
+    assert encode("é!") == [0xC3, 0xA9, 0x21] and decode([0xC3, 0xA9, 0x21, 0, 0x41]) == "é!" and stops == (0,)
     token_run = with_(byte_run, data={"path": "tokens.bin"})
-    encode, decode, stop = codec(token_run, tmp_path)
-    assert encode("12, 7 99") == [12, 7, 99] and decode([4, 18]) == " 4 18" and stop is None  # printed after the prompt's ids
+    encode, decode, stops = codec(token_run, tmp_path)
+    assert encode("12, 7 99") == [12, 7, 99] and decode([4, 18]) == " 4 18" and stops == ()  # printed after the prompt's ids
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.train_from_iterator(["the quick brown fox", "the lazy dog"] * 10,
@@ -317,13 +328,13 @@ def test_text_codecs(tmp_path):
     tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
     end_of_text = tokenizer.token_to_id("<|endoftext|>")
     for run in (token_run, with_(byte_run, data={"tokenizer": str(tmp_path / "hf")})):
-        encode, decode, stop = codec(run, tmp_path)
-        assert stop == end_of_text
+        encode, decode, stops = codec(run, tmp_path)
+        assert stops == (end_of_text,)
         assert encode("the lazy fox") == tokenizer.encode("the lazy fox").ids and decode(encode("the lazy fox")) == "the lazy fox"
         # up to the end of text, as the byte-level runs' output (a QA report: what followed it was printed on as continuation)
         assert decode(encode("the lazy") + [end_of_text] + encode("fox")) == "the lazy"
     # the end itself is cut too, not left to skip_special_tokens: a tokenizer need not mark its end token special
-    assert _until([5, 9, 2, 9], 9) == [5] and _until([5, 2], 9) == [5, 2]
+    assert _until([5, 9, 2, 9], (9,)) == [5] and _until([5, 2], (9,)) == [5, 2] and _until([5, 2, 9], (9, 2)) == [5]
 
 
 def test_a_prompt_token_id_past_the_vocabulary_is_one_line():
@@ -331,7 +342,7 @@ def test_a_prompt_token_id_past_the_vocabulary_is_one_line():
     from jaxtrain.errors import UserError
     from jaxtrain.generate import _token_codec
 
-    encode = _token_codec(64, None).encode
+    encode = _token_codec(64, None, ()).encode
     assert encode("0 63") == [0, 63]
     with pytest.raises(UserError, match=r"^a prompt token id is 64, outside the model's vocabulary of 64 \(model.vocab_size\)"):
         encode("63 64")
@@ -359,6 +370,43 @@ def test_token_id_prompt_is_printed_with_its_continuation(tmp_path, capsys):
     printed = capsys.readouterr().out
     new = generate(load(tmp_path), np.array([[1, 2, 3]], np.int32), SamplingConfig(max_new_tokens=5)).tokens[0]
     assert printed == "1 2 3" + "".join(f" {t}" for t in new) + "\n"
+
+
+def test_generation_stops_where_transformers_does_at_any_of_the_models_eos_token_ids(tmp_path, capsys):
+    """generation_config.json's eos_token_id, an id or a list (an instruct model's end of text and end of turn, as
+    Llama 3.1 Instruct's three), else config.json's: transformers' greedy generate stops at the first it makes. Only
+    the tokenizer's end of text stopped it here (a QA report: output went on past an instruct model's end of turn)."""
+    from jaxtrain import cli
+    from jaxtrain.errors import UserError
+    from jaxtrain.generate import load
+    from jaxtrain.interop import hf_config
+
+    _hf_model_or_skip(tmp_path, "llama3")
+    import torch
+    import transformers
+
+    free = generate(load(tmp_path), np.array([[1, 2, 3]], np.int32), SamplingConfig(max_new_tokens=12)).tokens[0].tolist()
+    earlier, later = free[2], next(t for t in free[3:] if t not in free[:3])  # the list's second id comes first
+    generation_config = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation_config | {"eos_token_id": [later, earlier]}))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    theirs = reference.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=12, do_sample=False)[0, 3:].tolist()
+    assert theirs == free[:free.index(earlier) + 1]  # stopped at the list's second id
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "1 2 3" + "".join(f" {t}" for t in theirs[:-1]) + "\n"  # the ids up to the stop token
+    assert f"jaxtrain: {len(theirs)} new tokens;" in out.err
+    # without generation_config.json, config.json's id
+    (tmp_path / "generation_config.json").unlink()
+    from test_hf import _edit_config
+
+    _edit_config(tmp_path, eos_token_id=earlier)
+    assert hf_config.end_of_sequence_ids(tmp_path) == (earlier,)
+    _edit_config(tmp_path, eos_token_id="</s>")
+    with pytest.raises(UserError, match=f"^{tmp_path / 'config.json'}: eos_token_id must be a token id or a list of them, "
+                                        "got \\['</s>'\\]"):
+        hf_config.end_of_sequence_ids(tmp_path)
 
 
 def test_generating_past_the_models_context_is_one_line(tmp_path, capsys, monkeypatch):

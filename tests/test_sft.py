@@ -130,7 +130,7 @@ def test_a_chat_answer_is_printed_up_to_the_end_of_its_turn_and_decoding_stops_t
     tokenizer = load_tokenizer(tok_dir).tokenizer
     answer, after = tokenizer.encode("alpha beta").ids, tokenizer.encode("gamma").ids
     end = tokenizer.token_to_id("<|im_end|>")
-    assert codec.stop == end
+    assert codec.stops == (end,)
     assert codec.decode(answer + [end] + after + [end]) == codec.decode(answer) == tokenizer.decode(answer) == "alpha beta"
 
 def test_load_splits_counts_and_truncates(data, tmp_path):

@@ -216,6 +216,22 @@ def context_length(directory: Path) -> tuple[int, str] | None:
     return min(limits, default=None)
 
 
+def end_of_sequence_ids(directory: Path) -> tuple[int, ...]:
+    """The tokens transformers' ``generate`` stops at for the model in ``directory``: generation_config.json's
+    ``eos_token_id`` (an id or a list: an instruct model's end of text and end of turn), else config.json's; () where
+    neither file names one."""
+    for path in (directory / GENERATION_CONFIG_FILE, directory / CONFIG_FILE):
+        ids = read_json(path).get("eos_token_id") if path.is_file() else None
+        if ids is None:
+            continue
+        ids = ids if isinstance(ids, list) else [ids]
+        if not all(type(i) is int and i >= 0 for i in ids):
+            raise UserError(f"{path}: eos_token_id must be a token id or a list of them, got {ids!r}; fix it (transformers "
+                            "reads it too)")
+        return tuple(ids)
+    return ()
+
+
 def trained_context(model: LlamaConfig, seq_len: int) -> tuple[int, str]:
     """The positions of a run trained from scratch and the key that decides them: what its export-hf writes as
     max_position_embeddings, so generating from the run and from its export is bounded alike."""
