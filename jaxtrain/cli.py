@@ -129,26 +129,27 @@ def cmd_train(args) -> int:
     from jaxtrain import checkpoint as checkpoint_lib  # starts jax
     from jaxtrain import train as train_lib
 
-    try:
-        train_lib.train(cfg, run_dir, init_from=args.init_from and Path(args.init_from), params_only=args.params_only)
-    except checkpoint_lib.Preempted as e:  # SIGTERM (143), or Ctrl-C in the training loop (130)
-        print(f"jaxtrain: {e}", file=sys.stderr)
-        return e.status
-    except distributed.LostPeer as e:
-        print(f"jaxtrain: error: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # out now: jax's shutdown would wait on the gone process at its barrier, then abort with C++ logs
-        os._exit(distributed.LOST_PEER_EXIT_STATUS)
-    except checkpoint_lib.Interrupted as e:  # a second Ctrl-C in the loop: out now
-        print(f"jaxtrain: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(checkpoint_lib.INTERRUPTED_EXIT_STATUS)  # a save's background thread would hold the process until written
-    except KeyboardInterrupt:  # before the first step: compile, data, restore
-        newest = max(checkpoint_lib.committed_steps(run_dir / checkpoint_lib.CHECKPOINTS_DIR), default=None)
-        again = "start" if newest is None else f"resume from step {newest}"
-        print(f"jaxtrain: interrupted before the first step, no checkpoint written; run the same command again to {again}",
-              file=sys.stderr)
-        return checkpoint_lib.INTERRUPTED_EXIT_STATUS
+    with distributed.failing_fast():  # an error on one process of a job ends the job at once (but these, handled here)
+        try:
+            train_lib.train(cfg, run_dir, init_from=args.init_from and Path(args.init_from), params_only=args.params_only)
+        except checkpoint_lib.Preempted as e:  # SIGTERM (143), or Ctrl-C in the training loop (130)
+            print(f"jaxtrain: {e}", file=sys.stderr)
+            return e.status
+        except distributed.LostPeer as e:
+            print(f"jaxtrain: error: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            # out now: jax's shutdown would wait on the gone process at its barrier, then abort with C++ logs
+            os._exit(distributed.LOST_PEER_EXIT_STATUS)
+        except checkpoint_lib.Interrupted as e:  # a second Ctrl-C in the loop: out now
+            print(f"jaxtrain: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(checkpoint_lib.INTERRUPTED_EXIT_STATUS)  # a save's background thread would hold the process until written
+        except KeyboardInterrupt:  # before the first step: compile, data, restore
+            newest = max(checkpoint_lib.committed_steps(run_dir / checkpoint_lib.CHECKPOINTS_DIR), default=None)
+            again = "start" if newest is None else f"resume from step {newest}"
+            print(f"jaxtrain: interrupted before the first step, no checkpoint written; run the same command again to {again}",
+                  file=sys.stderr)
+            return checkpoint_lib.INTERRUPTED_EXIT_STATUS
     return 0
 
 
@@ -176,7 +177,7 @@ def cmd_export_hf(args) -> int:
 
     # one process: a SIGTERM (a scheduler's time limit) exits through the export's cleanup, not leaving OUT.partial's
     # shards behind; with several, jax's preemption notifier owns SIGTERM
-    with sigterm_cleans_up() if jax.process_count() == 1 else contextlib.nullcontext():
+    with sigterm_cleans_up() if jax.process_count() == 1 else contextlib.nullcontext(), distributed.failing_fast():
         if cfg.model.lora.rank:
             from jaxtrain.adapt import lora
 

@@ -3,12 +3,15 @@ environment. Must run before anything asks jax for devices."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
 import sys
 import threading
+import traceback
 import zlib
+from typing import Iterator
 
 from jaxtrain.errors import UserError
 
@@ -88,6 +91,28 @@ def lost_peer(error: BaseException) -> bool:
 
     return (jax.process_count() > 1 and isinstance(error, jax.errors.JaxRuntimeError)
             and any(sign in str(error).lower() for sign in _LOST_PEER_SIGNS))
+
+
+@contextlib.contextmanager
+def failing_fast() -> Iterator[None]:
+    """Around a command's work in a job of several processes: an error that ends it on one process ends that process at
+    once, after its message (one line for a user's mistake, exit 2; a traceback, exit 1), and so the others' next
+    collective, which each reports as a LostPeer. Left to Python's exit, it waited at jax's shutdown barrier for the
+    others, still in the job's collectives, until jax aborted every process with C++ logs 5 minutes later."""
+    try:
+        yield
+    except Exception as e:
+        import jax
+
+        if jax.process_count() == 1:
+            raise
+        if isinstance(e, UserError):
+            print(f"jaxtrain: error: {e}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2 if isinstance(e, UserError) else 1)
 
 
 def join_timeout_s() -> float:

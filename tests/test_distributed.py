@@ -25,9 +25,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_process(index: int, port: int, run_dir, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+def _start_process(index: int, port: int, run_dir, *overrides: str, env: dict | None = None,
+                   program: tuple[str, ...] = ("-m", "jaxtrain.cli")) -> subprocess.Popen:
     """One process of a 2-process job on the cpu2x4 mesh, started by hand as a cluster command would start it."""
-    return subprocess.Popen([sys.executable, "-m", "jaxtrain.cli", "train", "tiny", "--mesh", "cpu2x4", "--devices", "4",
+    return subprocess.Popen([sys.executable, *program, "train", "tiny", "--mesh", "cpu2x4", "--devices", "4",
                              "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(index),
                              "--run-dir", str(run_dir), *FAST, *overrides],
                             cwd=REPO, env=subprocess_env() | (env or {}), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -134,6 +135,67 @@ def test_the_survivor_of_a_killed_process_says_so_in_one_line_and_exits_for_a_re
     assert len(errors) == 1 and "another process of the job stopped or lost its connection" in errors[0], stderr[-3000:]
     assert errors[0].endswith("restart the job, which resumes from the latest committed checkpoint (`jaxtrain checkpoints` lists them)")
     assert "Traceback" not in stderr and "Check failure" not in stderr, stderr[-3000:]
+
+
+# process 1 of the job fails at its third step, as a bug or its host's disk would (a UserError: a mistake it alone sees)
+FAILING_AT_STEP_3 = """
+import os
+import sys
+import jax
+from jaxtrain import cli
+from jaxtrain.errors import UserError
+from jaxtrain.observe import metrics
+
+after_step = metrics.MetricsLog.after_step
+
+def failing(self, step, *args, **kwargs):
+    if jax.process_index() == 1 and step == 3:
+        raise (UserError if os.environ["FAILURE"] == "mistake" else RuntimeError)("disk on fire")
+    return after_step(self, step, *args, **kwargs)
+
+metrics.MetricsLog.after_step = failing
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("failure", ["bug", "mistake"])
+def test_an_error_on_one_process_ends_the_job_at_once_each_process_saying_why(failure, tmp_path):
+    """An error on one process only (a bug, its disk): that process printed its error, then waited at jax's shutdown
+    barrier for the others, still in the job's collectives, until jax aborted every process with C++ logs and stack
+    traces 5 minutes later. Now it exits at once (a traceback and 1; a user's mistake one line and 2), and the others'
+    next collective says so in one line."""
+    port, started = _free_port(), time.monotonic()
+    processes = [_start_process(i, port, tmp_path / "run", "train.steps=50", "log.every=1", env={"FAILURE": failure},
+                                program=("-c", FAILING_AT_STEP_3)) for i in (0, 1)]
+    survivor, failed = (p.communicate(timeout=240)[1] for p in processes)
+    assert time.monotonic() - started < 120, (survivor[-3000:], failed[-3000:])
+    if failure == "bug":
+        assert processes[1].returncode == 1 and failed.rstrip().endswith("RuntimeError: disk on fire"), failed[-3000:]
+    else:
+        assert processes[1].returncode == 2 and failed.strip().splitlines()[-1] == "jaxtrain: error: disk on fire", failed[-3000:]
+        assert "Traceback" not in failed
+    assert processes[0].returncode == distributed.LOST_PEER_EXIT_STATUS, survivor[-3000:]
+    errors = [line for line in survivor.splitlines() if line.startswith("jaxtrain: error: ")]
+    assert len(errors) == 1 and "another process of the job stopped or lost its connection" in errors[0], survivor[-3000:]
+    assert "Check failure" not in failed + survivor and "Terminating process" not in failed + survivor
+
+
+def test_a_mistake_only_process_0_sees_ends_the_job_at_once(tmp_path):
+    """Process 0's Prometheus port in use (only process 0 serves one): it said so, then waited 5 minutes at jax's
+    shutdown barrier for process 1, compiling and then in the first step's collectives, before jax aborted both. Now
+    it exits at once; process 0 also serves the job's coordinator, so process 1 ends by jax's own abort, in seconds
+    (README, "What still ends in jax's own abort")."""
+    port, started = _free_port(), time.monotonic()
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        serving = f"log.prometheus_port={busy.getsockname()[1]}"
+        processes = [_start_process(i, port, tmp_path / "run", serving) for i in (0, 1)]
+        failed, aborted = (p.communicate(timeout=240)[1] for p in processes)
+    assert time.monotonic() - started < 60, (failed[-3000:], aborted[-3000:])
+    assert processes[0].returncode == 2 and len(failed.strip().splitlines()) == 1, failed[-3000:]
+    assert failed.startswith(f"jaxtrain: error: {serving}"), failed
+    assert processes[1].returncode != 0
 
 
 def test_an_evaluation_of_a_split_ending_in_a_partial_batch_finishes_on_every_process(tmp_path):
