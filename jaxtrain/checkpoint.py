@@ -34,9 +34,9 @@ from jaxtrain.data.pipeline import PLAIN_SEEDS, SEED_SCHEME, SEED_SCHEMES
 from jaxtrain.distributed import LostPeer
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
+from jaxtrain.observe.records import CHECKPOINTS_DIR, committed_steps  # jax-free, for the adapter pool
 from jaxtrain import spikes as spikes_lib
 
-CHECKPOINTS_DIR = "checkpoints"
 QUARANTINE_DIR = "unreadable_checkpoints"  # beside checkpoints/, so Orbax never lists them again
 PREEMPTED_EXIT_STATUS = 143  # 128 + SIGTERM, what schedulers expect from a job that stopped on SIGTERM
 INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -567,14 +567,6 @@ def _partial_steps(directory: Path) -> list[int]:
         return []
     steps = (p.name.split(".", 1)[0] for p in directory.iterdir() if _TMP_MARK in p.name)
     return sorted({int(s) for s in steps if s.isdigit()})
-
-
-def committed_steps(directory: Path) -> list[int]:
-    """The steps of the complete checkpoints in a checkpoints directory (Orbax renames a save's temporary directory
-    to the step once it is committed); looks only."""
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
 
 
 def _check_writable(directory: Path) -> None:

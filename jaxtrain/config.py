@@ -299,6 +299,11 @@ def as_override(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def as_overrides(changes: dict) -> str:
+    """Config changes as space-separated ``key=value`` overrides, to paste after a command as printed."""
+    return " ".join(f"{key}={as_override(value)}" for key, value in changes.items())
+
+
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     for item in overrides:
         key, sep, raw = item.partition("=")

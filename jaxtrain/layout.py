@@ -109,8 +109,9 @@ def unsplit_experts_note(layout: Layout) -> str | None:
             f"of {experts} above 1, or use a rule set without _ep")
 
 
-def make_layout(cfg: Config, devices: list | None = None) -> Layout:
-    """Check the config against the devices, mesh, rules and model parameters; no compilation."""
+def make_layout(cfg: Config, devices: list | None = None, *, microbatches_auto: bool = False) -> Layout:
+    """Check the config against the devices, mesh, rules and model parameters; no compilation. ``microbatches_auto``:
+    the user wrote train.microbatches=auto, here at one pass (``cfg``'s 1), which the messages name instead."""
     config_lib.check(cfg)
     mesh = build_mesh(cfg.mesh, devices)
     device = mesh.devices.flat[0]
@@ -138,6 +139,11 @@ def make_layout(cfg: Config, devices: list | None = None) -> Layout:
         split_frozen(param_shardings(spec.logical_axes, spec.shapes, state_rules[section], mesh, section))[0]  # noqa: E731
     t = cfg.train
     shards = batch_shards(rules, mesh)
+    if microbatches_auto and t.global_batch % shards:  # no count splits it then: each pass holds global_batch / count rows
+        raise UserError(
+            f"train.global_batch={t.global_batch} does not split over the {shards} batch shards of the mesh, at any micro-batch "
+            f"count train.microbatches=auto may choose; use a multiple of {shards} (e.g. train.global_batch="
+            f"{-(-t.global_batch // shards) * shards})")
     if (t.global_batch // t.microbatches) % shards:
         raise UserError(
             f"train.global_batch={t.global_batch} / train.microbatches={t.microbatches} = {t.global_batch // t.microbatches} "

@@ -28,13 +28,22 @@ Rules = dict[str, tuple[str, ...] | None]
 STATE_SECTIONS = ("optimizer_state", "gradients")
 
 
-def _rule_path(name_or_path: str) -> Path:
+def _did_you_mean(word, choices) -> str | None:
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return close[0] if close else None
+
+
+def _rule_path(name_or_path: str, extended_by: Path | None = None) -> Path:
+    """The file of ``--rules NAME|FILE``, or of ``extends: NAME|FILE`` in rule file ``extended_by``."""
     path = Path(name_or_path)
     if not path.is_file():
         path = RULES_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
-        names = ", ".join(sorted(p.stem for p in RULES_DIR.glob("*.yaml")))
-        raise UserError(f"rule set '{name_or_path}' not found; give a path or one of: {names}")
+        names = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
+        close = _did_you_mean(name_or_path, names)
+        hint = f"did you mean '{close}'? " if close else ""
+        what = f"rule set '{name_or_path}'" if extended_by is None else f"rule set {extended_by}: extends '{name_or_path}', which is"
+        raise UserError(f"{what} not found; {hint}give a path or one of: {', '.join(names)}")
     return path
 
 
@@ -51,12 +60,14 @@ def _base_rule_set(path: Path, base: str) -> str:
     return str(beside) if beside.is_file() else base
 
 
-def _parse_rules(body: dict, where: str) -> Rules:
+def _parse_rules(body: dict, where: str, sections: tuple[str, ...] = ()) -> Rules:
+    """``sections``: the other keys the mapping may hold (a rule file's top level), offered for a misspelt one too."""
     rules: Rules = {}
     for logical, target in body.items():
         if logical not in LOGICAL_AXES:
-            close = difflib.get_close_matches(str(logical), LOGICAL_AXES, n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"the model's logical axes are {', '.join(LOGICAL_AXES)}"
+            close = _did_you_mean(logical, (*LOGICAL_AXES, *sections))
+            hint = (f"did you mean the section '{close}'?" if close in STATE_SECTIONS else f"did you mean '{close}'?" if close
+                    else f"the model's logical axes are {', '.join(LOGICAL_AXES)}")
             raise UserError(f"rule set {where}: '{logical}' is not a logical axis of the model; {hint}")
         if isinstance(target, list) and len(set(target)) < len(target):
             raise UserError(f"rule set {where}: '{logical}' names a mesh axis twice in {target}; name each mesh axis once")
@@ -79,10 +90,10 @@ def load_rules(name_or_path: str, _extending: tuple[Path, ...] = ()) -> Rules:
     rules: Rules = {}
     base = body.pop("extends", None)
     if base is not None:
-        if not isinstance(base, str) or _rule_path(_base_rule_set(path, base)).resolve() in chain:
+        if not isinstance(base, str) or _rule_path(_base_rule_set(path, base), extended_by=path).resolve() in chain:
             raise UserError(f"rule set {path}: 'extends' must name another rule set without a cycle, got {base!r}")
         rules = load_rules(_base_rule_set(path, base), chain)
-    return rules | _parse_rules({k: v for k, v in body.items() if k not in STATE_SECTIONS}, str(path))
+    return rules | _parse_rules({k: v for k, v in body.items() if k not in STATE_SECTIONS}, str(path), ("extends", *STATE_SECTIONS))
 
 
 def load_state_rules(name_or_path: str) -> dict[str, Rules]:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from jaxtrain.plan import estimate as plan
 from jaxtrain.config import Config
 from jaxtrain.distributed import LostPeer, lost_peer
 from jaxtrain.errors import UserError
-from jaxtrain.interop import hf_config, hf_import
+from jaxtrain.interop import hf_config, hf_import, peft
 from jaxtrain.layout import Layout, compile_train_step
 from jaxtrain.observe.metrics import MetricsLog
 from jaxtrain.optim import learning_rate_schedule
@@ -144,6 +145,7 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
     # a mistyped path fails before the compile; a resumed run ignores --init-from, which may be gone since (a step of a
     # run training on, removed by its checkpoint.keep)
     if init_from is not None and not hf_config.is_hf_dir(init_from) and not checkpoint_lib.has_checkpoints(run_dir):
+        _check_not_peft_adapter(init_from)
         _check_not_lora_run(init_from, checkpoint_lib.checkpoints_dir(init_from, "--init-from")[0].parent)
     if cfg.log.prometheus_port and jax.process_index() == 0:
         exporters.check_port_free(cfg.log.prometheus_port)
@@ -425,6 +427,20 @@ def _check_not_lora_run(init_from: Path, run_dir: Path) -> None:
         base = record["path"] or f"initialised from train.seed={record['seed']}"
         raise UserError(f"--init-from {init_from} is a LoRA run, whose checkpoints hold only its adapters; start from its base "
                         f"({base}) or from its merged model: jaxtrain export-hf {run_dir} --out DIR, then --init-from DIR")
+
+
+def _check_not_peft_adapter(init_from: Path) -> None:
+    """A PEFT adapter directory holds adapters alone (it was "no checkpoints there"): say how adapters are used."""
+    if not peft.is_adapter_dir(init_from):
+        return
+    try:  # the base's name is advice only: an adapter_config.json unreadable here is left to the commands that read it
+        base = json.loads((init_from / peft.CONFIG_FILE).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    raise UserError(f"--init-from {init_from} is a PEFT adapter ({peft.CONFIG_FILE}), which holds adapters, not a model to start "
+                    f"from: give its base model{f' ({base})' if base else ''}, a Hugging Face model directory, to --init-from (new "
+                    f"adapters on it: model.lora.rank > 0), and the adapter to jaxtrain generate BASE_DIR --adapter {init_from}; to "
+                    "train on from the adapter, merge it into its base with peft (merge_and_unload) and --init-from the merged model")
 
 
 def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, params_only: bool) -> TrainState:

@@ -18,6 +18,8 @@ ROPE_SCALING_TYPES = ("none", "llama3")
 # LoRA target name -> (module in the block, its weight, how many leading weight dimensions are inputs)
 LORA_TARGETS = {"q": ("attn", "wq", 1), "k": ("attn", "wk", 1), "v": ("attn", "wv", 1), "o": ("attn", "wo", 2),
                 "gate": ("mlp", "w_gate", 1), "up": ("mlp", "w_up", 1), "down": ("mlp", "w_down", 1)}
+# Hugging Face's (and so PEFT's) module name of each LoRA target's weight -> the target (jaxtrain/interop/peft.py maps them)
+HF_PROJECTIONS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 # A mixture of experts' adapters (models/lora.py ExpertLoRA), as PEFT puts them on Hugging Face's fused expert
 # parameters: adapter name -> (the MLP targets it serves, the expert weights it updates). gate_up is one adapter on
 # the gate and up weights together: one A per expert, its B's columns the gate's then the up's (PEFT's
@@ -52,12 +54,25 @@ class LoraConfig:
             out.append(f"model.lora.dropout={self.dropout} must be at least 0 and below 1 (the share of adapter inputs dropped); e.g. 0.05")
         if self.rank <= 0:
             return out
-        choices = ", ".join(f"{n} ({m}.{w})" for n, (m, w, _) in LORA_TARGETS.items())
-        for item in (t.strip() for t in self.targets.split(",")):
-            names = LoraConfig(targets=item).target_names() if item else []
-            if not names:
-                what = f"is not a regular expression ({error})" if (error := _regex_error(item)) else "matches no weight"
-                out.append(f"model.lora.targets item {item!r} {what}; targets are {choices}, or regular expressions over them")
+        items = [t.strip() for t in self.targets.split(",")]
+        wrong, unmatched = [], []  # the hint on the targets is given once, after every wrong item
+        for item in items:
+            if not (LoraConfig(targets=item).target_names() if item else []):
+                if error := _regex_error(item):
+                    wrong.append(f"model.lora.targets item {item!r} is not a regular expression ({error})")
+                else:
+                    unmatched.append(item)
+        if unmatched:
+            listed = ", ".join(map(repr, unmatched))
+            wrong.append(f"model.lora.targets item {listed} matches no weight" if len(unmatched) == 1 else
+                         f"model.lora.targets items {listed} match no weight")
+            if all(item in HF_PROJECTIONS for item in unmatched):  # PEFT's target_modules, as adapter_config.json gives them
+                ours = ",".join(HF_PROJECTIONS[item] for item in unmatched)
+                whole = "model.lora.targets=" if len(unmatched) == len(items) else ""  # the value to give, where all were PEFT's
+                wrong[-1] += f" (as PEFT names modules; jaxtrain's: {whole}{ours})"
+        if wrong:
+            choices = ", ".join(f"{n} ({m}.{w})" for n, (m, w, _) in LORA_TARGETS.items())
+            out.append(f"{'; '.join(wrong)}; targets are {choices}, or regular expressions over them")
         return out
 
 

@@ -53,6 +53,15 @@ def _text(path: Path, text: str) -> Path:
     return path
 
 
+def _peft_dir(tmp_path: Path) -> str:
+    """A PEFT adapter directory as PEFT saves one (adapter_config.json; the weights are not read)."""
+    (tmp_path / "peft").mkdir()
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": "meta-llama/Llama-3.2-1B", "r": 8, "target_modules": ["q_proj", "v_proj"]}))
+    (tmp_path / "peft" / "adapter_model.safetensors").write_bytes(b"")
+    return str(tmp_path / "peft")
+
+
 def _hf_dir(tmp_path: Path, **changes) -> str:
     """A Hugging Face model directory of tiny's shape, its config.json alone (read before any weight file)."""
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 128, "intermediate_size": 384,
@@ -86,7 +95,20 @@ CASES = {
     "unknown key": (lambda t: ["train.step=3"], "unknown config key 'train.step'; did you mean 'train.steps'?"),
     "wrong type": (lambda t: ["train.steps=many"], "train.steps expects int, got 'many'"),
     "unknown remat policy": (lambda t: ["model.remat=some"], "model.remat='some' is not a remat policy"),
-    "unknown rule set": (lambda t: ["--rules", "zero9"], "rule set 'zero9' not found; give a path or one of: dp, dp_ep, fsdp, fsdp_ep, fsdp_tp, fsdp_tp_ep, pp_dp, pp_fsdp, pp_fsdp_tp, tp"),
+    "unknown rule set": (lambda t: ["--rules", "zero9"], "rule set 'zero9' not found; did you mean 'zero2'? give a path or one of: dp, dp_ep, fsdp, fsdp_ep, fsdp_tp, fsdp_tp_ep, pp_dp, pp_fsdp, pp_fsdp_tp, tp"),
+    # it named train.microbatches=1, which the user never wrote
+    "global batch that train.microbatches=auto cannot split": (
+        lambda t: ["train.microbatches=auto", "train.global_batch=6"],
+        "jaxtrain: error: train.global_batch=6 does not split over the 4 batch shards of the mesh, at any micro-batch count "
+        "train.microbatches=auto may choose; use a multiple of 4 (e.g. train.global_batch=8)"),
+    # it said "rule set 'fsdp_tpp' not found; give a path or one of: ...", naming neither the file nor the likely one
+    "rule file extending a misspelt rule set": (lambda t: ["--rules", _rules_file(t, extends="fsdp_tpp")],
+                                                "rules.yaml: extends 'fsdp_tpp', which is not found; did you mean 'fsdp_tp'? give a "
+                                                "path or one of: dp, dp_ep, fsdp, "),
+    # it listed the model's logical axes, not the section meant
+    "misspelt section of a rule file": (lambda t: ["--rules", _rules_file(t, optimizer_stat={"embed": "fsdp"})],
+                                        "rules.yaml: 'optimizer_stat' is not a logical axis of the model; did you mean the section "
+                                        "'optimizer_state'?"),
     "unknown mesh file": (lambda t: ["--mesh", "tpu9000"], "mesh file 'tpu9000' not found"),
     "mesh file that is not UTF-8": (lambda t: ["--mesh", str(_random_bytes(t / "bin.yaml"))], "bin.yaml is not UTF-8 text; give a YAML mesh file"),
     "rule set that is not UTF-8": (lambda t: ["--rules", str(_random_bytes(t / "bin.yaml"))], "bin.yaml is not UTF-8 text; give a YAML rule set"),
@@ -181,6 +203,11 @@ CASES = {
                                                  "and --init-from "),
     "--init-from a path with no checkpoints": (lambda t: ["--init-from", str(t / "nonexistent")],
                                                "nonexistent: no checkpoints there; give a run directory"),
+    "--init-from a PEFT adapter directory": (  # it was "no checkpoints there; give a run directory, ..."
+        lambda t: ["--init-from", _peft_dir(t)],
+        "peft is a PEFT adapter (adapter_config.json), which holds adapters, not a model to start from: give its base model "
+        "(meta-llama/Llama-3.2-1B), a Hugging Face model directory, to --init-from (new adapters on it: model.lora.rank > 0), and "
+        "the adapter to jaxtrain generate BASE_DIR --adapter "),
 }
 
 

@@ -238,3 +238,38 @@ def test_bad_lora_config_is_one_line(override, message, tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jaxtrain: error: ") and message in lines[0], lines
     assert not run_dir.exists()
+
+
+def test_wrong_lora_targets_get_one_hint(tmp_path, capsys):
+    # PEFT's module names: one message, the targets listed once (it was the whole hint after each item) and jaxtrain's names
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", "tiny", "--run-dir", str(run_dir), "model.lora.rank=4", "model.lora.targets=q_proj,v_proj"]) == 2
+    assert capsys.readouterr().err == (
+        "jaxtrain: error: model.lora.targets items 'q_proj', 'v_proj' match no weight (as PEFT names modules; jaxtrain's: "
+        "model.lora.targets=q,v); targets are q (attn.wq), k (attn.wk), v (attn.wv), o (attn.wo), gate (mlp.w_gate), "
+        "up (mlp.w_up), down (mlp.w_down), or regular expressions over them\n")
+    assert not run_dir.exists()
+    # PEFT's names among jaxtrain's: the names of those items alone, not a whole value that would drop the others
+    problems = LoraConfig(rank=4, targets="q,v_proj,(k").problems()
+    assert problems == ["model.lora.targets item '(k' is not a regular expression (missing ), unterminated subpattern at position 0); "
+                        "model.lora.targets item 'v_proj' matches no weight (as PEFT names modules; jaxtrain's: v); targets are "
+                        "q (attn.wq), k (attn.wk), v (attn.wv), o (attn.wo), gate (mlp.w_gate), up (mlp.w_up), down (mlp.w_down), "
+                        "or regular expressions over them"]
+
+
+def test_adapters_lists_what_the_newest_committed_checkpoint_holds(tmp_path, capsys):
+    """A run killed (SIGKILL) after step 6's metrics, with step 4 its newest committed checkpoint and step 6's save left
+    temporary: `jaxtrain adapters` listed steps 6 and step 6's eval loss, progress no checkpoint holds (a QA report)."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "2").mkdir(parents=True)
+    (run_dir / "checkpoints" / "4").mkdir()
+    (run_dir / "checkpoints" / "6.orbax-checkpoint-tmp-1765000000").mkdir()
+    (run_dir / lora_lib.BASE_RECORD).write_text(json.dumps(
+        {"hash": "abc123", "path": "/models/base", "rank": 4, "targets": ["q", "v"], "seed": 0}))
+    records = [{"step": s, "loss": 5.0 - s / 10} | ({"eval_loss": 4.0 - s / 10} if s % 2 == 0 else {}) for s in range(1, 7)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert cli.main(["adapters", str(run_dir)]) == 0
+    assert capsys.readouterr().out == f"base abc123  /models/base\n  {run_dir}  run  rank 4  targets q,v  steps 4  eval loss 3.6000\n"
+    shutil.rmtree(run_dir / "checkpoints")  # killed before its first save: its adapters are nowhere
+    assert cli.main(["adapters", str(run_dir)]) == 0
+    assert capsys.readouterr().out == f"base abc123  /models/base\n  {run_dir}  run  rank 4  targets q,v  steps 0  eval loss -\n"

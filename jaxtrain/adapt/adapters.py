@@ -13,7 +13,7 @@ from pathlib import Path
 
 from jaxtrain.errors import UserError
 from jaxtrain.interop import peft
-from jaxtrain.observe.records import read_records
+from jaxtrain.observe.records import CHECKPOINTS_DIR, committed_steps, read_records
 
 ADAPTER_PREFIX = "lora_"  # models/lora.py names each adapter lora_<target>
 BASE_RECORD = "lora_base.json"
@@ -61,18 +61,19 @@ def read_record(run_dir: Path) -> dict | None:
 
 
 def summary(run_dir: Path, step: int | None = None) -> dict:
-    """A LoRA run's base record with its adapter shape, and its progress: steps done, last eval loss; with ``step`` (the
-    checkpoint an export read), that checkpoint's: its step, the last eval loss up to it."""
+    """A LoRA run's base record with its adapter shape, and the progress its adapters hold: the step of its newest
+    committed checkpoint (0 before the first), the last eval loss up to it; with ``step`` (the checkpoint an export
+    read), that checkpoint's."""
     record = read_record(run_dir)
     if record is None:
         raise UserError(f"{run_dir} has no {BASE_RECORD}: it is not a LoRA run (model.lora.rank > 0); train one, or give its --run-dir")
+    if step is None:
+        step = max(committed_steps(run_dir / CHECKPOINTS_DIR), default=0)
     metrics = run_dir / "metrics.jsonl"
     records = read_records(metrics) if metrics.is_file() else []  # a live run's partial last line left out
-    if step is not None:  # the records past it are of later adapters (an export's --step, or its newest readable one)
-        records = [r for r in records if r["step"] <= step]
-    steps = [r["step"] for r in records if "loss" in r]
-    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    return record | {"steps": max(steps, default=0) if step is None else step, "eval_loss": evals[-1] if evals else None}
+    # the records past the step are of adapters no checkpoint holds (a run killed since, or one training on) or of later ones
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r and r["step"] <= step]
+    return record | {"steps": step, "eval_loss": evals[-1] if evals else None}
 
 
 def check_adapter(adapter: Path) -> None:

@@ -1,5 +1,5 @@
-"""Reading a run's ``metrics.jsonl``: for ``jaxtrain plot``, the trainer's resume and the adapter pool, without
-importing jax or matplotlib."""
+"""Reading a run's ``metrics.jsonl`` and which of its checkpoints are committed: for ``jaxtrain plot``, the trainer's
+resume and the adapter pool, without importing jax or matplotlib."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 from jaxtrain.errors import UserError
+
+CHECKPOINTS_DIR = "checkpoints"  # in the run directory
 
 
 def read_records(path: Path) -> list[dict]:
@@ -33,3 +35,11 @@ def read_records(path: Path) -> list[dict]:
                             "the file is damaged, or not a run's metrics")
         records.append(record)
     return records
+
+
+def committed_steps(directory: Path) -> list[int]:
+    """The steps of the complete checkpoints in a checkpoints directory (Orbax renames a save's temporary directory
+    to the step once it is committed); looks only."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec
 
 from jaxtrain import compile_cache, xla_env
 from jaxtrain.adapt.adapters import split_frozen
-from jaxtrain.config import Config, as_override, flatten, resolve_for_devices, to_dict
+from jaxtrain.config import Config, as_override, as_overrides, flatten, resolve_for_devices, to_dict
 from jaxtrain.errors import UserError
 from jaxtrain.observe.flops import model_flops_per_token, peak_flops
 from jaxtrain.plan.gpu_targets import GPU_MEMORY_MIB, GPU_MODELS, compile_only_devices, gpu_memory_bytes
@@ -425,7 +425,9 @@ def microbatch_candidates(cfg: Config, limit_bytes: float, devices=None) -> list
 def unfitted_layout(cfg: Config, devices=None) -> Layout:
     """``make_layout``, with ``train.microbatches=auto`` at one pass until ``fit_microbatches`` decides (or for
     devices without a memory limit, for good): the count changes neither the model nor any sharding."""
-    return make_layout(_replace(cfg, microbatches=1) if cfg.train.microbatches == "auto" else cfg, devices)
+    if cfg.train.microbatches == "auto":
+        return make_layout(_replace(cfg, microbatches=1), devices, microbatches_auto=True)
+    return make_layout(cfg, devices)
 
 
 def fit_microbatches(base: Layout, limit_bytes: float, compile_fn: Callable[[Layout], tuple[T, int]]) -> tuple[Layout, T]:
@@ -469,7 +471,7 @@ class Suggestion:
     host_s: float = 0.0  # step_cost.StepTime.host_s: optim.offload's or an offload_* remat policy's copies over PCIe per step
 
     def describe(self, limit: int) -> str:
-        change = " and ".join(f"{k}={as_override(v)}" for k, v in self.changes.items())
+        change = as_overrides(self.changes)
         checked = "" if self.compiled is None else \
             f"; compiled {_size(self.compiled)}: {'fits' if self.compiled <= limit else 'does NOT fit'}"
         host = f", costs {duration(self.host_s)}/step of host transfer at PCIe bandwidth" if self.host_s else ""
@@ -566,7 +568,7 @@ def technique_effects(layout: Layout, gpu: str | None = None) -> list[Technique]
             continue
         # every key the change sets: a remat policy is weighed on every layer, so model.remat_layers is named where set
         changes = {key: new for key, new in flatten(to_dict(candidate)).items() if current[key] != new}
-        out.append(Technique(" and ".join(f"{key}={as_override(new)}" for key, new in changes.items()),
+        out.append(Technique(as_overrides(changes),
                              saved, timed.total_s / base_time, timed.host_s))
     return out
 
