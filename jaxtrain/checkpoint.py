@@ -19,6 +19,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -211,20 +212,44 @@ class DataPositionRestore(ocp.args.CheckpointArgs):
     item: object
 
 
-def _manager(directory: Path, cfg: CheckpointConfig | None) -> ocp.CheckpointManager:
-    """The run's own manager (``cfg``), or, without ``cfg``, one that only reads."""
+def _manager(directory: Path, cfg: CheckpointConfig | None, write_failed: threading.Event | None = None) -> ocp.CheckpointManager:
+    """The run's own manager (``cfg``), or, without ``cfg``, one that only reads. With several processes, a save whose
+    background write fails on this process sets ``write_failed`` (``_barrier_refusing_failed_saves``)."""
     _quiet_abandoned_reads()  # before any read: a failed one's abandoned siblings print as it unwinds
     if cfg is None:
         options = ocp.CheckpointManagerOptions(save_interval_steps=0, create=False)
     else:
+        several = write_failed is not None and jax.process_count() > 1
         # only the configured steps: Orbax's default policy also saves the first step and on its own preemption check
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(cfg.every),
             max_to_keep=cfg.keep, keep_period=cfg.keep_every or None,
-            enable_async_checkpointing=cfg.async_save, create=True)
+            enable_async_checkpointing=cfg.async_save, create=True,
+            async_options=ocp.AsyncOptions(barrier_sync_fn=_barrier_refusing_failed_saves(write_failed)) if several else None)
     handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_state_type_handlers()),
                 "data": DataPositionHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=handlers)
+
+
+def _barrier_refusing_failed_saves(write_failed: threading.Event):
+    """Orbax's barrier among the processes, with its timeout (20 minutes, kept: a large save takes minutes), but for a
+    thread of Orbax's own that comes to it with an error in flight: its save failed on this process (a full disk) before
+    the barrier where the other processes wait for it, and it unwinds to another barrier (the ``finally`` of its
+    finalization), so both sides waited out the timeout, then aborted as if a process were lost, never naming the disk.
+    That thread raises its error instead, ending the save on this process, and sets ``write_failed``: the training
+    thread reports it at its next step (``RunCheckpoints.after_step``), this process stops, and so the others' next
+    collective fails, each saying so."""
+    waiting = ocp.multihost.get_barrier_sync_fn()
+    owner = threading.current_thread()  # the training thread, which starts the saves; Orbax's own threads finish them
+
+    def barrier(*, key: str, timeout_ms: int) -> None:
+        failure = sys.exc_info()[1]  # inside a ``finally`` that unwinds from an error: that error
+        if failure is not None and threading.current_thread() is not owner:
+            write_failed.set()
+            raise failure
+        waiting(key=key, timeout_ms=timeout_ms)
+
+    return barrier
 
 
 def _state_restore(target, *, partial: bool = False) -> ocp.args.PyTreeRestore:
@@ -397,7 +422,8 @@ class RunCheckpoints:
         self.meta = meta or {}
         _check_writable(self.directory)
         self._lock = _lock_run_dir(run_dir)
-        self.manager = _manager(self.directory, cfg)
+        self.write_failed = threading.Event()  # a save's background write failed on this process (several processes)
+        self.manager = _manager(self.directory, cfg, self.write_failed)
         _quiet_replaced_partial_saves()
         self.preemption = PreemptionWatch()
         self.closed = False
@@ -445,7 +471,11 @@ class RunCheckpoints:
 
     def after_step(self, step: int, state, data_iterator, *, preempted: bool) -> None:
         """Save if due (always at the last step); on preemption (or Ctrl-C) save, wait for the commit and raise
-        Preempted."""
+        Preempted. With several processes, a save whose background write failed on this process raises its error here,
+        at the step after (``_barrier_refusing_failed_saves``): the others are in the step's collectives then, which fail
+        when this process stops, not at a save's barrier, where they waited for it until Orbax's timeout."""
+        if self.write_failed.is_set():
+            self.finish()  # raises the failed save's error
         self.save(step, state, data_iterator, force=preempted or step == self.last_step)
         if preempted:
             self.close()
@@ -488,8 +518,10 @@ class RunCheckpoints:
             raise self._write_error(self.started, e) from e
 
     def _write_error(self, step, error: BaseException) -> UserError | LostPeer:
-        if jax.process_count() > 1 and isinstance(error, jax.errors.JaxRuntimeError):  # a collective among the processes
-            return LostPeer(f"the save of checkpoint step {step} under {self.directory}", error)
+        # a collective or barrier among the processes (Orbax raises a barrier's failure as a TimeoutError from it)
+        among_processes = next((e for e in (error, error.__cause__) if isinstance(e, jax.errors.JaxRuntimeError)), None)
+        if jax.process_count() > 1 and among_processes is not None:
+            return LostPeer(f"the save of checkpoint step {step} under {self.directory}", among_processes)
         return UserError(f"could not write checkpoint step {step} under {self.directory} ({_first_line(error)}); "
                          f"free disk space or fix permissions there; earlier checkpoints are intact")
 

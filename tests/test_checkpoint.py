@@ -459,6 +459,10 @@ def test_a_save_that_a_stopped_process_broke_is_not_blamed_on_the_disk(tmp_path,
     lost = checkpoints._write_error(4, peer)
     assert isinstance(lost, LostPeer)  # not a UserError: its exit status 2 is a k8s Job's FailJob, where a restart resumes
     message = str(lost)
+    try:  # a barrier of Orbax's background save that failed as the peer went: its TimeoutError from jax's error
+        raise TimeoutError("Timed out while waiting for async_write_complete barrier.") from peer
+    except TimeoutError as barrier:
+        assert str(checkpoints._write_error(4, barrier)) == message
     assert message.startswith(f"the save of checkpoint step 4 under {tmp_path / 'checkpoints'} stopped (JaxRuntimeError: UNKNOWN: Gloo")
     assert message.endswith("another process of the job stopped or lost its connection (its own output says why); restart the "
                             "job, which resumes from the latest committed checkpoint (`jaxtrain checkpoints` lists them)")

@@ -180,6 +180,54 @@ def test_an_error_on_one_process_ends_the_job_at_once_each_process_saying_why(fa
     assert "Check failure" not in failed + survivor and "Terminating process" not in failed + survivor
 
 
+# process 1 of the job: the background write of step 4's checkpoint fails, as its host's full disk would make it fail
+# (Orbax's commit of the save raises before the barrier where the other processes wait for it)
+FAILING_SAVE_OF_STEP_4 = """
+import errno
+import os
+import sys
+import jax
+from orbax.checkpoint._src.checkpointers import async_checkpointer
+from jaxtrain import cli
+
+committing = async_checkpointer._background_wait_for_commit_futures
+
+def failing(directory, *args, **kwargs):
+    if jax.process_index() == 1 and directory.name.split(".")[0] == "4":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return committing(directory, *args, **kwargs)
+
+async_checkpointer._background_wait_for_commit_futures = failing
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_checkpoint_write_failing_on_one_process_ends_the_job_at_once_saying_why(tmp_path):
+    """A save whose write fails on one process only (its host's disk full): Orbax's failing thread waited at another
+    barrier than the other processes' (the cleanup of its finalization), so the job stalled at its next save for
+    Orbax's barrier timeout (20 minutes), then every process reported a lost peer with jax's abort logs, and never the
+    disk. Now that process says so in the single-process line (status 2) at its next step, and the other's next
+    collective says it stopped (status 1); the earlier checkpoint stays, the partial one is never committed."""
+    port, started, run_dir = _free_port(), time.monotonic(), tmp_path / "run"
+    processes = [_start_process(i, port, run_dir, "train.steps=40", "log.every=1", "checkpoint.every=2",
+                                program=("-c", FAILING_SAVE_OF_STEP_4)) for i in (0, 1)]
+    survivor, failed = (p.communicate(timeout=240)[1] for p in processes)
+    assert time.monotonic() - started < 120, (survivor[-3000:], failed[-3000:])
+    checkpoints = run_dir / "checkpoints"
+    assert (processes[1].returncode, failed.strip().splitlines()) == (2, [
+        f"jaxtrain: error: could not write checkpoint step 4 under {checkpoints} (OSError: [Errno 28] No space left on device); "
+        "free disk space or fix permissions there; earlier checkpoints are intact"]), failed[-3000:]
+    assert processes[0].returncode == distributed.LOST_PEER_EXIT_STATUS, survivor[-3000:]
+    errors = [line for line in survivor.splitlines() if line.startswith("jaxtrain: error: ")]
+    assert len(errors) == 1 and "another process of the job stopped or lost its connection" in errors[0], survivor[-3000:]
+    assert "Traceback" not in survivor and "Check failure" not in failed + survivor and "ERROR:absl" not in survivor
+    # the failure surfaced at the next step, not at a later save: process 1 went no further than step 5 (or step 6's
+    # save, which waits for step 4's), so process 0 logged no step past 6
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert 4 <= max(logged) <= 6, logged
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4.orbax-checkpoint-tmp"]  # a resume reads step 2
+
+
 def test_a_mistake_only_process_0_sees_ends_the_job_at_once(tmp_path):
     """Process 0's Prometheus port in use (only process 0 serves one): it said so, then waited 5 minutes at jax's
     shutdown barrier for process 1, compiling and then in the first step's collectives, before jax aborted both. Now
