@@ -100,7 +100,19 @@ def load_state_rules(name_or_path: str) -> dict[str, Rules]:
     """The rules that place the optimizer state and the gradients: the rule set's own, with the overrides of its
     ``optimizer_state:`` / ``gradients:`` sections (ZeRO-1 and ZeRO-2) on top."""
     base = load_rules(name_or_path)  # checks the ``extends`` chain first
-    return {section: base | overrides for section, overrides in _section_overrides(name_or_path).items()}
+    return {section: base | {logical: nested_under(base.get(logical), targets) for logical, targets in overrides.items()}
+            for section, overrides in _section_overrides(name_or_path).items()}
+
+
+def nested_under(own: tuple[str, ...] | None, targets: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """A section's mesh axes for a logical axis, the parameters' own axes first where it splits over at least them:
+    each device's slice of the state then lies inside its slice of the weight, so the update is computed on a local
+    slice of the gradient and its all-gather over the other axes rebuilds the weight's shard. In another order
+    (``embed: [data, fsdp]`` over fsdp_tp's ``embed: fsdp``) a device's slice lay in another device's shard: XLA moved
+    the updates by collective permutes over data x fsdp and gathered twice the bytes (test_hlo_report.py)."""
+    if not own or not targets or not set(own) <= set(targets):
+        return targets
+    return own + tuple(axis for axis in targets if axis not in own)
 
 
 def _section_overrides(name_or_path: str) -> dict[str, Rules]:

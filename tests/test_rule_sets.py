@@ -13,7 +13,7 @@ from jaxtrain.config import AxisSizes, MeshConfig
 from jaxtrain.errors import UserError
 from jaxtrain.layout import make_layout
 from jaxtrain.mesh import device_array, resolve_shape
-from jaxtrain.partitioning import load_rules, load_state_rules
+from jaxtrain.partitioning import load_rules, load_state_rules, nested_under
 from models.config import MoEConfig
 
 BATCH = ("data", "fsdp")
@@ -201,10 +201,20 @@ def test_a_relative_extends_is_read_beside_the_rule_file_not_in_the_working_dire
     (tmp_path / "base.yaml").write_text("extends: dp\n")  # another base.yaml where the job is started
     monkeypatch.chdir(tmp_path)
     assert load_rules("rules/mine.yaml") == load_rules("fsdp_tp") | {"mlp": None}
-    assert load_state_rules("rules/mine.yaml")["optimizer_state"]["embed"] == ("data", "fsdp")
+    assert load_state_rules("rules/mine.yaml")["optimizer_state"]["embed"] == ("fsdp", "data")  # the weights' fsdp first
     with pytest.raises(UserError, match="rule set rules/loop.yaml: 'extends' must name another rule set without a cycle, "
                                         "got '../rules/loop.yaml'"):
         load_rules("rules/loop.yaml")
+
+
+def test_a_sections_mesh_axes_are_nested_under_the_parameters():
+    """The state's slice of a weight within the device's own shard of it (the compiled step: tests/test_hlo_report.py):
+    the parameters' axes first, in their order; a section over other axes, or none, as written."""
+    assert nested_under(("fsdp",), ("data", "fsdp")) == ("fsdp", "data")
+    assert nested_under(("fsdp", "expert"), ("data", "expert", "fsdp")) == ("fsdp", "expert", "data")
+    assert nested_under(("data", "fsdp"), ("fsdp", "data")) == ("data", "fsdp")  # the parameters' layout itself
+    assert nested_under(("fsdp",), ("data",)) == ("data",)
+    assert nested_under(None, ("data", "fsdp")) == ("data", "fsdp") and nested_under(("fsdp",), None) is None
 
 
 def test_a_section_overriding_a_logical_axis_its_rule_set_does_not_map_is_refused(tmp_path):

@@ -170,15 +170,16 @@ def test_devices_along_an_idle_axis_repeat_the_work():
     assert step_cost.step_time(idle).compute_s == pytest.approx(8 * spread.compute_s)
 
 
-@pytest.mark.parametrize("rules, reductions", [("zero1", 2), ("zero2", 1)])
-def test_zero2_reduce_scatters_the_gradients_that_zero1_all_reduces(rules, reductions):
-    """data 8: each gradient summed over the replicas, an all-reduce (twice a reduce-scatter's bytes) under ZeRO-1, a
-    reduce-scatter under ZeRO-2 (gradients split as the optimizer state); then each updated float32 weight
-    all-gathered. Gradients in bfloat16, but the norm scales' and the embedding lookup's, in float32."""
+@pytest.mark.parametrize("rules, table_reductions", [("zero1", 2), ("zero2", 1)])
+def test_zero1_and_zero2_reduce_scatter_the_gradients_and_gather_the_updated_weights(rules, table_reductions):
+    """data 8: each gradient summed over the replicas by a reduce-scatter (half an all-reduce's bytes): under ZeRO-2 as
+    its gradients section says, under ZeRO-1 as the GPU compiler does for the optimizer state's slice, but for the
+    embedding lookup's, which it all-reduces with one micro-batch (tests/test_plan_gpu.py); then each updated float32
+    weight all-gathered. Gradients in bfloat16, but the norm scales' and the embedding lookup's, in float32."""
     layout = make_layout(medium_config(rules, "full", mesh=(8, 1, 1)))
     norms, table = (2 * 4 + 1) * 256, 4096 * 256
     bfloat16_gradients = layout.spec.num_params - norms - table
-    gradients = reductions * (bfloat16_gradients * 2 + (norms + table) * 4)
+    gradients = bfloat16_gradients * 2 + norms * 4 + table_reductions * table * 4
     gathers = layout.spec.num_params * 4
     assert step_cost.step_time(layout, "h100").traffic_bytes["data"] == pytest.approx((gradients + gathers) * 7 / 8)
 

@@ -727,7 +727,7 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
         suggest(cfg, min(usable, estimate_total(accelerator_estimate) - 1), devices, gpu), usable, devices)
     traffic = None if compiled.hlo is None else compiled.hlo.traffic_by_step_cost_kind(
         tuple(layout.rules.get("activation_batch") or ()), tuple(layout.rules.get(STAGES) or ()),
-        tuple(layout.rules.get("experts") or ()))
+        tuple(layout.rules.get("experts") or ()), layout.replica_axes)
     per_stage = stage_memory(layout, accelerator_estimate) if schedule(cfg, layout.rules, layout.mesh).stages > 1 else None
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, allocator_fraction, estimate_as_compiled(layout, compiled),
                 accelerator_estimate, compiled, predicted, step_time(layout, gpu), model_flops_per_token(layout),

@@ -94,7 +94,7 @@ class Collective:
     def traffic(self) -> float:
         """Bytes each device sends per step with ring algorithms, as step_cost counts them: an all-gather or
         reduce-scatter of N bytes over n devices N (n-1)/n, an all-reduce twice that; a collective permute N from
-        each device that sends (averaged over the devices: a permute between half of them, N / 2)."""
+        each device that sends to another (averaged over the devices: a permute between half of them, N / 2)."""
         if self.kind == "collective-permute":
             return self.executions * self.bytes * self.senders
         n = self.group_size
@@ -143,17 +143,21 @@ class HloReport:
         return sorted(out.values(), key=lambda r: (COLLECTIVES.index(r["kind"]), r["axes"] or []))
 
     def traffic_by_step_cost_kind(self, batch_axes: tuple[str, ...], stage_axes: tuple[str, ...] = (),
-                                  expert_axes: tuple[str, ...] = ()) -> dict[str, float]:
+                                  expert_axes: tuple[str, ...] = (), replica_axes: tuple[str, ...] = ()) -> dict[str, float]:
         """Traffic in step_cost's terms: collectives over pipeline stage axes are the pipeline's, all-gathers,
         reduce-scatters and all-to-alls over batch axes but no expert axis FSDP's (an all-to-all there: the embedding
-        lookup's gradient to the table's columns), all-reduces over batch axes data parallelism's, all-to-alls,
+        lookup's gradient to the table's columns), but all-gathers and reduce-scatters over ``replica_axes`` alone (batch
+        axes that split no weight) data parallelism's: ZeRO-1/2's gathers of the updated weights and reduce-scatters of
+        the gradients over the axes a rule set's optimizer_state / gradients section adds (they were counted as FSDP's,
+        which step_cost's prediction was not); all-reduces over batch axes data parallelism's, all-to-alls,
         all-gathers and reduce-scatters over an expert axis expert parallelism's (tokens to their experts and back:
         models/moe.py), collectives over other axes tensor parallelism's (an all-to-all over tensor among them: counted
         as the experts', it was left out of the printed comparison of a dense model, which predicts none)."""
         out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0}
         for c in self.collectives:
             on_batch = c.axes is not None and set(c.axes) <= set(batch_axes)
-            kind = ("fsdp" if c.kind in ("all-gather", "reduce-scatter") else "data") if on_batch else "tensor"
+            scattered = c.kind in ("all-gather", "reduce-scatter") and not set(c.axes or ()) <= set(replica_axes)
+            kind = ("fsdp" if scattered else "data") if on_batch else "tensor"
             by_expert = bool(set(c.axes or ()) & set(expert_axes))
             if c.kind == "all-to-all" or by_expert and c.kind in ("all-gather", "reduce-scatter"):
                 kind = "expert" if by_expert else "fsdp" if on_batch else "tensor"
@@ -558,7 +562,9 @@ def report(hlo_text: str, mesh_shape: dict[str, int], log: str = "") -> HloRepor
             full = operand_bytes if kind == "reduce-scatter" else sum(result)
             groups = device_groups(ins.attributes, devices)
             dtypes = tuple(dtype for dtype, _ in _ARRAY.findall(done.type if is_async and ins.opcode.endswith("-start") else ins.type))
-            senders = len({pair[0] for pair in groups}) / devices if kind == "collective-permute" and groups else 1.0
+            # a device's pair with itself moves nothing (XLA lists one for each device a layout change leaves in place)
+            moving = groups if kind == "collective-permute" and groups else None
+            senders = len({source for source, target in moving if source != target}) / devices if moving else 1.0
             collectives.append(Collective(kind, mesh_axes(groups, mesh_shape), len(groups[0]) if groups else 0, len(result),
                                           full, times, known, is_async, overlapped, dtypes, senders))
     warnings = tuple(dict.fromkeys(line.strip() for line in log.splitlines() if WARNING_LINE.search(line)))

@@ -22,7 +22,8 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
   for the norm scales (RMSNorm applies them in float32), as the compiled program shows;
 - ZeRO-2 (gradients split over batch axes their weight is replicated on): those reduced by a reduce-scatter,
   half an all-reduce; ZeRO-1/2 (optimizer state split so): each updated float32 weight all-gathered once per
-  step over those axes;
+  step over those axes, and GSPMD's per-pass sum a reduce-scatter under ZeRO-1 too (the GPU compiler reduces to the
+  state's slice; but the embedding lookup's gradient with one micro-batch, all-reduced);
 - optim.offload: the optimizer state (and the float32 master weights under narrower compute) copied from host
   memory to the device and back once per step over PCIe (not overlapped); an offload_* remat policy: per micro-batch
   and layer, the activations it offloads copied to the host in the forward and back in the backward (counted as not
@@ -309,22 +310,28 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         fsdp += passes * gathered * (gathers_per_pass(axes) * (x.dtype.itemsize if whole else act) + reduced) * (split - 1) / split
         if chunked:
             reducing = split * chunk_replicas
-            fsdp += passes * (chunks * gathered * grad * (reducing - 1) / reducing
-                              + local * x.dtype.itemsize * (chunk_replicas - 1) / chunk_replicas)
+            fsdp += passes * chunks * gathered * grad * (reducing - 1) / reducing
+            # gathered back over the replicas, axes that split no weight: data parallelism's, as ZeRO's gathers
+            data += passes * local * x.dtype.itemsize * (chunk_replicas - 1) / chunk_replicas
         if lookup and not whole and split > 1:  # the rows' gradient (batch, length, d_model) to the table's columns, and the ids
             fsdp += k * sequences * seq * (m.d_model * act * (split - 1) / split + 4 * (split - 1))
         # split further than the weight over the batch axes (an expert's weights: also over the expert axes, which
         # are batch axes but not gathered): reduce-scatter (ZeRO-2), else all-reduce
         stored_ways = ways(x, x.sharding)
         reductions = 1 if ways(x, grad_sharding) > stored_ways else 2
+        optimizer_split = ways(x, moment_sharding) // stored_ways
+        # GSPMD's sum in the pass: where only the optimizer state is split further (ZeRO-1) the update needs just the
+        # state's slice of the gradient, and the GPU compiler reduce-scatters it too; with one micro-batch it keeps
+        # the lookup table's all-reduce (the compiled programs of test_plan_gpu.py). grad_comm's sum once a step stays
+        # an all-reduce on dp (over fsdp_tp the GPU compiler made it a reduce-scatter too: not modelled)
+        pass_reductions = 1 if optimizer_split > 1 and not (lookup and k == 1) else reductions
         # the lookup's gradient summed over the data axes in the table's dtype, its float32 scatter-add's; the chunked
         # loss's output table's sum was in its reduce-scatter (a tied table's lookup part still summed)
         summed = x.dtype.itemsize if lookup and not whole else grad
         if not (chunk_replicas > 1 and not tied):
-            data += passes * reductions * local * summed * (per_pass - 1) / per_pass
+            data += passes * pass_reductions * local * summed * (per_pass - 1) / per_pass
         if reduction is not None:
             after_backward += reductions * local * reduction.dtype.itemsize * (summed_ways - 1) / summed_ways
-        optimizer_split = ways(x, moment_sharding) // stored_ways
         data += local * x.dtype.itemsize * (optimizer_split - 1) / optimizer_split  # ZeRO-1/2: the updated weights gathered
         used = spec_axes(x.sharding.spec)
         fsdp_axes.update(a for a in batch_axes if a in used and a not in own)
