@@ -246,7 +246,7 @@ def test_an_optimizer_state_split_over_more_batch_axes_lies_inside_its_weights_s
     assert not [c for c in collectives if c.kind == "collective-permute"]
     layout = make_layout(cfg)
     split = [x for x, axes in zip(jax.tree.leaves(layout.abstract_state().params), jax.tree.leaves(
-        layout.spec.logical_axes, is_leaf=lambda a: isinstance(a, jax.sharding.PartitionSpec))) if "embed" in axes]
+        layout.spec.logical_axes, is_leaf=lambda a: isinstance(a, jax.sharding.PartitionSpec)), strict=True) if "embed" in axes]
     shards = bytes_per_device(split)  # the device's shards of the weights whose optimizer state data splits further
     gathers = [c for c in collectives if c.kind == "all-gather" and c.axes == ("data",)]
     assert sum(c.bytes * c.executions for c in gathers) == shards

@@ -182,7 +182,8 @@ def test_the_step_moves_what_step_cost_predicts_and_the_embeddings_gradient_is_n
 
 
 @pytest.mark.parametrize("rules,mesh,microbatches", [
-    ("zero1", (4, 2, 1), 1), ("zero1", (4, 2, 1), 2), ("zero2", (4, 2, 1), 1), ("zero1_tp.yaml", (2, 2, 2), 1), ("zero1_tp.yaml", (2, 2, 2), 2)])
+    ("zero1", (4, 2, 1), 1), ("zero1", (4, 2, 1), 2), ("zero2", (4, 2, 1), 1),
+    ("zero1_tp.yaml", (2, 2, 2), 1), ("zero1_tp.yaml", (2, 2, 2), 2)])
 def test_zero_stages_move_what_step_cost_predicts(rules, mesh, microbatches, tmp_path):
     """ZeRO-1/2 (an optimizer_state / gradients section): each updated weight all-gathered over the axes the state adds,
     once a step; each gradient reduce-scattered there in every pass, ZeRO-1's too (the update needs only the state's
