@@ -57,6 +57,8 @@ def describe_schedule(cfg: Config) -> str:
     end = f"{o.lr * o.min_lr_ratio:.3g} after step {steps}"
     then = {"cosine": f"a cosine to {end}", "linear": f"linear to {end}",
             "wsd": f"held to step {steps - _wsd_decay_steps(cfg)}, then a {o.decay_shape} decay to {end}"}[o.schedule]
+    if o.warmup_steps >= steps:  # the warmup takes every step: nothing decays
+        then = f"no decay (the warmup takes all {steps} steps)"
     clipping = f"gradients clipped at global norm {o.clip_norm:g}" if o.clip_norm else "no clipping"
     return (f"AdamW (b1 {o.b1:g}, b2 {o.b2:g}, eps {o.eps:g}, weight decay {o.weight_decay:g}, {clipping}): learning rate "
             f"{o.lr:.3g} after {warmup_steps(cfg)} warmup steps, then {then}")

@@ -165,3 +165,6 @@ def test_the_start_up_summary_says_the_schedule_as_it_runs():
     assert float(rate(10)) == float(rate(74)) == pytest.approx(1e-3) and float(rate(75)) < 1e-3  # steps 11, 75 and 76
     assert describe_schedule(with_(cfg, optim={"schedule": "cosine", "clip_norm": 1.0})).endswith(
         "gradients clipped at global norm 1): learning rate 0.001 after 10 warmup steps, then a cosine to 0.0001 after step 100")
+    for schedule in ("cosine", "linear", "wsd"):  # a warmup as long as the run: no decay to name
+        assert describe_schedule(with_(cfg, train={"steps": 10}, optim={"schedule": schedule})).endswith(
+            "learning rate 0.001 after 10 warmup steps, then no decay (the warmup takes all 10 steps)")
