@@ -262,9 +262,14 @@ def saved_part(state):
     return state.replace(frozen=None)
 
 
+def saved_meta(step_dir: Path) -> dict:
+    """A checkpoint's ``meta`` item: how it was laid out, the config it was written under, its time."""
+    return json.loads((step_dir / "meta" / "metadata").read_text())
+
+
 def saved_config(step_dir: Path) -> dict:
     """The config a checkpoint was written under (its ``meta`` item's, as ``to_dict`` gives it)."""
-    return json.loads((step_dir / "meta" / "metadata").read_text())["config"]
+    return saved_meta(step_dir)["config"]
 
 
 def saved_data_format(step_dir: Path) -> str:

@@ -24,6 +24,7 @@ from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.adapt.adapters import read_record, split_frozen
 from jaxtrain.plan import estimate as plan
 from jaxtrain.config import Config
+from jaxtrain.data.tokenizer import TOKENIZER_FILE
 from jaxtrain.distributed import LostPeer, lost_peer
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import, peft
@@ -184,7 +185,8 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
     if base is not None and base.record["path"] is None and fresh:
         _say(f"jaxtrain: note: no --init-from, so the LoRA adapters train on a base initialised from train.seed="
              f"{base.record['seed']}, not on a trained model; give --init-from HF_DIR (or a run directory) to adapt one")
-    initial = None if init_from is None or base is not None or not fresh else _init_from(layout, init_from, batches, params_only)
+    initial = (None if init_from is None or base is not None or not fresh
+               else _init_from(layout, init_from, batches, checked.corpus, params_only))
     if jax.process_index() == 0:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -215,7 +217,7 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
                      "(the same content hash), for export-hf and generate")
         else:
             if state is None and initial is None and init_from is not None:  # the run's own checkpoints were all unreadable
-                initial = _init_from(layout, init_from, batches, params_only)
+                initial = _init_from(layout, init_from, batches, checked.corpus, params_only)
             trainer = trainer or compile_steps(checked)
             checkpoints.meta = _checkpoint_meta(trainer) | ({"lora_base": base.record} if base is not None else {})
             if state is None:
@@ -223,7 +225,9 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
             if not fresh:
                 _note_model_changes(run_dir, cfg, requested)
                 _note_optimizer_changes(run_dir, cfg, state)
-                _note_data_order_changes(run_dir, cfg, batches)
+                other_data = checkpoints.restored and _other_data(checkpoints.directory / str(checkpoints.restored[0]), cfg,
+                                                                  checked.corpus)
+                _note_data_order_changes(run_dir, cfg, batches, other_data)
             # only now, once the run's own checkpoint fits this config: a refused start leaves the run directory as it was
             _write_run_files(trainer, run_dir, base, init_from if fresh else None)
             eval_data = data_lib.eval_batches(checked.corpus, cfg.data, t.global_batch, layout.batch_sharding, t.eval_batches)
@@ -321,8 +325,14 @@ def _data_order_changes(before: Config, cfg: Config) -> dict[str, tuple[str, str
     """Each key that decides which sequences come next (``train.global_batch`` and every ``data.*`` key) whose value
     differs in ``before``: key -> (value here, value before, whether the data position still counts the same stream)."""
     def data_order(c: Config) -> dict:
-        c = config_lib.with_absolute_paths(c)
-        return {"train.global_batch": c.train.global_batch} | config_lib.flatten(config_lib.to_dict(c.data), "data.")
+        # the files data.path and data.tokenizer name, not their spelling: `corpus` and `../here/corpus`, a symbolic link
+        # and its target, a tokenizer's directory and its tokenizer.json are one each (a QA report: those resumed with a
+        # note of another stream, and --init-from started the data again from its beginning)
+        path, tokenizer = (c.data.path and Path(c.data.path).resolve()), (c.data.tokenizer and Path(c.data.tokenizer).resolve())
+        if tokenizer and (tokenizer / TOKENIZER_FILE).is_file():
+            tokenizer /= TOKENIZER_FILE
+        data = dataclasses.replace(c.data, path=path and str(path), tokenizer=tokenizer and str(tokenizer))
+        return {"train.global_batch": c.train.global_batch} | config_lib.flatten(config_lib.to_dict(data), "data.")
 
     then, now = data_order(before), data_order(cfg)
     same_stream = ("train.global_batch", *SAME_EXAMPLES[cfg.data.format])
@@ -330,14 +340,20 @@ def _data_order_changes(before: Config, cfg: Config) -> dict[str, tuple[str, str
             for key, value in now.items() if then[key] != value and key not in UNREAD[cfg.data.format]}
 
 
-def _note_data_order_changes(run_dir: Path, cfg: Config, batches: data_lib.GlobalBatches) -> None:
+def _note_data_order_changes(run_dir: Path, cfg: Config, batches: data_lib.GlobalBatches, other_data: str | None) -> None:
     """A note per key that decides which sequences come next whose value differs from the run's config.yaml: the
     checkpoint's data position counts the sequences (instruction data: examples) read, so another batch size goes on
-    at the next one, while another stream (sequence length, shuffle, data) starts elsewhere in it."""
+    at the next one, while another stream (sequence length, shuffle, data) starts elsewhere in it. Where no key makes
+    another stream, ``other_data`` (``_other_data``: files added to data.path) may."""
     if not (run_dir / "config.yaml").is_file():
         return
     where, read, unit = run_dir / "config.yaml", batches.position(), batches.unit
-    for key, (now, then, same_stream) in _data_order_changes(config_lib.load_run_config(run_dir), cfg).items():
+    changes = _data_order_changes(config_lib.load_run_config(run_dir), cfg)
+    if other_data and all(same_stream for *_, same_stream in changes.values()):
+        _say(f"jaxtrain: note: {other_data}, whose {unit} the checkpoint's data position counts ({read} read): here it goes "
+             f"on at position {read} of another stream, so {unit} are skipped or seen twice; put the files back as they were "
+             "to continue where the run stopped")
+    for key, (now, then, same_stream) in changes.items():
         if same_stream:
             _say(f"jaxtrain: note: {key}={now} here but {then} in {where}: the data goes on after the {read} {unit} the "
                  f"checkpoint's position counts, none skipped or read twice")
@@ -443,7 +459,7 @@ def _check_not_peft_adapter(init_from: Path) -> None:
                     "train on from the adapter, merge it into its base with peft (merge_and_unload) and --init-from the merged model")
 
 
-def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, params_only: bool) -> TrainState:
+def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, corpus: data_lib.Corpus, params_only: bool) -> TrainState:
     """``--init-from``: a Hugging Face model directory's weights (fresh optimizer), or another run's whole state
     and data position, or only its parameters."""
     abstract = layout.abstract_state()
@@ -463,7 +479,7 @@ def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, para
                         f"raise train.steps above {step}, or add --params-only to start at step 0 from its parameters")
     applied = int(schedule_count(state.opt_state))  # the schedule counts applied updates: skipped ones hold it back
     schedule = f"step {step}" if applied == step else f"update {applied} (its run skipped {step - applied} of {step} updates)"
-    data = (_take_data_position(step_dir, layout.cfg, batches, beginning) if written_with == data_format else
+    data = (_take_data_position(step_dir, layout.cfg, batches, corpus, beginning) if written_with == data_format else
             f"not its data position, of data.format={written_with} (here {data_format}): this run's data starts from its beginning")
     _say(f"jaxtrain: note: --init-from {path} goes on from its step {step}: its optimizer state, the learning-rate schedule at "
          f"{schedule} and {data}; add --params-only to start at step 0 from its parameters alone")
@@ -476,7 +492,7 @@ def _keeps_plain_seeds(batches: data_lib.GlobalBatches, seed: int) -> bool:
     return batches.iterator.seed_scheme == data_lib.PLAIN_SEEDS and data_lib.grain_seed(seed, data_lib.SPREAD_SEEDS) != seed
 
 
-def _take_data_position(step_dir: Path, cfg: Config, batches: data_lib.GlobalBatches, beginning: dict) -> str:
+def _take_data_position(step_dir: Path, cfg: Config, batches: data_lib.GlobalBatches, corpus: data_lib.Corpus, beginning: dict) -> str:
     """Keep the data position ``--init-from`` restored where it counts this run's stream (the next sequence, or example,
     the run it comes from had not read, shuffled as it was: under its seed scheme); with another stream (sequence
     length, shuffle, data: continued training on new data) put the batches back at ``beginning``, where a count of
@@ -485,6 +501,8 @@ def _take_data_position(step_dir: Path, cfg: Config, batches: data_lib.GlobalBat
     saved = checkpoint_lib.saved_config(step_dir)  # only what orders the data: its other keys may be an older jaxtrain's
     saved = config_lib.from_dict({"train": {"global_batch": saved["train"]["global_batch"]}, "data": saved["data"]})
     other = [f"{key}={now} here but {then} there" for key, (now, then, same) in _data_order_changes(saved, cfg).items() if not same]
+    if not other and (files_changed := _other_data(step_dir, cfg, corpus)):  # the same keys, other files
+        other = [files_changed]
     if not other:
         kept = (" in its order from before data.seed was spread over grain's shuffle seeds"
                 if _keeps_plain_seeds(batches, cfg.data.seed) else "")
@@ -494,10 +512,27 @@ def _take_data_position(step_dir: Path, cfg: Config, batches: data_lib.GlobalBat
             "starts from its beginning")
 
 
+# the checkpoint meta's size of the training split (text: tokens; instruction data: examples): files added to or removed
+# from the same data.path change the stream its data position counts, which no config key shows
+TRAIN_SPLIT = "train_split"
+
+
 def _checkpoint_meta(trainer: Trainer) -> dict[str, Any]:
-    """How a checkpoint was laid out, for `jaxtrain checkpoints`."""
+    """How a checkpoint was laid out, for `jaxtrain checkpoints`, and the size of the training data it read."""
     # paths absolute: --init-from compares its data with the run's that starts from it, wherever each started
-    return _resolved(trainer) | {"rules": trainer.cfg.rules, "config": config_lib.to_dict(config_lib.with_absolute_paths(trainer.cfg))}
+    return _resolved(trainer) | {"rules": trainer.cfg.rules, "config": config_lib.to_dict(config_lib.with_absolute_paths(trainer.cfg)),
+                                 TRAIN_SPLIT: len(trainer.corpus.train)}
+
+
+def _other_data(step_dir: Path, cfg: Config, corpus: data_lib.Corpus) -> str | None:
+    """How the training data differs from that of the checkpoint ``step_dir``, where its size does (None where it is
+    the same, or the checkpoint predates the record)."""
+    then, now = checkpoint_lib.saved_meta(step_dir).get(TRAIN_SPLIT), len(corpus.train)
+    if then is None or then == now:
+        return None
+    unit = "examples" if cfg.data.format == "sft" else "tokens"
+    return (f"the training split of data.path={config_lib.as_override(cfg.data.path)} holds {now} {unit} here but {then} "
+            f"in {step_dir} (documents added, removed or edited)")
 
 
 def _resolved(trainer: Trainer) -> dict[str, Any]:

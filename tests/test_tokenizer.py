@@ -217,6 +217,11 @@ def test_large_vocabulary_writes_uint32(trained, tmp_path, capsys):
     corpus = load_corpus(DataConfig(path=str(tokens), tokenizer=str(big_dir), val_fraction=0.5))
     assert corpus.vocab_size == VOCAB + 70_000
     np.testing.assert_array_equal(np.concatenate([corpus.train, corpus.validation]), expected)
+    # copied without its sidecar, it would read as uint16 halves of the ids (a QA report: it trained on those)
+    (tmp_path / "copied.bin").write_bytes(tokens.read_bytes())
+    with pytest.raises(UserError, match=rf"^token file {tmp_path / 'copied.bin'} has no sidecar .*copied.bin.json, so it reads as "
+                                        rf"raw uint16, but data.tokenizer={big_dir / 'tokenizer.json'} has {VOCAB + 70_000} ids"):
+        load_corpus(DataConfig(path=str(tmp_path / "copied.bin"), tokenizer=str(big_dir), val_fraction=0.5))
 
 
 def test_token_file_without_sidecar_is_raw_uint16_and_a_truncated_one_is_refused(trained, texts, tmp_path, capsys):

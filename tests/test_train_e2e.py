@@ -221,6 +221,70 @@ def test_init_from_a_run_says_it_takes_its_data_position_and_what_it_counts_here
                      "--params-only to start at step 0 from its parameters alone"], notes
 
 
+def test_documents_added_to_the_same_data_path_are_said_on_resume_and_init_from(tmp_path, capsys):
+    """A document added to data.path (the same key, another stream: every later sequence moves) is a note on resume
+    and makes --init-from start the data from its beginning (a QA report: nothing was said, the position went on into the
+    other stream); one that lands in validation leaves the training stream, and the position, as they were: no note."""
+    from jaxtrain import train as train_lib
+    from jaxtrain.cli import resolve_config
+    from jaxtrain.data.documents import is_validation_file
+
+    corpus, run_dir = tmp_path / "corpus", tmp_path / "run"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "some text to model. " * 40)
+    overrides = [*SHORT, f"data.path={corpus}", "data.val_fraction=0.5"]
+
+    def add(split: str) -> None:  # a document whose key puts it in that split
+        name = next(n for n in (f"new{i}.txt" for i in range(100)) if is_validation_file(n, 0.5) == (split == "validation")
+                    and not (corpus / n).exists())
+        (corpus / name).write_text("added later. " * 30)
+
+    def data_notes(steps: int, **init_from) -> list[str]:
+        train_lib.train(resolve_config("tiny", None, None, [*overrides, f"train.steps={steps}"]), init_from.pop("to", run_dir),
+                        **init_from)
+        return [line for line in capsys.readouterr().err.splitlines() if "data" in line and line.startswith("jaxtrain: note:")]
+
+    assert data_notes(4) == []
+    add("validation")
+    assert data_notes(5) == []
+    add("train")
+    tokens_before = json.loads((run_dir / "checkpoints" / "5" / "meta" / "metadata").read_text())["train_split"]
+    assert data_notes(6) == [f"jaxtrain: note: the training split of data.path={corpus} holds {tokens_before + 391} tokens here "
+                             f"but {tokens_before} in {run_dir / 'checkpoints' / '5'} (documents added, removed or edited), whose "
+                             "sequences the checkpoint's data position counts (40 read): here it goes on at position 40 of another "
+                             "stream, so sequences are skipped or seen twice; put the files back as they were to continue where the "
+                             "run stopped"]
+    add("train")
+    notes = data_notes(7, to=tmp_path / "continued", init_from=run_dir)
+    assert len(notes) == 1 and "and not its data position (48 sequences read), which counts another stream (the training " \
+        f"split of data.path={corpus} holds {tokens_before + 2 * 391} tokens here but {tokens_before + 391} in" in notes[0], notes
+
+
+def test_the_same_files_spelled_otherwise_are_the_same_stream(tmp_path, monkeypatch):
+    """data.path and data.tokenizer are compared by the files they name (a QA report: `../here/corpus` for `corpus`, or a
+    tokenizer's tokenizer.json for its directory, resumed with a note of another stream, and --init-from started the data
+    again from its beginning); another corpus or tokenizer is still another stream."""
+    from jaxtrain import train as train_lib
+    from jaxtrain.cli import resolve_config
+
+    for name in ("corpus", "other", "tok", "tok2"):
+        (tmp_path / name).mkdir()
+    for tok in ("tok", "tok2"):
+        (tmp_path / tok / "tokenizer.json").write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "corpus")
+    monkeypatch.chdir(tmp_path / "other")
+
+    def config(path, tokenizer):
+        return resolve_config("tiny", None, None, [f"data.path={path}", f"data.tokenizer={tokenizer}"])
+
+    saved = config(tmp_path / "corpus", tmp_path / "tok")
+    for path, tokenizer in (("../corpus", "../tok/tokenizer.json"), (tmp_path / "link", f"{tmp_path}/other/../tok/")):
+        assert train_lib._data_order_changes(saved, config(path, tokenizer)) == {}, (path, tokenizer)
+    changes = train_lib._data_order_changes(saved, config("../other", "../tok2"))
+    assert {key: same for key, (*_, same) in changes.items()} == {"data.path": False, "data.tokenizer": False}, changes
+
+
 def test_init_from_a_run_of_another_data_format_takes_its_state_and_starts_the_data_from_its_beginning(
         short_run, tmp_path, monkeypatch, capsys):
     """--init-from a checkpoint of instruction data (data.format=sft) into a plain-text run: its step and optimizer state,

@@ -50,14 +50,20 @@ def _is_file(path: Path) -> bool:
 
 
 def text_files(root: Path) -> list[Path]:
-    """The files under ``root``, hidden ones (and hidden directories) skipped; a UserError naming any directory that
+    """The files under ``root``, hidden ones (and hidden directories) skipped, linked directories followed as linked
+    files are (not following them trained on part of the data, without a word); a UserError naming any directory that
     cannot be read, rather than training on part of the data (``Path.rglob`` skips those silently)."""
     def refuse(error: OSError):
         raise unreadable(error.filename, error, "the directory ")
 
-    found = []
-    for directory, subdirectories, names in os.walk(root, onerror=refuse):
-        subdirectories[:] = [d for d in subdirectories if not d.startswith(".")]
+    found, walked = [], set()
+    for directory, subdirectories, names in os.walk(root, onerror=refuse, followlinks=True):
+        if (real := Path(directory).resolve()) in walked:  # reached again through a link (one back up the tree: a loop)
+            subdirectories.clear()
+            continue
+        walked.add(real)
+        # the first path to a directory names its files (keys decide the split): a directory's own before links to it
+        subdirectories[:] = sorted((d for d in subdirectories if not d.startswith(".")), key=lambda d: (Path(directory, d).is_symlink(), d))
         found.extend(p for p in (Path(directory, n) for n in names if not n.startswith(".")) if _is_file(p))
     return sorted(found)
 

@@ -128,6 +128,11 @@ def read_token_file(path: Path, tokenizer: TextTokenizer | None) -> TokenFile:
         raise UserError(f"data.path={path}: unknown file type; use a directory of text files, a .jsonl file, "
                         "or a token file: .npy (any integer dtype) or .bin (uint16, or as its .bin.json sidecar says); "
                         f"for one text file, jaxtrain tokenize {path} {named} --out DATA.bin, then data.path=DATA.bin (split by position)")
+    if sidecar is None and path.suffix == ".bin" and tokenizer and token_dtype(tokenizer.vocab_size).itemsize > RAW_BIN_DTYPE.itemsize:
+        # tokenize wrote it as uint32: read as uint16 it trained on halves of ids, without a word (a .bin copied without its sidecar)
+        raise UserError(f"token file {path} has no sidecar {sidecar_path(path)}, so it reads as raw uint16, but data.tokenizer="
+                        f"{tokenizer.path} has {tokenizer.vocab_size} ids, which jaxtrain tokenize writes as uint32: put the "
+                        "sidecar beside it, or remake both with jaxtrain tokenize")
     dtype = RAW_BIN_DTYPE if sidecar is None else np.dtype(sidecar["dtype"]).newbyteorder("<")  # checked by _sidecar
     if sidecar is not None and path.suffix == ".bin" and path.is_file() and path.stat().st_size != sidecar["tokens"] * dtype.itemsize:
         _refuse_count(path, f"{path.stat().st_size} bytes", sidecar, f" ({sidecar['tokens'] * dtype.itemsize} bytes of {dtype.name})")
