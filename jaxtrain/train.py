@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from jaxtrain import checkpoint as checkpoint_lib
@@ -231,6 +232,9 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
             # only now, once the run's own checkpoint fits this config: a refused start leaves the run directory as it was
             _write_run_files(trainer, run_dir, base, init_from if fresh else None)
             eval_data = data_lib.eval_batches(checked.corpus, cfg.data, t.global_batch, layout.batch_sharding, t.eval_batches)
+            if jax.process_count() > 1:  # the first record's clock starts once every process has come this far: process 0,
+                # its step read back from the compilation cache, had timed its first step waiting for a process still compiling
+                multihost_utils.sync_global_devices("jaxtrain: the steps start")
             log = MetricsLog(trainer.layout, run_dir, int(state.step), compile_s=trainer.compile_s,
                              compile_cache=trainer.compiled.record(cache_dir), data=checked.corpus.description,
                              enabled=jax.process_index() == 0, microbatches_auto=trainer.microbatches_auto,

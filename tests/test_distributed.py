@@ -246,6 +246,42 @@ def test_a_mistake_only_process_0_sees_ends_the_job_at_once(tmp_path):
     assert processes[1].returncode != 0
 
 
+# process 1 of the job comes to its first step seconds after process 0, as when process 0 read the train step back from
+# the compilation cache and process 1 compiled it (its cache key is its own: only process 0 writes entries) in a resumed
+# run, which has no collective between compiling and the first step; here the delay is the start's last work
+SLOW_START_ON_PROCESS_1 = """
+import sys
+import time
+import jax
+from jaxtrain import cli
+from jaxtrain import data
+
+eval_batches = data.eval_batches
+
+def late(*args, **kwargs):
+    if jax.process_index() == 1:
+        time.sleep(6)
+    return eval_batches(*args, **kwargs)
+
+data.eval_batches = late
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_another_processs_longer_start_is_not_the_first_records_step_time(tmp_path):
+    """A QA report: a resumed 2-process job recorded its first step at 52 tokens/s (8 s), not about 1,500: process 0 had
+    read the train step back from the compilation cache and waited in that step's collectives for process 1, compiling
+    it. The processes now start the steps' clock together."""
+    port = _free_port()
+    processes = [_start_process(i, port, tmp_path / "run", "log.every=1", program=("-c", SLOW_START_ON_PROCESS_1))
+                 for i in (0, 1)]
+    for process in processes:
+        _, stderr = process.communicate(timeout=240)
+        assert process.returncode == 0, stderr[-3000:]
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["step_time_s"] < 4, first
+
+
 def test_an_evaluation_of_a_split_ending_in_a_partial_batch_finishes_on_every_process(tmp_path):
     """A validation split of 12 sequences and train.global_batch=8: one whole batch and 4 rows. The first process's
     devices held those rows, the second's none, so the first evaluated a batch more and waited for the second at its

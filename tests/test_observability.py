@@ -348,6 +348,8 @@ def test_plot_draws_every_panel_its_runs_have_records_for(tmp_path, monkeypatch)
     records = [{"step": 2, "loss": 3.0, "tokens_per_s": 100.0, "mfu": None, "memory_in_use_gib": 1.0, "memory_peak_gib": 1.5,
                 "moe_aux_loss": 0.5, "moe_z_loss": 0.25, "moe_dropped_fraction": 0.125},
                {"step": 2, "eval_loss": 3.5, "eval_tokens": 64},
+               {"step": 3, "skipped_spike": ["loss"], "loss": 9.0, "grad_norm": 1.0, "loss_deviations": 7.0,
+                "grad_norm_deviations": 0.5},  # drawn by its step record's values alone, as in TensorBoard
                {"step": 4, "loss": 2.5, "tokens_per_s": 200.0, "mfu": None, "memory_in_use_gib": 1.0, "memory_peak_gib": 2.0,
                 "moe_aux_loss": 0.75, "moe_z_loss": 0.5, "moe_dropped_fraction": 0.0}]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -499,6 +501,29 @@ def test_a_checkpoint_step_between_records_checks_the_metrics_before_its_save(tr
     assert _checkpoint_steps(tmp_path / "run") == [2]
 
 
+def test_per_layer_and_skip_records_are_written_once_a_step_in_step_order(trainer, tmp_path, monkeypatch):
+    """A QA report: a checkpoint step between records fetched the steps' metrics and dropped their per-layer norms; the
+    skip records came before the earlier steps' per-layer records, which W&B drops (a step below the last one logged);
+    a skip's loss and grad norm went to the dashboards beside its step record's (two values at a logged step); and a
+    non-finite step's per-layer norms were written as NaN, which is not JSON, and warned about by tensorboardX."""
+    _poison(monkeypatch, {3}, trainer.cfg.model.vocab_size)
+    sparse = _loop_config(trainer, train={"skip_nonfinite": 1}, log={"every": 4, "layer_every": 1})  # checkpoints every 2
+    run_dir = tmp_path / "run"
+    train_lib.train(sparse.cfg, run_dir, sparse)
+    text = (run_dir / "metrics.jsonl").read_text()
+    records = [json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl")) for line in text.splitlines()]
+    assert [(r["step"], next(k for k in ("grad_norm_per_layer", "skipped_nonfinite", "loss", "eval_loss") if k in r)) for r in records] == [
+        (1, "grad_norm_per_layer"), (2, "grad_norm_per_layer"), (3, "grad_norm_per_layer"), (3, "skipped_nonfinite"),
+        (4, "grad_norm_per_layer"), (4, "loss"), (5, "grad_norm_per_layer"), (6, "grad_norm_per_layer"), (6, "loss"),
+        (6, "eval_loss")]
+    assert records[2]["grad_norm_per_layer"] == [None] * trainer.cfg.model.num_layers
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [4, 6]
+    assert [e.step for e in events.Scalars("grad_norm_per_layer/layer_000")] == [1, 2, 4, 5, 6]
+    assert [e.step for e in events.Scalars("param_norm_per_layer/layer_000")] == [1, 2, 3, 4, 5, 6]
+
+
 def test_a_sigterm_in_the_last_step_finishes_the_run(trainer, tmp_path, monkeypatch):
     """A preemption notice during the last step: the run ends finished (status 0, its final evaluation recorded), not
     preempted: a re-run finds a run at train.steps and does nothing, so the stop would lose that evaluation for good."""
@@ -592,9 +617,12 @@ def test_memory_is_the_fullest_devices_or_the_hosts_peak_resident_memory(monkeyp
 
 def test_tensorboard_tags_of_the_float16_and_spike_records(trainer, tmp_path):
     """The tags README's dashboards name for the loss scaler's and the spike guard's counters (no other test's run has
-    TensorBoard and either)."""
+    TensorBoard and either); a skipped update's own record is metrics.jsonl's alone (its loss was a second value at a
+    logged step, a QA report)."""
     log = metrics_lib.MetricsLog(trainer.layout, tmp_path, 0, compile_s=1.0, compile_cache=None, data="test", enabled=True)
     try:
+        log.write({"step": 2, "skipped_spike": ["loss"], "loss": 9.0, "grad_norm": 1.0, "loss_deviations": 7.0,
+                   "grad_norm_deviations": 0.5})
         log.write({"step": 2, "loss_scale": 32768.0, "overflow_steps": 1, "skipped_spikes": 3})
     finally:
         log.close()

@@ -38,7 +38,7 @@ from jaxtrain.interop import hf_config
 from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges, start_wandb
 from jaxtrain.observe import step_profile
 from jaxtrain.observe.flops import measure_matmul_peak, model_flops_per_token, peak_flops
-from jaxtrain.observe.records import read_records
+from jaxtrain.observe.records import is_skip_record, read_records
 from jaxtrain.optim import describe_schedule, warmup_steps
 from jaxtrain.layout import Layout, idle_axes_note, unsplit_experts_note
 from jaxtrain.memory import host_malloc
@@ -301,6 +301,10 @@ def _duration(seconds: float) -> str:
 
 
 def _finite_or_none(value):
+    """JSON has no NaN or infinity (Python's json writes them, stricter readers refuse the file): null, in lists too
+    (a non-finite step's per-layer norms)."""
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
@@ -426,10 +430,14 @@ class MetricsLog:
             self._check_pending()
 
     def _check_pending(self) -> list[tuple[int, dict]]:
-        """Fetch queued metrics and apply the non-finite policy in step order."""
+        """Fetch queued metrics, apply the non-finite policy and write the per-layer and skip records, in step order
+        (W&B drops a step below the last one logged); also at a checkpoint step between records, whose fetch would
+        otherwise leave its steps' per-layer norms unwritten."""
         fetched = jax.device_get(self.pending)
         self.pending = []
         for step, metrics in fetched:
+            if PER_LAYER[0] in metrics:
+                self.write({"step": step} | {k: np.asarray(metrics[k]).tolist() for k in PER_LAYER})
             bad = [name for name in GUARDED if not np.isfinite(metrics[name])]
             if metrics.get("overflow"):  # float16 gradients overflowed: the loss scaler skipped it and halved the scale
                 self.overflows += 1
@@ -490,9 +498,6 @@ class MetricsLog:
             record |= {"loss_scale": float(metrics["loss_scale"]), "overflow_steps": self.overflows}
         if "spike" in metrics:
             record |= {"skipped_spikes": self.spikes}
-        for layer_step, layer_metrics in fetched:  # before the record: W&B drops a step below the last one logged
-            if PER_LAYER[0] in layer_metrics:
-                self.write({"step": layer_step} | {k: np.asarray(layer_metrics[k]).tolist() for k in PER_LAYER})
         self.write(record)
         if self.progress:
             self.progress.update(step, record, eta_s=(self.cfg.train.steps - step) * step_time)
@@ -509,9 +514,9 @@ class MetricsLog:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         step = record["step"]
-        scalars = {TAGS[k]: v for k, v in record.items() if k in TAGS and v is not None}
+        scalars = {} if is_skip_record(record) else {TAGS[k]: v for k, v in record.items() if k in TAGS and v is not None}
         for key in PER_LAYER_TAGS:
-            scalars |= {f"{key}/layer_{i:03d}": v for i, v in enumerate(record.get(key, ()))}
+            scalars |= {f"{key}/layer_{i:03d}": v for i, v in enumerate(record.get(key, ())) if v is not None}
         if self.tensorboard:
             for tag, value in scalars.items():
                 self.tensorboard.add_scalar(tag, value, step)

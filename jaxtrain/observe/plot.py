@@ -8,7 +8,7 @@ from pathlib import Path
 
 from jaxtrain.atomic import atomic_file, sigterm_cleans_up
 from jaxtrain.errors import UserError
-from jaxtrain.observe.records import read_records
+from jaxtrain.observe.records import is_skip_record, read_records
 
 # matplotlib warns at import about its own cache folders (a home not writable on a cluster node, a font cache
 # to build): two lines that say nothing about the plot, quieted for the import only
@@ -46,7 +46,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None and not is_skip_record(r)]
     return [s for s, _ in points], [v for _, v in points]
 
 

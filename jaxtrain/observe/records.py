@@ -9,6 +9,13 @@ from pathlib import Path
 from jaxtrain.errors import UserError
 
 CHECKPOINTS_DIR = "checkpoints"  # in the run directory
+SKIP_KEYS = ("skipped_spike", "skipped_nonfinite")  # a skipped update's record, beside its step's own
+
+
+def is_skip_record(record: dict) -> bool:
+    """A skipped update's record: its step's loss and grad norm again, which the dashboards and the plot take from the
+    step records alone (one value a step, every log.every steps; a skip at a logged step was drawn twice)."""
+    return any(key in record for key in SKIP_KEYS)
 
 
 def read_records(path: Path) -> list[dict]:
