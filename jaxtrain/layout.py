@@ -28,6 +28,7 @@ from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_ru
 from jaxtrain.stages import check_pipeline, schedule
 from jaxtrain.state import ModelSpec, Placement, TrainState, abstract_state, in_device_memory, model_spec, state_shardings
 from jaxtrain.step import make_eval_step, make_train_step
+from models.pipeline import STAGES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +81,11 @@ class Layout:
 
     @property
     def idle_axes(self) -> dict[str, int]:
-        """Mesh axes of more than one device that split neither the batch nor any parameter: the devices along
-        one repeat each other's work."""
+        """Mesh axes of more than one device that split neither the batch nor any parameter nor the pipeline's stages:
+        the devices along one repeat each other's work."""
         shardings = [self.batch_sharding, *jax.tree.leaves((self.shardings.params, self.shardings.frozen))]
-        used = {axis for sharding in shardings for axis in spec_axes(sharding.spec)}
+        # a rule set may split the stages (layer_stages) over an axis that does not hold the stored layers (layers)
+        used = {axis for sharding in shardings for axis in spec_axes(sharding.spec)} | set(self.rules.get(STAGES) or ())
         return {axis: size for axis, size in self.mesh.shape.items() if size > 1 and axis not in used}
 
 
@@ -119,7 +121,7 @@ def make_layout(cfg: Config, devices: list | None = None, *, microbatches_auto: 
     check_rules_against_mesh(rules, mesh, cfg.rules)
     cfg = config_lib.resolve_for_devices(cfg, is_nvidia_gpu(device), cpu=device.platform == "cpu",  # before the model is built
                                          pipelined=schedule(cfg, rules, mesh).stages > 1)
-    check_pipeline(cfg, rules, mesh)
+    check_pipeline(cfg, rules, mesh, microbatches_auto)
     experts, expert_ways = cfg.model.moe.num_experts, logical_ways(rules, mesh, "experts")
     if experts % expert_ways:
         raise UserError(f"model.moe.num_experts={experts} is not divisible by the {expert_ways} ways rule set {cfg.rules} splits the "

@@ -44,12 +44,18 @@ def schedule(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
     return Schedule(stages, microbatches(cfg.model.pipeline, stages), cfg.model.pipeline.repeats)
 
 
-def check_pipeline(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
-    """The schedule, after checking it fits the model, the batch and the mesh (UserError otherwise)."""
+def check_pipeline(cfg: Config, rules: Rules, mesh: Mesh, microbatches_auto: bool = False) -> Schedule:
+    """The schedule, after checking it fits the model, the batch and the mesh (UserError otherwise). ``microbatches_auto``:
+    the user wrote train.microbatches=auto (``cfg``'s 1 here), which the messages name instead."""
     split_on = rules.get(STAGES) or ()
     if split_on and logical_ways(rules, mesh, STAGES) == 1:
+        # generate and export-hf take no key=value overrides: a --mesh file or --rules is what they can change
+        unstaged = cfg.rules.removeprefix("pp_")
+        instead = (f"rule set {unstaged} (--rules {unstaged}), the same without pp_"
+                   if unstaged != cfg.rules and (RULES_DIR / f"{unstaged}.yaml").is_file() else "a rule set without pp_")
         raise UserError(f"rule set {cfg.rules} splits the layers into pipeline stages over mesh axis {', '.join(split_on)}, but the mesh "
-                        f"({describe_axes(dict(mesh.shape))}) has size 1 there; set mesh.ici.stage or mesh.dcn.stage, or use a rule set without pp_")
+                        f"({describe_axes(dict(mesh.shape))}) has size 1 there; give it a stage axis (mesh.ici.stage or mesh.dcn.stage, "
+                        f"or a --mesh file with one), or use {instead}")
     s = schedule(cfg, rules, mesh)
     if s.stages == 1:
         return s
@@ -72,6 +78,11 @@ def check_pipeline(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
                         f"use at least {s.stages} (more shrink the bubble)")
     per_pass = cfg.train.global_batch // cfg.train.microbatches
     shards = batch_shards(rules, mesh)
+    if microbatches_auto and per_pass % (s.microbatches * shards):  # then no count splits it: each pass holds global_batch / count
+        raise UserError(f"train.global_batch={cfg.train.global_batch} does not split into model.pipeline.microbatches={s.microbatches} "
+                        f"micro-batches over the {shards} batch shards at any micro-batch count train.microbatches=auto may choose; "
+                        f"use a multiple of {s.microbatches * shards} (e.g. train.global_batch="
+                        f"{-(-cfg.train.global_batch // (s.microbatches * shards)) * s.microbatches * shards})")
     if per_pass % (s.microbatches * shards):
         raise UserError(f"train.global_batch={cfg.train.global_batch} / train.microbatches={cfg.train.microbatches} = {per_pass} sequences "
                         f"do not split into model.pipeline.microbatches={s.microbatches} micro-batches over the {shards} batch shards; "
@@ -83,13 +94,18 @@ def stage_memory(layout: Layout, items: dict[str, int]) -> dict[str, int]:
     """The planner's per-device estimate ``items`` (plan.estimate) regrouped by what one pipeline stage holds. Every
     stage's devices hold the same: in this SPMD design each runs (and holds its share of) the embedding and the output
     layer, so the stage holding them is every stage. The parameters, optimizer state and gradients split between the
-    stacked layers and the rest in the ratio of their parameter bytes on a device."""
-    params = layout.abstract_state().params
-    layers_share = bytes_per_device(params["layers"]) / bytes_per_device(params)
-    state = sum(items[key] for key in ("parameters", "optimizer state", "gradients", "gradient accumulator"))
+    stacked layers and the rest in the ratio of their parameter bytes on a device: the parameters in that of every
+    parameter, the optimizer state and gradients in that of the trained ones (a LoRA run's adapters, all in the layers:
+    its frozen base, the embedding and output tables included, has neither)."""
+    def share(params) -> float:
+        return bytes_per_device(params["layers"]) / bytes_per_device(params)
+
+    state = layout.abstract_state()
+    trained = sum(items[key] for key in ("optimizer state", "gradients", "gradient accumulator"))
+    layers = share(state.model_params) * items["parameters"] + share(state.params) * trained
     return {
-        "transformer layers": int(layers_share * state) + items.get("circular re-layout", 0),
-        "embedding and output layer": int((1 - layers_share) * state),
+        "transformer layers": int(layers) + items.get("circular re-layout", 0),
+        "embedding and output layer": int(items["parameters"] + trained - layers),
         "micro-batch activations in flight": items["activations"],
         "logits working set": items["logits and loss"],
         "layer backward working set": items["layer backward"],

@@ -24,8 +24,9 @@ from jaxtrain.layout import make_layout
 from jaxtrain.observe.metrics import format_summary, startup_summary
 from jaxtrain.partitioning import model_tracing
 from jaxtrain.stages import Schedule
+from jaxtrain.state import bytes_per_device
 from jaxtrain.train import build, train
-from models.config import MoEConfig, PipelineConfig
+from models.config import LoraConfig, MoEConfig, PipelineConfig
 from models.llama import Llama
 from test_parity import _losses
 from test_plan import medium_config
@@ -128,13 +129,27 @@ def test_remat_on_the_first_layers_of_each_stage_matches_plain_layers(remat_laye
     (with_(_config("pp_fsdp", (1, 2, 1, 4)), model={"moe": MoEConfig(num_experts=4)}),
      "model.moe.num_experts=4: mixture-of-experts layers do not run through pipeline stages yet (rule set pp_fsdp); use an "
      "expert-parallel rule set without pp_ (dp_ep, fsdp_ep, fsdp_tp_ep)"),
+    # it said "set mesh.ici.stage or mesh.dcn.stage", which generate and export-hf do not take (generate --mesh gpu1)
+    (_config("pp_fsdp_tp", (2, 2, 2, 1)),
+     "rule set pp_fsdp_tp splits the layers into pipeline stages over mesh axis stage, but the mesh (data 2 x fsdp 2 x tensor 2) "
+     "has size 1 there; give it a stage axis (mesh.ici.stage or mesh.dcn.stage, or a --mesh file with one), or use rule set "
+     "fsdp_tp (--rules fsdp_tp), the same without pp_"),
     (_config("pp_fsdp", (1, 2, 1, 4), PipelineConfig(repeats=0)), "model.pipeline.repeats=0 must be at least 1"),
     (_config("pp_fsdp", (1, 2, 1, 4), PipelineConfig(microbatches=-1)),
      "model.pipeline.microbatches=-1 must be 0 (as many as stages) or positive"),
-], ids=["remat-layers", "remat-layers-circular", "micro-batches-per-pass", "moe", "no-repeats", "negative-micro-batches"])
+], ids=["remat-layers", "remat-layers-circular", "micro-batches-per-pass", "moe", "no-stage-axis", "no-repeats", "negative-micro-batches"])
 def test_a_pipeline_the_model_batch_or_config_cannot_run_is_one_line(cfg, message):
     with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
         make_layout(cfg)
+
+
+def test_a_batch_no_count_of_train_microbatches_auto_splits_into_the_pipeline_is_one_line_naming_auto():
+    """It named train.microbatches=1, which the user had not written, and a multiple per pass that auto decides."""
+    cfg = with_(_config("pp_dp", (2, 1, 1, 4), PipelineConfig(microbatches=4)), train={"global_batch": 12, "microbatches": "auto"})
+    with pytest.raises(UserError, match="^" + re.escape(
+            "train.global_batch=12 does not split into model.pipeline.microbatches=4 micro-batches over the 2 batch shards at any "
+            "micro-batch count train.microbatches=auto may choose; use a multiple of 8 (e.g. train.global_batch=16)") + "$"):
+        plan_lib.unfitted_layout(cfg)
 
 
 def test_circular_schedule_with_more_microbatches_than_stages_matches_plain_layers():
@@ -231,6 +246,19 @@ def test_per_stage_memory_counts_a_stage_of_layers_and_the_whole_embedding_and_o
     assert per_stage["logits working set"] == items["logits and loss"]
 
 
+def test_per_stage_memory_of_a_lora_run_puts_its_frozen_embedding_and_output_layer_with_them():
+    """A LoRA run's trained parameters are all adapters of the layers; its frozen base's embedding and output tables
+    are on every stage all the same (they were counted as transformer layers, the embedding and output layer 0 bytes)."""
+    cfg = with_(_weight_heavy(PipelineConfig(microbatches=4)), model={"lora": LoraConfig(rank=4)})
+    layout = make_layout(cfg)
+    items = plan_lib.estimate(layout, plan_lib.ACCELERATOR)
+    per_stage = stages_lib.stage_memory(layout, items)
+    base = layout.abstract_state().model_params
+    tables = bytes_per_device(base) - bytes_per_device(base["layers"])  # embedding, output layer and final norm, frozen
+    assert tables > 0 and per_stage["embedding and output layer"] == pytest.approx(tables, abs=1)
+    assert sum(per_stage.values()) == pytest.approx(sum(items.values()), abs=2)
+
+
 @pytest.mark.parametrize("repeats", [1, 3])
 def test_per_stage_memory_regroups_every_byte_of_the_estimate(repeats):
     """The per-stage items add up to the planner's (within the int rounding of the split), the circular schedule's
@@ -256,6 +284,27 @@ def test_planner_suggests_pipeline_stages_when_fsdp_gathers_cross_the_network():
 @pytest.mark.parametrize("stages, microbatches, repeats, bubble", [(4, 4, 1, 3 / 7), (4, 8, 2, 3 / 19), (2, 2, 1, 1 / 3)])
 def test_bubble_formula(stages, microbatches, repeats, bubble):
     assert Schedule(stages, microbatches, repeats).bubble == pytest.approx(bubble)
+
+
+def test_the_plan_of_a_pipeline_names_its_schedule_and_the_bubble_its_step_time_counts():
+    """4 stages x 2 repeats, 4 micro-batches: each stage idles 3 of 11 iterations. The plan showed neither the schedule
+    nor the bubble (its step time counted it); a plan without stages shows neither still."""
+    plan = plan_lib.make_plan(_config("pp_dp", (2, 1, 1, 4), PipelineConfig(microbatches=4, repeats=2)))
+    text = plan_lib.render(plan)
+    assert text.splitlines()[0].endswith("; pipeline 4 stages x 2 repeat(s), 4 micro-batches in flight per pass, bubble 27.3%")
+    assert "at 45% MFU with the pipeline's 27.3% bubble;" in text
+    assert plan.to_json()["pipeline"] == {"stages": 4, "microbatches": 4, "repeats": 2, "bubble": pytest.approx(3 / 11)}
+    plain = plan_lib.make_plan(_config("dp", (8, 1, 1, 1)))
+    assert "bubble" not in plan_lib.render(plain) and "pipeline" not in plain.to_json()
+
+
+def test_a_rule_set_splitting_the_stages_but_not_the_stored_layers_over_stage_leaves_no_axis_idle(tmp_path):
+    """The pipeline splits the work over the stage axis whether or not the stored layers are split there too: the
+    start-up summary's note said the stage axis split nothing, its devices repeating each other's work."""
+    rules = tmp_path / "stages_only.yaml"
+    rules.write_text("extends: fsdp_tp\nlayer_stages: stage\n")
+    layout = make_layout(_config(str(rules), (1, 2, 2, 2), PipelineConfig(microbatches=2)))
+    assert stages_lib.schedule(layout.cfg, layout.rules, layout.mesh).stages == 2 and layout.idle_axes == {}
 
 
 def test_packed_instruction_data_through_stages_is_one_line():

@@ -39,7 +39,7 @@ from jaxtrain.plan.gpu_targets import GPU_MEMORY_MIB, GPU_MODELS, compile_only_d
 from jaxtrain.plan.hlo_report import HloReport, captured_stderr, report, warning_meaning
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways
-from jaxtrain.stages import pipelined_variants, schedule, stage_memory
+from jaxtrain.stages import Schedule, pipelined_variants, schedule, stage_memory
 from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.memory.offload import HOST, offloads_master_weights
 from jaxtrain.plan.step_cost import (DEFAULT_GPU, StepTime, acting_remat, activation_widths, duration, embedding_gradient_by_columns,
@@ -612,6 +612,7 @@ class Plan:
     compiled_traffic: dict | None = None
     techniques: tuple = ()  # technique_effects of the planned layout
     per_stage: dict | None = None  # with pipeline stages: stages.stage_memory of the accelerator estimate
+    pipeline: Schedule | None = None  # with pipeline stages: their schedule
     idle_axes: dict = dataclasses.field(default_factory=dict)  # Layout.idle_axes: mesh axes whose devices repeat each other's work
     microbatches_auto: bool = False  # train.microbatches=auto: fitted to the usable memory; 1 where no memory size was given
     unsplit_experts_note: str | None = None  # layout.unsplit_experts_note of the planned layout
@@ -679,8 +680,10 @@ class Plan:
                             for s in self.suggestions],
             "techniques": [{"change": t.change, "saved_bytes": t.saved, "relative_step_time": t.relative_step_time,
                             "host_transfer_s": t.host_s} for t in self.techniques],
-        } | ({} if self.per_stage is None else {"per_stage_bytes": self.per_stage}) | ({} if c.hlo is None else {"hlo_report": c.hlo.to_json() | {
-            "traffic_bytes": {"predicted": self.step_time.traffic_bytes, "compiled": self.compiled_traffic}}})
+        } | ({} if self.per_stage is None else {"per_stage_bytes": self.per_stage}) | (
+            {} if self.pipeline is None else {"pipeline": dataclasses.asdict(self.pipeline) | {"bubble": self.pipeline.bubble}}) | (
+            {} if c.hlo is None else {"hlo_report": c.hlo.to_json() | {
+                "traffic_bytes": {"predicted": self.step_time.traffic_bytes, "compiled": self.compiled_traffic}}})
 
 
 def _compile_and_predict(layout: Layout, hlo_report: bool = False) -> tuple[tuple[Compiled, int], int]:
@@ -728,11 +731,12 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     traffic = None if compiled.hlo is None else compiled.hlo.traffic_by_step_cost_kind(
         tuple(layout.rules.get("activation_batch") or ()), tuple(layout.rules.get(STAGES) or ()),
         tuple(layout.rules.get("experts") or ()), layout.replica_axes)
-    per_stage = stage_memory(layout, accelerator_estimate) if schedule(cfg, layout.rules, layout.mesh).stages > 1 else None
+    pipeline = schedule(cfg, layout.rules, layout.mesh)
+    per_stage, pipeline = (stage_memory(layout, accelerator_estimate), pipeline) if pipeline.stages > 1 else (None, None)
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, allocator_fraction, estimate_as_compiled(layout, compiled),
                 accelerator_estimate, compiled, predicted, step_time(layout, gpu), model_flops_per_token(layout),
                 cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic, tuple(technique_effects(layout, gpu)), per_stage,
-                layout.idle_axes, microbatches_auto, unsplit_experts_note(layout))
+                pipeline, layout.idle_axes, microbatches_auto, unsplit_experts_note(layout))
 
 
 def render(plan: Plan) -> str:
@@ -752,7 +756,9 @@ def render(plan: Plan) -> str:
     lines = [(f"plan: {plan.devices} devices ({mesh}), rules {cfg.rules}, remat {cfg.model.remat_description}, "
               f"{cfg.model.attention} attention, "
               f"{grouped}batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"
-              f"{' (auto)' if plan.microbatches_auto else ''}"),
+              f"{' (auto)' if plan.microbatches_auto else ''}"
+              + ("" if plan.pipeline is None else f"; pipeline {plan.pipeline.stages} stages x {plan.pipeline.repeats} repeat(s), "
+                 f"{plan.pipeline.microbatches} micro-batches in flight per pass, bubble {100 * plan.pipeline.bubble:.3g}%")),
              *([f"note: XLA's GPU compiler expands jax.lax.ragged_dot over every expert ({moe.num_experts}x the experts' "
                 "FLOPs and a dense (experts, rows, hidden) array per product, the estimate's layer backward counts its gate "
                 "and up); pip install 'jaxtrain[moe-gpu]' for tokamax's kernels (model.moe.grouped_matmul=auto picks them)"]

@@ -204,6 +204,7 @@ class StepTime:
     host_s: float = 0.0  # over PCIe: optim.offload's optimizer state (and master weights), an offload_* remat policy's activations
     gradients: str = ""  # how and when gradients are summed across devices (optim.grad_dtype, grad_sync), as describe() says it
     after_backward_s: float = 0.0  # the part of communication_s["data"] summed once after the last micro-batch: not overlapped
+    bubble: float = 0.0  # the share of a pass each pipeline stage idles (stages.Schedule.bubble), counted in compute_s
 
     @property
     def total_s(self) -> float:
@@ -220,6 +221,7 @@ class StepTime:
         host = f"; host transfer {duration(self.host_s)}" if self.host_s else ""
         after = f" but the {duration(self.after_backward_s)} of gradient sums after the backward" if self.after_backward_s >= shown else ""
         return (f"{duration(self.total_s)} on {self.gpu} (compute {duration(self.compute_s)} at {100 * ASSUMED_MFU:.0f}% MFU"
+                + (f" with the pipeline's {100 * self.bubble:.3g}% bubble" if self.bubble else "")
                 + (f"; communication {parts}, fsdp and data overlapped with compute{after}" if parts else "") + host
                 + (f"; gradients summed in {self.gradients}" if self.gradients else "") + ")")
 
@@ -393,4 +395,4 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     else:
         gradients = f"{reduction.dtype} once per step over {', '.join(a for a in reduction.axes if layout.mesh.shape[a] > 1)}"
     return StepTime(name, compute, communication, traffic, host, gradients,
-                    seconds(after_backward, reduction.axes) if reduction is not None else 0.0)
+                    seconds(after_backward, reduction.axes) if reduction is not None else 0.0, pipe.bubble)
