@@ -502,7 +502,9 @@ def suggest(cfg: Config, limit_bytes: float, devices=None, gpu: str | None = Non
             continue
         pipe = schedule(variant, layout.rules, layout.mesh)
         offloads = dict.fromkeys((cfg.optim.offload, True))
+        # a dot-saving policy under stages runs as full: offered as full alone, not twice with the same figures
         policies = [(remat, layers, offload) for remat, offload in itertools.product(SEARCHED_REMAT, offloads)
+                    if acting_remat(remat, pipe.stages) == remat
                     for layers in _remat_layer_counts(cfg, remat, pipe.stages * pipe.repeats)]
         for remat, layers, offload in policies:
             for k in _valid_microbatches(cfg, batch_shards(layout.rules, layout.mesh) * pipe.microbatches):
@@ -799,7 +801,8 @@ def render(plan: Plan) -> str:
         only_cpu = "float32 copies of saved stacks, extra score and table copies" + (
             ", XLA attention's scores" if c.attention != cfg.model.attention else "") + (
             ", float32 copies of the frozen base" if cfg.model.lora.rank else "") + (
-            ", grouped matmuls expanded over every expert" if grouped else "")
+            ", grouped matmuls expanded over every expert" if grouped else "") + (
+            ", what the accelerator keeps in host memory" if cfg.optim.offload or cfg.model.remat.startswith("offload_") else "")
         # that share is itself estimated: llama3_405b_pp's is 67.0 GiB where the estimate says 50.8 (README, "Pipeline").
         # A GPU the planner can describe compiled on CPUs without optim.offload (which no compile-only GPU takes): no plugin
         compilable = plan.gpu is not None and plan.gpu.lower() in GPU_MODELS and not cfg.optim.offload
