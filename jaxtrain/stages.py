@@ -36,6 +36,11 @@ class Schedule:
         """Share of a pass each stage idles: (stages - 1) / (repeats * microbatches + stages - 1)."""
         return (self.stages - 1) / self.iterations
 
+    def describe(self) -> str:
+        """How the plan's header and the start-up summary name it."""
+        return (f"pipeline {self.stages} stages x {self.repeats} repeat(s), {self.microbatches} micro-batches in flight per pass, "
+                f"bubble {100 * self.bubble:.3g}%")
+
 
 def schedule(cfg: Config, rules: Rules, mesh: Mesh) -> Schedule:
     stages = logical_ways(rules, mesh, STAGES)

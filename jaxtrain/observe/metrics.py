@@ -139,7 +139,8 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
     """``microbatches_auto``: how train.microbatches=auto chose the count ("fitted" to the devices' memory, or one pass
     where they report none: "unsized"); None where the config gave a count."""
     cfg, mesh, state = layout.cfg, layout.mesh, layout.abstract_state()
-    pipelined = schedule(cfg, layout.rules, mesh).stages > 1
+    pipeline = schedule(cfg, layout.rules, mesh)
+    pipelined = pipeline.stages > 1
     return {
         "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count(),
         "mesh": dict(mesh.shape), "rules": cfg.rules, "attention": cfg.model.attention,
@@ -167,6 +168,8 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
         "global_batch_sequences": cfg.train.global_batch, "global_batch_tokens": layout.tokens_per_step,
         "microbatches": cfg.train.microbatches, "microbatches_auto": microbatches_auto,
+        # with stages: their schedule and bubble (the share of a pass each stage idles), as the plan names them
+        "pipeline": dataclasses.asdict(pipeline) | {"bubble": pipeline.bubble, "described": pipeline.describe()} if pipelined else None,
         "flops_per_token": model_flops_per_token(layout),
         # optim.grad_sync as resolved (auto); null where no replica axis sums the gradients
         "grad_sync": None if not layout.replica_axes else "microbatch" if layout.grad_reduction is None else "step",
@@ -220,6 +223,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "
         f"{s['microbatches']} micro-batch(es)"
         + AUTO_MICROBATCHES.get(s.get("microbatches_auto"), "")
+        + (f", each a {s['pipeline']['described']}" if s.get("pipeline") else "")
         + ("" if s["microbatches"] == 1 else ", no replica axis to sum the gradients over (optim.grad_sync has no effect)"
            if s["grad_sync"] is None else
            f", gradients summed across the batch shards {'once per step' if s['grad_sync'] == 'step' else 'in every micro-batch'}") + f"; {s['flops_per_token']:.4g} FLOPs per token",

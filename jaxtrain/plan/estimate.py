@@ -759,8 +759,7 @@ def render(plan: Plan) -> str:
               f"{cfg.model.attention} attention, "
               f"{grouped}batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens in {cfg.train.microbatches} micro-batch(es)"
               f"{' (auto)' if plan.microbatches_auto else ''}"
-              + ("" if plan.pipeline is None else f"; pipeline {plan.pipeline.stages} stages x {plan.pipeline.repeats} repeat(s), "
-                 f"{plan.pipeline.microbatches} micro-batches in flight per pass, bubble {100 * plan.pipeline.bubble:.3g}%")),
+              + ("" if plan.pipeline is None else f"; {plan.pipeline.describe()}")),
              *([f"note: XLA's GPU compiler expands jax.lax.ragged_dot over every expert ({moe.num_experts}x the experts' "
                 "FLOPs and a dense (experts, rows, hidden) array per product, the estimate's layer backward counts its gate "
                 "and up); pip install 'jaxtrain[moe-gpu]' for tokamax's kernels (model.moe.grouped_matmul=auto picks them)"]
