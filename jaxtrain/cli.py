@@ -161,7 +161,7 @@ def _process_index() -> int:
 
 def cmd_export_hf(args) -> int:
     run_dir, out = Path(args.run_dir), Path(args.out)
-    cfg = config_lib.load_run_config(run_dir)
+    cfg = config_lib.weights_on_device(config_lib.load_run_config(run_dir))
     if args.mesh:
         cfg = dataclasses.replace(cfg, mesh=config_lib.load_mesh_file(args.mesh))
     if args.rules:

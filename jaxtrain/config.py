@@ -355,6 +355,13 @@ def load_run_config(run_dir: Path) -> Config:
         raise UserError(f"{path}: {e}") from None
 
 
+def weights_on_device(cfg: Config) -> Config:
+    """A run's ``cfg`` without optim.offload, for the commands that read its weights without the train step (generate,
+    export-hf): their programs take arrays where they lie and do not bring host memory in (until 2026-12-06 a bfloat16
+    or float16 run trained with optim.offload, its master weights in host memory, stopped them with a traceback)."""
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, offload=False))
+
+
 def save_yaml(cfg: Config, path: Path, extra: dict | None = None) -> None:
     """A run's config.yaml, its file paths made absolute: `generate` and `export-hf` read it from any directory."""
     body = to_dict(with_absolute_paths(cfg)) | (extra or {})

@@ -122,7 +122,7 @@ def _with_layout(cfg: Config, mesh: str | None, rules: str | None) -> Config:
 
 def load_run(run_dir: Path, mesh: str | None, rules: str | None, codec: Codec) -> Loaded:
     """A run's parameters from its latest checkpoint (a LoRA run's adapters merged into its base)."""
-    cfg = _with_layout(config_lib.load_run_config(run_dir), mesh, rules)
+    cfg = _with_layout(config_lib.weights_on_device(config_lib.load_run_config(run_dir)), mesh, rules)
     layout = make_layout(cfg)
     if cfg.model.lora.rank:  # a LoRA run: its adapters merged into its base
         params = lora_lib.merged_run_params(layout, run_dir, source="jaxtrain generate")

@@ -18,7 +18,9 @@ from conftest import small_config, with_
 from test_model import _dot_operand_dtypes
 from test_plan import medium_config
 from jaxtrain import checkpoint as checkpoint_lib
+from jaxtrain import cli
 from jaxtrain import config as config_lib
+from jaxtrain import generate as generate_lib
 from jaxtrain.memory import loss_scale as loss_scale_lib
 from jaxtrain.memory import offload
 from jaxtrain.memory.quant import quantized
@@ -31,6 +33,7 @@ from jaxtrain.observe import metrics as metrics_lib
 from jaxtrain.state import TrainState, model_spec
 from jaxtrain.step import make_train_step, token_nll
 from jaxtrain.train import build, train
+from models.config import LoraConfig
 from models.llama import Llama
 
 STEPS = 20
@@ -268,6 +271,17 @@ def test_float16_gradients_below_float16s_range_reach_the_optimizer():
     assert np.median(np.abs(moved[tiny] / reference[tiny] - 1)) < 1e-2
 
 
+def test_float16_compute_trains_bfloat16_parameters_past_the_first_step(corpus):
+    """model.dtype=float16 with model.param_dtype=bfloat16 (README: bfloat16 parameters are the user's choice): the
+    gradients, rounded to bfloat16 and then divided by the float32 loss scale, came out float32 and made the Adam
+    moments float32, so the compiled step refused the state it had returned at step 2 with a traceback (QA 46a)."""
+    trainer = build(_cfg(dtype="float16", param_dtype="bfloat16"), corpus)
+    state, metrics = _run(trainer, corpus, 2)
+    adam = state.opt_state[1][0]
+    assert {x.dtype for x in jax.tree.leaves((state.params, adam.mu, adam.nu))} == {jnp.dtype(jnp.bfloat16)}
+    assert all(np.isfinite(m["loss"]) and not m["overflow"] for m in metrics)
+
+
 def test_float16_non_finite_loss_is_not_an_overflow():
     """An overflow is finite loss with gradients that overflow: what a lower scale cures. A non-finite loss (bad
     data, diverged weights) is not the scaler's to skip quietly while it halves the scale from 2**15 down to 1 (15
@@ -330,6 +344,31 @@ def test_offload_under_bfloat16_keeps_master_weights_in_host_memory_exactly_and_
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(again)), jax.tree.leaves(jax.device_get(final))))
 
 
+def test_a_run_with_offloaded_master_weights_generates_from_device_memory(trainers, tmp_path):
+    """`jaxtrain generate RUN_DIR` of a bfloat16 run trained with optim.offload: the master weights it kept in host
+    memory are read into device memory, and generate what the same weights placed as a plain bfloat16 run's do.
+    Generation took them where the run's config placed them, in host memory, which its programs do not bring in: a
+    traceback at the embedding lookup (QA 46a)."""
+    trainer = trainers["offload_bfloat16"]
+    final = train(with_(trainer.cfg, train={"steps": 4}), tmp_path, trainer)
+    loaded = generate_lib.load(tmp_path)
+    assert _kinds(final.params) == {offload.HOST} and _kinds(loaded.params) == {"device"}
+    on_device = dataclasses.replace(loaded, params=jax.device_put(final.params, trainers["bfloat16"].layout.shardings.params))
+    prompt, sampling = np.array([[1, 2, 3]], np.int32), config_lib.SamplingConfig(max_new_tokens=8)
+    np.testing.assert_array_equal(generate_lib.generate(loaded, prompt, sampling).tokens,
+                                  generate_lib.generate(on_device, prompt, sampling).tokens)
+
+
+def test_a_lora_run_with_offloaded_weights_exports_and_generates(corpus, tmp_path):
+    """export-hf (the merged model) and generate of a bfloat16 LoRA run trained with optim.offload merge its adapters
+    into the base on the device. Both placed the weights as the run's config does, in host memory, and the merge
+    stopped with a traceback (QA 46a)."""
+    cfg = with_(_cfg(dtype="bfloat16"), model={"lora": LoraConfig(rank=4)}, optim={"offload": True}, train={"steps": 2})
+    train(cfg, tmp_path / "run", build(cfg, corpus))
+    assert cli.main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    assert _kinds(generate_lib.load(tmp_path / "run").params) == {"device"}
+
+
 def test_offload_places_state_in_page_locked_host_memory():
     """``pinned_host`` (README's optim.offload), not ``unpinned_host``: a GPU copies page-locked memory by DMA while
     it computes, pageable memory through a staging buffer. The CPU backend has both kinds, so the tests above,
@@ -375,6 +414,14 @@ def test_int8_and_fp8_quantize_the_layers_products_whatever_the_process_traced_b
     assert products("none") == plain
     assert products("int8", loss_chunk=8)[0] == Counter({("int8", "int8"): 9, (bf16, bf16): 1})
     assert products("fp8") == (Counter({(e4m3, e4m3): 9, (bf16, bf16): 1}), Counter({(e5m2, e4m3): 18, (bf16, bf16): 3}))
+
+
+def test_a_quantized_model_is_planned_for_a_gpu_on_a_machine_without_one():
+    """`jaxtrain plan --gpu h100 model.quant=int8` (or --device-memory) plans the GPU's cuDNN attention and compiles the
+    step for this CPU. quant.quantized ran the model once to set qwix up, with the configured attention: cuDNN's stopped
+    with a traceback ("cuDNN is not detected") before anything was planned (QA 46a)."""
+    plan = plan_lib.make_plan(_cfg(dtype="bfloat16", quant="int8"), gpu="h100")
+    assert plan.cfg.model.attention == "cudnn" and plan.compiled.platform == "cpu"
 
 
 class _OneProduct(nnx.Module):

@@ -27,6 +27,9 @@ def quantized(model: nnx.Module, quant: str) -> nnx.Module:
         return model
     forward, backward = QTYPES[quant]
     rule = qwix.QtRule(module_path=LAYER_MATMULS, weight_qtype=forward, act_qtype=forward, bwd_qtype=backward)
-    # qwix intercepts one method and traces one call of it (the tokens' values do not matter): ``hidden`` runs the
-    # layers both for ``__call__`` and for the chunked loss (train.loss_chunk), which calls it directly
-    return qwix.quantize_model(model, qwix.QtProvider([rule]), jnp.zeros((1, 2), jnp.int32), methods=("hidden",))
+    # qwix intercepts one method: ``hidden`` runs the layers both for ``__call__`` and for the chunked loss
+    # (train.loss_chunk), which calls it directly. Its first call would only create the rule's calibration statistics,
+    # which dynamic (per-call) scaling has none of, so it is skipped: a call here traced the attention the config names,
+    # and cuDNN's (jaxtrain plan --gpu / --device-memory on a machine without one) stopped with a traceback
+    return qwix.quantize_model(model, qwix.QtProvider([rule]), jnp.zeros((1, 2), jnp.int32), methods=("hidden",),
+                               skip_nnx_init=True)

@@ -532,7 +532,7 @@ TECHNIQUES = ({"rules": "zero1"}, {"rules": "zero2"}, {"rules": "fsdp"}, {"offlo
 
 @dataclasses.dataclass(frozen=True)
 class Technique:
-    change: str  # the config key=value (keys it sets together joined by "and")
+    change: str  # the config key=value (keys it sets together space-separated, as_overrides)
     saved: int  # estimated bytes per device on the accelerator below the planned config (negative: more)
     relative_step_time: float
     host_s: float
