@@ -25,7 +25,7 @@ from jaxtrain.adapt import adapters
 from jaxtrain.atomic import sigterm_cleans_up
 from jaxtrain.config import SamplingConfig
 from jaxtrain.errors import UserError
-from jaxtrain.interop import hf_config, hf_weights
+from jaxtrain.interop import hf_config, hf_weights, peft
 from jaxtrain.memory import host_malloc
 
 DEFAULT_CPU_DEVICES = 8
@@ -251,6 +251,9 @@ def cmd_generate(args) -> int:
         raise UserError("; ".join(sampling.problems()))
     path = Path(args.path)
     if not (hf_config.is_hf_dir(path) or (path / "config.yaml").is_file()):
+        if peft.is_adapter_dir(path):  # the line below did not say that an adapter goes with --adapter
+            raise UserError(f"{path} is a PEFT adapter ({peft.CONFIG_FILE}), not a model: give its base model and the adapter, "
+                            f"jaxtrain generate BASE_DIR --adapter {path}")
         raise UserError(f"{path} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json); "
                         "give the --run-dir of a training run or a model directory")
     run_cfg = None if hf_config.is_hf_dir(path) else config_lib.load_run_config(path)

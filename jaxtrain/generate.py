@@ -123,7 +123,7 @@ def _with_layout(cfg: Config, mesh: str | None, rules: str | None) -> Config:
 def load_run(run_dir: Path, mesh: str | None, rules: str | None, codec: Codec) -> Loaded:
     """A run's parameters from its latest checkpoint (a LoRA run's adapters merged into its base)."""
     cfg = _with_layout(config_lib.weights_on_device(config_lib.load_run_config(run_dir)), mesh, rules)
-    layout = make_layout(cfg)
+    layout = make_layout(cfg, train_batch=False)
     if cfg.model.lora.rank:  # a LoRA run: its adapters merged into its base
         params = lora_lib.merged_run_params(layout, run_dir, source="jaxtrain generate")
         return Loaded(lora_lib.plain_config(cfg.model), params, layout.mesh, cfg.mesh, layout.rules, cfg.rules, *codec)
@@ -141,7 +141,7 @@ def load_hf(hf_dir: Path, mesh: str | None, rules: str | None, codec: Codec) -> 
     """A Hugging Face model's weights, computing in float32."""
     cfg = _hf_model_config(hf_dir, _with_layout(Config(), mesh, rules))
     hf_weights.check_dir(hf_dir, cfg.model)
-    layout = make_layout(cfg)
+    layout = make_layout(cfg, train_batch=False)
     params = hf_import.load_params(hf_dir, cfg.model, layout.abstract_state().params)
     return Loaded(cfg.model, params, layout.mesh, cfg.mesh, layout.rules, cfg.rules, *codec)
 

@@ -111,9 +111,11 @@ def unsplit_experts_note(layout: Layout) -> str | None:
             f"of {experts} above 1, or use a rule set without _ep")
 
 
-def make_layout(cfg: Config, devices: list | None = None, *, microbatches_auto: bool = False) -> Layout:
+def make_layout(cfg: Config, devices: list | None = None, *, microbatches_auto: bool = False, train_batch: bool = True) -> Layout:
     """Check the config against the devices, mesh, rules and model parameters; no compilation. ``microbatches_auto``:
-    the user wrote train.microbatches=auto, here at one pass (``cfg``'s 1), which the messages name instead."""
+    the user wrote train.microbatches=auto, here at one pass (``cfg``'s 1), which the messages name instead.
+    ``train_batch``: check that train.global_batch splits over the mesh's batch shards; False for the commands that only
+    read a run's parameters (generate, export-hf), whose --mesh may have more batch shards than the run's batch had."""
     config_lib.check(cfg)
     mesh = build_mesh(cfg.mesh, devices)
     device = mesh.devices.flat[0]
@@ -141,12 +143,12 @@ def make_layout(cfg: Config, devices: list | None = None, *, microbatches_auto: 
         split_frozen(param_shardings(spec.logical_axes, spec.shapes, state_rules[section], mesh, section))[0]  # noqa: E731
     t = cfg.train
     shards = batch_shards(rules, mesh)
-    if microbatches_auto and t.global_batch % shards:  # no count splits it then: each pass holds global_batch / count rows
+    if train_batch and microbatches_auto and t.global_batch % shards:  # no count splits it then: each pass holds global_batch / count rows
         raise UserError(
             f"train.global_batch={t.global_batch} does not split over the {shards} batch shards of the mesh, at any micro-batch "
             f"count train.microbatches=auto may choose; use a multiple of {shards} (e.g. train.global_batch="
             f"{-(-t.global_batch // shards) * shards})")
-    if (t.global_batch // t.microbatches) % shards:
+    if train_batch and (t.global_batch // t.microbatches) % shards:
         raise UserError(
             f"train.global_batch={t.global_batch} / train.microbatches={t.microbatches} = {t.global_batch // t.microbatches} "
             f"sequences per micro-batch do not split over the {shards} batch shards of the mesh; use a multiple of {shards * t.microbatches}")

@@ -281,8 +281,12 @@ def _note_model_changes(run_dir: Path, cfg: Config, requested: LlamaConfig) -> N
 
 def _note_trains_with(key: str, value, before, run_dir: Path) -> None:
     now, then = config_lib.as_override(value), config_lib.as_override(before)
+    fix = f"give {key}={then}"
+    if key.removeprefix("model.") in hf_config.SHAPE_KEYS and (run_dir / hf_config.RUN_SUBDIR).is_dir():
+        # --init-from's config.json decides it, and refuses it given on the command line (that advice was an error)
+        fix = f"give --init-from the model directory the run started from (its config.json is kept in {run_dir / hf_config.RUN_SUBDIR})"
     _say(f"jaxtrain: note: {key}={now} here but {then} in {run_dir / 'config.yaml'}, which the checkpoints trained with: from "
-         f"this step on the run trains with {now}; give {key}={then} to continue as before")
+         f"this step on the run trains with {now}; {fix} to continue as before")
 
 
 # optimizer keys that choose how the same update is computed or where it is kept, not which: no resume note

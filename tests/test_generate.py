@@ -223,6 +223,38 @@ def byte_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.parametrize("rank", [0, 4])
+def test_a_run_generates_and_exports_onto_a_mesh_with_more_batch_shards_than_its_batch(rank, tmp_path):
+    """A run trained with 2 sequences a step on one device, read onto cpu8 (data 2 x fsdp 2: 4 batch shards) by generate
+    and export-hf, which read no training batch: both were refused with the training batch's error, which neither command
+    can change (a QA report; so was generate BASE --adapter RUN onto the base's mesh). The greedy tokens are those of
+    rule set tp there, whose 2 batch shards split the batch. rank 4: a LoRA run (export-hf's adapters)."""
+    from jaxtrain.adapt import lora
+    from jaxtrain.config import load_mesh_file, load_run_config
+    from jaxtrain.data import Corpus
+    from jaxtrain.generate import load
+    from jaxtrain.interop import hf_export
+    from jaxtrain.train import build, train
+
+    text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 20, np.uint8)
+    cfg = with_(small_config(mesh=(1, 1, 1), vocab_size=256, lora=LoraConfig(rank=rank)), train={"steps": 1, "global_batch": 2},
+                log={"tensorboard": False, "layer_every": 0})
+    run_dir = tmp_path / "run"
+    train(cfg, run_dir, build(cfg, Corpus(text, text[:200], 256, "a sentence"), jax.devices()[:1]))
+    prompt, sampling = np.array([list(b"the")]), SamplingConfig(max_new_tokens=8)
+    wide = load(run_dir, mesh="cpu8")
+    assert wide.mesh.size == 8
+    expected = generate(load(run_dir, mesh="cpu8", rules="tp"), prompt, sampling).tokens
+    np.testing.assert_array_equal(generate(wide, prompt, sampling).tokens, expected)
+    cpu8 = dataclasses.replace(load_run_config(run_dir), mesh=load_mesh_file("cpu8"))
+    if rank:
+        lora.export(cpu8, run_dir, tmp_path / "export", step=None, dtype="float32", adapter_only=True)
+        assert (tmp_path / "export" / "adapter_model.safetensors").is_file()
+    else:
+        hf_export.export(cpu8, run_dir, tmp_path / "export", step=None, dtype="float32")
+        assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
 def test_generate_command_prints_the_runs_greedy_text(byte_run):
     """One prompt on the run's cpu8 mesh: a batch of 1, left whole by the fsdp_tp rules' batch split; 9 + 23 tokens fill
     the run's 32 positions."""
@@ -269,6 +301,9 @@ def test_the_generate_command_hands_decoding_the_runs_stop_token(byte_run, monke
     (["--max-new-tokens", "100000000000"], "--max-new-tokens 100000000000 must be at most 2147483646 (positions are int32)"),
     ("no checkpoints", "jaxtrain generate {run}: no checkpoints there"),
     ("no run", "{run} is neither a run directory (config.yaml) nor a Hugging Face model directory (config.json)"),
+    # QA: the line above, which did not say that an adapter goes with --adapter
+    ("a PEFT adapter", "{run} is a PEFT adapter (adapter_config.json), not a model: give its base model and the adapter, "
+                       "jaxtrain generate BASE_DIR --adapter {run}"),
     # before any weight is read (a QA report: the base's read came first, a second stderr line)
     (["--adapter", "/no/such/adapter"],
      "--adapter /no/such/adapter is neither a LoRA run directory (config.yaml) nor a PEFT adapter directory"),
@@ -281,6 +316,10 @@ def test_generate_command_bad_input(args, message, byte_run, tmp_path):
         (run / "config.yaml").write_bytes((byte_run / "config.yaml").read_bytes())
     elif args == "no run":
         run = tmp_path
+    elif args == "a PEFT adapter":
+        run = tmp_path / "adapter"
+        run.mkdir()
+        (run / "adapter_config.json").write_text("{}")
     # 8 new tokens fit the run's context; a case's own --max-new-tokens comes after, so argparse takes it
     result = run_cli("generate", str(run), "--prompt", "a", "--max-new-tokens", "8", *(args if isinstance(args, list) else []),
                      cwd=tmp_path)

@@ -336,6 +336,26 @@ def test_a_resume_without_its_init_from_says_to_give_it_again(tmp_path, capsys):
 
 
 
+
+def test_a_resume_from_another_model_directory_says_to_give_the_first_one_again(tmp_path, capsys):
+    """Resumed with --init-from another model of the same shape, the run trains on with that config.json's rope_theta, and
+    the note's advice to give model.rope_theta=THEN was an error (a key config.json decides disagreed with it; a QA report):
+    it says to give the model directory the run started from."""
+    hf_dir, other, run_dir, tokens = tmp_path / "hf", tmp_path / "other", tmp_path / "run", tmp_path / "tokens.npy"
+    _make_hf_model(hf_dir, "llama_tied")
+    _make_hf_model(other, "llama_tied")
+    _edit_config(other, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    np.save(tokens, np.random.default_rng(1).integers(0, 64, 2000).astype(np.int32))
+    args = ["train", "finetune", "--run-dir", str(run_dir), f"data.path={tokens}", f"data.seq_len={SEQ}", "data.val_fraction=0.1",
+            "train.global_batch=8", "train.eval_batches=1", "model.dtype=float32", "model.remat=none", "log.progress=false",
+            "log.tensorboard=false"]
+    assert cli.main([*args, "--init-from", str(hf_dir), "train.steps=1"]) == 0
+    capsys.readouterr()
+    assert cli.main([*args, "--init-from", str(other), "train.steps=2"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note: model.rope_theta=500000.0")]
+    assert len(notes) == 1 and notes[0].endswith(f"give --init-from the model directory the run started from (its config.json is "
+                                                 f"kept in {run_dir / 'hf'}) to continue as before"), notes
+
 REFUSED = {  # config.json values this model would load without reproducing: refused, not read as another model
     "mlp_bias": ({"mlp_bias": True}, "mlp_bias=True is not supported (MLP without biases only)"),
     "partial rotary (transformers 4)": ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
@@ -348,6 +368,10 @@ REFUSED = {  # config.json values this model would load without reproducing: ref
                                       "decoder_sparse_step / mlp_only_layers=(None, [0]) is not supported"),
     "a Qwen2-MoE with every other layer sparse": ({"architectures": ["Qwen2MoeForCausalLM"], "decoder_sparse_step": 2},
                                                   "decoder_sparse_step / mlp_only_layers=(2, None) is not supported"),
+    # a quantized checkpoint (AWQ, GPTQ, FP8, bitsandbytes) packs its weights into other tensors: they were named as missing
+    # or misshapen, as if the files did not match config.json (a QA report)
+    "a quantized checkpoint": ({"quantization_config": {"quant_method": "awq", "bits": 4}},
+                               "quantization_config.quant_method='awq' is not supported (weights in BF16, F16 or F32 only"),
 }
 
 
@@ -390,6 +414,17 @@ def test_weight_files_that_do_not_hold_what_the_index_or_config_says_are_one_lin
     with Checkpoint(tmp_path) as checkpoint, pytest.raises(hf_config.UserError, match=(
             f"^tensor model.norm.weight in {shard} has dtype F64; supported: F32, BF16, F16$")):
         checkpoint.check([tm])
+
+
+def test_weights_saved_as_pytorch_pickles_say_how_to_convert_them(tmp_path):
+    """pytorch_model.bin without safetensors (transformers' older format): one line naming the files and how to save them as
+    safetensors; it said to give a directory "with its weights", which this one has (a QA report)."""
+    (tmp_path / "pytorch_model-00001-of-00002.bin").write_bytes(b"")
+    (tmp_path / "pytorch_model-00002-of-00002.bin").write_bytes(b"")
+    with pytest.raises(hf_config.UserError, match=re.escape(
+            f"{tmp_path} has its weights as PyTorch pickles (pytorch_model-00001-of-00002.bin, pytorch_model-00002-of-00002.bin), "
+            "which jaxtrain does not read; save them as safetensors")):
+        Checkpoint(tmp_path)
 
 
 def test_a_single_file_beside_shards_is_read_as_transformers_reads_it(hf_models, tmp_path):

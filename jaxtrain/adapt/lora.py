@@ -230,7 +230,7 @@ def run_model_params(layout: Layout, run_dir: Path, step: int | None = None,
 
 def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: str, adapter_only: bool) -> None:
     """``jaxtrain export-hf`` of a LoRA run: its adapters as a PEFT adapter directory, or the merged model."""
-    layout = make_layout(cfg)
+    layout = make_layout(cfg, train_batch=False)
     if step is not None and not (run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)).is_dir():
         raise UserError(f"--step {step}: {run_dir} has no checkpoint of that step; `jaxtrain checkpoints {run_dir}` lists them")
     source_dir = hf_export.run_source_dir(run_dir)
@@ -280,7 +280,7 @@ def with_adapter(loaded, adapter: Path):
         # restored onto the mesh and rules the base generates with, whatever the run trained on
         cfg = dataclasses.replace(config_lib.load_run_config(adapter), mesh=loaded.mesh_config, rules=loaded.rules_name)
         model_cfg = dataclasses.replace(loaded.model_cfg, lora=cfg.model.lora, base_quant=cfg.model.base_quant)
-        layout = make_layout(cfg)
+        layout = make_layout(cfg, train_batch=False)
         restored = checkpoint_lib.restore_from(adapter, layout.abstract_state(), None, params_only=True, source="--adapter")
         adapters = multihost_utils.process_allgather(restored, tiled=True)
     if record is not None:

@@ -139,6 +139,11 @@ def model_values(config: dict, where: str, seq_len: int) -> dict:
         raise _unsupported(where, "attention_bias", True, f"{arch} without projection biases only")
     if config.get("mlp_bias"):
         raise _unsupported(where, "mlp_bias", True, "MLP without biases only")
+    quantization = config.get("quantization_config")
+    if quantization:  # its packed tensors were named as missing or misshapen, as if the files did not match config.json
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise _unsupported(where, "quantization_config.quant_method", method, "weights in BF16, F16 or F32 only: give the "
+                           "unquantized model; a LoRA run quantizes its frozen base itself, model.base_quant=int8|nf4")
     window = _sliding_window(config, arch)
     if window is not None and window < seq_len:
         raise UserError(f"{where}: sliding_window={window} is shorter than data.seq_len={seq_len}, and this model attends to "

@@ -241,7 +241,7 @@ def run_source_dir(run_dir: Path) -> Path | None:
 def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: str) -> None:
     """``jaxtrain export-hf``: restore the parameters of ``step`` (default the newest readable checkpoint) onto the run's
     mesh and write them."""
-    layout = make_layout(cfg)
+    layout = make_layout(cfg, train_batch=False)
     where = run_dir if step is None else run_dir / checkpoint_lib.CHECKPOINTS_DIR / str(step)
     if step is not None and not where.is_dir():
         raise UserError(f"--step {step}: {run_dir} has no checkpoint of that step; `jaxtrain checkpoints {run_dir}` lists them")

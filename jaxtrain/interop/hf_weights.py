@@ -29,6 +29,7 @@ from models.config import LlamaConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+PYTORCH_FILES = "pytorch_model*.bin"  # transformers' older format, torch pickles: pytorch_model.bin or its shards
 DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors dtype names -> numpy
 
 
@@ -162,6 +163,10 @@ class Checkpoint:
             if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
                 raise UserError(f"{hf_dir / INDEX_FILE} has no weight_map object of tensor names to file names; download the model again")
             self.where, self.listing = dict(weight_map), INDEX_FILE
+        elif pickled := sorted(p.name for p in hf_dir.glob(PYTORCH_FILES)):  # "give one with its weights" did not say how
+            raise UserError(f"{hf_dir} has its weights as PyTorch pickles ({', '.join(pickled)}), which jaxtrain does not read; "
+                            f"save them as safetensors, transformers.AutoModelForCausalLM.from_pretrained('{hf_dir}')"
+                            ".save_pretrained(NEW_DIR), and give NEW_DIR")
         else:
             raise UserError(f"{hf_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}; give a Hugging Face model directory with its weights")
         self._stack = contextlib.ExitStack()
