@@ -641,6 +641,11 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def _none_saved_yet(path: Path, source: str) -> UserError:
+    return UserError(f"{source} {path}: no checkpoints there yet; train the run until it saves one (every checkpoint.every "
+                     "steps, and at its last step)")
+
+
 def checkpoints_dir(path: Path, source: str) -> tuple[Path, int | None]:
     """(checkpoints directory, step or None for the latest) for a run directory, its checkpoints/
     directory, or one step's directory."""
@@ -651,8 +656,7 @@ def checkpoints_dir(path: Path, source: str) -> tuple[Path, int | None]:
     if path.is_dir() and any(p.name.isdigit() for p in path.iterdir()):
         return path, None
     if (path / "config.yaml").is_file():  # the right kind of path: a run that has not saved yet
-        raise UserError(f"{source} {path}: no checkpoints there yet; train the run until it saves one (every checkpoint.every "
-                        "steps, and at its last step)")
+        raise _none_saved_yet(path, source)
     raise UserError(f"{source} {path}: no checkpoints there; give a run directory, its checkpoints/ directory or one step's directory")
 
 
@@ -671,6 +675,8 @@ def restore_step_from(path: Path, abstract_state, data_iterator, *, params_only:
     directory, step = checkpoints_dir(path, source)
     manager = _manager(directory, None)
     steps = manager.all_steps() if step is None else [s for s in manager.all_steps() if s == step]
+    if not steps and step is None:  # a run's checkpoints/ is made when it starts, empty until its first save commits
+        raise _none_saved_yet(path, source)
     if not steps:
         raise UserError(f"{source} {path}: no complete checkpoint found (steps: {list(manager.all_steps()) or 'none'})")
     found, restored, unreadable = _newest_readable(steps, lambda s: _read(

@@ -309,7 +309,7 @@ def cmd_generate(args) -> int:
             loaded = lora.with_adapter(loaded, Path(args.adapter))
         out = generate_lib.generate(loaded, np.array([prompt], np.int32), sampling, loaded.stops)
     new = out.tokens[0]
-    text = loaded.decode(new) if args.chat else args.prompt + loaded.decode(new)
+    text = loaded.decode(new) if args.chat else args.prompt + loaded.decode(new, prompt)
     print(text, flush=True)
     decode = f"{out.decode_tokens_per_s:,.1f} tokens/s" if out.decode_tokens_per_s else "no decoding steps"
     print(f"jaxtrain: {1 + out.decode_steps} new tokens; prefill {out.prompt_tokens} tokens in {out.prefill_s:.3f} s "

@@ -166,6 +166,8 @@ class SamplingConfig:
 
     # jax keys keep a seed's low 32 bits (2**32 is seed 0 again, 2**63 overflows); grain's shuffle takes no more either
     SEED_MAX = 2**32 - 1
+    # the sampler divides in float32, where a larger temperature is inf (1e300 was taken, with numpy's overflow warning)
+    TEMPERATURE_MAX = 3.4028234663852886e38
 
     def problems(self) -> list[str]:
         out = []
@@ -174,8 +176,9 @@ class SamplingConfig:
         elif self.max_new_tokens > 2**31 - 2:  # positions are int32, and the prompt takes one at least
             out.append(f"--max-new-tokens {self.max_new_tokens} must be at most {2**31 - 2} (positions are int32), "
                        "less the prompt's tokens")
-        if self.temperature == math.inf:  # every logit / inf is 0 or nan: noise, not a sample
-            out.append("--temperature inf must be finite; give 0 (greedy) or a positive number, e.g. 1")
+        if self.temperature > self.TEMPERATURE_MAX:  # every logit / inf is 0 or nan: noise, not a sample
+            out.append(f"--temperature {self.temperature:g} must be finite (at most {self.TEMPERATURE_MAX:.1e}, float32's largest); "
+                       "give 0 (greedy) or a positive number, e.g. 1")
         elif not self.temperature >= 0:
             out.append(f"--temperature {self.temperature:g} must be 0 (greedy) or positive")
         if not 0 < self.top_p <= 1:  # also refuses nan

@@ -43,14 +43,15 @@ from models.config import LlamaConfig
 from models.llama import KVCache
 
 Encode = Callable[[str], list[int]]
-Decode = Callable[[Sequence[int]], str]
+# (new token ids, prompt=the prompt's token ids) -> the text the new tokens add after the prompt
+Decode = Callable[..., str]
 
 
 class Codec(NamedTuple):
     """How a model reads a prompt and writes its output."""
 
     encode: Encode  # prompt text -> token ids
-    decode: Decode  # token ids -> text to print after the prompt, up to the first of ``stops``
+    decode: Decode  # (new token ids, prompt=its token ids) -> text to print after the prompt, up to the first of ``stops``
     # the tokens that end a text (the end of text or a Hugging Face model's eos_token_id, as transformers' generate
     # stops; the chat turn's end): (): none, generate them all
     stops: tuple[int, ...]
@@ -67,7 +68,7 @@ class Loaded:
     rules: Rules
     rules_name: str
     encode: Encode  # prompt text -> token ids
-    decode: Decode  # token ids -> text to print after the prompt
+    decode: Decode  # (new token ids, prompt=its token ids) -> text to print after the prompt
     stops: tuple[int, ...] = ()  # Codec.stops: generation ends once every sequence has made one
 
 
@@ -152,8 +153,8 @@ def codec(cfg: Config, run_dir: Path) -> Codec:
     names (kept in RUN_DIR/hf/), or token ids written as numbers when there is none."""
     vocab = cfg.model.vocab_size
     if is_byte_level(cfg.data.tokenizer, cfg.data.path):
-        return Codec(lambda text: _in_vocab(list(text.encode("utf-8")), vocab, "a byte of the prompt's UTF-8"), _bytes_to_text,
-                     (RawBytes().end_of_text,))
+        return Codec(lambda text: _in_vocab(list(text.encode("utf-8")), vocab, "a byte of the prompt's UTF-8"),
+                     lambda ids, prompt=(): _bytes_to_text(ids), (RawBytes().end_of_text,))  # bytes decode alike after any prompt
     found = run_tokenizer(cfg, run_dir)
     return _token_codec(vocab, None if found is None else load_tokenizer(found),
                         hf_config.end_of_sequence_ids(run_dir / hf_import.RUN_SUBDIR))
@@ -185,7 +186,7 @@ def chat_codec(path: Path, vocab: int) -> Codec:
     template = ChatTemplate(load_tokenizer(file))
     stops = tuple(dict.fromkeys((template.end_of_turn(), *hf_config.end_of_sequence_ids(model_dir))))
 
-    def decode(ids: Sequence[int]) -> str:
+    def decode(ids: Sequence[int], prompt: Sequence[int] = ()) -> str:  # the answer is printed alone, not after the prompt
         return template.tokenizer.tokenizer.decode(_until(ids, stops), skip_special_tokens=True)
 
     return Codec(lambda text: _in_vocab(template.prompt_tokens(text), vocab, "a prompt token id"), decode, stops)
@@ -210,11 +211,20 @@ def _token_codec(vocab: int, tokenizer: TextTokenizer | None, eos_ids: tuple[int
     model's end of turn among them), else of the tokenizer's end-of-text token."""
     if tokenizer is None:
         return Codec(lambda text: _in_vocab(_ids(text), vocab, "a prompt token id"),
-                     lambda ids: "".join(f" {i}" for i in _until(ids, eos_ids)), eos_ids)
+                     lambda ids, prompt=(): "".join(f" {i}" for i in _until(ids, eos_ids)), eos_ids)
     # up to the end of text, as byte-level runs' output stops at theirs (it was printed on into the next document)
     stops = eos_ids or (tokenizer.end_of_text,)
-    return Codec(lambda text: _in_vocab(tokenizer.tokenizer.encode(text).ids, vocab, "a prompt token id"),
-                 lambda ids: tokenizer.tokenizer.decode(_until(ids, stops), skip_special_tokens=True), stops)
+
+    def decode(ids: Sequence[int], prompt: Sequence[int] = ()) -> str:
+        """Decoded after the prompt's tokens, less the prompt's text: decoded alone, the first new token lost its leading
+        space to a SentencePiece-style decoder (Llama 2's, Mistral's), and "Hello" + " world" printed as "Helloworld"."""
+        prompt, new = [int(i) for i in prompt], _until(ids, stops)
+        before = tokenizer.tokenizer.decode(prompt, skip_special_tokens=True)
+        whole = tokenizer.tokenizer.decode(prompt + new, skip_special_tokens=True)
+        # (a decoder that rewrote the prompt's text for what follows: the new tokens alone)
+        return whole[len(before):] if whole.startswith(before) else tokenizer.tokenizer.decode(new, skip_special_tokens=True)
+
+    return Codec(lambda text: _in_vocab(tokenizer.tokenizer.encode(text).ids, vocab, "a prompt token id"), decode, stops)
 
 
 def _bytes_to_text(ids: Sequence[int]) -> str:
@@ -310,6 +320,9 @@ def nucleus(logits: jax.Array, top_p: float) -> jax.Array:
     descending = -jnp.sort(-logits, axis=-1)
     probs = jax.nn.softmax(descending, axis=-1)
     kept = jnp.cumsum(probs, axis=-1) - probs < top_p  # the probability of the more likely tokens
+    # the most likely token always: XLA:CPU reads a top_p below float32's smallest normal number (1.2e-38) as 0, and that
+    # kept none (every logit -inf, so token 0 was drawn, not the most likely)
+    kept = kept.at[..., 0].set(True)
     threshold = jnp.min(jnp.where(kept, descending, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 

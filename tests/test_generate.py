@@ -149,6 +149,7 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     assert kept(0.7) == [False, True, False, True]
     assert kept(0.96) == [True, True, True, True]
     assert kept(1e-9) == [False, True, False, False]
+    assert kept(1e-40) == [False, True, False, False]  # below float32's normal numbers, which XLA:CPU reads as 0 (kept none)
     # sampled frequencies follow the renormalised nucleus: 0.5 / 0.8 and 0.3 / 0.8
     draws = sample(jnp.tile(logits, (20000, 1)), jax.random.key(0), jnp.float32(1.0), jnp.float32(0.7))
     np.testing.assert_allclose(np.bincount(np.asarray(draws), minlength=4) / 20000, [0, 0.625, 0, 0.375], atol=0.015)
@@ -293,7 +294,10 @@ def test_the_generate_command_hands_decoding_the_runs_stop_token(byte_run, monke
     (["--top-p", "0"], "--top-p 0 must be in (0, 1]"),
     # QA: inf sampled noise; seeds past int32 and int64 overflowed after the weights were read; -1 was taken
     (["--temperature", "inf", "--top-p", "nan"],
-     "--temperature inf must be finite; give 0 (greedy) or a positive number, e.g. 1; --top-p nan must be in (0, 1]"),
+     "--temperature inf must be finite (at most 3.4e+38, float32's largest); give 0 (greedy) or a positive number, e.g. 1; "
+     "--top-p nan must be in (0, 1]"),
+    # QA: inf once in float32, taken with numpy's two-line overflow warning
+    (["--temperature", "1e300"], "--temperature 1e+300 must be finite (at most 3.4e+38, float32's largest)"),
     (["--seed", "4294967296"], "--seed 4294967296 must be in [0, 4294967295]"),
     (["--seed", "-1"], "--seed -1 must be in [0, 4294967295]"),
     (["--seed", str(2**64)], f"--seed {2**64} must be in [0, 4294967295]"),
@@ -411,6 +415,33 @@ def test_token_id_prompt_is_printed_with_its_continuation(tmp_path, capsys):
     assert printed == "1 2 3" + "".join(f" {t}" for t in new) + "\n"
 
 
+def test_a_sentencepiece_style_continuation_keeps_its_leading_space(tmp_path, capsys):
+    """Llama 2's and Mistral's tokenizers mark a word's leading space with "▁" and their decoders drop the space of a text's
+    first token: decoded alone, the continuation lost it, and "w1 w2" + " w7" printed "w1 w2w7" (a QA run). Printed as the
+    prompt and new tokens decode together, as transformers' tokenizer.decode of the whole output reads. Every token here
+    is a "▁" word, so whatever the random model makes starts with a space."""
+    import tokenizers
+
+    from jaxtrain import cli
+    from jaxtrain.generate import _until, load
+
+    _hf_model_or_skip(tmp_path, "llama3")
+    vocab = {"</s>": 0, "<unk>": 1, **{f"\u2581w{i}": i for i in range(2, 64)}}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = tokenizers.decoders.Metaspace(prepend_scheme="first")
+    tokenizer.add_special_tokens(["</s>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    prompt = tokenizer.encode("w3 w4").ids
+    assert tokenizer.decode([prompt[1]]) == "w4" and tokenizer.decode(prompt) == "w3 w4"  # the first token's space dropped
+    loaded = load(tmp_path)
+    new = generate(loaded, np.array([prompt], np.int32), SamplingConfig(max_new_tokens=4)).tokens[0].tolist()
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path), "--prompt", "w3 w4", "--max-new-tokens", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("w3 w4 w") and printed == tokenizer.decode(prompt + _until(new, loaded.stops)) + "\n"
+
+
 def test_generation_stops_where_transformers_does_at_any_of_the_models_eos_token_ids(tmp_path, capsys):
     """generation_config.json's eos_token_id, an id or a list (an instruct model's end of text and end of turn, as
     Llama 3.1 Instruct's three), else config.json's: transformers' greedy generate stops at the first it makes. Only
@@ -469,6 +500,20 @@ def test_generating_past_the_models_context_is_one_line(tmp_path, capsys, monkey
     assert cli.main(["generate", str(tmp_path), "--prompt", long_prompt, "--max-new-tokens", "1"]) == 2
     assert capsys.readouterr().err == ("jaxtrain: error: the prompt is 1024 tokens and fills the model's context of 1024 positions "
                                        "(max_position_embeddings), leaving no room for a new token; shorten the prompt\n")
+
+
+def test_generating_from_a_run_that_has_not_saved_yet_says_so(byte_run, tmp_path, capsys):
+    """A run makes its checkpoints/ when it starts, empty until its first save commits: generating from it then (a QA run)
+    said 'no complete checkpoint found (steps: none)', not what to do."""
+    from jaxtrain import cli
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "5.orbax-checkpoint-tmp").mkdir(parents=True)  # its first save, not committed yet
+    shutil.copy(byte_run / "config.yaml", run)
+    capsys.readouterr()
+    assert cli.main(["generate", str(run), "--prompt", "the", "--max-new-tokens", "4"]) == 2
+    assert capsys.readouterr().err == (f"jaxtrain: error: jaxtrain generate {run}: no checkpoints there yet; train the run until "
+                                       "it saves one (every checkpoint.every steps, and at its last step)\n")
 
 
 @pytest.mark.parametrize("new_tokens, message", [
