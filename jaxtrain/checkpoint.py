@@ -216,6 +216,9 @@ def _manager(directory: Path, cfg: CheckpointConfig | None, write_failed: thread
     """The run's own manager (``cfg``), or, without ``cfg``, one that only reads. With several processes, a save whose
     background write fails on this process sets ``write_failed`` (``_barrier_refusing_failed_saves``)."""
     _quiet_abandoned_reads()  # before any read: a failed one's abandoned siblings print as it unwinds
+    absl_log = logging.getLogger("absl")
+    if _not_an_item_without_metadata not in absl_log.filters:
+        absl_log.addFilter(_not_an_item_without_metadata)
     if cfg is None:
         options = ocp.CheckpointManagerOptions(save_interval_steps=0, create=False)
     else:
@@ -223,12 +226,37 @@ def _manager(directory: Path, cfg: CheckpointConfig | None, write_failed: thread
         # only the configured steps: Orbax's default policy also saves the first step and on its own preemption check
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(cfg.every),
-            max_to_keep=cfg.keep, keep_period=cfg.keep_every or None,
+            preservation_policy=_preservation(directory, cfg),
             enable_async_checkpointing=cfg.async_save, create=True,
             async_options=ocp.AsyncOptions(barrier_sync_fn=_barrier_refusing_failed_saves(write_failed)) if several else None)
     handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_state_type_handlers()),
                 "data": DataPositionHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=handlers)
+
+
+def _preservation(directory: Path, cfg: CheckpointConfig):
+    """The latest ``cfg.keep`` steps, those ``cfg.keep_every`` divides, and those already kept for good by the
+    ``checkpoint.keep_every`` each was written under: a resume with another value, or without the override, would
+    otherwise delete them at its first save."""
+    policies = [ocp.checkpoint_managers.LatestN(n=cfg.keep), ocp.checkpoint_managers.CustomSteps(_kept_for_good(directory))]
+    if cfg.keep_every:
+        policies.append(ocp.checkpoint_managers.EveryNSteps(cfg.keep_every))
+    return ocp.checkpoint_managers.AnyPreservationPolicy(policies)
+
+
+def _kept_for_good(directory: Path) -> list[int]:
+    """The steps in ``directory`` whose own ``meta`` item's ``checkpoint.keep_every`` divides them (one without a
+    readable ``meta`` item is left to ``keep`` and ``keep_every`` alone)."""
+    kept = []
+    for step_dir in directory.iterdir() if directory.is_dir() else ():
+        if step_dir.name.isdigit():
+            try:
+                keep_every = saved_config(step_dir)["checkpoint"]["keep_every"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if keep_every and int(step_dir.name) % keep_every == 0:
+                kept.append(int(step_dir.name))
+    return kept
 
 
 def _barrier_refusing_failed_saves(write_failed: threading.Event):
@@ -294,6 +322,9 @@ def _read(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterat
     if data_format is not None and saved_data_format(Path(manager.directory) / str(step)) != data_format:
         data_iterator = None
     saved = manager.item_metadata(step)["state"]
+    if saved is None:  # Orbax's answer where the item's metadata is gone: reading on would fail on None, naming nothing
+        raise FileNotFoundError(f"the metadata of its state item ({Path(manager.directory) / str(step) / 'state' / '_METADATA'}) "
+                                "is missing or unreadable")
     if params_only:
         check_same_shapes({"params": saved["params"]}, {"params": abstract_state.params}, where)  # named as in a whole state
         return manager.restore(step, args=ocp.args.Composite(state=_state_restore({"params": abstract_state.params}, partial=True)))
@@ -372,6 +403,13 @@ def _not_a_replaced_partial_save(record: logging.LogRecord) -> bool:
     message = record.getMessage()
     return not (message.startswith("Attempted to create temporary directory") and _TMP_MARK in message
                 and "since it is not finalized" in message)
+
+
+def _not_an_item_without_metadata(record: logging.LogRecord) -> bool:
+    """False for Orbax's warning that no handler fits an item it found (``Item "state" was found in the checkpoint, but
+    could not be restored. Please provide a CheckpointHandlerRegistry ...``): every item here has its handler, so it
+    means the item's metadata is gone, which the line saying the checkpoint is unreadable names (``_read``)."""
+    return "was found in the checkpoint, but could not be restored" not in record.getMessage()
 
 
 def _not_orbax_error(record: logging.LogRecord) -> bool:

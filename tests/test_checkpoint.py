@@ -296,6 +296,21 @@ def test_corrupted_checkpoint_falls_back_with_one_warning(reference, trainer, tm
     assert (run_dir / checkpoint_lib.QUARANTINE_DIR).is_dir()
 
 
+def test_a_checkpoint_without_its_state_metadata_falls_back_with_one_warning_naming_it(reference, trainer, tmp_path, capsys, caplog):
+    """A QA report: with the state item's _METADATA file gone, Orbax warned twice that the item "could not be restored"
+    (provide a CheckpointHandlerRegistry) and the warning's reason was `AttributeError: 'NoneType' object has no
+    attribute 'items'`."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    (run_dir / "checkpoints" / str(STEPS) / "state" / "_METADATA").unlink()
+    train(reference[1], run_dir, trainer)
+    [warning] = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert f"checkpoint step {STEPS} is unreadable (FileNotFoundError: the metadata of its state item (" in warning
+    assert "/state/_METADATA) is missing or unreadable); moved to " in warning
+    assert not [r for r in caplog.records if "could not be restored" in r.getMessage()]
+    assert _losses(run_dir)[-2:] == _losses(reference[0])[-2:]
+
+
 def test_a_checkpoint_read_that_runs_out_of_memory_is_one_line_and_moves_nothing(reference, trainer, tmp_path, monkeypatch):
     """A run resumed on devices too small for its state: the read's out-of-memory error (here raised, wrapped as Orbax
     wraps what a read raises) was taken for a damaged file, so every checkpoint of the run was moved aside in turn and

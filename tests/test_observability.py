@@ -490,6 +490,17 @@ def test_keep_and_keep_every_choose_the_checkpoints_left(trainer, tmp_path):
     assert _checkpoint_steps(tmp_path / "run") == [3, STEPS - 1, STEPS]
 
 
+def test_steps_kept_for_good_survive_a_resume_under_another_keep_every(trainer, tmp_path):
+    """A QA report: a resume without the checkpoint.keep_every override (or with another value) deleted, at its first
+    save, every step the earlier attempt had kept for good; each checkpoint's own config keeps its promise."""
+    first = _loop_config(trainer, train={"steps": 4}, checkpoint={"every": 1, "keep": 1, "keep_every": 2})
+    train_lib.train(first.cfg, tmp_path / "run", first)
+    assert _checkpoint_steps(tmp_path / "run") == [2, 4]
+    resumed = _loop_config(trainer, checkpoint={"every": 1, "keep": 1, "keep_every": 0})
+    train_lib.train(resumed.cfg, tmp_path / "run", resumed)
+    assert _checkpoint_steps(tmp_path / "run") == [2, 4, STEPS]
+
+
 def test_a_checkpoint_step_between_records_checks_the_metrics_before_its_save(trainer, tmp_path, monkeypatch):
     """log.every above checkpoint.every: each checkpoint step still fetches the steps' metrics before its save (README,
     Health guard), so a non-finite step stops the run before a checkpoint holds it and the latest one is the last
