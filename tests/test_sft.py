@@ -378,11 +378,21 @@ def test_generate_chat_from_a_hugging_face_model_equals_transformers(data, tmp_p
     # tracebacks: a UnicodeDecodeError from json.loads, a TypeError from the tokenizer
     ("not_utf8", r"latin1.jsonl:2 is not UTF-8 text \(byte 0xe9 at offset 13\); convert it"),
     ("surrogate", r"surrogate.jsonl:2 holds a lone surrogate \(\\ud800, from a JSON escape\), which is not text"),
+    ("null_content", r"calls.jsonl:2: message 2 is not an object with string 'role' and 'content' "
+                     r"\(\{\"role\": \"assistant\", \"content\": null, "),
+    # tracebacks: jinja2's TemplateError from a template's raise_exception (Mistral's, Gemma's refuse roles) or its syntax
+    ("template_refuses", r"train.jsonl:3: the chat template of .*tok stops with an error: System role not supported; fix the template"),
+    ("template_syntax", r"train.jsonl:1: the chat template of .*tok stops with an error: expected token 'end of statement block'"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path, capsys):
     tok_dir, path = data
     if case == "no_template":
         tok_dir = _tokenizer_dir(tmp_path / "tok", template=None)
+    elif case == "template_refuses":  # line 3 is the first with a system message
+        tok_dir = _tokenizer_dir(tmp_path / "tok", template="{% if messages[0]['role'] == 'system' %}"
+                                 "{{ raise_exception('System role not supported') }}{% endif %}" + CHATML)
+    elif case == "template_syntax":
+        tok_dir = _tokenizer_dir(tmp_path / "tok", template=CHATML.replace("{% endfor %}", "{% endfor"))
     elif case == "answers_cut":  # every prompt longer than the sequence: a loss over no token, then a division by zero
         path = _jsonl(tmp_path / "cut.jsonl", [{"prompt": f"{i} " + " ".join(WORDS), "completion": "alpha"} for i in range(200)])
     elif case == "too_few":
@@ -399,6 +409,9 @@ def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path,
     elif case == "both_forms":  # prompt/completion trained and the messages went unread
         path = _jsonl(tmp_path / "both.jsonl", [{"prompt": "a", "completion": "b"},
                                                 {"prompt": "c", "completion": "d", "messages": [{"role": "user", "content": "e"}]}])
+    elif case == "null_content":  # an OpenAI tool call; which message it was went unsaid
+        path = _jsonl(tmp_path / "calls.jsonl", [{"prompt": "a", "completion": "b"}, {"messages": [
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]}])
     elif case == "bad_line":
         path = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": "b"}, {"text": "c"}])
     else:

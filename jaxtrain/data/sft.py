@@ -72,12 +72,18 @@ class ChatTemplate:
                             "tokenizer_config.json); use the tokenizer directory of a chat model, or add a template there")
         self.tokenizer = tokenizer
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def render(self, messages: list[dict], where: str, add_generation_prompt: bool = False) -> str:
+        import jinja2
+
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as e:  # the template's raise_exception (roles it refuses: Mistral's, Gemma's), or its syntax
+            raise UserError(f"{where}: the chat template of {self.tokenizer.path.parent} stops with an error: {e}; fix the template, "
+                            "or leave out the conversations it refuses") from None
 
     def prompt_tokens(self, text: str) -> list[int]:
         """A one-turn user prompt ready for the model's answer (``jaxtrain generate --chat``)."""
-        rendered = self.render([{"role": "user", "content": text}], add_generation_prompt=True)
+        rendered = self.render([{"role": "user", "content": text}], "--chat prompt", add_generation_prompt=True)
         return self.tokenizer.tokenizer.encode(rendered, add_special_tokens=False).ids
 
     def end_of_turn(self) -> int | None:
@@ -96,9 +102,14 @@ def _messages(record, where: str) -> list[dict]:
         found = f"keys {', '.join(record) or 'none'}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
         raise UserError(f"{where} has neither 'prompt' and 'completion' strings nor a 'messages' list ({found}); each line of "
                         'data.format=sft data is {"prompt": "...", "completion": "..."} or {"messages": [{"role": "user", "content": "..."}, ...]}')
-    if not (isinstance(messages, list) and messages and
-            all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)):
-        raise UserError(f"{where}: 'messages' must be a non-empty list of objects with string 'role' and 'content'")
+    if not (isinstance(messages, list) and messages):
+        raise UserError(f"{where}: 'messages' must be a non-empty list of objects with string 'role' and 'content', "
+                        f"got {json.dumps(messages)}")
+    for number, m in enumerate(messages, 1):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            # an OpenAI tool call's message has content null, its call in tool_calls, which templates render in their own ways
+            raise UserError(f"{where}: message {number} is not an object with string 'role' and 'content' ({json.dumps(m)[:100]}); "
+                            "give every message its text as 'content' (tool calls written into it)")
     roles = [m["role"] for m in messages]
     if ASSISTANT not in roles or roles[0] == ASSISTANT:
         raise UserError(f"{where}: the messages (roles {', '.join(roles)}) need a first message that is not the assistant's "
@@ -126,12 +137,12 @@ def _conversations(path: Path) -> Iterator[tuple[str, list[dict]]]:
 
 def _rendered(template: ChatTemplate, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
     """The whole conversation's text and the character span of each assistant message."""
-    text, spans = template.render(messages), []
+    text, spans = template.render(messages, where), []
     for i, message in enumerate(messages):
         if message["role"] != ASSISTANT:
             continue
-        before = template.render(messages[:i], add_generation_prompt=True)
-        through = text if i == len(messages) - 1 else template.render(messages[:i + 1])
+        before = template.render(messages[:i], where, add_generation_prompt=True)
+        through = text if i == len(messages) - 1 else template.render(messages[:i + 1], where)
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
             raise UserError(f"{where}: the chat template does not render the conversation up to message {i + 1} as the start of "
                             "the whole conversation, so its answer cannot be located; use a template that renders earlier "
