@@ -51,6 +51,23 @@ def trainer(corpus):
     return train_lib.build(cfg, corpus)
 
 
+def test_the_start_up_summary_names_the_precision_remat_and_what_lies_in_host_memory():
+    """bfloat16 compute with int8 matmuls, remat on the first layer, optim.offload: each named in the first lines, the
+    float32 master weights and the optimizer state said to be in host memory (a QA report: the summary named none)."""
+    from jaxtrain.layout import make_layout
+
+    cfg = with_(small_config(), model={"dtype": "bfloat16", "quant": "int8", "remat": "full", "remat_layers": 1}, optim={"offload": True})
+    summary = metrics_lib.startup_summary(make_layout(cfg), 0.0, None, "test", None, "none")
+    assert summary["precision"] == "bfloat16 compute, float32 parameters, int8 matmuls"
+    assert summary["remat"] == "full on the first 1 of 2 layers"
+    assert summary["host_memory"] == {"parameters": True, "optimizer_state": True}
+    text = metrics_lib.format_summary(summary)
+    assert "; bfloat16 compute, float32 parameters, int8 matmuls; remat full on the first 1 of 2 layers\n" in text
+    assert text.count(" GiB in host memory (optim.offload)") == 2
+    half = metrics_lib.startup_summary(make_layout(with_(small_config(), model={"dtype": "float16"})), 0.0, None, "test", None, "none")
+    assert half["precision"] == "float16 compute, float32 parameters, dynamic loss scale" and not any(half["host_memory"].values())
+
+
 def _loop_config(trainer, **sections):
     """The compiled trainer with other loop settings (logging, non-finite policy): no recompilation."""
     cfg = with_(trainer.cfg, **sections)
@@ -140,6 +157,11 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
         format_summary(summary | {"configured_warmup_steps": 20, "warmup_steps": 1})
     assert "\n  note: mesh axis tensor 2 splits neither the batch nor any parameter under rule set fsdp_tp: the same work runs 2 " \
         "times over;" in format_summary(summary | {"idle_axes": {"tensor": 2}})
+    # precision and the memory techniques, as the config resolved them (a QA report: the summary named none of them)
+    assert summary["precision"] == "float32 compute, float32 parameters" and summary["remat"] == trainer.cfg.model.remat == "none"
+    assert summary["host_memory"] == {"parameters": False, "optimizer_state": False}
+    assert "; float32 compute, float32 parameters; remat none\n" in format_summary(summary)
+    assert "host memory" not in format_summary(summary)
     # fsdp_tp shards every matrix 4 ways (fsdp x tensor); float32, and AdamW keeps two moments per parameter
     assert num_params / 4 <= summary["params_per_device"] < num_params / 2 and summary["trained_params"] is None
     assert summary["param_bytes_per_device"] == 4 * summary["params_per_device"]

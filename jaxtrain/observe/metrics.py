@@ -42,6 +42,7 @@ from jaxtrain.observe.records import is_skip_record, read_records
 from jaxtrain.optim import describe_schedule, warmup_steps
 from jaxtrain.layout import Layout, idle_axes_note, unsplit_experts_note
 from jaxtrain.memory import host_malloc
+from jaxtrain.memory.offload import offloads_master_weights
 from jaxtrain.mesh import describe_axes
 from jaxtrain.stages import schedule
 from jaxtrain.state import bytes_per_device, elements_per_device, model_spec
@@ -144,6 +145,12 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
     return {
         "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count(),
         "mesh": dict(mesh.shape), "rules": cfg.rules, "attention": cfg.model.attention,
+        # what the memory techniques and precision are, as the config resolved them (the summary named none of them)
+        "precision": f"{cfg.model.dtype} compute, {cfg.model.param_dtype} parameters"
+                     + (f", {cfg.model.quant} matmuls" if cfg.model.quant != "none" else "")
+                     + (", dynamic loss scale" if cfg.model.dtype == "float16" else ""),
+        "remat": cfg.model.remat_description,
+        "host_memory": {"parameters": cfg.optim.offload and offloads_master_weights(cfg.model), "optimizer_state": cfg.optim.offload},
         # model.moe.grouped_matmul as resolved (auto), for dropless dispatch; null without it
         "grouped_matmul": cfg.model.moe.grouped_matmul if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "dropless" else None,
         # pipeline stages loop over their layers with a scan whatever model.scan_layers says (models/pipeline.py);
@@ -212,14 +219,20 @@ AUTO_MICROBATCHES = {"fitted": " (train.microbatches=auto: the fewest whose step
 def format_summary(s: dict[str, Any]) -> str:
     mesh = describe_axes(s["mesh"])
     peak = "unknown" if s["peak_flops_per_device"] is None else f"{s['peak_flops_per_device'] / 1e12:.3g} TFLOP/s"
+
+    def on_host(part: str) -> str:
+        return " in host memory (optim.offload)" if s["host_memory"][part] else ""
+
     return "\n".join([
         f"jaxtrain: {s['devices']} x {s['device_kind']} in {s['processes']} process(es); mesh {mesh}; rules {s['rules']}; {s['attention']} attention; "
-        f"{s['layers']} layers" + (f"; experts' grouped matmul {s['grouped_matmul']}" if s.get("grouped_matmul") else ""),
+        f"{s['layers']} layers" + (f"; experts' grouped matmul {s['grouped_matmul']}" if s.get("grouped_matmul") else "")
+        + f"; {s['precision']}; remat {s['remat']}",
         (f"  parameters {s['params']:,} ({s['params_per_device']:,} per device); per device: params "
-         f"{s['param_bytes_per_device'] / GIB:.3g} GiB" if s.get("trained_params") is None else
+         f"{s['param_bytes_per_device'] / GIB:.3g} GiB{on_host('parameters')}" if s.get("trained_params") is None else
          f"  parameters {s['params']:,}, of which {s['trained_params']:,} train (the LoRA adapters on {', '.join(s['lora_targets'])}, "
-         f"{s['params_per_device']:,} per device); per device: adapters {s['param_bytes_per_device'] / GIB:.3g} GiB, frozen base "
-         f"{s['frozen_bytes_per_device'] / GIB:.3g} GiB") + f", optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB",
+         f"{s['params_per_device']:,} per device); per device: adapters {s['param_bytes_per_device'] / GIB:.3g} GiB"
+         f"{on_host('parameters')}, frozen base {s['frozen_bytes_per_device'] / GIB:.3g} GiB")
+        + f", optimizer state {s['opt_state_bytes_per_device'] / GIB:.3g} GiB{on_host('optimizer_state')}",
         f"  global batch {s['global_batch_sequences']} sequences = {s['global_batch_tokens']:,} tokens in "
         f"{s['microbatches']} micro-batch(es)"
         + AUTO_MICROBATCHES.get(s.get("microbatches_auto"), "")
