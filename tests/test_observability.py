@@ -36,6 +36,7 @@ from jaxtrain.observe.exporters import check_port_free
 from jaxtrain.observe.flops import flops_per_token, model_flops_per_token, peak_flops
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.observe.metrics import NonFiniteError, Progress, format_summary
+from jaxtrain.observe.records import is_skip_record
 from jaxtrain.optim import describe_schedule, learning_rate_schedule
 from jaxtrain.step import schedule_count
 from models.config import LoraConfig, MoEConfig
@@ -479,6 +480,9 @@ def test_skip_nonfinite_leaves_state_unchanged_and_logs_each_skip(trainer, tmp_p
     assert int(state.step) == STEPS
     skips = [r for r in _records(tmp_path / "run") if "skipped_nonfinite" in r]
     assert skips == [{"step": 3, "skipped_nonfinite": ["loss", "grad_norm"], "loss": None, "grad_norm": None}]
+    # the step records count them, for the dashboards (TensorBoard train/skipped_nonfinite_steps, Prometheus)
+    assert [(r["step"], r["skipped_nonfinite_steps"]) for r in _records(tmp_path / "run") if "loss" in r and
+            not is_skip_record(r)] == [(2, 0), (4, 1), (6, 1)]
 
     # the step itself: a bad batch leaves parameters and optimizer state bit-identical, the counter advances
     batch = next(train_lib.data_lib.train_batches(trainer.corpus, cfg.data, cfg.train.global_batch, trainer.batch_sharding))
@@ -656,13 +660,14 @@ def test_tensorboard_tags_of_the_float16_and_spike_records(trainer, tmp_path):
     try:
         log.write({"step": 2, "skipped_spike": ["loss"], "loss": 9.0, "grad_norm": 1.0, "loss_deviations": 7.0,
                    "grad_norm_deviations": 0.5})
-        log.write({"step": 2, "loss_scale": 32768.0, "overflow_steps": 1, "skipped_spikes": 3})
+        log.write({"step": 2, "loss_scale": 32768.0, "overflow_steps": 1, "skipped_spikes": 3, "skipped_nonfinite_steps": 2})
     finally:
         log.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]} == \
-        {"train/loss_scale": [(2, 32768.0)], "train/overflow_steps": [(2, 1.0)], "train/skipped_spikes": [(2, 3.0)]}
+        {"train/loss_scale": [(2, 32768.0)], "train/overflow_steps": [(2, 1.0)], "train/skipped_spikes": [(2, 3.0)],
+         "train/skipped_nonfinite_steps": [(2, 2.0)]}
 
 
 def test_the_steps_an_evaluation_waits_for_are_step_time_not_evaluation_time(trainer, tmp_path, monkeypatch):
@@ -723,8 +728,23 @@ def test_prometheus_serves_an_unknown_mfu_as_nan_not_zero():
         gauges.close()
     assert {name: value for name, value in scraped.items() if not math.isnan(value)} == {
         "jaxtrain_step": 7, "jaxtrain_loss": 2.5, "jaxtrain_tokens_per_second": 1000.0, "jaxtrain_memory_in_use_gib": 1.5,
-        "jaxtrain_memory_peak_gib": 2.0}
+        "jaxtrain_memory_peak_gib": 2.0, "jaxtrain_skipped_updates": 0}
     assert math.isnan(scraped["jaxtrain_mfu"]) and math.isnan(scraped["jaxtrain_last_checkpoint_step"])
+
+
+def test_prometheus_counts_every_kind_of_skipped_update():
+    """One gauge to alert on for updates not applied, whichever guard skipped them (each count is in the step records
+    only where its guard is on)."""
+    port, scraped = _free_port(), {}
+    gauges = exporters.PrometheusGauges(port)
+    try:
+        _scrape(port, scraped)
+        assert math.isnan(scraped["jaxtrain_skipped_updates"])  # unknown before the first record, not 0
+        gauges.record({"step": 9, "loss": 2.5, "skipped_nonfinite_steps": 1, "overflow_steps": 2, "skipped_spikes": 4})
+        _scrape(port, scraped)
+    finally:
+        gauges.close()
+    assert scraped["jaxtrain_skipped_updates"] == 7
 
 
 def test_a_run_shorter_than_its_warmup_applies_the_full_learning_rate_at_its_last_step():

@@ -176,6 +176,10 @@ def _port_error(port: int, why: str) -> UserError:
     return UserError(f"log.prometheus_port={port}: cannot serve metrics there ({why}); choose a free port or drop log.prometheus_port")
 
 
+# a step record's counts of updates not applied (each present only where its guard is on)
+SKIPPED_UPDATE_COUNTS = ("skipped_nonfinite_steps", "overflow_steps", "skipped_spikes")
+
+
 class PrometheusGauges:
     """Process 0 serves the latest record as gauges at ``http://HOST:PORT/metrics``, so a cluster's Prometheus
     sees a stalled run (the step and checkpoint age stop moving) or a diverging one (the loss)."""
@@ -196,8 +200,10 @@ class PrometheusGauges:
             "memory_in_use_gib": gauge("memory_in_use_gib", "memory in use on the fullest device (host RSS on CPU), GiB"),
             "memory_peak_gib": gauge("memory_peak_gib", "peak memory of the fullest device (host RSS on CPU), GiB"),
         }
+        self.skipped_updates = gauge("skipped_updates", "updates not applied since the run (re)started: non-finite "
+                                     "(train.skip_nonfinite), float16 overflows, spikes (train.skip_spikes)")
         self.checkpoint_step = gauge("last_checkpoint_step", "step of the latest checkpoint committed (written whole); NaN before one")
-        for unknown in (*self.gauges.values(), self.checkpoint_step):  # NaN until known: a 0 loss or step would read as one
+        for unknown in (*self.gauges.values(), self.skipped_updates, self.checkpoint_step):  # NaN until known: a 0 loss or step would read as one
             unknown.set(float("nan"))
         self.checkpoint_time = None
         gauge("last_checkpoint_age_seconds", "seconds since that checkpoint's save started; NaN before one").set_function(
@@ -211,6 +217,7 @@ class PrometheusGauges:
         for key, gauge in self.gauges.items():
             value = record.get(key)
             gauge.set(float("nan") if value is None else value)
+        self.skipped_updates.set(sum(record.get(key) or 0 for key in SKIPPED_UPDATE_COUNTS))
 
     def checkpoint(self, step: int, written: float) -> None:
         self.checkpoint_step.set(step)

@@ -65,6 +65,7 @@ TAGS = {
     "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_router_loss": "moe/router_loss",
     "moe_dropped_fraction": "moe/dropped_fraction",
     "loss_scale": "train/loss_scale", "overflow_steps": "train/overflow_steps", "skipped_spikes": "train/skipped_spikes",
+    "skipped_nonfinite_steps": "train/skipped_nonfinite_steps",
 }
 # per-layer lists written to TensorBoard one scalar per layer (moe_expert_load_per_layer stays in metrics.jsonl)
 PER_LAYER_TAGS = PER_LAYER + ("moe_load_max_over_mean_per_layer",)
@@ -515,6 +516,8 @@ class MetricsLog:
             record |= {"loss_scale": float(metrics["loss_scale"]), "overflow_steps": self.overflows}
         if "spike" in metrics:
             record |= {"skipped_spikes": self.spikes}
+        if self.cfg.train.skip_nonfinite:
+            record |= {"skipped_nonfinite_steps": self.skipped}
         self.write(record)
         if self.progress:
             self.progress.update(step, record, eta_s=(self.cfg.train.steps - step) * step_time)
