@@ -149,3 +149,13 @@ def test_no_trace_or_no_gpu_events_are_errors(tmp_path):
     with pytest.raises(ValueError, match="no events of a gpu device"):
         step_profile.summarize(host_only, HLO, 1, {"fsdp": 1}, "gpu")
     assert step_profile.summarize(host_only, HLO, 1, {"fsdp": 1}, "cpu").ms_by_kind["matmul"] == pytest.approx(0.999)
+
+
+def test_the_largest_ops_line_names_an_op_by_the_end_of_its_source_with_matched_brackets():
+    combined = "(jit(train_step)/attention/einsum(btd,dhk->bthk/dot_general):jit(train_step)/mlp/dot_general))"
+    profile = step_profile.StepProfile(1, "/device:GPU:0", dict.fromkeys(step_profile.KINDS, 0.0), 1.0, 1.0, 0.0, None, None,
+                                       (("all-reduce.192", "collective", 0.5, 1.0, combined),
+                                        ("gemm.1", "matmul", 0.25, 2.0, "jit(train_step)/jvp(while)/body/mlp/dot_general")))
+    assert profile.lines()[1] == ("largest ops per step: all-reduce.192 (collective: mlp/dot_general) 0.50 ms, "
+                                  "gemm.1 (matmul: mlp/dot_general) 0.25 ms")
+

@@ -75,8 +75,20 @@ class StepProfile:
 
 
 def _short(source: str) -> str:
-    """The last two parts of an XLA op_name ("jit(train_step)/.../mlp/dot_general" -> "mlp/dot_general")."""
-    return "/".join(source.split("/")[-2:])
+    """The last two parts of an XLA op_name ("jit(train_step)/.../mlp/dot_general" -> "mlp/dot_general"), less the
+    brackets the cut leaves unmatched (a combined collective's "(name:name)" ended "bthk/dot_general))", a QA report)."""
+    tail = "/".join(source.split("/")[-2:])
+    opened, unmatched = [], set()
+    for i, char in enumerate(tail):
+        if char == "(":
+            opened.append(i)
+        elif char == ")":
+            if opened:
+                opened.pop()
+            else:
+                unmatched.add(i)
+    unmatched.update(opened)
+    return "".join(char for i, char in enumerate(tail) if i not in unmatched)
 
 
 def trace_file(trace_dir: Path) -> Path:
