@@ -28,6 +28,7 @@ from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_ru
 from jaxtrain.stages import check_pipeline, schedule
 from jaxtrain.state import ModelSpec, Placement, TrainState, abstract_state, in_device_memory, model_spec, state_shardings
 from jaxtrain.step import make_eval_step, make_train_step
+from models.config import PipelineConfig
 from models.pipeline import STAGES
 
 
@@ -109,6 +110,19 @@ def unsplit_experts_note(layout: Layout) -> str | None:
     return (f"note: rule set {layout.cfg.rules} splits the experts over mesh axis {', '.join(axes)}, of 1 device here: every "
             f"device holds all {experts} experts of each layer (no expert parallelism); set mesh.ici.{axes[0]} to a divisor "
             f"of {experts} above 1, or use a rule set without _ep")
+
+
+def unused_pipeline_note(layout: Layout) -> str | None:
+    """The start-up summary's and the plan's note where ``model.pipeline`` is set but the rule set makes no stages (a
+    pp_ rule set on a mesh without them is refused): the layers run unpipelined and those keys change nothing. None
+    otherwise."""
+    pipeline = layout.cfg.model.pipeline
+    if pipeline == PipelineConfig() or schedule(layout.cfg, layout.rules, layout.mesh).stages > 1:
+        return None
+    changed = ", ".join(f"model.pipeline.{field.name}={getattr(pipeline, field.name)}" for field in dataclasses.fields(pipeline)
+                        if getattr(pipeline, field.name) != field.default)
+    return (f"note: {changed} set, but rule set {layout.cfg.rules} makes no pipeline stages: the layers run unpipelined "
+            f"and these keys change nothing; use a pp_ rule set on a mesh with a stage axis, or drop them")
 
 
 def make_layout(cfg: Config, devices: list | None = None, *, microbatches_auto: bool = False, train_batch: bool = True) -> Layout:

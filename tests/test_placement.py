@@ -59,6 +59,27 @@ def test_optimizer_state_follows_its_parameter(corpus):
         jax.tree.map(lambda m, p: np.testing.assert_equal(m.sharding.is_equivalent_to(p.sharding, p.ndim), True), moments, state.params)
 
 
+def test_pipeline_keys_without_pipeline_stages_are_noted_in_the_summary_and_the_plan():
+    """model.pipeline set (llama3_405b_pp's repeats) under a rule set or mesh without stages trains unpipelined: a note
+    says those keys change nothing (a QA report: they were ignored without a word)."""
+    from jaxtrain.layout import unused_pipeline_note
+    from jaxtrain.observe.metrics import format_summary, startup_summary
+    from jaxtrain.plan import estimate as plan_lib
+    from models.config import PipelineConfig
+
+    set_keys = {"num_layers": 4, "pipeline": PipelineConfig(microbatches=2, repeats=2)}
+    note = ("note: model.pipeline.microbatches=2, model.pipeline.repeats=2 set, but rule set fsdp makes no pipeline "
+            "stages: the layers run unpipelined and these keys change nothing; use a pp_ rule set on a mesh with a stage "
+            "axis, or drop them")
+    cfg = small_config("fsdp", **set_keys)
+    assert unused_pipeline_note(make_layout(cfg)) == note
+    assert unused_pipeline_note(make_layout(small_config("pp_fsdp", (1, 4, 1, 2), **set_keys))) is None  # 2 stages
+    assert unused_pipeline_note(make_layout(small_config("fsdp", num_layers=4))) is None  # the defaults
+    assert f"\n  {note}" in format_summary(startup_summary(make_layout(cfg), 0.0, None, "test", None, "none"))
+    plan = plan_lib.make_plan(cfg)
+    assert note in plan_lib.render(plan).splitlines() and plan.to_json()["unused_pipeline_note"] == note
+
+
 def test_activation_constraints_keep_fsdp_activations_split_like_the_batch():
     """FSDP splits the batch as data parallelism does and shards parameters on top, so its step's temporaries
     (mostly activations) must not exceed the data-parallel step's. Without the model's activation sharding

@@ -40,7 +40,7 @@ from jaxtrain.observe import step_profile
 from jaxtrain.observe.flops import measure_matmul_peak, model_flops_per_token, peak_flops
 from jaxtrain.observe.records import is_skip_record, read_records
 from jaxtrain.optim import describe_schedule, warmup_steps
-from jaxtrain.layout import Layout, idle_axes_note, unsplit_experts_note
+from jaxtrain.layout import Layout, idle_axes_note, unsplit_experts_note, unused_pipeline_note
 from jaxtrain.memory import host_malloc
 from jaxtrain.memory.offload import offloads_master_weights
 from jaxtrain.mesh import describe_axes
@@ -183,6 +183,7 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "grad_sync": None if not layout.replica_axes else "microbatch" if layout.grad_reduction is None else "step",
         "idle_axes": layout.idle_axes,  # mesh axes that split nothing: their devices repeat each other's work
         "unsplit_experts_note": unsplit_experts_note(layout),
+        "unused_pipeline_note": unused_pipeline_note(layout),
         "warmup_steps": warmup_steps(cfg), "configured_warmup_steps": cfg.optim.warmup_steps,  # at most train.steps: the former
         "optimizer": describe_schedule(cfg),
         "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(compile_s, 3),
@@ -247,6 +248,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  data: {s['data']}",
         *([f"  {note}"] if (note := idle_axes_note(s["idle_axes"], s["rules"])) else []),
         *([f"  {s['unsplit_experts_note']}"] if s.get("unsplit_experts_note") else []),
+        *([f"  {s['unused_pipeline_note']}"] if s.get("unused_pipeline_note") else []),
         *([f"  note: model.scan_layers=false has no effect with pipeline stages (rules {s['rules']}): each stage's layers run in the "
            "pipeline's scan; drop the key, or use a rule set without pp_ to unroll them"] if s.get("scan_layers_ignored") else []),
         *(["  note: model.moe.top_k=1 with model.moe.normalize_top_k=true weights each token's expert by 1, so the training loss "

@@ -44,7 +44,7 @@ from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.memory.offload import HOST, offloads_master_weights
 from jaxtrain.plan.step_cost import (DEFAULT_GPU, StepTime, acting_remat, activation_widths, duration, embedding_gradient_by_columns,
                                      rematted_share, step_time)
-from jaxtrain.layout import Layout, idle_axes_note, lower_steps, make_layout, peak_bytes, unsplit_experts_note
+from jaxtrain.layout import Layout, idle_axes_note, lower_steps, make_layout, peak_bytes, unsplit_experts_note, unused_pipeline_note
 from models.attention import scored_fraction
 from models.pipeline import STAGES
 from models.config import REMAT_POLICIES
@@ -618,6 +618,7 @@ class Plan:
     idle_axes: dict = dataclasses.field(default_factory=dict)  # Layout.idle_axes: mesh axes whose devices repeat each other's work
     microbatches_auto: bool = False  # train.microbatches=auto: fitted to the usable memory; 1 where no memory size was given
     unsplit_experts_note: str | None = None  # layout.unsplit_experts_note of the planned layout
+    unused_pipeline_note: str | None = None  # layout.unused_pipeline_note of the planned layout
 
     @property
     def usable(self) -> int | None:
@@ -658,7 +659,8 @@ class Plan:
             "experiment": {"rules": self.cfg.rules, "remat": self.cfg.model.remat, "remat_layers": self.cfg.model.remat_layers,
                            "attention": self.cfg.model.attention, "microbatches": self.cfg.train.microbatches,
                            "global_batch": self.cfg.train.global_batch, "seq_len": self.cfg.data.seq_len},
-            "mesh": self.mesh, "idle_axes": self.idle_axes, "unsplit_experts_note": self.unsplit_experts_note, "devices": self.devices,
+            "mesh": self.mesh, "idle_axes": self.idle_axes, "unsplit_experts_note": self.unsplit_experts_note,
+            "unused_pipeline_note": self.unused_pipeline_note, "devices": self.devices,
             "gpu": self.gpu,
             "device_memory_bytes": self.device_memory, "headroom": self.headroom,
             "allocator_fraction": self.allocator_fraction, "usable_bytes": self.usable,
@@ -738,7 +740,7 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, allocator_fraction, estimate_as_compiled(layout, compiled),
                 accelerator_estimate, compiled, predicted, step_time(layout, gpu), model_flops_per_token(layout),
                 cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic, tuple(technique_effects(layout, gpu)), per_stage,
-                pipeline, layout.idle_axes, microbatches_auto, unsplit_experts_note(layout))
+                pipeline, layout.idle_axes, microbatches_auto, unsplit_experts_note(layout), unused_pipeline_note(layout))
 
 
 def render(plan: Plan) -> str:
@@ -768,6 +770,7 @@ def render(plan: Plan) -> str:
                 f"{DEFAULT_GPU.upper()} (--gpu NAME for another)"] if plan.gpu is None and plan.device_memory is not None else []),
              *([note] if (note := idle_axes_note(plan.idle_axes, cfg.rules)) else []),
              *([plan.unsplit_experts_note] if plan.unsplit_experts_note else []),
+             *([plan.unused_pipeline_note] if plan.unused_pipeline_note else []),
              ""]
     # compiled on CPUs for a GPU: beside the CPU program's estimate, the GPU's own, whose items and peak moment can differ
     # in kind (llama3_8b on h100s: the CPU's peak is a layer's backward, 158 GiB; the GPU's the loss, 49 GiB)
