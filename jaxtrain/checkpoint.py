@@ -565,8 +565,13 @@ class RunCheckpoints:
         among_processes = next((e for e in (error, error.__cause__) if isinstance(e, jax.errors.JaxRuntimeError)), None)
         if jax.process_count() > 1 and among_processes is not None:
             return LostPeer(f"the save of checkpoint step {step} under {self.directory}", among_processes)
+        try:
+            earlier = [s for s in committed_steps(self.directory) if step is None or s < step]
+            intact = f"earlier checkpoints are intact (the newest: step {earlier[-1]})" if earlier else "no earlier checkpoint"
+        except OSError:  # the directory cannot even be listed
+            intact = "earlier checkpoints are untouched"
         return UserError(f"could not write checkpoint step {step} under {self.directory} ({_first_line(error)}); "
-                         f"free disk space or fix permissions there; earlier checkpoints are intact")
+                         f"free disk space or fix permissions there; {intact}")
 
     def close(self) -> None:
         """Wait for the saves in flight (a second SIGTERM meanwhile changes nothing), then let go. A Ctrl-C meanwhile

@@ -521,6 +521,21 @@ def test_a_second_ctrl_c_blames_no_save_older_than_the_newest_checkpoint(tmp_pat
         checkpoints.close()
 
 
+def test_a_failed_save_names_the_newest_checkpoint_left_or_that_there_is_none(tmp_path):
+    """A QA report: the first save's failure said "earlier checkpoints are intact" where there were none."""
+    checkpoints = checkpoint_lib.RunCheckpoints(tmp_path, checkpoint_lib.CheckpointConfig(), 10, {})
+    try:
+        full = OSError(28, "No space left on device")
+        assert str(checkpoints._write_error(2, full)).endswith("fix permissions there; no earlier checkpoint")
+        for name in ("2", "4", "6.orbax-checkpoint-tmp", "8"):  # 6 never committed; 8 is newer than the failed save
+            (checkpoints.directory / name).mkdir()
+        assert str(checkpoints._write_error(6, full)) == (
+            f"could not write checkpoint step 6 under {checkpoints.directory} (OSError: [Errno 28] No space left on "
+            "device); free disk space or fix permissions there; earlier checkpoints are intact (the newest: step 4)")
+    finally:
+        checkpoints.close()
+
+
 @pytest.mark.parametrize("steps, failed", [(STEPS + 4, STEPS + 2), (STEPS + 1, STEPS + 1)], ids=["periodic", "final"])
 def test_full_disk_is_one_line_error_and_earlier_checkpoints_stay(reference, tmp_path, steps, failed):
     """A periodic save's failure is seen by the next save, which waits for it; the final save's only by the wait at

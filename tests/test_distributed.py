@@ -216,7 +216,7 @@ def test_a_checkpoint_write_failing_on_one_process_ends_the_job_at_once_saying_w
     checkpoints = run_dir / "checkpoints"
     assert (processes[1].returncode, failed.strip().splitlines()) == (2, [
         f"jaxtrain: error: could not write checkpoint step 4 under {checkpoints} (OSError: [Errno 28] No space left on device); "
-        "free disk space or fix permissions there; earlier checkpoints are intact"]), failed[-3000:]
+        "free disk space or fix permissions there; earlier checkpoints are intact (the newest: step 2)"]), failed[-3000:]
     assert processes[0].returncode == distributed.LOST_PEER_EXIT_STATUS, survivor[-3000:]
     errors = [line for line in survivor.splitlines() if line.startswith("jaxtrain: error: ")]
     assert len(errors) == 1 and "another process of the job stopped or lost its connection" in errors[0], survivor[-3000:]
