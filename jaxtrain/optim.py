@@ -55,8 +55,10 @@ def describe_schedule(cfg: Config) -> str:
     is step k)."""
     o, steps = cfg.optim, cfg.train.steps
     end = f"{o.lr * o.min_lr_ratio:.3g} after step {steps}"
+    # the decay's first count (steps - decay) gives its start, optim.lr, as transformers' does: step steps - decay + 1 applies it
+    held_to = min(steps - _wsd_decay_steps(cfg) + 1, steps)
     then = {"cosine": f"a cosine to {end}", "linear": f"linear to {end}",
-            "wsd": f"held to step {steps - _wsd_decay_steps(cfg)}, then a {o.decay_shape} decay to {end}"}[o.schedule]
+            "wsd": f"held to step {held_to}, then a {o.decay_shape} decay to {end}"}[o.schedule]
     if o.warmup_steps >= steps:  # the warmup takes every step: nothing decays
         then = f"no decay (the warmup takes all {steps} steps)"
     clipping = f"gradients clipped at global norm {o.clip_norm:g}" if o.clip_norm else "no clipping"

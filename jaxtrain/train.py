@@ -89,6 +89,8 @@ class Checked:
 
 def check(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None) -> Checked:
     """Validate the config against the devices, mesh, rules, model and data, without compiling."""
+    if problems := config_lib.optimizer_rounding_problems(cfg):
+        raise UserError("; ".join(problems))
     limit = plan.memory_limit(devices) if cfg.train.microbatches == "auto" else None  # None on CPU: one pass
     kind = (devices or jax.devices())[0].platform
     if cfg.model.attention == "cudnn" and kind != "gpu":

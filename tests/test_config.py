@@ -247,6 +247,15 @@ def test_an_empty_optional_value_is_one_line_not_off(key, what):
     assert str(error.value) == f"{key} is empty (an unset shell variable?); give {what}"  # alone: not also "needs the package"
 
 
+def test_the_optimizers_rounding_takes_the_values_next_to_its_limits():
+    """Each largest or smallest value the optimizer's dtypes hold as they should (the refused ones: tests/test_cli_errors.py)."""
+    assert config_lib.optimizer_rounding_problems(apply_overrides(Config(), [
+        "optim.b1=0.99999994", "optim.b2=0.999", "optim.eps=1.18e-38", "optim.lr=3.4e38", "optim.weight_decay=3.4e38"])) == []
+    assert config_lib.optimizer_rounding_problems(apply_overrides(Config(), [
+        "model.param_dtype=bfloat16", "optim.b1=0.99609375", "optim.b2=0.998"])) == []
+    assert len(config_lib.optimizer_rounding_problems(apply_overrides(Config(), ["model.param_dtype=bfloat16", "optim.b1=0.9981"]))) == 1
+
+
 def test_defaults_and_boundaries_are_in_range():
     config_lib.check(apply_overrides(Config(), ["optim.lr=0", "optim.warmup_steps=0", "optim.b1=0", "optim.min_lr_ratio=1",
                                                 "optim.clip_norm=0", "optim.weight_decay=0", "train.eval_every=0",
