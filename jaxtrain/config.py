@@ -561,28 +561,24 @@ def _out_of_range(key: str, value: float, low: float, high: float = math.inf, *,
     return f"{key}={value} must be {finite}{what}{meaning}"
 
 
-# The optimizer computes in float32 and keeps Adam's moments in the parameters' dtype (model.param_dtype: float32, or
-# bfloat16's 7 fraction bits). A value these round to an end of their range passes the checks of range_problems yet
-# breaks every update: b1 or b2 rounded to 1.0 (from 1 - 2^-(bits + 2) on) keeps a moment that never decays, and in float32
-# makes Adam's bias correction 1 - b^t zero; eps below float32's smallest normal number is flushed to 0, so 0 / 0 where a
+# The optimizer computes in float32, its state too (jaxtrain.optim.in_float32). A value float32 rounds to an end of its
+# range passes the checks of range_problems yet breaks every update: b1 or b2 rounded to 1.0 (from 1 - 2^-25 on) makes
+# Adam's bias correction 1 - b^t zero; eps below float32's smallest normal number is flushed to 0, so 0 / 0 where a
 # gradient is 0; lr or weight_decay beyond its largest is infinite. The NaN updates have a finite loss and gradient norm,
 # so the health guard stopped such a run only a step later, the NaN already in the parameters (and in a checkpoint of it).
 # Training checks them (jaxtrain.train.check), not the commands that read a run, which trained before the check existed.
-MOMENT_FRACTION_BITS = {"float32": 23, "bfloat16": 7}
 FLOAT32_SMALLEST_NORMAL, FLOAT32_LARGEST = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127
+FLOAT32_LARGEST_BELOW_1 = 1 - 2.0 ** -24
 
 
 def optimizer_rounding_problems(cfg: Config) -> list[str]:
-    """The optimizer's values that its float32 arithmetic, or its moments' dtype, rounds to a broken update."""
-    o, moments = cfg.optim, "bfloat16" if cfg.model.param_dtype == "bfloat16" else "float32"
-    bits = MOMENT_FRACTION_BITS[moments]
+    """The optimizer's values that its float32 arithmetic rounds to a broken update."""
+    o = cfg.optim
     problems = []
     for key, value in (("optim.b1", o.b1), ("optim.b2", o.b2)):
-        if 1 - 2.0 ** -(bits + 2) <= value < 1:
-            broken, other = (f"Adam's bias correction 1 - {key[-2:]}^t is 0 (every update NaN)", "") if moments == "float32" else \
-                ("the moment would never decay", " or model.param_dtype=float32")
-            problems.append(f"{key}={value} is 1.0 in {moments}, in which the optimizer keeps its moments (model.param_dtype): "
-                            f"{broken}; use at most {1 - 2.0 ** -(bits + 1):.9g}{other}")
+        if 1 - 2.0 ** -25 <= value < 1:
+            problems.append(f"{key}={value} is 1.0 in float32, the optimizer's arithmetic: Adam's bias correction "
+                            f"1 - {key[-2:]}^t is 0 (every update NaN); use at most {FLOAT32_LARGEST_BELOW_1:.9g}")
     if 0 < o.eps < FLOAT32_SMALLEST_NORMAL:
         problems.append(f"optim.eps={o.eps} is below float32's smallest normal number, {FLOAT32_SMALLEST_NORMAL:.3g}, which the "
                         f"optimizer's arithmetic flushes to 0 (0 / 0 where a gradient is 0); use at least {FLOAT32_SMALLEST_NORMAL:.3g}")

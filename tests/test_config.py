@@ -251,9 +251,9 @@ def test_the_optimizers_rounding_takes_the_values_next_to_its_limits():
     """Each largest or smallest value the optimizer's dtypes hold as they should (the refused ones: tests/test_cli_errors.py)."""
     assert config_lib.optimizer_rounding_problems(apply_overrides(Config(), [
         "optim.b1=0.99999994", "optim.b2=0.999", "optim.eps=1.18e-38", "optim.lr=3.4e38", "optim.weight_decay=3.4e38"])) == []
-    assert config_lib.optimizer_rounding_problems(apply_overrides(Config(), [
-        "model.param_dtype=bfloat16", "optim.b1=0.99609375", "optim.b2=0.998"])) == []
-    assert len(config_lib.optimizer_rounding_problems(apply_overrides(Config(), ["model.param_dtype=bfloat16", "optim.b1=0.9981"]))) == 1
+    # bfloat16 parameters: the moments are float32 all the same (jaxtrain.optim.in_float32)
+    assert config_lib.optimizer_rounding_problems(apply_overrides(Config(), ["model.param_dtype=bfloat16", "optim.b2=0.999"])) == []
+    assert len(config_lib.optimizer_rounding_problems(apply_overrides(Config(), ["optim.b1=0.99999998"]))) == 1
 
 
 def test_defaults_and_boundaries_are_in_range():
