@@ -1,5 +1,5 @@
 """mixtral_8x22b: Mixtral 8x22B (56 layers, d 6144, 48 heads, 8 KV heads, 8 experts of MLP 16384, top-2, vocabulary
-32768): 140.6B parameters, 39.1B active per token. Mesh h100x512_ep (expert 8 inside a node, fsdp 64 across nodes),
+32768): 140.6B parameters, 39.2B active per token. Mesh h100x512_ep (expert 8 inside a node, fsdp 64 across nodes),
 rules fsdp_ep."""
 
 from experiments._llama import run

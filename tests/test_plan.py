@@ -490,6 +490,26 @@ def test_experiments_have_the_public_llama3_parameter_counts(name, params):
     assert model_spec(cfg.model).num_params == params
 
 
+@pytest.mark.parametrize("name,mesh,counts,line", [
+    ("mixtral_8x7b", (1, 1, 1, 1, 8), (46_702_792_704, 12_879_925_248, 46_702_792_704),
+     "model: 46,702,792,704 parameters, 12,879,925,248 active per token (top 2 of 8 experts)"),
+    # the nf4 base counted as the weights it stores, beside the rank-16 adapters that train
+    ("llama3_70b_qlora", (1, 8, 1), (70_760_800_256, 70_760_800_256, 207_093_760),
+     "model: 70,760,800,256 parameters, 207,093,760 of them trained (the LoRA adapters)"),
+    ("llama3_8b", (1, 8, 1), (8_030_261_248,) * 3, "model: 8,030,261,248 parameters")])
+def test_the_plan_counts_parameters_as_published_models_do(name, mesh, counts, line):
+    """Mixtral 8x7B: 46.7B, 12.9B active (the two experts a token takes of each layer's eight, with everything else);
+    until 2026-12-06 the plan gave no parameter count, only the start-up summary of a run did."""
+    from jaxtrain.config import AxisSizes, MeshConfig
+    from jaxtrain.observe.flops import parameter_counts
+
+    cfg = dataclasses.replace(with_(load_experiment(name), train={"microbatches": 1}),
+                              mesh=MeshConfig(ici=AxisSizes(*mesh), dcn=AxisSizes()))
+    found = parameter_counts(make_layout(cfg))
+    assert found == dict(zip(("total", "active_per_token", "trained"), counts, strict=True))
+    assert plan_lib.describe_parameters(found, cfg.model) == line
+
+
 def test_every_experiment_loads_and_checks():
     for name in ("small", "llama_125m", "llama_350m"):
         check(load_experiment(name))
@@ -507,6 +527,7 @@ def test_cli_plan_json_with_auto_microbatches(tmp_path):
     body = json.loads(result.stdout)
     k = body["experiment"]["microbatches"]
     assert body["devices"] == 8 and body["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1}
+    assert body["parameters"] == {"total": 853_120, "active_per_token": 853_120, "trained": 853_120}
     assert set(body["estimate_bytes"]) == {"parameters", "optimizer state", "gradients", "gradient accumulator",
                                            "activations", "logits and loss", "layer backward", "total"}
     # the items live at the peak, which the totals add up (the text puts the others in parentheses)

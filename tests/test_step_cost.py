@@ -263,6 +263,30 @@ def test_a_lora_runs_frozen_base_takes_no_weight_gradients_as_compiled():
     assert predicted["plain"] - predicted["lora"] == pytest.approx(compiled["plain"] - compiled["lora"], rel=0.02)
 
 
+@pytest.mark.parametrize("remat", ["none", "save_dots", "full"])
+def test_capacity_dispatch_multiplies_its_empty_expert_slots_as_compiled(remat):
+    """Capacity dispatch runs each expert's matmuls over its whole buffer, filled or not: at capacity_factor 2 over twice
+    the rows of factor 1 (top_k per token). step_cost counts them, the work of the step, where MFU's count takes the
+    top_k filled ones; compared as the rise from factor 1, which XLA's whole (not causally halved) scores do not enter.
+    Until 2026-12-06 it counted top_k only, and a Mixtral plan's compute read 1.25 x fewer expert FLOPs than it ran."""
+    import jax
+
+    from jaxtrain.layout import lower_steps
+    from jaxtrain.plan import hlo_report
+
+    compiled, predicted = {}, {}
+    for factor in (1.0, 2.0):
+        cfg = with_(small_config(rules="fsdp", mesh=(1, 1, 1), remat=remat, scan_layers=True, attention="xla",
+                                 moe=MoEConfig(num_experts=8, top_k=2, dispatch="capacity", capacity_factor=factor)),
+                    data={"seq_len": 32})
+        layout = make_layout(cfg, jax.devices()[:1])
+        program = lower_steps(layout)[0].compile().as_text()
+        compiled[factor] = sum(hlo_report.report(program, dict(layout.mesh.shape), "").matmul_flops.values())
+        predicted[factor] = step_cost.step_flops_per_token(layout) * cfg.train.global_batch * cfg.data.seq_len
+    assert compiled[2.0] > compiled[1.0]
+    assert predicted[2.0] - predicted[1.0] == pytest.approx(compiled[2.0] - compiled[1.0], rel=0.02), (predicted, compiled)
+
+
 @pytest.mark.parametrize("dispatch,remat,rel", [
     ("capacity", "save_dots", 1e-6), ("capacity", "save_qkv_out", 1e-6), ("capacity", "full", 1e-6),
     # XLA:CPU's dropless program moves 1.5% more than counted, under every policy that recomputes (save_dots, full)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 import time
@@ -13,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.adapt.adapters import split_frozen
+from jaxtrain.state import model_spec
 from models.config import LlamaConfig
 
 if TYPE_CHECKING:
@@ -57,13 +59,28 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     return 6 * matmul_params(cfg) + attention
 
 
+def params_per_token(shapes: dict, logical_axes: dict, cfg: LlamaConfig) -> float:
+    """Of the parameters ``shapes``, those each token uses: of an expert's (logical axis ``experts``) its top_k experts'."""
+    share = cfg.moe.top_k / cfg.moe.num_experts if cfg.moe.num_experts else 1
+    return sum(x.size * (share if "experts" in a else 1)
+               for x, a in zip(jax.tree.leaves(shapes), jax.tree.leaves(logical_axes, is_leaf=lambda s: isinstance(s, PartitionSpec)),
+                               strict=True))
+
+
 def adapter_params_per_token(layout: Layout) -> float:
     """A LoRA run's adapter parameters each token multiplies (of experts' adapters, those of its top_k experts)."""
+    return params_per_token(split_frozen(layout.spec.shapes)[0], split_frozen(layout.spec.logical_axes)[0], layout.cfg.model)
+
+
+def parameter_counts(layout: Layout) -> dict:
+    """The model's parameters as published models count them: ``total`` (a quantized base, QLoRA, as the weights it
+    stores, not its packed codes and scales), ``active_per_token`` (a mixture of experts: top_k experts' of each
+    layer; otherwise the total) and ``trained`` (a LoRA run: its adapters; otherwise the total)."""
     m = layout.cfg.model
-    trained, axes = split_frozen(layout.spec.shapes)[0], split_frozen(layout.spec.logical_axes)[0]
-    return sum(x.size * (m.moe.top_k / m.moe.num_experts if "experts" in a else 1)
-               for x, a in zip(jax.tree.leaves(trained), jax.tree.leaves(axes, is_leaf=lambda s: isinstance(s, PartitionSpec)),
-                               strict=True))
+    spec = layout.spec if m.base_quant == "none" else model_spec(dataclasses.replace(m, base_quant="none"))
+    trained, frozen = split_frozen(spec.shapes)
+    return {"total": spec.num_params, "active_per_token": round(params_per_token(spec.shapes, spec.logical_axes, m)),
+            "trained": spec.num_params if frozen is None else sum(x.size for x in jax.tree.leaves(trained))}
 
 
 def model_flops_per_token(layout: Layout) -> float:

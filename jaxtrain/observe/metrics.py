@@ -37,7 +37,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config
 from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges, start_wandb
 from jaxtrain.observe import step_profile
-from jaxtrain.observe.flops import measure_matmul_peak, model_flops_per_token, peak_flops
+from jaxtrain.observe.flops import measure_matmul_peak, model_flops_per_token, parameter_counts, peak_flops
 from jaxtrain.observe.records import is_skip_record, read_records
 from jaxtrain.optim import describe_schedule, warmup_steps
 from jaxtrain.layout import Layout, idle_axes_note, unsplit_experts_note, unused_pipeline_note
@@ -45,7 +45,7 @@ from jaxtrain.memory import host_malloc
 from jaxtrain.memory.offload import offloads_master_weights
 from jaxtrain.mesh import describe_axes
 from jaxtrain.stages import schedule
-from jaxtrain.state import bytes_per_device, elements_per_device, model_spec
+from jaxtrain.state import bytes_per_device, elements_per_device
 
 SUMMARY_FILE = "summary.json"
 GIB = 2**30
@@ -165,8 +165,7 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         # found out at start-up, not at export-hf after the training: None, or why no Hugging Face architecture holds the model
         "no_hf_architecture": _no_hf_architecture(cfg),
         # a quantized base (QLoRA) counted as the model's parameters, not its packed codes and scales
-        "params": layout.spec.num_params if cfg.model.base_quant == "none" else
-                  model_spec(dataclasses.replace(cfg.model, base_quant="none")).num_params,
+        "params": parameter_counts(layout)["total"],
         "params_per_device": elements_per_device(state.params),
         "param_bytes_per_device": bytes_per_device(state.params),
         # a LoRA run: the parameters above are the adapters, which train; the frozen base's bytes apart

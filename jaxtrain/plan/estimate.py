@@ -34,7 +34,7 @@ from jaxtrain import compile_cache, xla_env
 from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.config import Config, as_override, as_overrides, flatten, resolve_for_devices, to_dict
 from jaxtrain.errors import UserError
-from jaxtrain.observe.flops import model_flops_per_token, peak_flops
+from jaxtrain.observe.flops import model_flops_per_token, parameter_counts, peak_flops
 from jaxtrain.plan.gpu_targets import GPU_MEMORY_MIB, GPU_MODELS, compile_only_devices, gpu_memory_bytes
 from jaxtrain.plan.hlo_report import HloReport, captured_stderr, report, warning_meaning
 from jaxtrain.mesh import describe_axes
@@ -47,7 +47,7 @@ from jaxtrain.plan.step_cost import (DEFAULT_GPU, StepTime, acting_remat, activa
 from jaxtrain.layout import Layout, idle_axes_note, lower_steps, make_layout, peak_bytes, unsplit_experts_note, unused_pipeline_note
 from models.attention import scored_fraction
 from models.pipeline import STAGES
-from models.config import REMAT_POLICIES
+from models.config import REMAT_POLICIES, LlamaConfig
 
 GIB = 2**30
 MIB = 2**20
@@ -619,6 +619,7 @@ class Plan:
     microbatches_auto: bool = False  # train.microbatches=auto: fitted to the usable memory; 1 where no memory size was given
     unsplit_experts_note: str | None = None  # layout.unsplit_experts_note of the planned layout
     unused_pipeline_note: str | None = None  # layout.unused_pipeline_note of the planned layout
+    parameters: dict = dataclasses.field(default_factory=dict)  # observe.flops.parameter_counts of the planned layout
 
     @property
     def usable(self) -> int | None:
@@ -659,6 +660,7 @@ class Plan:
             "experiment": {"rules": self.cfg.rules, "remat": self.cfg.model.remat, "remat_layers": self.cfg.model.remat_layers,
                            "attention": self.cfg.model.attention, "microbatches": self.cfg.train.microbatches,
                            "global_batch": self.cfg.train.global_batch, "seq_len": self.cfg.data.seq_len},
+            "parameters": self.parameters,
             "mesh": self.mesh, "idle_axes": self.idle_axes, "unsplit_experts_note": self.unsplit_experts_note,
             "unused_pipeline_note": self.unused_pipeline_note, "devices": self.devices,
             "gpu": self.gpu,
@@ -740,7 +742,8 @@ def make_plan(cfg: Config, *, device_memory: int | None = None, gpu: str | None 
     return Plan(cfg, layout.mesh.size, dict(layout.mesh.shape), device_memory, headroom, allocator_fraction, estimate_as_compiled(layout, compiled),
                 accelerator_estimate, compiled, predicted, step_time(layout, gpu), model_flops_per_token(layout),
                 cfg.train.global_batch * cfg.data.seq_len, gpu, tokens_per_s, suggestions, traffic, tuple(technique_effects(layout, gpu)), per_stage,
-                pipeline, layout.idle_axes, microbatches_auto, unsplit_experts_note(layout), unused_pipeline_note(layout))
+                pipeline, layout.idle_axes, microbatches_auto, unsplit_experts_note(layout), unused_pipeline_note(layout),
+                parameter_counts(layout))
 
 
 def render(plan: Plan) -> str:
@@ -845,6 +848,7 @@ def render(plan: Plan) -> str:
         lines.append("memory techniques, each alone (estimate per device on the accelerator):")
         lines += [f"  {t.describe()}" for t in plan.techniques]
     lines.append(f"estimated step time: {plan.step_time.describe()}" + ("" if plan.gpu else " (no --gpu given: an H100 assumed)"))
+    lines.append(describe_parameters(plan.parameters, plan.cfg.model))
     xla = plan.xla_flops_per_token
     frozen_base = ", the frozen base's weights 4 per parameter, not 6" if plan.cfg.model.lora.rank else ""
     lines.append(f"FLOPs per token: {plan.flops_per_token:.4g} (PaLM formula, causal attention halved{frozen_base})"
@@ -857,6 +861,14 @@ def render(plan: Plan) -> str:
     if c.hlo is not None:
         lines += ["", *render_hlo(plan)]
     return "\n".join(lines)
+
+
+def describe_parameters(counts: dict, m: LlamaConfig) -> str:
+    """The plan's model line: parameters as published models count them (observe.flops.parameter_counts)."""
+    active = (f", {counts['active_per_token']:,} active per token (top {m.moe.top_k} of {m.moe.num_experts} experts)"
+              if m.moe.num_experts else "")
+    trained = f", {counts['trained']:,} of them trained (the LoRA adapters)" if counts["trained"] != counts["total"] else ""
+    return f"model: {counts['total']:,} parameters{active}{trained}"
 
 
 def _size(n: float) -> str:

@@ -74,6 +74,7 @@ from jaxtrain.stages import schedule
 from jaxtrain.state import bytes_per_device, elements_per_device, gathered_elements
 from models.config import LlamaConfig
 from models.llama import EMBEDDING_AXES
+from models.moe import capacity
 from models.pipeline import STAGES
 
 ASSUMED_MFU = 0.45  # share of the datasheet peak a well-tuned step reaches (MaxText reports 45-55% on H100)
@@ -176,21 +177,36 @@ def offloaded_bytes_per_token(layout: Layout, stages: int) -> float:
     return elements * np.dtype(m.dtype).itemsize * rematted_share(m)
 
 
+def expert_slots_per_token(m: LlamaConfig, seq_len: int) -> float:
+    """SwiGLU MLPs of model.mlp_dim the step multiplies per token and layer: ``active_mlps``, but under capacity dispatch
+    every slot of the experts' buffers, filled or not (models/moe.py: capacity_factor x top_k, rounded up per expert)."""
+    moe = m.moe
+    if not moe.num_experts or moe.dispatch != "capacity":
+        return active_mlps(m)
+    return moe.num_experts * capacity(seq_len, moe.num_experts, moe.top_k, moe.capacity_factor) / seq_len + moe.num_shared_experts
+
+
 def step_flops_per_token(layout: Layout) -> float:
-    """FLOPs per token the train step computes: the PaLM count (observe/flops.py, MFU's convention) and the forward
-    work the remat policy repeats in the backward. A LoRA run's (``model_flops_per_token``: 4 per frozen base parameter,
-    6 per adapter parameter) adds the adapters' forward (counted whole) where the policy recomputes x @ A."""
+    """FLOPs per token the train step computes: the PaLM count (observe/flops.py, MFU's convention), the forward work
+    the remat policy repeats in the backward, and under capacity dispatch the experts' empty slots. A LoRA run's
+    (``model_flops_per_token``: 4 per frozen base parameter, 6 per adapter parameter) adds the adapters' forward
+    (counted whole) where the policy recomputes x @ A."""
     cfg, m, seq = layout.cfg, layout.cfg.model, layout.cfg.data.seq_len
     remat = acting_remat(m.remat, schedule(cfg, layout.rules, layout.mesh).stages)
     attention_core = 2 * m.num_layers * seq * m.num_heads * m.resolved_head_dim  # causal fwd (the 6x formula / 3)
-    mlp_matmuls = 2 * m.num_layers * 3 * m.d_model * m.mlp_dim * active_mlps(m)
+    mlp_forward = 2 * m.num_layers * 3 * m.d_model * m.mlp_dim  # one SwiGLU MLP's matmuls, forward
+    mlp_matmuls = mlp_forward * expert_slots_per_token(m, seq)
     layer_matmuls = 2 * m.num_layers * m.d_model * m.resolved_head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + mlp_matmuls
     recomputed = {"none": 0, "save_dots": attention_core, "save_qkv_out": attention_core + mlp_matmuls,
                   "full": attention_core + layer_matmuls}[remat.replace("offload_", "save_")]  # offloading recomputes as saving
     if m.remat.startswith("save_") and m.attention == "cudnn":  # they keep flash attention's output (models/llama.py)
         recomputed -= attention_core
-    flops = model_flops_per_token(layout) + recomputed * rematted_share(m)
-    if split_frozen(layout.spec.shapes)[1] is not None:  # a LoRA run: every base weight is frozen
+    frozen_base = split_frozen(layout.spec.shapes)[1] is not None  # a LoRA run: every base weight is frozen
+    # the experts' empty capacity slots, multiplied as the filled ones are: forward, input gradient and (a trained base)
+    # weight gradient
+    empty_slots = mlp_forward * (expert_slots_per_token(m, seq) - active_mlps(m))
+    flops = model_flops_per_token(layout) + (2 if frozen_base else 3) * empty_slots + recomputed * rematted_share(m)
+    if frozen_base:
         flops += 2 * adapter_params_per_token(layout) * ADAPTER_PRODUCT_RECOMPUTED[remat] * rematted_share(m)
     return flops
 
