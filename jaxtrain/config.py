@@ -448,6 +448,17 @@ def load_experiment(name_or_path: str) -> Config:
         raise UserError(f"experiment {name_or_path}: in the Config its config() returned, {e}; fix the file") from None
 
 
+def _yaml_error_place(e: yaml.YAMLError) -> str:
+    """Where in the file and what: PyYAML's first line alone was its context ("while parsing a flow sequence"), with
+    neither the line nor the problem (an unclosed '[')."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or problem is None:
+        return f": {str(e).splitlines()[0]}"
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    since = f" ({context} from line {context_mark.line + 1})" if context and context_mark else ""
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}{since}"
+
+
 def read_yaml_mapping(path: Path, what: str, expected: str) -> dict:
     """The mapping in the user's YAML file ``path`` ({} when empty), else one line naming ``what`` it is and, when
     it holds something else, what it must be (``expected``) and the type found (not the contents: any file)."""
@@ -456,7 +467,7 @@ def read_yaml_mapping(path: Path, what: str, expected: str) -> dict:
     except UnicodeDecodeError:
         raise UserError(f"{what} {path} is not UTF-8 text; give a YAML {what}") from None
     except yaml.YAMLError as e:
-        raise UserError(f"{what} {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise UserError(f"{what} {path} is not valid YAML{_yaml_error_place(e)}") from None
     if not isinstance(body, dict):
         raise UserError(f"{what} {path} must be {expected}, got {type(body).__name__}")
     return body

@@ -16,7 +16,7 @@ import sharding_rules
 from jaxtrain.config import read_yaml_mapping
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
-from models.sharding import LOGICAL_AXES, MissingLogicalRule
+from models.sharding import LOGICAL_AXES, MissingLogicalRule, RepeatedMeshAxis
 
 RULES_DIR = Path(sharding_rules.__file__).parent
 
@@ -49,7 +49,11 @@ def _rule_path(name_or_path: str, extended_by: Path | None = None) -> Path:
 
 def _rule_file(name_or_path: str) -> tuple[Path, dict]:
     path = _rule_path(name_or_path)
-    return path, read_yaml_mapping(path, "rule set", "a mapping of logical axis names to mesh axes")
+    body = read_yaml_mapping(path, "rule set", "a mapping of logical axis names to mesh axes")
+    if not body:  # an empty or comment-only file was told to add 'vocab: null', the first parameter's axis
+        raise UserError(f"rule set {path} is empty; give a rule per logical axis, or 'extends: NAME' (e.g. extends: fsdp_tp) "
+                        "and the rules that differ")
+    return path, body
 
 
 def _base_rule_set(path: Path, base: str) -> str:
@@ -151,13 +155,17 @@ def flax_rules(rules: Rules) -> tuple:
 @contextlib.contextmanager
 def model_tracing(mesh: Mesh, rules: Rules, rules_name: str):
     """The mesh and logical rules the model's activation constraints read while it is traced; an
-    activation axis without a rule becomes a UserError."""
+    activation axis without a rule, or an activation with two dimensions on one mesh axis, becomes a UserError."""
     with jax.set_mesh(mesh), spmd.logical_axis_rules(flax_rules(rules)):
         try:
             yield
         except MissingLogicalRule as e:
             raise UserError(f"logical axis '{e.axis}' (an activation of the model) has no rule in rule set {rules_name}; "
                             f"add '{e.axis}: null' or map it to mesh axes") from None
+        except RepeatedMeshAxis as e:
+            raise UserError(f"rule set {rules_name}: an activation of the model with logical axes {e.logical_axes} has mesh "
+                            f"axis '{e.mesh_axis}' on two of its dimensions ({', '.join(e.clashing)}); map them to different "
+                            "mesh axes") from None
 
 
 def logical_to_spec(logical_axes, rules: Rules, what: str) -> PartitionSpec:

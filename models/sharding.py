@@ -31,6 +31,14 @@ class MissingLogicalRule(KeyError):
         self.axis = axis
 
 
+class RepeatedMeshAxis(ValueError):
+    """The active rule set maps two logical axes of one array to the same mesh axis, which no layout can hold."""
+
+    def __init__(self, logical_axes: tuple[str | None, ...], mesh_axis: str, clashing: tuple[str, ...]):
+        super().__init__(mesh_axis)
+        self.logical_axes, self.mesh_axis, self.clashing = logical_axes, mesh_axis, clashing
+
+
 def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     """``x`` laid out by ``logical_axes``, one per dimension; None: a dimension never split."""
     rules = spmd.get_logical_axis_rules()
@@ -40,6 +48,12 @@ def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     for axis in logical_axes:
         if axis not in table:
             raise MissingLogicalRule(axis)
+    # the rule set's own checks see parameters only: an activation's clash (activation_batch and activation_heads
+    # both on tensor) was jax's DuplicateSpecError traceback here
+    for mesh_axis in dict.fromkeys(a for axis in logical_axes if axis for a in mesh_axes_of(axis)):
+        clashing = tuple(axis for axis in logical_axes if axis and mesh_axis in mesh_axes_of(axis))
+        if len(clashing) > 1:
+            raise RepeatedMeshAxis(logical_axes, mesh_axis, clashing)
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*(table[a] for a in logical_axes)))
 
 

@@ -90,6 +90,12 @@ CASES = {
                                     "logical axis 'mlp' (used by parameter layers/mlp/w_down) has no rule"),
     "activation axis without rule": (lambda t: ["--rules", _rules_file(t, activation_mlp=...)],
                                      "logical axis 'activation_mlp' (an activation of the model) has no rule"),
+    # jax's DuplicateSpecError traceback while the step was traced (a QA report)
+    "rule putting two dimensions of an activation on one mesh axis": (
+        lambda t: ["--rules", _rules_file(t, activation_batch=["data", "fsdp", "tensor"])],
+        "rules.yaml: an activation of the model with logical axes ('activation_batch', 'activation_length', 'activation_heads', "
+        "'activation_head_dim') has mesh axis 'tensor' on two of its dimensions (activation_batch, activation_heads); map them "
+        "to different mesh axes"),
     "dimension not divisible": (lambda t: ["model.num_heads=6", "model.num_kv_heads=3", "model.head_dim=16"],
                                 "parameter layers/attn/wk (4, 128, 3, 16): dimension 2 (logical axis 'kv_heads', size 3) is not divisible by mesh axes tensor 2 = 2"),
     "unknown key": (lambda t: ["train.step=3"], "unknown config key 'train.step'; did you mean 'train.steps'?"),
@@ -122,6 +128,10 @@ CASES = {
     "unknown mesh file": (lambda t: ["--mesh", "tpu9000"], "mesh file 'tpu9000' not found"),
     "mesh file that is not UTF-8": (lambda t: ["--mesh", str(_random_bytes(t / "bin.yaml"))], "bin.yaml is not UTF-8 text; give a YAML mesh file"),
     "rule set that is not UTF-8": (lambda t: ["--rules", str(_random_bytes(t / "bin.yaml"))], "bin.yaml is not UTF-8 text; give a YAML rule set"),
+    # it said to add 'vocab: null', the first axis of the first parameter, naming no file (a QA report)
+    "empty rule file": (lambda t: ["--rules", str(_text(t / "rules.yaml", "# my rules\n"))],
+                        "rules.yaml is empty; give a rule per logical axis, or 'extends: NAME' (e.g. extends: fsdp_tp) and the "
+                        "rules that differ"),
     "mesh file that is not a mapping": (lambda t: ["--mesh", str(_text(t / "passwd", "root:x:0:0:root:/root:/bin/bash\n" * 40))],
                                         "passwd must be a mapping with only the keys 'ici' and 'dcn', got str"),  # not the file
     "batch does not split over the mesh": (lambda t: ["train.global_batch=6"], "do not split over the 4 batch shards"),
