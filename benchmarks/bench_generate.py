@@ -97,11 +97,12 @@ def run() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from throughput import experiment_parser
+    from jaxtrain.errors import positive_int
 
     parser = experiment_parser(__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--prompt-tokens", type=positive_int, default=512)
+    parser.add_argument("--new-tokens", type=positive_int, default=256)
     args = parser.parse_intermixed_args(argv)
     from jaxtrain.cli import resolve_config
     from jaxtrain.errors import UserError

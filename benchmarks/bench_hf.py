@@ -22,10 +22,10 @@ Standalone, for an experiment's shape on this machine's devices (one JSON line; 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +37,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxtrain.config import AxisSizes, Config, MeshConfig
+from jaxtrain.errors import OneLineParser, UserError, positive_int
 from jaxtrain.interop import hf_export, hf_import
 from jaxtrain.interop.hf_weights import tensor_maps
 from jaxtrain.layout import make_layout
@@ -139,20 +140,25 @@ def measure(cfg: Config, repeats: int) -> dict:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Hugging Face import / export of an experiment's shape (random weights)")
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(description="Hugging Face import / export of an experiment's shape (random weights)")
     parser.add_argument("experiment")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--mesh")
     parser.add_argument("--rules")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=positive_int, default=1)
     args = parser.parse_intermixed_args(argv)
     from jaxtrain.cli import resolve_config
 
-    cfg = resolve_config(args.experiment, args.mesh, args.rules, [*args.overrides, "train.microbatches=1"])  # no step is run
+    try:
+        cfg = resolve_config(args.experiment, args.mesh, args.rules, [*args.overrides, "train.microbatches=1"])  # no step is run
+    except UserError as e:
+        print(f"bench_hf: error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({"benchmark": "hf", "experiment": args.experiment, "device_kind": jax.devices()[0].device_kind,
                       **measure(cfg, args.repeats)}), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

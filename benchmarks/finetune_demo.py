@@ -153,11 +153,20 @@ def report(result: dict) -> dict:
     return result
 
 
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(seed) for seed in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds, one demo each")
+    from jaxtrain.errors import OneLineParser, positive_int
+
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=_seeds, default=[0], help="comma-separated seeds, one demo each")
     parser.add_argument("--work-dir", type=Path, help="where the bases, data and runs go (a new directory); default a temporary one")
-    parser.add_argument("--steps", type=int, default=Setting.steps)
+    parser.add_argument("--steps", type=positive_int, default=Setting.steps)
     args = parser.parse_args(argv)
     from jaxtrain.cli import simulate_cpu_devices
 
@@ -166,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     setting = dataclasses.replace(Setting(), steps=args.steps)
     with tempfile.TemporaryDirectory(prefix="finetune_demo_") as tmp:
         root = args.work_dir or Path(tmp)
-        for seed in (int(s) for s in args.seeds.split(",")):
+        for seed in args.seeds:
             print(json.dumps(report(run(root / f"seed{seed}", seed, setting))), flush=True)
     return 0
 

@@ -27,6 +27,6 @@ version=$("$IMAGE/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys
 make --no-print-directory gpu-wheels GPU_PYTHON_VERSION="$version" WHEELS="$tmp/whl"
 # the runner's default budget keeps a lent machine's command under the device tool's 600 s; on this CPU every row is
 # wanted, and the tiny rows together take longer (2 cores: 16 min at 2e0798a), so a budget of their own (a --budget-s
-# given to make's target still wins: the last one counts)
+# given to this script still wins: the last one counts; make's target passes none)
 TINY=1 PY="$IMAGE/bin/python" WHEELS="$tmp/whl" SITE="$tmp/site" OUT="$tmp" benchmarks/gpu_h200.sh \
   --budget-s "${DRY_RUN_BUDGET_S:-1800}" "$@"

@@ -14,7 +14,6 @@ time, memory estimated / compiled / measured) with ``row`` added, or ``{"row", "
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import dataclasses
 import json
@@ -25,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from jaxtrain.errors import OneLineParser, positive_int  # no jax: the runner leaves the devices to its rows
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_BUDGET_S = 540  # the device tool's commands stop at 600 s; jax start-up and the install come first
@@ -213,10 +214,10 @@ def run_row(row: Row, argv: list[str], timeout_s: float, env: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated row names (default: every row): " + ", ".join(r.name for r in ROWS))
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="total seconds for every row together")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per row (after 2 warm-up steps)")
+    parser.add_argument("--steps", type=positive_int, default=8, help="timed steps per row (after 2 warm-up steps)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: checks the runner, measures nothing")
     parser.add_argument("--out", help="JSON lines file, appended (default: $OUT/gpu_h200.jsonl where OUT is set, "
                         "else benchmarks/results/gpu_h200.jsonl)")

@@ -11,7 +11,6 @@ zero-filled buffers), and the total per source function. torch's side: per aten 
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import os
@@ -21,6 +20,7 @@ import tempfile
 
 import jax
 
+from jaxtrain.errors import OneLineParser, positive_int
 from jaxtrain.memory import host_malloc
 
 # the XLA:CPU process `make bench` runs bench_torch_peer in: one device, as many pool threads as cores
@@ -90,8 +90,8 @@ def torch_profile(top: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--top", type=int, default=25)
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--top", type=positive_int, default=25)
     parser.add_argument("--scanned", action="store_true", help="model.scan_layers=true (the default on CPUs unrolls)")
     args = parser.parse_args()
     times, sources, total = jax_profile(args.scanned)

@@ -1,5 +1,6 @@
 """Markdown tables of a results file's keys (default benchmarks/results/latest.json), for README: a section for
-each module in its ``runs``, bench_perf's laid out for its comparisons, every other module's as key and value.
+each module in its ``runs`` with the machine it ran on, bench_perf's comparisons laid out as tables and the rest of
+its keys, like every other module's, as key and value.
 
     python benchmarks/report.py [RESULTS.json]
 """
@@ -10,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from jaxtrain.errors import OneLineParser
 from run import DEFAULT_OUT
 
 
@@ -24,9 +26,20 @@ def _rounded(value):
     return value
 
 
-def print_keys(r: dict, name: str) -> None:
+# bench_perf's keys that print_perf lays out in its two tables
+PERF_TABLE_KEYS = {"overhead_ratio", "overhead_ratio_cpu8_fsdp_tp", "overhead_step_s", "matmul_peak_flops", "matmul_peak_flops_one_device",
+                   "model_flops_per_s", "model_flops_per_s_one_device", "mfu_vs_matmul_peak", "compile_ratio_32_vs_2_layers",
+                   *(f"{kind}_s_{n}_layers" for kind in ("compile", "lower", "step") for n in (2, 8, 32)),
+                   "host_gap_ms_per_step", "loop_step_s", "device_step_s", "step_profile", "remat_precision"}
+
+
+def describe(m: dict) -> str:
+    return f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['device_count']} x {m['device_kind']} devices, jax {m['jax']}"
+
+
+def print_keys(r: dict, name: str, laid_out: set[str] = frozenset()) -> None:
     print("| key | value |\n|---|---|")
-    for key in r["runs"][name]["keys"]:
+    for key in (key for key in r["runs"][name]["keys"] if key not in laid_out):
         value = json.dumps(_rounded(r[key]), ensure_ascii=False).replace("|", "\\|")  # a bare | would end the cell
         print(f"| {key} | {value} |")
 
@@ -56,10 +69,15 @@ def print_perf(r: dict) -> None:
     print("\n| compute dtype | remat | step (ms) | tokens/s | compiled temp memory per device (MiB) |\n|---|---|---|---|---|")
     for row in r["remat_precision"]:
         print(f"| {row['dtype']} | {row['remat']} | {row['step_s'] * 1e3:.0f} | {row['tokens_per_s']:,.0f} | {row['temp_mib_per_device']:.1f} |")
+    if set(r["runs"]["perf"]["keys"]) - PERF_TABLE_KEYS:  # keys added since the tables were laid out, too
+        print()
+        print_keys(r, "perf", PERF_TABLE_KEYS)
 
 
 def main(argv: list[str]) -> int:
-    path = Path(argv[0] if argv else DEFAULT_OUT)
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="?", type=Path, default=DEFAULT_OUT, help=f"a results file of run.py (default {DEFAULT_OUT})")
+    path = parser.parse_args(argv).results
     try:
         r = json.loads(path.read_text())
     except OSError as e:
@@ -71,11 +89,11 @@ def main(argv: list[str]) -> int:
     if not (isinstance(r, dict) and isinstance(r.get("runs"), dict) and isinstance(r.get("machine"), dict)):
         print(f"error: {path} is not a results file of benchmarks/run.py (an object with 'machine' and 'runs')", file=sys.stderr)
         return 2
-    m = r["machine"]
-    print(f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['device_count']} x {m['device_kind']} "
-          f"devices, jax {m['jax']}.")
+    print(f"The file's last run's machine: {describe(r['machine'])}.")
     for name, run in sorted(r["runs"].items()):
         print(f"\n### {name}: run finished {run['finished']} in {run['seconds']:.0f}s\n")
+        # runs before 2026-12-06 kept no machine of their own; the file's machine is the last run's, maybe another
+        print(f"Machine: {describe(run['machine'])}.\n" if "machine" in run else "Machine: not recorded for this run.\n")
         if name == "perf":
             print_perf(r)
         else:

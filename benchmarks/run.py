@@ -1,5 +1,6 @@
 """Run the benchmark suite: every ``benchmarks/bench_*.py`` module's ``run() -> dict``, merged with a
-machine description into ``benchmarks/results/latest.json`` (written atomically).
+machine description into ``benchmarks/results/latest.json`` (written atomically; each module's ``runs`` entry keeps
+the machine it ran on).
 
     python benchmarks/run.py                  # every module
     python benchmarks/run.py --only perf      # bench_perf.py only; keys of modules not run are kept
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from jaxtrain.atomic import atomic_file
 from jaxtrain.cli import simulate_cpu_devices
-from jaxtrain.errors import UserError
+from jaxtrain.errors import OneLineParser, UserError
 from jaxtrain.memory import host_malloc
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -120,14 +121,15 @@ def check_out(path: Path, keep_keys: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     available = discover()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help=f"comma-separated modules to run (of: {', '.join(available)}); default all")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     # run_module's child process: one module, its keys to a file
     parser.add_argument("--devices", type=int, default=SIMULATED_CPU_DEVICES, help=argparse.SUPPRESS)
     parser.add_argument("--keys-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    chosen = available if args.only is None else [name.strip() for name in args.only.split(",") if name.strip()]
+    # a name given twice runs once (perf takes 12 minutes)
+    chosen = available if args.only is None else list(dict.fromkeys(name.strip() for name in args.only.split(",") if name.strip()))
     unknown = sorted(set(chosen) - set(available))
     try:
         if not chosen:
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         write_atomically(args.keys_out, keys_of(chosen[0]))
         return 0
 
-    runs, failed = results.setdefault("runs", {}), []
+    runs, failed, finished = results.setdefault("runs", {}), [], []
     for name in chosen:
         print(f"bench {name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
@@ -171,8 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - start
         runs[name] = {"seconds": round(seconds, 1), "keys": sorted(found), "simulated_cpu_devices": devices,
                       "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        finished.append(name)
         print(f"bench {name}: {len(found)} keys in {seconds:.0f}s", file=sys.stderr, flush=True)
+    # each run keeps the machine it ran on: a subset run on another machine must not relabel the kept keys
     results["machine"] = machine()
+    for name in finished:
+        runs[name]["machine"] = results["machine"]
     write_atomically(args.out, results)
     print(f"wrote {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     return 1 if failed else 0

@@ -13,7 +13,6 @@ none on CPUs). Used by benchmarks/gpu_h200.sh.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -23,13 +22,13 @@ import time
 
 from jaxtrain.cli import resolve_config
 from jaxtrain import xla_env
-from jaxtrain.errors import UserError
+from jaxtrain.errors import OneLineParser, UserError, positive_int
 from jaxtrain.memory import host_malloc
 
 
 def experiment_parser(description: str) -> argparse.ArgumentParser:
     """EXPERIMENT [key=value ...] [--mesh FILE] [--rules NAME]: what a one-GPU benchmark of an experiment takes."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = OneLineParser(description=description)
     parser.add_argument("experiment")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--mesh", default="gpu1")
@@ -39,7 +38,7 @@ def experiment_parser(description: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = experiment_parser(__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="per-device peak for MFU; default: the datasheet's for the device and model.dtype (log.peak_tflops)")
     parser.add_argument("--profile-steps", type=int, default=0, metavar="N",
@@ -52,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         host_malloc.reexec_with_jemalloc()  # as the jaxtrain command does, before jax starts
         host_malloc.configure()
         xla_env.set_defaults()  # as the jaxtrain command does
-        cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides)
+        # --peak-tflops as the config key it stands for, so that a value the key refuses stops here, not after the steps
+        peak = [] if args.peak_tflops is None else [f"log.peak_tflops={args.peak_tflops}"]
+        cfg = resolve_config(args.experiment, args.mesh, args.rules, [*args.overrides, *peak])
     except UserError as e:
         print(f"throughput: error: {e}", file=sys.stderr)
         return 2
@@ -84,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = profile_steps(trainer, state, batch, args.profile_steps) if args.profile_steps else None
     devices = trainer.mesh.size
     # the trainer's MFU denominator: a fixed 989 had read an H200 0.04% high and any other GPU against an H100's peak
-    peak_cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, peak_tflops=args.peak_tflops or cfg.log.peak_tflops))
-    peak, peak_source = resolve_peak(peak_cfg, list(trainer.mesh.devices.flat))
+    peak, peak_source = resolve_peak(cfg, list(trainer.mesh.devices.flat))
     model_flops = model_flops_per_token(trainer.layout) * trainer.tokens_per_step / step_s / devices
     memory = trainer.train_step.memory_analysis()
     # the program as XLA compiled it for these devices (on a GPU after autotuning: which gemms went to cuBLAS)

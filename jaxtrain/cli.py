@@ -24,7 +24,7 @@ from jaxtrain import distributed, xla_env
 from jaxtrain.adapt import adapters
 from jaxtrain.atomic import sigterm_cleans_up
 from jaxtrain.config import SamplingConfig
-from jaxtrain.errors import UserError
+from jaxtrain.errors import OneLineParser, UserError, positive_int
 from jaxtrain.interop import hf_config, hf_weights, peft
 from jaxtrain.memory import host_malloc
 
@@ -33,19 +33,6 @@ INTERRUPTED_EXIT_STATUS = 130  # checkpoint.INTERRUPTED_EXIT_STATUS, without imp
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _DEVICES_HELP = (f"simulated CPU devices when there is no accelerator (default: the mesh's size, at most {DEFAULT_CPU_DEVICES}; "
                  f"{DEFAULT_CPU_DEVICES} when an axis is -1)")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit status 2, no usage dump
-        print(f"jaxtrain: error: {message} (see '{self.prog} --help')", file=sys.stderr)
-        sys.exit(2)
-
-    def add_argument(self, *names, **kwargs):
-        # an option's text value may not be empty: `--init-from "$CKPT"` with CKPT unset read as no --init-from and
-        # trained from scratch (a QA report); --mesh, --rules and --run-dir fell back to their defaults the same way
-        if names[0].startswith("-") and kwargs.get("action", "store") == "store" and not {"type", "choices"} & set(kwargs):
-            kwargs["type"] = _non_empty
-        return super().add_argument(*names, **kwargs)
 
 
 def simulate_cpu_devices(count: int | None, default: int = DEFAULT_CPU_DEVICES) -> None:
@@ -67,18 +54,6 @@ def default_cpu_devices(mesh_cfg: config_lib.MeshConfig, num_processes: int | No
     processes = num_processes or distributed.cluster_tasks()
     local = mesh_cfg.ici.as_tuple() if processes > 1 else mesh_cfg.ici.as_tuple() + mesh_cfg.dcn.as_tuple()
     return DEFAULT_CPU_DEVICES if -1 in local else min(math.prod(local), DEFAULT_CPU_DEVICES)
-
-
-def _non_empty(text: str) -> str:
-    if not text:
-        raise argparse.ArgumentTypeError("expected a value, got an empty string (an unset shell variable?)")
-    return text
-
-
-def _positive_int(text: str) -> int:
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:  # int() also reads other scripts' digits
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
 
 
 def check_output_path(flag: str, path: Path) -> None:
@@ -371,15 +346,15 @@ def cmd_train_tokenizer(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="jaxtrain", description="Train large language models with JAX on device meshes.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = OneLineParser(prog="jaxtrain", description="Train large language models with JAX on device meshes.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     train = sub.add_parser("train", help="train an experiment; resumes a run directory that has checkpoints")
     train.add_argument("experiment", help="a name under experiments/ (e.g. tiny) or a path to an experiment .py file")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=100 optim.lr=3e-4")
     train.add_argument("--mesh", help="mesh file (a path, or a name under experiments/meshes/)")
     train.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
     train.add_argument("--run-dir", help="run directory (default runs/EXPERIMENT)")
-    train.add_argument("--devices", type=_positive_int, help=_DEVICES_HELP)
+    train.add_argument("--devices", type=positive_int, help=_DEVICES_HELP)
     train.add_argument("--init-from", metavar="PATH", help="start from another run's checkpoint (run dir or step dir), or from a "
                        "Hugging Face model directory (its config.json gives the model's shape); ignored once this run has checkpoints of its own")
     train.add_argument("--params-only", action="store_true", help="with --init-from: take only the parameters (fresh optimizer, step 0)")
@@ -390,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.microbatches=auto")
     plan.add_argument("--mesh", help="the target mesh file (a path, or a name under experiments/meshes/)")
     plan.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
-    plan.add_argument("--devices", type=_positive_int, help="devices to simulate (default: the mesh's size; an ici -1 fills an 8-GPU node)")
+    plan.add_argument("--devices", type=positive_int, help="devices to simulate (default: the mesh's size; an ici -1 fills an 8-GPU node)")
     plan.add_argument("--init-from", metavar="HF_DIR", help="the model's shape from a Hugging Face model directory's config.json, "
                       "as `train --init-from` takes it (the weights need not be there)")
     memory = plan.add_mutually_exclusive_group()
@@ -424,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "on it, or a PEFT adapter directory (adapter_config.json); merged into the weights before generating")
     generate.add_argument("--mesh", help="mesh file to generate on (default: the run's mesh; HF_DIR: every device on fsdp)")
     generate.add_argument("--rules", help="sharding rule set (default: the run's; HF_DIR: fsdp_tp)")
-    generate.add_argument("--devices", type=_positive_int, help=_DEVICES_HELP)
+    generate.add_argument("--devices", type=positive_int, help=_DEVICES_HELP)
     generate.set_defaults(func=cmd_generate)
     checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, committed, mesh/rules")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR", help="a training run's directory (its --run-dir)")
@@ -444,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.set_defaults(func=cmd_tokenize)
     train_tok = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer that transformers' AutoTokenizer loads")
     train_tok.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, .jsonl files, or directories of them")
-    train_tok.add_argument("--vocab-size", required=True, type=_positive_int, metavar="N", help="vocabulary size, special token included")
+    train_tok.add_argument("--vocab-size", required=True, type=positive_int, metavar="N", help="vocabulary size, special token included")
     train_tok.add_argument("--out", required=True, metavar="DIR", help="new directory for tokenizer.json and tokenizer_config.json")
     train_tok.set_defaults(func=cmd_train_tokenizer)
     export = sub.add_parser("export-hf", help="a run's checkpoint as a Hugging Face model directory (config.json, safetensors shards)")
@@ -457,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
     export.add_argument("--mesh", help="mesh to restore onto (default: the run's)")
     export.add_argument("--rules", help="sharding rule set to restore with (default: the run's)")
-    export.add_argument("--devices", type=_positive_int, help=_DEVICES_HELP)
+    export.add_argument("--devices", type=positive_int, help=_DEVICES_HELP)
     _add_process_flags(export)
     export.set_defaults(func=cmd_export_hf)
     for command_parser in sub.choices.values():  # an unknown option is reported by its command: `jaxtrain train --help`
@@ -467,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_process_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process: address of process 0's coordinator")
-    parser.add_argument("--num-processes", type=_positive_int, metavar="N", help="multi-process: number of processes")
+    parser.add_argument("--num-processes", type=positive_int, metavar="N", help="multi-process: number of processes")
     parser.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's index, 0..N-1")
 
 

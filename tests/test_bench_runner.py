@@ -1,6 +1,7 @@
-"""benchmarks/run.py: discovers bench_*.py modules, merges their keys with the machine description,
+"""benchmarks/run.py: discovers bench_*.py modules, merges their keys with the machine description (each run's own),
 keeps other modules' keys on a subset run, refuses a key two modules claim or a return it cannot store, and a bad
---out or --only before any module runs; report.py; and bench_checkpoint and bench_tokenize run."""
+--out or --only before any module runs; report.py; the benchmark scripts' argument errors in one line; and
+bench_checkpoint and bench_tokenize run."""
 
 import json
 import shutil
@@ -12,10 +13,13 @@ import pytest
 from conftest import REPO
 
 
+# no bytecode cache: a module rewritten within the same second must be re-read; this checkout's jaxtrain first on the
+# path (a git worktree's editable install points to another checkout)
+ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(REPO)}
+
+
 def _run(bench_dir, *args):
-    return subprocess.run([sys.executable, str(bench_dir / "run.py"), *args], capture_output=True, text=True, timeout=120,
-                          # no bytecode cache: a module rewritten within the same second must be re-read
-                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"})
+    return subprocess.run([sys.executable, str(bench_dir / "run.py"), *args], capture_output=True, text=True, timeout=120, env=ENV)
 
 
 def test_discovers_merges_and_keeps_keys_of_modules_not_run(tmp_path):
@@ -27,12 +31,19 @@ def test_discovers_merges_and_keeps_keys_of_modules_not_run(tmp_path):
     first = json.loads(out.read_text())
     assert (first["alpha_s"], first["beta_s"]) == (1.5, 2)
     assert first["machine"]["device_count"] == 8 and first["machine"]["platform"] == "cpu"
-    assert first["runs"]["alpha"]["keys"] == ["alpha_s"]
+    assert first["runs"]["alpha"]["keys"] == ["alpha_s"] and first["runs"]["alpha"]["machine"] == first["machine"]
 
+    # as if alpha had run on another machine: a subset run here keeps alpha's machine beside alpha's keys
+    elsewhere = first["machine"] | {"cpu": "another machine's CPU"}
+    moved = first["runs"] | {"alpha": first["runs"]["alpha"] | {"machine": elsewhere}}
+    out.write_text(json.dumps(first | {"machine": elsewhere, "runs": moved}))
     (tmp_path / "bench_beta.py").write_text("def run():\n    return {'beta_s': 3}\n")
-    assert _run(tmp_path, "--only", "beta").returncode == 0
+    twice = _run(tmp_path, "--only", "beta,beta")
+    assert twice.returncode == 0 and twice.stderr.count("bench beta ...") == 1
     second = json.loads(out.read_text())
     assert (second["alpha_s"], second["beta_s"]) == (1.5, 3)
+    assert (second["runs"]["alpha"]["machine"], second["runs"]["beta"]["machine"]) == (elsewhere, first["machine"])
+    assert second["machine"] == first["machine"]  # the file's: its last run's
     assert list(out.parent.iterdir()) == [out]  # no temporary file left behind
     assert out.stat().st_mode & 0o777 == 0o644  # readable by all, as jaxtrain's own outputs
 
@@ -120,26 +131,50 @@ def test_a_bad_out_or_only_is_one_line_before_any_module_runs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "a_file", "bench_marker.py", "garbage.json", "list.json", "run.py"]
 
 
+def test_benchmark_scripts_refuse_bad_arguments_in_one_line():
+    """Each benchmark command's mistakes, as the jaxtrain command's: one line, status 2, before any measurement."""
+    for script, *args, message in [
+            ("run.py", "--bogus", "run.py: error: unrecognized arguments: --bogus (see 'run.py --help')"),
+            ("report.py", "a.json", "b.json", "report.py: error: unrecognized arguments: b.json"),
+            ("gpu_h200.py", "--only", "mfu_1b,nosuch", "gpu_h200.py: error: unknown row(s) nosuch; rows: mfu_1b, "),
+            ("gpu_h200.py", "--steps", "0", "gpu_h200.py: error: argument --steps: expected a positive integer, got '0'"),
+            ("throughput.py", "tiny", "--steps", "0", "throughput.py: error: argument --steps: expected a positive integer, got '0'"),
+            ("throughput.py", "tiny", "--peak-tflops=-1", "throughput: error: log.peak_tflops=-1.0 must be greater than 0"),
+            ("bench_generate.py", "tiny", "--new-tokens", "0", "bench_generate.py: error: argument --new-tokens: expected a positive"),
+            ("bench_hf.py", "nosuch", "bench_hf: error: unknown experiment 'nosuch'; available: "),
+            ("finetune_demo.py", "--seeds", "0,x", "finetune_demo.py: error: argument --seeds: expected comma-separated integers")]:
+        result = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True, text=True,
+                                timeout=120, env=ENV)
+        assert (result.returncode, result.stderr.splitlines()) == (2, [result.stderr.strip()]), (script, args, result.stderr[-2000:])
+        assert result.stderr.startswith(message), (script, args, result.stderr)
+
+
 def _report(*args):
     return subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"), *args], capture_output=True, text=True,
-                          timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"})
+                          timeout=120, env=ENV)
 
 
 def test_report_shows_every_module_run_and_refuses_a_file_that_is_not_results_in_one_line(tmp_path):
     latest = json.loads((REPO / "benchmarks" / "results" / "latest.json").read_text())
     results = tmp_path / "tokenize_only.json"
+    tokenize_machine = latest["machine"] | {"cpu": "the tokenize run's CPU"}
     results.write_text(json.dumps({
-        "machine": latest["machine"], "tokenize_ratio": 1.11349, "tokenize_detail": {"rounds": [0.5, 2 / 3]},
-        "runs": {"tokenize": {"seconds": 11.8, "keys": ["tokenize_detail", "tokenize_ratio"], "finished": "2026-12-05T06:00:00+00:00"}}}))
+        "machine": latest["machine"], "tokenize_ratio": 1.11349, "tokenize_detail": {"rounds": [0.5, 2 / 3]}, "sft_fill_packed": 0.9,
+        "runs": {"tokenize": {"seconds": 11.8, "keys": ["tokenize_detail", "tokenize_ratio"], "finished": "2026-12-05T06:00:00+00:00",
+                              "machine": tokenize_machine},
+                 "sft": {"seconds": 2, "keys": ["sft_fill_packed"], "finished": "2026-12-01T06:46:32+00:00"}}}))
     report = _report(str(results))
     assert report.returncode == 0, report.stderr
-    assert "### tokenize: run finished 2026-12-05T06:00:00+00:00 in 12s" in report.stdout and "perf" not in report.stdout
+    assert "### tokenize: run finished 2026-12-05T06:00:00+00:00 in 12s\n\nMachine: the tokenize run's CPU, 2 cores" in report.stdout
+    assert "### sft: run finished 2026-12-01T06:46:32+00:00 in 2s\n\nMachine: not recorded for this run." in report.stdout
+    assert "perf" not in report.stdout
     assert '| tokenize_detail | {"rounds": [0.5, 0.6667]} |\n| tokenize_ratio | 1.113 |' in report.stdout
 
     # the checked-in results: perf's own tables, and a section for each of the other modules
     full = _report(str(REPO / "benchmarks" / "results" / "latest.json"))
     assert full.returncode == 0, full.stderr
     assert "| overhead_ratio (1 device, dp) |" in full.stdout and "| compute dtype | remat |" in full.stdout
+    assert "| cross_entropy | {\"speedup\": " in full.stdout  # perf's keys outside its tables are not left out
     assert all(f"\n### {name}: run finished " in full.stdout for name in latest["runs"])
 
     (tmp_path / "garbage.json").write_text("garbage")
