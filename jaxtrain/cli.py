@@ -56,6 +56,15 @@ def default_cpu_devices(mesh_cfg: config_lib.MeshConfig, num_processes: int | No
     return DEFAULT_CPU_DEVICES if -1 in local else min(math.prod(local), DEFAULT_CPU_DEVICES)
 
 
+def _positive_int32(text: str) -> int:
+    """A count that XLA's and jax's C++ read as int32 (--devices, --num-processes): a larger --devices printed XLA's whole
+    flag table and exit status 1, a larger --num-processes was a TypeError traceback from jax's coordinator."""
+    value = positive_int(text)
+    if value > config_lib.INT32_MAX:
+        raise argparse.ArgumentTypeError(f"expected a positive integer of at most {config_lib.INT32_MAX}, got {text!r}")
+    return value
+
+
 def check_output_path(flag: str, path: Path) -> None:
     """One line before any work where ``path`` cannot be created: a part of it that exists is a file, or a
     directory this user cannot write in (an existing directory, a run to resume, needs no write access above it)."""
@@ -350,11 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     train = sub.add_parser("train", help="train an experiment; resumes a run directory that has checkpoints")
     train.add_argument("experiment", help="a name under experiments/ (e.g. tiny) or a path to an experiment .py file")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=100 optim.lr=3e-4")
+    # default=[]: argparse counts a '*' positional without a default as required, and named key=value as missing
+    train.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                       help="config overrides, e.g. train.steps=100 optim.lr=3e-4")
     train.add_argument("--mesh", help="mesh file (a path, or a name under experiments/meshes/)")
     train.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
     train.add_argument("--run-dir", help="run directory (default runs/EXPERIMENT)")
-    train.add_argument("--devices", type=positive_int, help=_DEVICES_HELP)
+    train.add_argument("--devices", type=_positive_int32, help=_DEVICES_HELP)
     train.add_argument("--init-from", metavar="PATH", help="start from another run's checkpoint (run dir or step dir), or from a "
                        "Hugging Face model directory (its config.json gives the model's shape); ignored once this run has checkpoints of its own")
     train.add_argument("--params-only", action="store_true", help="with --init-from: take only the parameters (fresh optimizer, step 0)")
@@ -362,10 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="per-device memory of an experiment on a target mesh: estimate, compiled truth, fixes")
     plan.add_argument("experiment", help="a name under experiments/ (e.g. llama3_8b) or a path to an experiment .py file")
-    plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.microbatches=auto")
+    plan.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config overrides, e.g. train.microbatches=auto")
     plan.add_argument("--mesh", help="the target mesh file (a path, or a name under experiments/meshes/)")
     plan.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
-    plan.add_argument("--devices", type=positive_int, help="devices to simulate (default: the mesh's size; an ici -1 fills an 8-GPU node)")
+    plan.add_argument("--devices", type=_positive_int32,
+                      help="devices to simulate (default: the mesh's size; an ici -1 fills an 8-GPU node)")
     plan.add_argument("--init-from", metavar="HF_DIR", help="the model's shape from a Hugging Face model directory's config.json, "
                       "as `train --init-from` takes it (the weights need not be there)")
     memory = plan.add_mutually_exclusive_group()
@@ -399,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "on it, or a PEFT adapter directory (adapter_config.json); merged into the weights before generating")
     generate.add_argument("--mesh", help="mesh file to generate on (default: the run's mesh; HF_DIR: every device on fsdp)")
     generate.add_argument("--rules", help="sharding rule set (default: the run's; HF_DIR: fsdp_tp)")
-    generate.add_argument("--devices", type=positive_int, help=_DEVICES_HELP)
+    generate.add_argument("--devices", type=_positive_int32, help=_DEVICES_HELP)
     generate.set_defaults(func=cmd_generate)
     checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, committed, mesh/rules")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR", help="a training run's directory (its --run-dir)")
@@ -432,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
     export.add_argument("--mesh", help="mesh to restore onto (default: the run's)")
     export.add_argument("--rules", help="sharding rule set to restore with (default: the run's)")
-    export.add_argument("--devices", type=positive_int, help=_DEVICES_HELP)
+    export.add_argument("--devices", type=_positive_int32, help=_DEVICES_HELP)
     _add_process_flags(export)
     export.set_defaults(func=cmd_export_hf)
     for command_parser in sub.choices.values():  # an unknown option is reported by its command: `jaxtrain train --help`
@@ -442,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_process_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process: address of process 0's coordinator")
-    parser.add_argument("--num-processes", type=positive_int, metavar="N", help="multi-process: number of processes")
+    parser.add_argument("--num-processes", type=_positive_int32, metavar="N", help="multi-process: number of processes")
     parser.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's index, 0..N-1")
 
 

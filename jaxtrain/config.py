@@ -35,6 +35,10 @@ GRAD_SYNCS = ("auto", "step", "microbatch")  # optim.grad_sync (jaxtrain/memory/
 # wsd (warmup-stable-decay): optim.lr until the last optim.decay_fraction of train.steps, then a decay of optim.decay_shape
 SCHEDULES = ("cosine", "linear", "wsd")
 DECAY_SHAPES = ("linear", "1-sqrt", "cosine")  # the factor at progress p of the decay: 1 - p, 1 - sqrt(p), (1 + cos(pi p)) / 2
+# the train state's step counters are int32 (the spike window's count, the loss scale's run of finite steps): a larger
+# train.spike_window or optim.loss_scale_period stopped the first step with jax's OverflowError traceback; XLA and jax
+# read --devices and --num-processes as int32 too (cli.py)
+INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,12 +218,15 @@ _OTHER_NAMES = {"learning_rate": "lr", "batch_size": "global_batch", "max_steps"
                 "grad_clip": "clip_norm", "max_grad_norm": "clip_norm", "n_layers": "num_layers", "hidden_size": "d_model",
                 "intermediate_size": "mlp_dim", "gradient_accumulation_steps": "microbatches", "lr_scheduler_type": "schedule",
                 "lr_schedule": "schedule", "scheduler": "schedule", "decay_ratio": "decay_fraction", "min_lr_factor": "min_lr_ratio",
-                "decay_type": "decay_shape"}
+                "decay_type": "decay_shape", "freq": "every", "interval": "every",
+                # the parallelism abbreviations (and our rule sets' names: dp, tp, pp_*): spelling alone offered fsdp for tp
+                "dp": "data", "tp": "tensor", "pp": "stage", "ep": "expert", "pipeline": "stage"}
 
 
 def _did_you_mean(key: str, candidates) -> str:
     """The hint after "unknown config key": a section's keys, the keys of that name (in the section given, else in
-    any: `lr` is optim.lr), else the closest spelling, else every key."""
+    any: `lr` is optim.lr), else the closest spelling, else every key. Our keys are lower case: TRAIN.STEPS is train.steps."""
+    key = key.lower()
     inside = sorted(c for c in candidates if c.startswith(f"{key}."))
     if inside:
         return f", a section; give one of its keys: {', '.join(inside)}"
@@ -564,11 +571,15 @@ def _out_of_range(key: str, value: float, low: float, high: float = math.inf, *,
     below = value < high if high_open else value <= high
     if above and below:
         return None
+
+    def bound(x: float) -> str:  # an integer whole: :g printed INT32_MAX as 2.14748e+09
+        return str(x) if isinstance(x, int) else f"{x:g}"
+
     if high == math.inf:
-        what = f"{'greater than' if low_open else 'at least'} {low:g}"
+        what = f"{'greater than' if low_open else 'at least'} {bound(low)}"
     else:
-        what = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    finite = "" if math.isfinite(value) else "a finite number, "
+        what = f"in {'(' if low_open else '['}{bound(low)}, {bound(high)}{')' if high_open else ']'}"
+    finite = "" if isinstance(value, int) or math.isfinite(value) else "a finite number, "  # isfinite(10**400) raises
     return f"{key}={value} must be {finite}{what}{meaning}"
 
 
@@ -612,9 +623,9 @@ def range_problems(cfg: Config) -> list[str]:
         r("log.layer_every", cfg.log.layer_every, 0, meaning=" (0: off)"),
         r("train.skip_nonfinite", t.skip_nonfinite, 0, meaning=" (0: stop at the first)"),
         r("train.skip_spikes", t.skip_spikes, 0, high_open=True, meaning=" (standard deviations; 0: off)"),
-        r("train.spike_window", t.spike_window, 2, meaning=" (the steps the mean and deviation of train.skip_spikes are taken over)"),
-        *(r(key, seed, 0) or (f"{key}={seed} must be in [0, {SamplingConfig.SEED_MAX}]" if seed > SamplingConfig.SEED_MAX else None)
-          for key, seed in (("train.seed", t.seed), ("data.seed", d.seed))),  # r's :g would print the bound as 4.29497e+09
+        r("train.spike_window", t.spike_window, 2, INT32_MAX,
+          meaning=" (the steps the mean and deviation of train.skip_spikes are taken over)"),
+        r("train.seed", t.seed, 0, SamplingConfig.SEED_MAX), r("data.seed", d.seed, 0, SamplingConfig.SEED_MAX),
         r("data.val_fraction", d.val_fraction, 0, 1, low_open=True, high_open=True),
         r("optim.lr", o.lr, 0, high_open=True),
         r("optim.warmup_steps", o.warmup_steps, 0),
@@ -624,7 +635,7 @@ def range_problems(cfg: Config) -> list[str]:
         r("optim.b1", o.b1, 0, 1, high_open=True), r("optim.b2", o.b2, 0, 1, high_open=True),
         r("optim.eps", o.eps, 0, low_open=True, high_open=True),
         r("optim.clip_norm", o.clip_norm, 0, high_open=True, meaning=" (0: no clipping)"),
-        r("optim.loss_scale_period", o.loss_scale_period, 1),
+        r("optim.loss_scale_period", o.loss_scale_period, 1, INT32_MAX),
     ]
     if isinstance(t.microbatches, int):
         problems.append(r("train.microbatches", t.microbatches, 1, meaning=" or 'auto'"))

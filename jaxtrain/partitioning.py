@@ -40,10 +40,12 @@ def _rule_path(name_or_path: str, extended_by: Path | None = None) -> Path:
         path = RULES_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         names = sorted(p.stem for p in RULES_DIR.glob("*.yaml"))
+        what = f"rule set '{name_or_path}'" if extended_by is None else f"rule set {extended_by}: extends '{name_or_path}', which"
+        if name_or_path and Path(name_or_path).is_dir():  # it was "not found; did you mean 'tp'?" for /tmp (Path("") is ".")
+            raise UserError(f"{what} is a directory; give a rule-set YAML file or one of: {', '.join(names)}")
         close = _did_you_mean(name_or_path, names)
         hint = f"did you mean '{close}'? " if close else ""
-        what = f"rule set '{name_or_path}'" if extended_by is None else f"rule set {extended_by}: extends '{name_or_path}', which is"
-        raise UserError(f"{what} not found; {hint}give a path or one of: {', '.join(names)}")
+        raise UserError(f"{what}{' is' if extended_by else ''} not found; {hint}give a path or one of: {', '.join(names)}")
     return path
 
 

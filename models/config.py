@@ -70,6 +70,12 @@ class LoraConfig:
                 ours = ",".join(HF_PROJECTIONS[item] for item in unmatched)
                 whole = "model.lora.targets=" if len(unmatched) == len(items) else ""  # the value to give, where all were PEFT's
                 wrong[-1] += f" (as PEFT names modules; jaxtrain's: {whole}{ours})"
+        value = self.targets.strip()
+        listed = ",".join(item.strip().strip("'\"") for item in value[1:-1].split(","))
+        if wrong and value[:1] + value[-1:] in ("[]", "()") and not LoraConfig(rank=self.rank, targets=listed).problems():
+            # a list as Hydra or YAML writes it: '[q' was "not a regular expression" and 'k]' "matches no weight"
+            return out + [f"model.lora.targets={self.targets} is a list in brackets; give its items comma-separated, without "
+                          f"them: model.lora.targets={listed}"]
         if wrong:
             choices = ", ".join(f"{n} ({m}.{w})" for n, (m, w, _) in LORA_TARGETS.items())
             out.append(f"{'; '.join(wrong)}; targets are {choices}, or regular expressions over them")

@@ -112,6 +112,10 @@ CASES = {
                                           "optim.lr=1e+39 is infinite in float32, the optimizer's arithmetic; use at most 3.4e+38"),
     "unknown remat policy": (lambda t: ["model.remat=some"], "model.remat='some' is not a remat policy"),
     "unknown rule set": (lambda t: ["--rules", "zero9"], "rule set 'zero9' not found; did you mean 'zero2'? give a path or one of: dp, dp_ep, fsdp, fsdp_ep, fsdp_tp, fsdp_tp_ep, pp_dp, pp_fsdp, pp_fsdp_tp, tp"),
+    # "not found; did you mean 'tp'?": the directory was found
+    "rule set that is a directory": (lambda t: ["--rules", str(t)], "' is a directory; give a rule-set YAML file or one of: dp, dp_ep, "),
+    "rule file extending a directory": (lambda t: ["--rules", _rules_file(t, extends=str(t))],
+                                        "', which is a directory; give a rule-set YAML file or one of: dp, dp_ep, "),
     # it named train.microbatches=1, which the user never wrote
     "global batch that train.microbatches=auto cannot split": (
         lambda t: ["train.microbatches=auto", "train.global_batch=6"],
@@ -153,6 +157,11 @@ CASES = {
     "device count in another script's digits": (lambda t: ["--devices", "\u0668"],  # int() reads it as 8
                                                 "argument --devices: expected a positive integer, got '\u0668'"),
     "no devices": (lambda t: ["--devices", "0"], "argument --devices: expected a positive integer, got '0'"),  # read as unset
+    # int32 in XLA and jax: XLA printed its whole flag table (exit status 1), jax's coordinator a TypeError traceback
+    "more devices than XLA counts": (lambda t: ["--devices", "2147483648"],
+                                     "argument --devices: expected a positive integer of at most 2147483647, got '2147483648'"),
+    "more processes than jax counts": (lambda t: ["--num-processes", str(10**20), "--process-id", "0", "--coordinator", "localhost:26199"],
+                                       f"argument --num-processes: expected a positive integer of at most 2147483647, got '{10**20}'"),
     # it trained from scratch: the flag has nothing to take the parameters of
     "--params-only without --init-from": (lambda t: ["--params-only"], "--params-only needs --init-from PATH"),
     "cuDNN attention without a GPU": (lambda t: ["model.attention=cudnn"],
@@ -273,6 +282,15 @@ def test_a_command_that_takes_no_overrides_refuses_an_extra_argument(command, ca
         cli.main(command)
     assert _one_line_error(exit.value.code, capsys.readouterr().err) == \
         f"jaxtrain: error: unrecognized arguments: other (see 'jaxtrain {command[0]} --help')"
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_a_missing_experiment_names_it_alone(command, capsys):
+    """The overrides are optional: the line read 'the following arguments are required: experiment, key=value'."""
+    with pytest.raises(SystemExit) as exit:
+        cli.main([command])
+    assert _one_line_error(exit.value.code, capsys.readouterr().err) == \
+        f"jaxtrain: error: the following arguments are required: experiment (see 'jaxtrain {command} --help')"
 
 
 def test_a_run_dir_that_cannot_be_made(tmp_path, monkeypatch, capsys):

@@ -166,9 +166,12 @@ def test_an_experiment_files_values_are_read_as_overrides_are(tmp_path):
 
 @pytest.mark.parametrize("key, ours", [("optim.learning_rate", "optim.lr"), ("train.batch_size", "train.global_batch"),
                                        ("train.max_steps", "train.steps"), ("optim.lrr", "optim.lr"),
-                                       ("optim.lr_scheduler_type", "optim.schedule"), ("optim.decay_type", "optim.decay_shape")])
+                                       ("optim.lr_scheduler_type", "optim.schedule"), ("optim.decay_type", "optim.decay_shape"),
+                                       ("mesh.ici.tp", "mesh.ici.tensor"), ("mesh.dcn.pp", "mesh.dcn.stage"),
+                                       ("mesh.ici.pipeline", "mesh.ici.stage"), ("log.freq", "log.every"), ("TRAIN.STEPS", "train.steps")])
 def test_an_unknown_key_suggests_ours_for_other_frameworks_names(key, ours):
-    """optim.learning_rate is spelt more like optim.min_lr_ratio than optim.lr, which difflib alone suggested."""
+    """optim.learning_rate is spelt more like optim.min_lr_ratio than optim.lr, which difflib alone suggested; it offered
+    mesh.ici.fsdp for mesh.ici.tp, log.progress for log.freq, and every key for TRAIN.STEPS."""
     with pytest.raises(UserError, match=f"unknown config key '{key}'; did you mean '{ours}'"):
         config_lib.apply_overrides(config_lib.Config(), [f"{key}=1"])
 
@@ -189,8 +192,8 @@ def test_an_unknown_key_suggests_ours_for_other_frameworks_names(key, ours):
     ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1 must be at least 0"),
     ("train.eval_batches=0", "train.eval_batches=0 must be at least 1"),
     ("train.eval_every=-1", r"train.eval_every=-1 must be at least 0 \(0: evaluate only at the end\)"),
-    ("train.seed=-1", "train.seed=-1 must be at least 0"),
-    ("data.seed=-3", "data.seed=-3 must be at least 0"),
+    ("train.seed=-1", r"train.seed=-1 must be in \[0, 4294967295\]"),
+    ("data.seed=-3", r"data.seed=-3 must be in \[0, 4294967295\]"),
     ("data.val_fraction=1", r"data.val_fraction=1.0 must be in \(0, 1\)"),
     ("log.layer_every=-1", "log.layer_every=-1 must be at least 0"),
     ("log.peak_tflops=0", "log.peak_tflops=0.0 must be greater than 0"),
@@ -215,7 +218,11 @@ def test_an_unknown_key_suggests_ours_for_other_frameworks_names(key, ours):
     ("train.steps=0", "train.steps=0 must be at least 1"), ("train.global_batch=0", "train.global_batch=0 must be at least 1"),
     ("data.seq_len=0", "data.seq_len=0 must be at least 1"), ("log.every=0", "log.every=0 must be at least 1"),
     ("checkpoint.every=0", "checkpoint.every=0 must be at least 1"), ("checkpoint.keep=0", "checkpoint.keep=0 must be at least 1"),
-    ("optim.loss_scale_period=0", "optim.loss_scale_period=0 must be at least 1"),
+    ("optim.loss_scale_period=0", r"optim.loss_scale_period=0 must be in \[1, 2147483647\]"),
+    # the train state counts these in int32: larger was jax's OverflowError traceback at the first step (a QA report)
+    ("optim.loss_scale_period=2147483648", r"optim.loss_scale_period=2147483648 must be in \[1, 2147483647\]$"),
+    ("train.spike_window=3000000000", r"train.spike_window=3000000000 must be in \[2, 2147483647\] \(the steps the mean"),
+    (f"train.spike_window={10**400}", rf"train.spike_window={10**400} must be in \[2, 2147483647\]"),  # no float() of it
     ("data.val_fraction=0", r"data.val_fraction=0.0 must be in \(0, 1\)"),
     ("log.profile_steps=0:2", "log.profile_steps='0:2' must be START:END with 0 < START <= END"),  # steps count from 1
     ("train.loss_chunk=-4", r"train.loss_chunk=-4 must be 0 \(off\) or a positive divisor of data.seq_len=256"),

@@ -257,6 +257,15 @@ def test_wrong_lora_targets_get_one_hint(tmp_path, capsys):
                         "or regular expressions over them"]
 
 
+@pytest.mark.parametrize("targets", ["[q,v]", "(q, v)", "['q', 'v']"])
+def test_lora_targets_in_brackets_are_told_the_list_syntax(targets):
+    """Hydra's and YAML's list syntax: '[q' was "not a regular expression" and 'v]' "matches no weight"."""
+    assert LoraConfig(rank=4, targets=targets).problems() == [
+        f"model.lora.targets={targets} is a list in brackets; give its items comma-separated, without them: model.lora.targets=q,v"]
+    assert LoraConfig(rank=4, targets="[qv]").problems() == []  # a regular expression in brackets is one
+    assert "is a list in brackets" not in LoraConfig(rank=4, targets="[q,nosuch]").problems()[0]
+
+
 def test_adapters_lists_what_the_newest_committed_checkpoint_holds(tmp_path, capsys):
     """A run killed (SIGKILL) after step 6's metrics, with step 4 its newest committed checkpoint and step 6's save left
     temporary: `jaxtrain adapters` listed steps 6 and step 6's eval loss, progress no checkpoint holds (a QA report)."""
