@@ -80,6 +80,12 @@ def layer_scope(scanned, rows: jax.Array | None = None):
         _LAYER_KEY.reset(token)
 
 
+# The adapters are float32 master weights whatever model.param_dtype stores the base in, as PEFT keeps them
+# (autocast_adapter_dtype): in bfloat16 an update below 2^-9 of its weight rounded away, so B, growing from zero by about
+# the learning rate a step, stopped learning after some hundred steps. The forward reads them in the compute dtype.
+ADAPTER_DTYPE = jnp.float32
+
+
 class LoRA(nnx.Module):
     def __init__(self, base: nnx.Param, inputs: int, rank: int, alpha: float, rngs: nnx.Rngs, dropout: float = 0.0, salt: int = 0):
         shape, axes = base.shape, base.get_metadata()["out_sharding"]
@@ -87,9 +93,9 @@ class LoRA(nnx.Module):
         for size in shape[:inputs]:
             fan_in *= size
         bound = fan_in ** -0.5  # PEFT's kaiming_uniform(a=sqrt(5)) on lora_A
-        self.a = nnx.LoRAParam(jax.random.uniform(rngs.params(), (*shape[:inputs], rank), base.dtype, -bound, bound),
+        self.a = nnx.LoRAParam(jax.random.uniform(rngs.params(), (*shape[:inputs], rank), ADAPTER_DTYPE, -bound, bound),
                                out_sharding=(*axes[:inputs], None), eager_sharding=False)
-        self.b = nnx.LoRAParam(jnp.zeros((rank, *shape[inputs:]), base.dtype), out_sharding=(None, *axes[inputs:]),
+        self.b = nnx.LoRAParam(jnp.zeros((rank, *shape[inputs:]), ADAPTER_DTYPE), out_sharding=(None, *axes[inputs:]),
                                eager_sharding=False)
         self.inputs = inputs
         self.scale = alpha / rank
@@ -120,9 +126,9 @@ class ExpertLoRA(nnx.Module):
     def __init__(self, weights: list[nnx.Param], rank: int, alpha: float, rngs: nnx.Rngs):
         (experts, inputs, outputs), axes = weights[0].shape, weights[0].get_metadata()["out_sharding"]
         bound = inputs ** -0.5  # PEFT's kaiming_uniform(a=sqrt(5)) on lora_A (in features: the expert's input)
-        self.a = nnx.LoRAParam(jax.random.uniform(rngs.params(), (experts, inputs, rank), weights[0].dtype, -bound, bound),
+        self.a = nnx.LoRAParam(jax.random.uniform(rngs.params(), (experts, inputs, rank), ADAPTER_DTYPE, -bound, bound),
                                out_sharding=(axes[0], axes[1], None), eager_sharding=False)
-        self.b = nnx.LoRAParam(jnp.zeros((experts, rank, len(weights), outputs), weights[0].dtype),
+        self.b = nnx.LoRAParam(jnp.zeros((experts, rank, len(weights), outputs), ADAPTER_DTYPE),
                                out_sharding=(axes[0], None, None, axes[2]), eager_sharding=False)
         self.scale = alpha / rank
 

@@ -9,6 +9,7 @@ import shutil
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -24,7 +25,7 @@ from jaxtrain.layout import make_layout
 from jaxtrain.observe.metrics import format_summary
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.train import build, train
-from models.config import LORA_TARGETS, LoraConfig
+from models.config import LORA_TARGETS, LoraConfig, MoEConfig
 from models.llama import Llama
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, 16))
@@ -83,6 +84,20 @@ def test_fresh_adapters_draw_a_as_peft_does_and_b_zero():
         adapter = layers[module][f"lora_{target}"]
         assert 0.95 < np.max(np.abs(adapter["a"])) * fan_in**0.5 <= 1, target
         assert not np.any(adapter["b"]), target
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+def test_adapters_are_float32_master_weights_on_a_bfloat16_base(experts):
+    """As PEFT keeps them (autocast_adapter_dtype): in bfloat16 (the LoRA experiments' model.param_dtype) an update below
+    2^-9 of its weight rounded away, so B, growing from zero by about the learning rate a step, stopped learning. The
+    base stays in model.param_dtype; the optimizer's moments follow the adapters (float32)."""
+    moe = {"mlp_dim": 16, "moe": MoEConfig(num_experts=experts, top_k=2)} if experts else {}
+    cfg = lora_config(mesh=(1, 1, 1), param_dtype="bfloat16", **moe)
+    state = make_layout(cfg, jax.devices()[:1]).abstract_state()
+    adapters = {jax.tree_util.keystr(path): x.dtype for path, x in jax.tree_util.tree_leaves_with_path(state.params)}
+    assert any("lora_down" in path or "lora_experts" in path for path in adapters)
+    assert set(adapters.values()) == {np.dtype(np.float32)}, adapters
+    assert {x.dtype for x in jax.tree.leaves(state.frozen)} == {jnp.dtype(jnp.bfloat16)}
 
 
 def test_the_base_hash_sees_each_value_where_it_is():

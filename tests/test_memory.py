@@ -309,28 +309,35 @@ def test_adam_keeps_float32_moments_for_bfloat16_parameters():
     assert {x.dtype for x in jax.tree.leaves(optax.apply_updates(params, updates))} == {jnp.dtype(jnp.bfloat16)}
 
 
-def test_a_bfloat16_run_saved_with_bfloat16_moments_resumes_with_them_widened(corpus, tmp_path, monkeypatch):
-    """A checkpoint of a bfloat16-parameter run written before the moments were float32 (2026-12-06) reads back, each
-    moment widened exactly, and the run goes on."""
+@pytest.mark.parametrize("lora", [False, True], ids=["bfloat16 parameters", "LoRA on a bfloat16 base"])
+def test_a_bfloat16_run_saved_with_bfloat16_moments_resumes_with_them_widened(lora, corpus, tmp_path, monkeypatch):
+    """A checkpoint of a bfloat16-parameter run written before the moments (and a LoRA run's adapters) were float32
+    (2026-12-06) reads back, each value widened exactly, and the run goes on."""
     from jaxtrain import optim
+    from models import lora as adapters_lib
 
-    cfg = with_(_cfg(param_dtype="bfloat16"), train={"steps": 2}, checkpoint={"every": 2})
+    cfg = with_(_cfg(param_dtype="bfloat16", lora=LoraConfig(rank=4, alpha=8.0) if lora else LoraConfig()),
+                train={"steps": 2}, checkpoint={"every": 2})
     with monkeypatch.context() as before:
-        # as before: the gradients rounded to the parameters' dtype, optax's moments kept in it
+        # as before: the gradients rounded to the parameters' dtype, optax's moments kept in it, the adapters the base's
         before.setattr(optim, "in_float32", lambda tx: optax.GradientTransformation(tx.init, lambda grads, state, params: tx.update(
             jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), state, params)))
+        before.setattr(adapters_lib, "ADAPTER_DTYPE", jnp.bfloat16)
         old = build(cfg, corpus)
         train(cfg, tmp_path / "run", old)
     saved = checkpoint_lib.restore_from(tmp_path / "run" / "checkpoints" / "2", old.layout.abstract_state(), None, params_only=False)
-    assert {x.dtype for x in jax.tree.leaves(saved.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype(jnp.bfloat16)}
+    floats = lambda tree: {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}  # noqa: E731
+    assert floats((saved.params, saved.opt_state)) == {jnp.dtype(jnp.bfloat16)}
 
     longer = with_(cfg, train={"steps": 3})
     trainer = build(longer, corpus)
     widened = checkpoint_lib.restore_from(tmp_path / "run" / "checkpoints" / "2", trainer.layout.abstract_state(), None,
                                           params_only=False)
-    jax.tree.map(lambda w, s: np.testing.assert_array_equal(w, np.asarray(s, np.float32)), widened.opt_state, saved.opt_state)
+    assert floats(widened.opt_state) == {jnp.dtype(jnp.float32)} and floats(widened.params) == {jnp.dtype(jnp.float32 if lora else jnp.bfloat16)}
+    jax.tree.map(lambda w, s: np.testing.assert_array_equal(w, np.asarray(s).astype(w.dtype)),
+                 (widened.params, widened.opt_state), (saved.params, saved.opt_state))
     final = train(longer, tmp_path / "run", trainer)
-    assert int(final.step) == 3 and {x.dtype for x in jax.tree.leaves(final.opt_state[1][0].nu)} == {jnp.dtype(jnp.float32)}
+    assert int(final.step) == 3 and floats(final.opt_state) == {jnp.dtype(jnp.float32)}
 
 
 def test_float16_non_finite_loss_is_not_an_overflow():
