@@ -22,6 +22,7 @@ from test_lora import TOKENS, _forward, _logits, lora_config
 from jaxtrain import cli
 from jaxtrain import generate as generate_lib
 from jaxtrain.adapt import lora as lora_lib
+from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config
 from jaxtrain.interop import peft as peft_io
@@ -244,6 +245,27 @@ def test_a_peft_adapter_config_without_alpha_takes_peft_s_default(hf_base, tmp_p
     _assert_same_logits(_adapted_logits(hf_dir, tmp_path / "adapter"), _torch_logits(adapted), _torch_logits(hf_model))
 
 
+def test_adapters_on_attention_only_are_written_as_peft_names_them_and_read_back(tmp_path):
+    """model.lora.targets=q,v (PEFT's default targets for Llama): the trained tree has no mlp subtree, and
+    `export-hf --adapter-only` stopped with a KeyError traceback (a QA report)."""
+    model_cfg = dataclasses.replace(small_config().model, lora=LoraConfig(rank=2, targets="q,v"))
+    rng = np.random.default_rng(0)
+    adapters = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), split_frozen(model_spec(model_cfg).shapes)[0])
+    tensors = peft_io.to_peft(adapters["layers"], model_cfg)
+    assert {name.split(".")[-3] for name in tensors} == {"q_proj", "v_proj"}
+    jax.tree.map(np.testing.assert_array_equal, peft_io.from_peft(tensors, model_cfg, tmp_path), adapters["layers"])
+
+
+@pytest.mark.parametrize("key, value", [("r", 0), ("r", -1), ("r", "4"), ("lora_alpha", None), ("lora_alpha", float("nan"))])
+def test_a_peft_adapter_config_with_no_usable_rank_or_alpha_is_one_line(key, value, tmp_path):
+    """Checked before any weight is read: r 0 was blamed on the base's shape once the base was read ("this base needs
+    (0, 32)"), lora_alpha null stopped with a TypeError traceback."""
+    written = json.loads(json.dumps(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]).to_dict(), default=str))
+    (tmp_path / peft_io.CONFIG_FILE).write_text(json.dumps(written | {key: value}))
+    with pytest.raises(UserError, match=rf"adapter_config.json: {key}={value!r} is not a (positive integer|finite number) "):
+        peft_io.read_adapter_config(tmp_path)
+
+
 def test_a_peft_adapter_holding_tensors_outside_its_targets_is_one_line(hf_base, tmp_path):
     """Tensors the targets do not name (an edited adapter_config.json, embeddings PEFT saved beside the adapters) would be
     left out of the model without a word."""
@@ -277,6 +299,25 @@ def test_generate_with_a_qlora_adapter_serves_the_model_it_trained(hf_base, corp
     assert cli.main(["generate", str(hf_dir), "--adapter", str(run_dir), "--prompt", "1 2", "--max-new-tokens", "2"]) == 0
     said = capsys.readouterr().err
     assert f"jaxtrain: --adapter {run_dir} trained on the base quantized to nf4: applied to it quantized the same way" in said
+
+
+def test_generate_takes_the_adapters_of_a_run_on_its_base_in_bfloat16(hf_base, corpus, tmp_path):
+    """A run with model.param_dtype=bfloat16 (llama3_8b_lora's, llama3_70b_qlora's) hashed its base in bfloat16, and
+    `generate HF_DIR` loads the base in float32: the run's adapters and their PEFT export were refused as trained on
+    another base (a QA report); another base still is."""
+    hf_dir, hf_model = hf_base
+    cfg = lora_config(rank=2, param_dtype="bfloat16")
+    cfg = dataclasses.replace(cfg, model=hf_config.model_config(hf_dir, cfg.model, set(), cfg.data.seq_len))
+    run_dir = tmp_path / "run"
+    train(cfg, run_dir, build(cfg, corpus), init_from=hf_dir)
+    assert cli.main(["export-hf", str(run_dir), "--out", str(tmp_path / "adapter"), "--adapter-only"]) == 0
+    base = generate_lib.load(hf_dir)
+    for adapter in (run_dir, tmp_path / "adapter"):
+        lora_lib.with_adapter(base, adapter)
+    other = tmp_path / "other_base"
+    transformers.LlamaForCausalLM(hf_model.config).save_pretrained(other)
+    with pytest.raises(UserError, match=f"^--adapter {run_dir} was trained on base {hf_dir.absolute()}"):
+        lora_lib.with_adapter(generate_lib.load(other), run_dir)
 
 
 def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path, capsys):

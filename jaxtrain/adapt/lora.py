@@ -64,12 +64,13 @@ def load_plain(layout: Layout, source: Path | None) -> tuple[dict, Path | None]:
     return params, read
 
 
-@jax.jit
-def _leaf_sums(params: dict) -> dict:
-    """Per parameter: the sum, wrapping modulo 2**32, of each element's bits times an odd weight of its position;
-    any order of summation gives the same value, so the hash does not depend on the sharding."""
+@functools.partial(jax.jit, static_argnums=1)
+def _leaf_sums(params: dict, dtype) -> dict:
+    """Per parameter, cast to ``dtype`` (None: as it is): the sum, wrapping modulo 2**32, of each element's bits times an
+    odd weight of its position; any order of summation gives the same value, so the hash does not depend on the sharding."""
 
     def one(x):
+        x = x if dtype is None else x.astype(dtype)
         bits = jax.lax.bitcast_convert_type(x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize]).astype(jnp.uint32)
         position = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
         return jnp.sum(bits * (position * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
@@ -77,10 +78,10 @@ def _leaf_sums(params: dict) -> dict:
     return jax.tree.map(one, params)
 
 
-def content_hash(params: dict) -> str:
-    """A hash of every parameter's name, shape, dtype and values."""
-    sums = jax.tree_util.tree_flatten_with_path(_leaf_sums(params))[0]
-    shapes = jax.tree.leaves(jax.tree.map(lambda x: f"{x.shape}{x.dtype}", params))
+def content_hash(params: dict, dtype: str | None = None) -> str:
+    """A hash of every parameter's name, shape, dtype and values; with ``dtype``, of the parameters cast to it."""
+    sums = jax.tree_util.tree_flatten_with_path(_leaf_sums(params, dtype))[0]
+    shapes = jax.tree.leaves(jax.tree.map(lambda x: f"{x.shape}{dtype or x.dtype}", params))
     text = json.dumps([(jax.tree_util.keystr(path), shape, int(total)) for (path, total), shape in zip(sums, shapes)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -107,10 +108,11 @@ def to_storage(kept: dict, weights: dict, base_quant: str) -> dict:
     return kept | {"layers": layers}
 
 
-def merged(model_params: dict, model_cfg: LlamaConfig) -> dict:
+def merged(model_params: dict, model_cfg: LlamaConfig, dtype=None) -> dict:
     """Every parameter of a LoRA model -> the base model's float parameters with each adapter's update
-    ``(alpha / rank) * A @ B`` added to its weight (and a quantized weight dequantized first)."""
-    dtype, scale = jnp.dtype(model_cfg.param_dtype), model_cfg.lora.alpha / model_cfg.lora.rank if model_cfg.lora.rank else 0.0
+    ``(alpha / rank) * A @ B`` added to its weight (and a quantized weight dequantized first); the weights these
+    change in ``dtype`` (default ``model.param_dtype``)."""
+    dtype, scale = jnp.dtype(dtype or model_cfg.param_dtype), model_cfg.lora.alpha / model_cfg.lora.rank if model_cfg.lora.rank else 0.0
     layers = {name: dict(module) for name, module in model_params["layers"].items()}
     updates = {}  # (module, weight) -> float32 update, stacked on the layers axis
     for name in model_cfg.expert_adapters():  # per expert a @ b[:, :, i] on the adapter's i-th weight
@@ -244,16 +246,19 @@ def export(cfg: Config, run_dir: Path, out: Path, *, step: int | None, dtype: st
         what = f"PEFT adapter ({dtype})"
     else:
         plain_cfg = dataclasses.replace(cfg, model=plain_config(cfg.model))
-        plain = merge_on_devices(model_params, cfg.model, jax.tree.map(lambda a: a.sharding, plain_abstract(layout)))
+        # merged in the wider of the base's dtype and the export's: a bfloat16 base's weights rounded to bfloat16 with
+        # their updates lost the updates' low bits before a float32 export (1% of the logits of a tiny Llama)
+        plain = merge_on_devices(model_params, cfg.model, jax.tree.map(lambda a: a.sharding, plain_abstract(layout)),
+                                 jnp.promote_types(cfg.model.param_dtype, dtype))
         hf_export.write_model(plain, plain_cfg, out, dtype, source_dir, tokenizer=tokenizer)
         what = f"merged model ({dtype})"
     if jax.process_index() == 0:
         print(f"jaxtrain: wrote {out}: {what}", file=sys.stderr, flush=True)
 
 
-def merge_on_devices(model_params: dict, model_cfg: LlamaConfig, shardings: dict) -> dict:
+def merge_on_devices(model_params: dict, model_cfg: LlamaConfig, shardings: dict, dtype=None) -> dict:
     """``merged`` jitted, its output placed with ``shardings`` (the base model's)."""
-    return jax.jit(lambda p: merged(p, model_cfg), out_shardings=shardings)(model_params)
+    return jax.jit(lambda p: merged(p, model_cfg, dtype), out_shardings=shardings)(model_params)
 
 
 def merged_run_params(layout: Layout, run_dir: Path, source: str) -> dict:
@@ -284,7 +289,9 @@ def with_adapter(loaded, adapter: Path):
         restored = checkpoint_lib.restore_from(adapter, layout.abstract_state(), None, params_only=True, source="--adapter")
         adapters = multihost_utils.process_allgather(restored, tiled=True)
     if record is not None:
-        found = content_hash(loaded.params)
+        # the run hashed its base as it loaded it, in its model.param_dtype (bfloat16 in llama3_8b_lora), and generate
+        # loads a Hugging Face model in float32: hashed as loaded, the very base was refused as another
+        found = content_hash(loaded.params, record.get("param_dtype"))
         if found != record["hash"]:
             raise UserError(f"--adapter {adapter} was trained on base {record['path'] or 'initialised from a seed'} (content hash "
                             f"{record['hash']}), not on this base (hash {found}); give the base it was trained on")

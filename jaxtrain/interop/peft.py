@@ -98,9 +98,10 @@ def to_peft(adapters: dict, model_cfg: LlamaConfig) -> dict[str, np.ndarray]:
         if LORA_TARGETS[target][0] == "mlp" and model_cfg.moe.num_experts:  # the experts', above
             continue
         name, (module_name, _, _) = adapter_name(target), LORA_TARGETS[target]
-        if name not in adapters[module_name]:
+        adapter = adapters.get(module_name, {}).get(name)  # the trained tree has no module without adapters (q,v: no mlp)
+        if adapter is None:
             continue
-        a, b = adapters[module_name][name]["a"], adapters[module_name][name]["b"]
+        a, b = adapter["a"], adapter["b"]
         for layer in range(model_cfg.num_layers):
             prefix = f"base_model.model.{module.format(layer=layer)}"
             out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[layer].reshape(-1, a.shape[-1]).T)
@@ -270,6 +271,15 @@ def read_adapter_config(adapter_dir: Path) -> dict:
                         "lora_alpha / r, or / sqrt(r) with use_rslora, on every layer, no biases or other trained modules, on the base "
                         "as it is); "
                         "merge this adapter into its base with peft (merge_and_unload) and give the merged model instead")
+    # PEFT writes r as an integer and lora_alpha as a number; a hand-edited r of 0 was blamed on the base's shape, and
+    # lora_alpha null stopped with a traceback
+    rank, alpha = config["r"], config["lora_alpha"]
+    if type(rank) is not int or rank < 1:
+        raise UserError(f"{adapter_dir / CONFIG_FILE}: r={rank!r} is not a positive integer (the adapters' rank, the rows of "
+                        "each lora_A.weight); give the rank the adapter was saved with")
+    if type(alpha) not in (int, float) or not math.isfinite(alpha):
+        raise UserError(f"{adapter_dir / CONFIG_FILE}: lora_alpha={alpha!r} is not a finite number (each update is scaled by "
+                        "lora_alpha / r); give the lora_alpha the adapter was trained with")
     return config
 
 
