@@ -63,8 +63,8 @@ def test_remat_layers_rematerialises_the_first_layers_only():
 def test_remat_on_more_layers_compiles_to_less_memory():
     """Saved activations dominate (6 scanned layers, 4 x 256 tokens): the compiled step's temporaries shrink as
     model.remat_layers grows, from remat none's to remat on every layer's (XLA:CPU, float32: 138, 88 and 40 MiB for
-    none, 3 and 5 of 6 layers, 35 for all). Not for 1 layer here: XLA:CPU inlines a scan of one layer, whose
-    recomputation it then merges with the forward (README, "Partial remat")."""
+    none, 3 and 5 of 6 layers, 35 for all). Not for 1 layer here: XLA inlines a scan of one layer, and XLA:CPU keeps
+    an inlined (unrolled) layer's activations under any remat policy (README, "Partial remat")."""
     cfg = LlamaConfig(vocab_size=64, d_model=128, num_layers=6, num_heads=4, num_kv_heads=2, mlp_dim=512, dtype="float32", scan_layers=True)
     tokens = jax.random.randint(jax.random.key(1), (4, 257), 0, 64)
 
