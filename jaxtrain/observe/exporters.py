@@ -203,7 +203,8 @@ class PrometheusGauges:
         self.skipped_updates = gauge("skipped_updates", "updates not applied since the run (re)started: non-finite "
                                      "(train.skip_nonfinite), float16 overflows, spikes (train.skip_spikes)")
         self.checkpoint_step = gauge("last_checkpoint_step", "step of the latest checkpoint committed (written whole); NaN before one")
-        for unknown in (*self.gauges.values(), self.skipped_updates, self.checkpoint_step):  # NaN until known: a 0 loss or step would read as one
+        # NaN until known: a 0 loss or step would read as one
+        for unknown in (*self.gauges.values(), self.skipped_updates, self.checkpoint_step):
             unknown.set(float("nan"))
         self.checkpoint_time = None
         gauge("last_checkpoint_age_seconds", "seconds since that checkpoint's save started; NaN before one").set_function(
