@@ -67,6 +67,9 @@ def test_the_start_up_summary_names_the_precision_remat_and_what_lies_in_host_me
     assert text.count(" GiB in host memory (optim.offload)") == 2
     half = metrics_lib.startup_summary(make_layout(with_(small_config(), model={"dtype": "float16"})), 0.0, None, "test", None, "none")
     assert half["precision"] == "float16 compute, float32 parameters, dynamic loss scale" and not any(half["host_memory"].values())
+    adapted = with_(small_config(), model={"dtype": "bfloat16", "param_dtype": "bfloat16", "lora": LoraConfig(rank=4, alpha=8.0)})
+    assert metrics_lib.startup_summary(make_layout(adapted), 0.0, None, "test", None, "none")["precision"] == \
+        "bfloat16 compute, bfloat16 base, float32 adapters"
 
 
 def _loop_config(trainer, **sections):

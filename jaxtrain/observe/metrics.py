@@ -147,7 +147,9 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count(),
         "mesh": dict(mesh.shape), "rules": cfg.rules, "attention": cfg.model.attention,
         # what the memory techniques and precision are, as the config resolved them (the summary named none of them)
-        "precision": f"{cfg.model.dtype} compute, {cfg.model.param_dtype} parameters"
+        # a LoRA run's adapters are float32 on any base (models/lora.py ADAPTER_DTYPE)
+        "precision": f"{cfg.model.dtype} compute, "
+                     + (f"{cfg.model.param_dtype} base, float32 adapters" if cfg.model.lora.rank else f"{cfg.model.param_dtype} parameters")
                      + (f", {cfg.model.quant} matmuls" if cfg.model.quant != "none" else "")
                      + (", dynamic loss scale" if cfg.model.dtype == "float16" else ""),
         "remat": cfg.model.remat_description,
