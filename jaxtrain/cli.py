@@ -246,13 +246,14 @@ def cmd_generate(args) -> int:
     if args.adapter and run_cfg is not None and run_cfg.model.lora.rank:
         raise UserError(f"{path} is a LoRA run, and `jaxtrain generate {path}` already applies its adapters on its base; drop "
                         f"--adapter, or give the base the adapter {args.adapter} was trained on")
-    # the model's context: a Hugging Face model's, that of the one a run was initialised from (RUN_DIR/hf), else the
-    # positions a run trained from scratch learnt (a QA report: --max-new-tokens 100000 on a 256-position run decoded on)
+    # the model's context: a Hugging Face model's, that of the one a run was initialised from (RUN_DIR/hf) or the longer
+    # sequences the run trained on, else the positions a run trained from scratch learnt (a QA report: --max-new-tokens
+    # 100000 on a 256-position run decoded on)
     if run_cfg is None:
         context, context_key = hf_config.context_length(path) or (None, None)
     else:
-        context, context_key = hf_config.context_length(path / hf_config.RUN_SUBDIR) or \
-            hf_config.trained_context(run_cfg.model, run_cfg.data.seq_len)
+        trained = hf_config.trained_context(run_cfg.model, run_cfg.data.seq_len)
+        context, context_key = hf_config.context_length(path / hf_config.RUN_SUBDIR, trained) or trained
 
     def check_context(prompt_tokens: int | None) -> None:
         """None: before the prompt is encoded (and jax started), the new tokens alone."""

@@ -548,6 +548,34 @@ def test_a_runs_context_is_the_max_position_embeddings_its_export_writes(scaling
     assert hf_config.export_config(model, "float32", 32)["max_position_embeddings"] == context[0]
 
 
+@pytest.mark.parametrize("source, context", [
+    ({"max_position_embeddings": 16}, (32, "data.seq_len")),
+    ({"max_position_embeddings": 64}, (64, "max_position_embeddings")),
+    ({"architectures": ["MistralForCausalLM"], "max_position_embeddings": 16, "sliding_window": 24}, (24, "sliding_window")),
+])
+def test_a_run_fine_tuned_on_longer_sequences_than_its_source_model_generates_and_exports_them(source, context, byte_run,
+                                                                                             tmp_path, capsys, monkeypatch):
+    """A run initialised from a model of 16 positions (RUN_DIR/hf/config.json) and trained at data.seq_len 32: a QA run
+    refused to generate past 16 positions from it, and its export wrote max_position_embeddings 16, though it trained on
+    32. Its context is what it trained on, never past the source's sliding window (train refuses longer sequences)."""
+    from jaxtrain import cli
+    from jaxtrain import generate as generate_lib
+    from jaxtrain.interop import hf_config
+
+    run = tmp_path / "run"
+    (run / hf_config.RUN_SUBDIR).mkdir(parents=True)
+    shutil.copy(byte_run / "config.yaml", run)
+    (run / hf_config.RUN_SUBDIR / hf_config.CONFIG_FILE).write_text(json.dumps({"architectures": ["LlamaForCausalLM"]} | source))
+    monkeypatch.setattr(generate_lib, "load", lambda *a, **k: pytest.fail("read the weights first"))
+    capsys.readouterr()
+    assert cli.main(["generate", str(run), "--prompt", "abc", "--max-new-tokens", str(context[0] - 2)]) == 2  # 3 bytes
+    assert capsys.readouterr().err == (f"jaxtrain: error: --max-new-tokens {context[0] - 2} with a prompt of 3 tokens runs past the "
+                                       f"model's context of {context[0]} positions ({context[1]}); give --max-new-tokens "
+                                       f"{context[0] - 3} or less\n")
+    exported = hf_config.export_config(small_config().model, "float32", 32, base=source)
+    assert exported["max_position_embeddings"] == max(source["max_position_embeddings"], 32)
+
+
 def test_generating_past_a_sliding_window_is_one_line(tmp_path, capsys, monkeypatch):
     """A Mistral attends within its sliding window, this model to every position. A QA report: generating past the window
     gave other tokens than transformers from there on (from position 266 of a 260-position window), and a window under

@@ -205,10 +205,11 @@ def _sliding_window(config: dict, arch: str) -> int | None:
     return window if window is not None and windowed else None
 
 
-def context_length(directory: Path) -> tuple[int, str] | None:
+def context_length(directory: Path, trained: tuple[int, str] | None = None) -> tuple[int, str] | None:
     """A Hugging Face model's positions and the config.json key that decides them: max_position_embeddings, or a
     shorter sliding window (this model attends to every position: within the window, as transformers does); None
-    where neither says."""
+    where neither says. ``trained``: a run fine-tuned from the model (``trained_context``), whose longer sequences
+    count instead of a shorter max_position_embeddings (its export-hf writes them), not instead of the window."""
     path = directory / CONFIG_FILE
     if not path.is_file():
         return None
@@ -218,6 +219,8 @@ def context_length(directory: Path) -> tuple[int, str] | None:
     limits = [(value, key) for key, value in (("max_position_embeddings", config.get("max_position_embeddings")),
                                               ("sliding_window", _sliding_window(config, arch)))
               if isinstance(value, int) and value > 0]
+    if trained and limits and limits[0][1] == "max_position_embeddings" and trained[0] > limits[0][0]:
+        limits[0] = trained
     return min(limits, default=None)
 
 
@@ -324,7 +327,7 @@ def export_config(model: LlamaConfig, dtype: str, seq_len: int, base: dict | Non
         "hidden_size": model.d_model, "intermediate_size": model.mlp_dim, "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads, "head_dim": model.resolved_head_dim,
         "hidden_act": "silu", "rms_norm_eps": model.norm_eps, "rope_theta": model.rope_theta, "rope_scaling": rope_scaling,
-        "tie_word_embeddings": model.tie_embeddings, "max_position_embeddings": base.get("max_position_embeddings", positions),
+        "tie_word_embeddings": model.tie_embeddings, "max_position_embeddings": _exported_positions(base, positions),
         "torch_dtype": dtype, "dtype": dtype,  # transformers 4 reads the first, 5 the second
     }
     if arch == "LlamaForCausalLM":
@@ -342,6 +345,13 @@ def export_config(model: LlamaConfig, dtype: str, seq_len: int, base: dict | Non
                           "shared_expert_intermediate_size": moe.num_shared_experts * model.mlp_dim, "decoder_sparse_step": 1,
                           "mlp_only_layers": []}
     return base | body
+
+
+def _exported_positions(base: dict, trained: int) -> int:
+    """max_position_embeddings of an export: the source's, or the positions the run trained where more (sequences
+    longer than the source's context: serving engines and ``jaxtrain generate`` take the number as the model's limit)."""
+    source = base.get("max_position_embeddings")
+    return max(source, trained) if isinstance(source, int) else trained
 
 
 def generation_config(config: dict, base: dict | None) -> dict:
