@@ -15,9 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import config as config_lib
 from jaxtrain.config import Config
-from jaxtrain.data.pipeline import batch_fields
+from jaxtrain.data.batches import batch_fields
 from jaxtrain.errors import UserError
-from jaxtrain.plan.gpu_targets import is_nvidia_gpu
 from jaxtrain.mesh import build_mesh
 from jaxtrain.optim import learning_rate_schedule, make_optimizer
 from jaxtrain.memory import grad_comm
@@ -123,6 +122,12 @@ def unused_pipeline_note(layout: Layout) -> str | None:
                         if getattr(pipeline, field.name) != field.default)
     return (f"note: {changed} set, but rule set {layout.cfg.rules} makes no pipeline stages: the layers run unpipelined "
             f"and these keys change nothing; use a pp_ rule set on a mesh with a stage axis, or drop them")
+
+
+def is_nvidia_gpu(device) -> bool:
+    """Whether cuDNN's flash attention runs on ``device``: an NVIDIA GPU (its kind names the vendor; the
+    older Tesla V100 and T4, whose kinds do not, lack the fused kernel anyway). Compile-only GPUs count."""
+    return device.platform == "gpu" and device.device_kind.startswith("NVIDIA")
 
 
 def make_layout(cfg: Config, devices: list | None = None, *, microbatches_auto: bool = False, train_batch: bool = True) -> Layout:

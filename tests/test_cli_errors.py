@@ -323,6 +323,25 @@ def test_adapters_refuses_a_broken_adapter_config(text, problem, tmp_path, capsy
         f"jaxtrain: error: {tmp_path}/peft/adapter_config.json {problem}; save the adapter again (PEFT's save_pretrained writes it)"
 
 
+@pytest.mark.parametrize("directory, record, text, problem, fix", [
+    ("run", "lora_base.json", '{"path": "/moved/base",}', "is not readable JSON (", "fix it by hand: a JSON object naming the run's base"),
+    ("run", "lora_base.json", '{"base": "/moved/base", "hash": "5e"}', "must hold the base's \"path\" (a string, null for a base",
+     "fix it by hand"),
+    ("peft", "jaxtrain_adapter.json", '{"path": "/moved/base",}', "is not readable JSON (",
+     "fix it, or export the adapter again (jaxtrain export-hf writes it)")])
+def test_adapters_refuses_a_damaged_record_of_ours(directory, record, text, problem, fix, tmp_path, capsys):
+    """A typo in a LoRA run's lora_base.json (edited by hand where its base moved, as an error asks) or in an exported
+    adapter's jaxtrain_adapter.json was a JSONDecodeError traceback (a KeyError without "path" or "hash") from every
+    command reading it."""
+    (tmp_path / directory).mkdir()
+    if directory == "peft":
+        (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (tmp_path / directory / record).write_text(text)
+    status = cli.main(["adapters", str(tmp_path)])
+    line = _one_line_error(status, capsys.readouterr().err)
+    assert line.startswith(f"jaxtrain: error: {tmp_path}/{directory}/{record} {problem}") and fix in line
+
+
 def _not_a_lora_run(tmp_path: Path) -> Path:
     from jaxtrain.config import Config, save_yaml
 

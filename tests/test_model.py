@@ -250,6 +250,13 @@ def test_models_name_no_mesh_axes():
             assert not re.search(rf"['\"]{axis}['\"]", text), f"{path.name} names mesh axis {axis}"
 
 
+def test_models_import_no_trainer():
+    """The model never imports the trainer (DESIGN.md), nor the experiments, benchmarks or scripts built on it."""
+    for path in (Path(__file__).parent.parent / "models").glob("*.py"):
+        for line in path.read_text().splitlines():
+            assert not re.match(r"\s*(from|import) (jaxtrain|experiments|benchmarks|scripts)\b", line), f"{path.name}: {line.strip()}"
+
+
 def test_llama3_rope_scaling_equals_transformers():
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

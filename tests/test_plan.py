@@ -154,7 +154,7 @@ def test_cudnn_attention_is_compiled_as_xla_on_cpu_and_its_scores_taken_out_for_
 def test_auto_attention_is_cudnn_on_nvidia_gpus_and_in_plans_for_them_chunked_on_cpus_and_layers_unroll_on_cpus_only():
     from types import SimpleNamespace
 
-    from jaxtrain.plan.gpu_targets import is_nvidia_gpu
+    from jaxtrain.layout import is_nvidia_gpu
 
     cfg = small_config(dtype="bfloat16")
     assert cfg.model.attention == "auto"  # the default
@@ -188,8 +188,15 @@ def test_auto_microbatches_starts_from_the_estimate_and_steps_up_until_the_compi
     totals = {k: total(with_(cfg, train={"microbatches": k}), plan_lib.ACCELERATOR) for k in (1, 2, 4, 8)}
     assert totals[1] > totals[2] > totals[4] > totals[8]
     limit = (totals[1] + totals[2]) / 2  # the estimate says 2 micro-batches fit, 1 does not
-    assert plan_lib.microbatch_candidates(cfg, limit) == [2, 4, 8]
-    assert plan_lib.microbatch_candidates(cfg, totals[8] / 2) == [8]  # nothing fits: the most the batch allows
+    base = plan_lib.unfitted_layout(cfg)
+
+    def tried_when_none_compiles_small_enough(limit_bytes):
+        tried = []
+        plan_lib.fit_microbatches(base, limit_bytes, lambda layout: (tried.append(layout.cfg.train.microbatches), limit_bytes + 1))
+        return tried
+
+    assert tried_when_none_compiles_small_enough(limit) == [2, 4, 8]
+    assert tried_when_none_compiles_small_enough(totals[8] / 2) == [8]  # nothing fits: the most the batch allows
 
     tried = []
 
@@ -198,7 +205,7 @@ def test_auto_microbatches_starts_from_the_estimate_and_steps_up_until_the_compi
         tried.append(k)
         return f"compiled {k}", limit + 1 if k < 4 else limit
 
-    layout, compiled = plan_lib.fit_microbatches(plan_lib.unfitted_layout(cfg), limit, compile_fn)
+    layout, compiled = plan_lib.fit_microbatches(base, limit, compile_fn)
     assert tried == [2, 4] and layout.cfg.train.microbatches == 4 and compiled == "compiled 4"
     # on CPU no device reports a memory limit, so the trainer resolves auto to one pass
     assert plan_lib.memory_limit() is None

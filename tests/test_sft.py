@@ -383,6 +383,8 @@ def test_generate_chat_from_a_hugging_face_model_equals_transformers(data, tmp_p
     # tracebacks: jinja2's TemplateError from a template's raise_exception (Mistral's, Gemma's refuse roles) or its syntax
     ("template_refuses", r"train.jsonl:3: the chat template of .*tok stops with an error: System role not supported; fix the template"),
     ("template_syntax", r"train.jsonl:1: the chat template of .*tok stops with an error: expected token 'end of statement block'"),
+    # a traceback: a Python error the template's own code makes
+    ("template_type_error", r"train.jsonl:1: the chat template of .*tok stops with an error: TypeError: can only concatenate str"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path, capsys):
     tok_dir, path = data
@@ -393,6 +395,8 @@ def test_bad_input_is_one_line_and_writes_nothing(case, message, data, tmp_path,
                                  "{{ raise_exception('System role not supported') }}{% endif %}" + CHATML)
     elif case == "template_syntax":
         tok_dir = _tokenizer_dir(tmp_path / "tok", template=CHATML.replace("{% endfor %}", "{% endfor"))
+    elif case == "template_type_error":
+        tok_dir = _tokenizer_dir(tmp_path / "tok", template="{{ messages[0]['content'] + 1 }}" + CHATML)
     elif case == "answers_cut":  # every prompt longer than the sequence: a loss over no token, then a division by zero
         path = _jsonl(tmp_path / "cut.jsonl", [{"prompt": f"{i} " + " ".join(WORDS), "completion": "alpha"} for i in range(200)])
     elif case == "too_few":

@@ -8,11 +8,11 @@ shared by the train state, the step, checkpoints and export. No jax import.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from jaxtrain.errors import UserError
 from jaxtrain.interop import peft
+from jaxtrain.interop.hf_config import read_json
 from jaxtrain.observe.records import CHECKPOINTS_DIR, committed_steps, read_records
 
 ADAPTER_PREFIX = "lora_"  # models/lora.py names each adapter lora_<target>
@@ -57,7 +57,15 @@ def join_frozen(frozen: dict | None, trained: dict) -> dict:
 
 def read_record(run_dir: Path) -> dict | None:
     path = run_dir / BASE_RECORD
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    # a user edits it where the base moved (lora.py says how): a typo there was a traceback from every command reading it
+    fix = "fix it by hand: a JSON object naming the run's base (\"path\", \"hash\") and its adapters' shape"
+    record = read_json(path, fix=fix)
+    if not ("path" in record and isinstance(record["path"], str | None) and isinstance(record.get("hash"), str)):
+        raise UserError(f"{path} must hold the base's \"path\" (a string, null for a base from train.seed) and its \"hash\" "
+                        f"(a string); {fix}")
+    return record
 
 
 def summary(run_dir: Path, step: int | None = None) -> dict:
@@ -96,10 +104,10 @@ def pool(directory: Path) -> list[dict]:
         if (path / BASE_RECORD).is_file():
             rows.append({"adapter": str(path), "kind": "run"} | summary(path))
         elif peft.is_adapter_dir(path):
-            record, config = path / peft.JAXTRAIN_FILE, peft.read_config(path)
+            record, config = peft.read_jaxtrain_record(path), peft.read_config(path)
             unsupported = {"unsupported": peft.unsupported_options(config)}  # what generate --adapter refuses
-            if record.is_file():
-                rows.append({"adapter": str(path), "kind": "peft"} | json.loads(record.read_text()) | unsupported)
+            if record is not None:
+                rows.append({"adapter": str(path), "kind": "peft"} | record | unsupported)
             else:  # exported elsewhere: PEFT's own fields only
                 modules = config.get("target_modules") or []
                 # a regular expression as it is; names ("all-linear" saves every module's full name) by their last part

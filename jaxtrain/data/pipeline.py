@@ -120,33 +120,6 @@ class GlobalBatches:
         return {k: jax.make_array_from_process_local_data(self.sharding, v, self.global_shape) for k, v in local.items()}
 
 
-def batch_fields(cfg: DataConfig) -> dict[str, type]:
-    """What a batch holds, name -> dtype, each (global_batch, seq_len)."""
-    if cfg.format == "sft":
-        from jaxtrain.data import sft
-
-        return sft.BATCH_FIELDS
-    return {"inputs": np.int32, "targets": np.int32}
-
-
-def train_batches(corpus: Corpus, cfg: DataConfig, global_batch: int, sharding: NamedSharding) -> GlobalBatches:
-    if cfg.format == "sft":
-        from jaxtrain.data import sft
-
-        return sft.train_batches(corpus, cfg, global_batch, sharding)
-    return GlobalBatches(corpus.train, cfg.seq_len, global_batch, sharding, shuffle_seed=cfg.seed, repeat=True)
-
-
-def eval_batches(corpus: Corpus, cfg: DataConfig, global_batch: int, sharding: NamedSharding, count: int) -> list[dict[str, jax.Array]]:
-    """The first ``count`` batches of the validation split, in file order: the same every evaluation."""
-    if cfg.format == "sft":
-        from jaxtrain.data import sft
-
-        return sft.eval_batches(corpus, cfg, global_batch, sharding, count)
-    batches = GlobalBatches(corpus.validation, cfg.seq_len, global_batch, sharding, shuffle_seed=None, repeat=False)
-    return [b for _, b in zip(range(count), batches)]
-
-
 def check_sizes(corpus: Corpus, cfg: DataConfig, global_batch: int, vocab_size: int) -> None:
     if corpus.vocab_size > vocab_size:
         raise UserError(f"the data ({corpus.description}) has a vocabulary of {corpus.vocab_size} (its tokenizer's, or its largest "

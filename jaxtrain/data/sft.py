@@ -77,8 +77,10 @@ class ChatTemplate:
 
         try:
             return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except jinja2.TemplateError as e:  # the template's raise_exception (roles it refuses: Mistral's, Gemma's), or its syntax
-            raise UserError(f"{where}: the chat template of {self.tokenizer.path.parent} stops with an error: {e}; fix the template, "
+        except Exception as e:  # noqa: BLE001 - the template's code: its raise_exception (roles it refuses: Mistral's, Gemma's),
+            # its syntax, or a Python error it makes (a TypeError from + on a string and a number was a traceback)
+            error = e if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
+            raise UserError(f"{where}: the chat template of {self.tokenizer.path.parent} stops with an error: {error}; fix the template, "
                             "or leave out the conversations it refuses") from None
 
     def prompt_tokens(self, text: str) -> list[int]:

@@ -291,5 +291,10 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, np.ndarray], dict |
     except (OSError, ValueError, SafetensorError) as e:
         raise UserError(f"{adapter_dir} is not a readable PEFT adapter directory ({e}); give a directory with "
                         f"{CONFIG_FILE} and {WEIGHTS_FILE}") from None
-    record_path = adapter_dir / JAXTRAIN_FILE
-    return config, tensors, json.loads(record_path.read_text()) if record_path.is_file() else None
+    return config, tensors, read_jaxtrain_record(adapter_dir)
+
+
+def read_jaxtrain_record(adapter_dir: Path) -> dict | None:
+    """Our record beside an adapter's PEFT files, None where it has none (exported elsewhere)."""
+    path = adapter_dir / JAXTRAIN_FILE
+    return read_json(path, fix="fix it, or export the adapter again (jaxtrain export-hf writes it)") if path.is_file() else None

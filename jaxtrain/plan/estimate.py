@@ -416,12 +416,6 @@ def _candidates(base: Layout, limit_bytes: float) -> list[int]:
     return options[fits[0] if fits else -1:]
 
 
-def microbatch_candidates(cfg: Config, limit_bytes: float, devices=None) -> list[int]:
-    """The micro-batch counts worth trying for ``limit_bytes`` per device: from the fewest whose estimated
-    accelerator total fits (the most the batch allows when none does) upwards."""
-    return _candidates(make_layout(_replace(cfg, microbatches=1), devices), limit_bytes)
-
-
 def unfitted_layout(cfg: Config, devices=None) -> Layout:
     """``make_layout``, with ``train.microbatches=auto`` at one pass until ``fit_microbatches`` decides (or for
     devices without a memory limit, for good): the count changes neither the model nor any sharding."""

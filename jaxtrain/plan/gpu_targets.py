@@ -44,12 +44,6 @@ GPU_MODELS = {
 }
 
 
-def is_nvidia_gpu(device) -> bool:
-    """Whether cuDNN's flash attention runs on ``device``: an NVIDIA GPU (its kind names the vendor; the
-    older Tesla V100 and T4, whose kinds do not, lack the fused kernel anyway). Compile-only GPUs count."""
-    return device.platform == "gpu" and device.device_kind.startswith("NVIDIA")
-
-
 def gpu_memory_bytes(name: str) -> int:
     key = name.lower()
     if key not in GPU_MEMORY_MIB:
