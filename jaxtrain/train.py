@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
@@ -31,6 +32,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import, peft
 from jaxtrain.layout import Layout, compile_train_step
 from jaxtrain.observe.metrics import MetricsLog
+from jaxtrain.observe.records import read_records
 from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.state import TrainState, model_spec, state_from_params, state_initializer
 from jaxtrain.step import schedule_count
@@ -124,9 +126,13 @@ def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
 
 def evaluate(trainer: Trainer, params: dict, batches: list[dict]) -> tuple[float, int]:
     """Mean nats per counted token over the given validation batches, and the count."""
-    sums = [trainer.eval_step(params, b) for b in batches]
-    tokens = sum(float(count) for _, count in sums)
-    return sum(float(nll) for nll, _ in sums) / tokens, int(tokens)
+    nll = tokens = 0.0
+    for batch in batches:
+        # each batch's sums fetched before the next step is dispatched: XLA:CPU runs independent dispatched steps at
+        # once, and with 100 in flight on 8 simulated devices their collectives' rendezvous deadlocked (aborted, status 134)
+        batch_nll, batch_tokens = trainer.eval_step(params, batch)
+        nll, tokens = nll + float(batch_nll), tokens + float(batch_tokens)
+    return nll / tokens, int(tokens)
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -199,9 +205,13 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
     log = None
     try:  # from here on every exit closes the checkpoints (and the SIGTERM handler) and the metrics log
         state = checkpoints.restore_latest(layout.abstract_state(), batches.iterator)
-        finished = state is not None and int(state.step) >= t.steps
+        owes_evaluation = state is not None and _final_evaluation_owed(run_dir, int(state.step), t.steps)
+        finished = state is not None and int(state.step) >= t.steps and not owes_evaluation
         if state is not None and not finished:
             _say(checkpoints.resumed_line)
+            if owes_evaluation:
+                _say(f"jaxtrain: note: the evaluation of step {t.steps}, the last, has no record in {run_dir / 'metrics.jsonl'} "
+                     "(the run stopped after its checkpoint, before it): evaluating it now")
             if _keeps_plain_seeds(batches, cfg.data.seed):
                 seed = cfg.data.seed
                 _say(f"jaxtrain: note: the checkpoint's data position predates spread shuffle seeds, so the run keeps its order "
@@ -392,9 +402,10 @@ def _loop(trainer: Trainer, state: TrainState, batches: data_lib.GlobalBatches, 
     t = trainer.cfg.train
     checkpoints.preemption.watch_interrupts()  # a Ctrl-C from here on stops after the step, with a checkpoint
     resumed = int(state.step)
-    if 0 < resumed < t.steps and t.eval_every and resumed % t.eval_every == 0:
+    if (0 < resumed < t.steps and t.eval_every and resumed % t.eval_every == 0) or resumed == t.steps:
         # a stop at an evaluation step comes after its checkpoint, before its evaluation: done now, recorded unless it
-        # was (every process evaluates, as only process 0 reads the records)
+        # was (every process evaluates, as only process 0 reads the records); at the last step only when owed
+        # (_final_evaluation_owed)
         _evaluate(trainer, state, eval_data, log, resumed)
     for step in range(resumed + 1, t.steps + 1):
         with log.timer("data_wait_s"):
@@ -412,6 +423,17 @@ def _loop(trainer: Trainer, state: TrainState, batches: data_lib.GlobalBatches, 
         if step == t.steps or (t.eval_every and step % t.eval_every == 0):
             _evaluate(trainer, state, eval_data, log, step)
     return state
+
+
+def _final_evaluation_owed(run_dir: Path, step: int, steps: int) -> bool:
+    """Whether a run restored at its last step has no record of that step's evaluation: stopped between the last
+    checkpoint and the evaluation after it (killed, a second Ctrl-C, an error in the evaluation), it had stayed without
+    one, as a re-run had nothing to do. Process 0's metrics.jsonl decides for every process."""
+    owed = False
+    if step == steps and jax.process_index() == 0:
+        path = run_dir / "metrics.jsonl"
+        owed = not any(r["step"] == step and "eval_loss" in r for r in (read_records(path) if path.exists() else []))
+    return bool(multihost_utils.broadcast_one_to_all(np.array(owed))) if jax.process_count() > 1 else owed
 
 
 def _evaluate(trainer: Trainer, state: TrainState, eval_data: list[dict], log: MetricsLog, step: int) -> None:

@@ -91,3 +91,28 @@ def test_micro_batch_gradients_of_bfloat16_parameters_are_summed_in_float32():
         # one rounding to bfloat16 (8 bits): within half a unit in the last place, 2^-9 of the value; a little more
         # for the passes' own rounding inside the step's program
         np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def test_evaluation_fetches_each_batch_before_dispatching_the_next():
+    """XLA:CPU runs independent dispatched steps at once: 100 evaluation steps in flight on 8 simulated devices
+    deadlocked in their collectives' rendezvous, and the run aborted (status 134) after 40 s (a QA report). The mean
+    is still the batches' summed nats over their summed counts."""
+    from types import SimpleNamespace
+
+    from jaxtrain.train import evaluate
+
+    unfetched = []
+
+    class Sum(float):  # an eval step's output: a device value until fetched
+        def __float__(self):
+            unfetched[:] = [s for s in unfetched if s is not self]
+            return super().__float__()
+
+    def eval_step(params, batch):
+        assert not unfetched, "an evaluation step was dispatched before the previous one's sums were fetched"
+        sums = Sum(batch["nll"]), Sum(batch["tokens"])
+        unfetched.extend(sums)
+        return sums
+
+    batches = [{"nll": 6.0, "tokens": 4.0}, {"nll": 3.0, "tokens": 1.0}, {"nll": 1.5, "tokens": 1.0}]
+    assert evaluate(SimpleNamespace(eval_step=eval_step), {}, batches) == (10.5 / 6, 6)

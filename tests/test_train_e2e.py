@@ -96,6 +96,22 @@ def test_a_finished_run_started_again_is_not_compiled(short_run, tmp_path, monke
     assert "is already at step 4 of train.steps=4, nothing to do" in capsys.readouterr().err
 
 
+def test_a_run_stopped_before_its_final_evaluation_evaluates_it_when_started_again(short_run, tmp_path, capsys):
+    """Stopped after its last checkpoint, before the final evaluation's record (killed, a second Ctrl-C, an error in
+    the evaluation), the run started again said "nothing to do" and never had that evaluation (a QA report)."""
+    from jaxtrain import train as train_lib
+    from jaxtrain.cli import resolve_config
+
+    run_dir = _copy(short_run, tmp_path)
+    records = _records(run_dir)
+    evaluations = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evaluations] == [4]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if "eval_loss" not in r))
+    assert int(train_lib.train(resolve_config("tiny", None, None, SHORT), run_dir).step) == 4
+    assert "the evaluation of step 4, the last, has no record" in capsys.readouterr().err
+    assert [r for r in _records(run_dir) if "eval_loss" in r] == evaluations  # the same parameters and batches
+
+
 def test_a_resume_with_other_model_values_of_the_same_shapes_says_which(short_run, tmp_path, capsys):
     """The shapes fit the checkpoint, the function does not (a QA report: a resume with another model.rope_theta
     and model.norm_eps went on without a word); the same model resumes without a note."""
