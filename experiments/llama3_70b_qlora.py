@@ -1,7 +1,7 @@
 """llama3_70b_qlora: QLoRA fine-tuning of Llama 3.1 70B on 4 A100 80 GB (mesh a100x4, rules fsdp): the frozen
-base stored as nf4 (4-bit NormalFloat, one bfloat16 scale per 64 weights), rank-16 adapters on every projection
-in bfloat16, full remat, sequences of 4096, the loss in chunks of 512 positions. ``jaxtrain plan llama3_70b_qlora --mesh a100x4
---gpu a100`` shows per-device memory.
+base stored as nf4 (4-bit NormalFloat, one bfloat16 scale per 64 weights), rank-16 adapters (float32, as every
+adapter: models/lora.py) on every projection, bfloat16 compute, full remat, sequences of 4096, the loss in chunks
+of 512 positions. ``jaxtrain plan llama3_70b_qlora --mesh a100x4 --gpu a100`` shows per-device memory.
 Run with ``--init-from LLAMA_70B_HF_DIR data.path=TOKENS.bin``."""
 
 import dataclasses

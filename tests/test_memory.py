@@ -34,7 +34,7 @@ from jaxtrain.state import TrainState, model_spec
 from jaxtrain.step import make_train_step, token_nll
 from jaxtrain.train import build, train
 from models.config import LoraConfig
-from models.llama import Llama
+from models.llama import KVCache, Llama
 
 STEPS = 20
 DP_MESH = (8, 1, 1)
@@ -530,6 +530,26 @@ def test_int8_and_fp8_quantize_each_operand_per_channel_by_its_absmax(quant):
     expected = np.einsum("btd,df->btf", qx, qw) * x_scale * w_scale
     model = quantized(_OneProduct(jnp.asarray(table), jnp.asarray(w)), quant)
     np.testing.assert_allclose(model.hidden(jnp.asarray(tokens)), expected, rtol=1e-5)
+
+
+def test_generation_of_a_quantized_run_multiplies_its_float_weights_unquantized():
+    """`generate` (``Llama.extend``, which qwix does not intercept) runs a model.quant run's float weights with plain
+    products, the model its Hugging Face export is; the training forward, and so evaluation, is quantized (README,
+    int8 / fp8)."""
+    quant_cfg = small_config(dtype="bfloat16", quant="int8").model
+    plain_cfg = dataclasses.replace(quant_cfg, quant="none")
+    params = nnx.to_pure_dict(nnx.state(Llama(plain_cfg, rngs=nnx.Rngs(0))))
+    tokens = jnp.arange(12, dtype=jnp.int32)[None]
+
+    def logits(model_cfg, generating):
+        model = nnx.merge(model_spec(model_cfg).graphdef, params)
+        if not generating:
+            return np.asarray(model(tokens), np.float32)
+        hidden, _ = model.extend(tokens, KVCache.zeros(model_cfg, 1, tokens.shape[1]))
+        return np.asarray(model.logits(hidden), np.float32)
+
+    np.testing.assert_array_equal(logits(quant_cfg, generating=True), logits(plain_cfg, generating=True))
+    assert np.abs(logits(quant_cfg, generating=False) - logits(plain_cfg, generating=False)).max() > 1e-3
 
 
 def _medium(rules="dp", mesh=DP_MESH, **optim):
