@@ -31,4 +31,4 @@ def eval_batches(corpus: Corpus, cfg: DataConfig, global_batch: int, sharding: N
     if cfg.format == "sft":
         return sft.eval_batches(corpus, cfg, global_batch, sharding, count)
     batches = GlobalBatches(corpus.validation, cfg.seq_len, global_batch, sharding, shuffle_seed=None, repeat=False)
-    return [b for _, b in zip(range(count), batches)]
+    return [b for _, b in zip(range(count), batches, strict=False)]
