@@ -163,7 +163,7 @@ def test_the_guard_switched_on_off_or_resized_on_resume_starts_an_empty_window_o
 @pytest.mark.parametrize("key,value,message", [
     ("skip_spikes", -1.0, "train.skip_spikes=-1.0 must be at least 0 (standard deviations; 0: off)"),
     ("spike_window", 1,
-     "train.spike_window=1 must be at least 2 (the steps the mean and deviation of train.skip_spikes are taken over)"),
+     "train.spike_window=1 must be in [2, 2147483647] (the steps the mean and deviation of train.skip_spikes are taken over)"),
 ])
 def test_bad_guard_settings_are_one_line(key, value, message):
     with pytest.raises(UserError, match=re.escape(message)):
