@@ -241,6 +241,7 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
                 other_data = checkpoints.restored and _other_data(checkpoints.directory / str(checkpoints.restored[0]), cfg,
                                                                   checked.corpus)
                 _note_data_order_changes(run_dir, cfg, batches, other_data)
+                _note_evaluation_changes(run_dir, cfg)
             # only now, once the run's own checkpoint fits this config: a refused start leaves the run directory as it was
             _write_run_files(trainer, run_dir, base, init_from if fresh else None)
             eval_data = data_lib.eval_batches(checked.corpus, cfg.data, t.global_batch, layout.batch_sharding, t.eval_batches)
@@ -381,6 +382,20 @@ def _note_data_order_changes(run_dir: Path, cfg: Config, batches: data_lib.Globa
             _say(f"jaxtrain: note: {key}={now} here but {then} in {where}, whose {unit} the checkpoint's data position "
                  f"counts ({read} read): here it goes on at position {read} of another stream, so {unit} are skipped or "
                  f"seen twice; give {key}={then} to continue where the run stopped")
+
+
+def _note_evaluation_changes(run_dir: Path, cfg: Config) -> None:
+    """A note where a resume evaluates another number of validation sequences (the first train.eval_batches batches of
+    train.global_batch): its eval_loss is then taken over other sequences than the earlier records' (a QA report: no
+    word of it)."""
+    if not (run_dir / "config.yaml").is_file():
+        return
+    before = config_lib.load_run_config(run_dir).train
+    now, then = cfg.train.eval_batches * cfg.train.global_batch, before.eval_batches * before.global_batch
+    if now != then:
+        _say(f"jaxtrain: note: the evaluation scores train.eval_batches x train.global_batch = {cfg.train.eval_batches} x "
+             f"{cfg.train.global_batch} validation sequences here, {before.eval_batches} x {before.global_batch} in "
+             f"{run_dir / 'config.yaml'}: eval_loss from here on is taken over other sequences than the earlier records'")
 
 
 def _write_run_files(trainer: Trainer, run_dir: Path, base: lora_lib.Base | None, fresh_init_from: Path | None) -> None:

@@ -179,7 +179,11 @@ def test_a_resume_with_another_global_batch_reads_on_from_the_next_sequence(shor
     notes = [line for line in capsys.readouterr().err.splitlines()
              if line.startswith("jaxtrain: note:") and "learning-rate schedule" not in line]  # train.steps raised: its own test
     assert notes == [f"jaxtrain: note: train.global_batch=12 here but 8 in {run_dir / 'config.yaml'}: the data goes on after "
-                     "the 32 sequences the checkpoint's position counts, none skipped or read twice"], notes
+                     "the 32 sequences the checkpoint's position counts, none skipped or read twice",
+                     # the evaluation's batches are the run's batch size too: other sequences than the records before
+                     "jaxtrain: note: the evaluation scores train.eval_batches x train.global_batch = 1 x 12 validation "
+                     f"sequences here, 1 x 8 in {run_dir / 'config.yaml'}: eval_loss from here on is taken over other "
+                     "sequences than the earlier records'"], notes
     train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=6", "train.global_batch=12", "data.seed=1"]), run_dir)
     notes = [line for line in capsys.readouterr().err.splitlines()
              if line.startswith("jaxtrain: note:") and "learning-rate schedule" not in line]
