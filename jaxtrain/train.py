@@ -191,6 +191,8 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
     # every check of --init-from (path, complete checkpoint, shapes) before the run directory is touched
     # a LoRA run: --init-from names the frozen base, loaded (and checked against the run's record) on every start
     base = lora_lib.run_base(layout, run_dir, init_from) if cfg.model.lora.rank else None
+    if fresh and init_from is not None and hf_config.is_hf_dir(init_from):
+        _note_past_source_context(init_from, cfg.data.seq_len)
     if base is not None and base.record["path"] is None and fresh:
         _say(f"jaxtrain: note: no --init-from, so the LoRA adapters train on a base initialised from train.seed="
              f"{base.record['seed']}, not on a trained model; give --init-from HF_DIR (or a run directory) to adapt one")
@@ -531,6 +533,16 @@ def _init_from(layout: Layout, path: Path, batches: data_lib.GlobalBatches, corp
     _say(f"jaxtrain: note: --init-from {path} goes on from its step {step}: its optimizer state, the learning-rate schedule at "
          f"{schedule} and {data}; add --params-only to start at step 0 from its parameters alone")
     return state
+
+
+def _note_past_source_context(hf_dir: Path, seq_len: int) -> None:
+    """A note where a model is fine-tuned on longer sequences than its config.json's max_position_embeddings: it
+    trains, with its rope as it is, on positions its source never saw (a QA report: nothing said so)."""
+    limit, key = hf_config.context_length(hf_dir) or (None, None)
+    if key == "max_position_embeddings" and seq_len > limit:
+        _say(f"jaxtrain: note: data.seq_len={seq_len} is longer than {hf_dir}'s max_position_embeddings={limit}: the model "
+             f"trains on positions its source was not trained on, with its rope unchanged; generate and export-hf take "
+             f"{seq_len} positions as this run's context")
 
 
 def _keeps_plain_seeds(batches: data_lib.GlobalBatches, seed: int) -> bool:

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -355,6 +356,31 @@ def test_a_resume_from_another_model_directory_says_to_give_the_first_one_again(
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: note: model.rope_theta=500000.0")]
     assert len(notes) == 1 and notes[0].endswith(f"give --init-from the model directory the run started from (its config.json is "
                                                  f"kept in {run_dir / 'hf'}) to continue as before"), notes
+
+def test_fine_tuning_past_the_source_models_context_says_so(tmp_path, capsys):
+    """A model of max_position_embeddings 8 fine-tuned at data.seq_len 16 trains on positions its source never saw: a QA
+    report, nothing said so. One note on the first start, none on a resume, none within the source's context."""
+    hf_dir, run_dir, tokens = tmp_path / "hf", tmp_path / "run", tmp_path / "tokens.npy"
+    _make_hf_model(hf_dir, "llama_tied")
+    np.save(tokens, np.random.default_rng(1).integers(0, 64, 2000).astype(np.int32))
+    args = ["train", "finetune", "--run-dir", str(run_dir), "--init-from", str(hf_dir), f"data.path={tokens}",
+            "data.val_fraction=0.1", "train.global_batch=8", "train.eval_batches=1", "model.dtype=float32", "model.remat=none",
+            "log.progress=false", "log.tensorboard=false"]
+
+    def notes(*extra):
+        capsys.readouterr()
+        assert cli.main([*args, *extra]) == 0
+        return [line for line in capsys.readouterr().err.splitlines() if "max_position_embeddings" in line]
+
+    _edit_config(hf_dir, max_position_embeddings=SEQ // 2)
+    assert notes(f"data.seq_len={SEQ}", "train.steps=1") == [
+        f"jaxtrain: note: data.seq_len={SEQ} is longer than {hf_dir}'s max_position_embeddings={SEQ // 2}: the model trains on "
+        f"positions its source was not trained on, with its rope unchanged; generate and export-hf take {SEQ} positions as "
+        "this run's context"]
+    assert notes(f"data.seq_len={SEQ}", "train.steps=2") == []
+    shutil.rmtree(run_dir)
+    assert notes(f"data.seq_len={SEQ // 2}", "train.steps=1") == []
+
 
 REFUSED = {  # config.json values this model would load without reproducing: refused, not read as another model
     "mlp_bias": ({"mlp_bias": True}, "mlp_bias=True is not supported (MLP without biases only)"),
