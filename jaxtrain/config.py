@@ -6,12 +6,14 @@ device count has to be set before that).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib
 import importlib.util
 import math
 import os
+import sys
 import traceback
 import types
 import typing
@@ -403,10 +405,33 @@ def _available(directory: Path, suffix: str) -> str:
     return ", ".join(sorted(p.stem for p in directory.glob(f"*{suffix}") if not p.stem.startswith("_")))
 
 
+def _shipped(directory: Path, name: str, suffix: str) -> bool:
+    """Whether ``name`` is one of the files ``_available`` lists (a bare name, not a path)."""
+    return name.isidentifier() and not name.startswith("_") and (directory / f"{name}{suffix}").is_file()
+
+
+@contextlib.contextmanager
+def _imports_beside(experiment_file: Path | None):
+    """The file's folder first on sys.path while it loads and its config() runs, as `python FILE.py` puts it: an
+    experiment imports the helpers beside it, as ours import experiments/_llama.py (a user's `from _common import
+    base` was "No module named '_common'")."""
+    if experiment_file is None:
+        yield
+        return
+    folder = str(experiment_file.parent.resolve())
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        sys.path.remove(folder)
+
+
 def load_experiment(name_or_path: str) -> Config:
     """An experiment is a Python file under experiments/ (or any path) with ``config() -> Config``."""
     path = Path(name_or_path)
-    if path.suffix == ".py" or path.exists():
+    # a directory is never an experiment: one in the working directory named as a shipped experiment (a user's
+    # folder for its data) leaves the name to the experiment
+    if path.suffix == ".py" or path.exists() and not (path.is_dir() and _shipped(EXPERIMENTS_DIR, name_or_path, ".py")):
         if path.is_dir():
             raise UserError(f"experiment {name_or_path} is a directory; give an experiment .py file, or a name under "
                             f"experiments/: {_available(EXPERIMENTS_DIR, '.py')}")
@@ -414,11 +439,12 @@ def load_experiment(name_or_path: str) -> Config:
             raise UserError(f"experiment file {name_or_path} does not exist")
         if path.suffix != ".py":
             raise UserError(f"experiment file {name_or_path} is not a Python file; an experiment is a .py file with "
-                            "config() -> Config (see experiments/tiny.py)")
+                            f"config() -> Config (see {EXPERIMENTS_DIR / 'tiny.py'})")  # where it is installed
         spec = importlib.util.spec_from_file_location(f"_experiment_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
+        module, experiment_file = importlib.util.module_from_spec(spec), path
         try:
-            spec.loader.exec_module(module)
+            with _imports_beside(experiment_file):
+                spec.loader.exec_module(module)
         except SyntaxError as e:  # the user's file, not ours: where, not a traceback through importlib
             raise UserError(f"experiment file {name_or_path} line {e.lineno}: {e.msg}; fix the file") from None
         except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever running it raised (a missing import, a NameError, a
@@ -426,15 +452,16 @@ def load_experiment(name_or_path: str) -> Config:
             detail = f"{type(e).__name__}: {e}".splitlines()[0]
             raise UserError(f"experiment file {name_or_path} failed to load: {detail}; fix the file") from None
     else:
-        if not (EXPERIMENTS_DIR / f"{name_or_path}.py").is_file():
+        if not _shipped(EXPERIMENTS_DIR, name_or_path, ".py"):
             raise UserError(
                 f"unknown experiment '{name_or_path}'; available: {_available(EXPERIMENTS_DIR, '.py')} (or pass a path to a .py file)"
             )
-        module = importlib.import_module(f"experiments.{name_or_path}")
+        module, experiment_file = importlib.import_module(f"experiments.{name_or_path}"), None
     if not callable(getattr(module, "config", None)):
         raise UserError(f"experiment {name_or_path} defines no config() function returning a jaxtrain Config")
     try:
-        cfg = module.config()
+        with _imports_beside(experiment_file):
+            cfg = module.config()
     except UserError:
         raise
     except Exception as e:
@@ -483,11 +510,11 @@ def read_yaml_mapping(path: Path, what: str, expected: str) -> dict:
 def load_mesh_file(name_or_path: str) -> MeshConfig:
     """Mesh YAML: ``ici:`` and ``dcn:`` mappings of axis name to size (missing axes are 1)."""
     path = Path(name_or_path)
-    if path.is_dir():
-        raise UserError(f"--mesh {name_or_path} is a directory; give a mesh YAML file or one of: {_available(MESHES_DIR, '.yaml')}")
-    if not path.is_file():
+    if not path.is_file():  # a directory of a shipped mesh's name in the working directory leaves the name to the mesh
         path = MESHES_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
+        if name_or_path and Path(name_or_path).is_dir():
+            raise UserError(f"--mesh {name_or_path} is a directory; give a mesh YAML file or one of: {_available(MESHES_DIR, '.yaml')}")
         raise UserError(f"mesh file '{name_or_path}' not found; give a path or one of: {_available(MESHES_DIR, '.yaml')}")
     expected = "a mapping with only the keys 'ici' and 'dcn'"
     body = read_yaml_mapping(path, "mesh file", expected)

@@ -116,8 +116,11 @@ def test_unknown_experiment_lists_available():
 def test_an_experiment_path_must_be_a_python_file(tmp_path):
     data = tmp_path / "extra.jsonl"
     data.write_text('{"text": "a"}\n')
-    with pytest.raises(UserError, match=r"extra.jsonl is not a Python file; an experiment is a .py file with config\(\)"):
+    with pytest.raises(UserError, match=r"extra.jsonl is not a Python file; an experiment is a .py file with config\(\)") as raised:
         config_lib.load_experiment(str(data))
+    # the example it points to by its real path, which an installed jaxtrain's user has (not experiments/tiny.py)
+    example = Path(re.fullmatch(r".*\(see (.*)\)", str(raised.value)).group(1))
+    assert example.is_absolute() and config_lib.load_experiment(str(example)) == config_lib.load_experiment("tiny")
     with pytest.raises(UserError, match=r"is a directory; give an experiment .py file, or a name under experiments/: .*tiny"):
         config_lib.load_experiment(str(tmp_path))
     broken = tmp_path / "broken.py"
@@ -136,6 +139,48 @@ def test_an_experiment_path_must_be_a_python_file(tmp_path):
     with pytest.raises(UserError, match=rf"^experiment file {broken} line 4: config\(\) raised TypeError: .*'d_modle'; fix the file$"):
         config_lib.load_experiment(str(broken))
 
+
+
+def test_a_folder_in_the_working_directory_leaves_a_shipped_name_to_its_experiment_and_mesh(tmp_path, monkeypatch):
+    """A user's project folder named as an experiment or a mesh (``llama3_8b/`` for its data, say) made the name
+    unusable: "experiment llama3_8b is a directory; give ... or a name under experiments/: ..., llama3_8b, ..."
+    (the rule sets' lookup already passed a folder by). A directory is never an experiment or a mesh file."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("tiny", "cpu8", "gpu1"):
+        (tmp_path / name).mkdir()
+    assert config_lib.load_experiment("tiny") == config_lib.load_experiment(str(config_lib.EXPERIMENTS_DIR / "tiny.py"))
+    assert load_mesh_file("cpu8") == load_mesh_file(str(config_lib.MESHES_DIR / "cpu8.yaml"))
+    assert load_mesh_file("gpu1").ici.data == 1
+    # a folder of no shipped name is still refused as one, and so is a path to one
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(UserError, match="^experiment mine is a directory; give an experiment .py file"):
+        config_lib.load_experiment("mine")
+    with pytest.raises(UserError, match="^experiment ./tiny is a directory"):
+        config_lib.load_experiment("./tiny")
+    with pytest.raises(UserError, match="^--mesh mine is a directory; give a mesh YAML file or one of: a100x4, "):
+        load_mesh_file("mine")
+    # the hidden helper module is no experiment, as the listing says
+    with pytest.raises(UserError, match="^unknown experiment '_llama'; available: finetune, "):
+        config_lib.load_experiment("_llama")
+
+
+def test_an_experiment_file_imports_the_helpers_beside_it(tmp_path, monkeypatch):
+    """As `python FILE.py` does and as the shipped experiments import experiments/_llama.py: a user's experiments
+    sharing a helper module failed to load ("No module named '_common'"), from any working directory."""
+    folder = tmp_path / "exps"
+    folder.mkdir()
+    (folder / "_common.py").write_text("import dataclasses\nfrom jaxtrain.config import load_experiment\n\ndef base(steps):\n"
+                                       "    cfg = load_experiment('tiny')\n"
+                                       "    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))\n")
+    (folder / "at_load.py").write_text("from _common import base\n\ndef config():\n    return base(7)\n")
+    (folder / "in_config.py").write_text("def config():\n    from _common import base\n    return base(9)\n")
+    monkeypatch.chdir(tmp_path)  # not the files' folder
+    path_before = list(sys.path)
+    assert config_lib.load_experiment("exps/at_load.py").train.steps == 7
+    monkeypatch.delitem(sys.modules, "_common")  # imported afresh: from the folder, not from the first one's import
+    assert config_lib.load_experiment(str(folder / "in_config.py")).train.steps == 9
+    monkeypatch.delitem(sys.modules, "_common")
+    assert sys.path == path_before
 
 @pytest.mark.parametrize("key, hint", [
     # a QA report: these printed all 90 keys, or a key of another name ('train' -> 'train.seed', 'model.moe' -> 'model.d_model')
