@@ -29,7 +29,7 @@ PROMPT, NEW = 128, 128
 
 def small_config():
     from jaxtrain.config import AxisSizes, Config, MeshConfig
-    from models.config import LlamaConfig
+    from jaxtrain.models.config import LlamaConfig
 
     model = LlamaConfig(vocab_size=256, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4, mlp_dim=1024, dtype="float32")
     return Config(model=model, mesh=MeshConfig(ici=AxisSizes(fsdp=1)), rules="dp")

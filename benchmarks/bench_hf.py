@@ -41,8 +41,8 @@ from jaxtrain.errors import OneLineParser, UserError, positive_int
 from jaxtrain.interop import hf_export, hf_import
 from jaxtrain.interop.hf_weights import tensor_maps
 from jaxtrain.layout import make_layout
-from models.config import LlamaConfig
-from models.llama import Llama
+from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.llama import Llama
 
 REPO = Path(__file__).resolve().parent.parent
 MB = 1e6

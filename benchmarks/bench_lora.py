@@ -22,7 +22,7 @@ from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.layout import peak_bytes
 from jaxtrain.state import bytes_per_device
 from jaxtrain.train import build
-from models.config import LlamaConfig, LoraConfig
+from jaxtrain.models.config import LlamaConfig, LoraConfig
 
 MODEL = LlamaConfig(vocab_size=256, d_model=256, num_layers=2, num_heads=8, num_kv_heads=4, mlp_dim=1024, dtype="float32")
 LORA = LoraConfig(rank=16, alpha=32.0)

@@ -26,7 +26,7 @@ from jaxtrain.plan import hlo_report
 from jaxtrain.layout import lower_steps, peak_bytes
 from jaxtrain.state import bytes_per_device
 from jaxtrain.train import build
-from models.config import LlamaConfig
+from jaxtrain.models.config import LlamaConfig
 
 MODEL = LlamaConfig(vocab_size=2048, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4, mlp_dim=768, dtype="float32")
 DEVICES = 8

@@ -46,7 +46,7 @@ from jaxtrain.optim import decay_mask
 from jaxtrain.state import init_state, model_spec
 from jaxtrain.step import cross_entropy
 from jaxtrain.train import Trainer, build, train
-from models.config import REMAT_POLICIES, LlamaConfig
+from jaxtrain.models.config import REMAT_POLICIES, LlamaConfig
 
 REPEATS = 5  # timed repetitions per measurement; the median is reported
 STEPS_PER_REPEAT = 4
@@ -96,7 +96,7 @@ def interleaved_medians(contenders: dict, batch, repeats: int = REPEATS) -> dict
 
 # ---------------------------------------------------------------------------------------------------
 # The hand-written reference: plain jax + optax, no Flax, no sharding annotations, the same math as
-# models/llama.py + jaxtrain/step.py + jaxtrain/optim.py, on the same parameter tree.
+# jaxtrain/models/llama.py + jaxtrain/step.py + jaxtrain/optim.py, on the same parameter tree.
 
 def _rms_norm(x, scale, eps):
     x32 = x.astype(jnp.float32)

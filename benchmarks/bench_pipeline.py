@@ -16,7 +16,7 @@ import statistics
 from bench_perf import compiled_train_step, config, random_corpus, seconds_per_step
 from jaxtrain.config import AxisSizes, MeshConfig
 from jaxtrain.stages import Schedule
-from models.config import LlamaConfig, PipelineConfig
+from jaxtrain.models.config import LlamaConfig, PipelineConfig
 
 REPEATS = 3
 STEPS_PER_REPEAT = 2

@@ -10,7 +10,7 @@ slower (README, "Benchmarks"). Repetitions interleaved as in bench_perf.
   ``model.scan_layers=true`` (the layer scan, as on GPUs), tokens/s, in the same interleaved run, beside both train
   steps' compile times (what unrolling costs).
 - ``chunked_attention_speedup``: jaxtrain with ``model.attention=chunked`` (what ``auto`` picks on CPUs:
-  models/attention.py) ÷ the same with ``model.attention=xla``, tokens/s, in the same interleaved run; and
+  jaxtrain/models/attention.py) ÷ the same with ``model.attention=xla``, tokens/s, in the same interleaved run; and
   ``chunked_attention_speedup_seq_1024``: the same pair at sequence length 1024 (batch 2, the same tokens per
   step), where the scores weigh more.
 - ``remat_speedup``: jaxtrain with ``model.remat=full``, ``save_dots`` and ``save_qkv_out`` each ÷ the default
@@ -35,7 +35,7 @@ from bench_perf import ONE_DEVICE, config, fixed_batch, interleaved_medians, jax
 
 from jaxtrain.step import token_nll
 from jaxtrain.train import build
-from models.config import LlamaConfig
+from jaxtrain.models.config import LlamaConfig
 
 # the issue's shapes: 4 layers, d_model 256, 4 heads / 2 KV heads, SwiGLU 768, vocab 256, batch 8 x 256 tokens
 PEER_MODEL = LlamaConfig(vocab_size=256, d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=768, dtype="float32")

@@ -112,7 +112,7 @@ ROWS = (
     # and LoRA on the experts (rank 16 on attention and every expert, bf16 frozen base: PEFT's target_parameters)
     Row("moe_mixtral_layers_capacity", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2", "model.remat=full",
                                                         "model.attention=auto", "model.moe.dispatch=capacity"), 75),
-    # the same with save_dots, which keeps the experts' rows, gate, up and output (models/llama.py EXPERT_SAVED): the
+    # the same with save_dots, which keeps the experts' rows, gate, up and output (jaxtrain/models/llama.py EXPERT_SAVED): the
     # backward does not multiply by the experts again
     Row("moe_mixtral_layers_capacity_save_dots", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2",
                                                                   "model.remat=save_dots", "model.attention=auto",
@@ -121,7 +121,7 @@ ROWS = (
                                                                   "model.attention=auto", "model.moe.dispatch=dropless", *extra), 75)
       for suffix, extra in (("", ()), ("_lora", ("model.param_dtype=bfloat16", "model.lora.rank=16", "model.lora.alpha=32")))),
     # expert parallelism on 2+ GPUs (rules fsdp_ep: experts over expert 2, the rest fsdp): dropless gathers each expert
-    # group's tokens and reduce-scatters the outputs back (models/moe.py), capacity moves its buffers by all-to-all;
+    # group's tokens and reduce-scatters the outputs back (jaxtrain/models/moe.py), capacity moves its buffers by all-to-all;
     # compare step_s, and the expert bytes with `jaxtrain plan mixtral_8x7b --hlo-report` on the same overrides
     *(Row(f"moe_expert_parallel_{dispatch}", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=8", "model.remat=full",
                                                              "model.attention=auto", f"model.moe.dispatch={dispatch}",

@@ -54,7 +54,7 @@ def interrupts_held():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command with ``argv`` (default: this process's arguments); `python experiments/NAME.py` passes its own."""
+    """The command with ``argv`` (default: this process's arguments); `python jaxtrain/experiments/NAME.py` passes its own."""
     redeliver_dropped_interrupts()
     try:
         host_malloc.reexec_with_jemalloc()

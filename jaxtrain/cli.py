@@ -359,12 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="jaxtrain", description="Train large language models with JAX on device meshes.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     train = sub.add_parser("train", help="train an experiment; resumes a run directory that has checkpoints")
-    train.add_argument("experiment", help="a name under experiments/ (e.g. tiny) or a path to an experiment .py file")
+    train.add_argument("experiment", help="a name under jaxtrain/experiments/ (e.g. tiny) or a path to an experiment .py file")
     # default=[]: argparse counts a '*' positional without a default as required, and named key=value as missing
     train.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                        help="config overrides, e.g. train.steps=100 optim.lr=3e-4")
-    train.add_argument("--mesh", help="mesh file (a path, or a name under experiments/meshes/)")
-    train.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
+    train.add_argument("--mesh", help="mesh file (a path, or a name under jaxtrain/experiments/meshes/)")
+    train.add_argument("--rules", help="sharding rule set (a name under jaxtrain/sharding_rules/, or a path)")
     train.add_argument("--run-dir", help="run directory (default runs/EXPERIMENT)")
     train.add_argument("--devices", type=_positive_int32, help=_DEVICES_HELP)
     train.add_argument("--init-from", metavar="PATH", help="start from another run's checkpoint (run dir or step dir), or from a "
@@ -373,10 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_process_flags(train)
     train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="per-device memory of an experiment on a target mesh: estimate, compiled truth, fixes")
-    plan.add_argument("experiment", help="a name under experiments/ (e.g. llama3_8b) or a path to an experiment .py file")
+    plan.add_argument("experiment", help="a name under jaxtrain/experiments/ (e.g. llama3_8b) or a path to an experiment .py file")
     plan.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config overrides, e.g. train.microbatches=auto")
-    plan.add_argument("--mesh", help="the target mesh file (a path, or a name under experiments/meshes/)")
-    plan.add_argument("--rules", help="sharding rule set (a name under sharding_rules/, or a path)")
+    plan.add_argument("--mesh", help="the target mesh file (a path, or a name under jaxtrain/experiments/meshes/)")
+    plan.add_argument("--rules", help="sharding rule set (a name under jaxtrain/sharding_rules/, or a path)")
     plan.add_argument("--devices", type=_positive_int32,
                       help="devices to simulate (default: the mesh's size; an ici -1 fills an 8-GPU node)")
     plan.add_argument("--init-from", metavar="HF_DIR", help="the model's shape from a Hugging Face model directory's config.json, "

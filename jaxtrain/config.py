@@ -21,12 +21,12 @@ from pathlib import Path
 
 import yaml
 
-import experiments
+from jaxtrain import experiments
 from jaxtrain.atomic import atomic_file
 from jaxtrain.errors import UserError
-from models.config import LlamaConfig, tokamax_problem
+from jaxtrain.models.config import LlamaConfig, tokamax_problem
 
-MESH_AXES = ("data", "fsdp", "tensor", "stage", "expert")  # stage: pipeline stages (models/pipeline.py)
+MESH_AXES = ("data", "fsdp", "tensor", "stage", "expert")  # stage: pipeline stages (jaxtrain/models/pipeline.py)
 DATA_FORMATS = ("text", "sft")
 MESHES_DIR = Path(experiments.__file__).parent / "meshes"
 EXPERIMENTS_DIR = Path(experiments.__file__).parent
@@ -158,7 +158,7 @@ class Config:
     log: LogConfig = LogConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
-    rules: str = "fsdp_tp"  # a name under sharding_rules/ or a path to a YAML rule set
+    rules: str = "fsdp_tp"  # a name under jaxtrain/sharding_rules/ or a path to a YAML rule set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,6 +405,10 @@ def _available(directory: Path, suffix: str) -> str:
     return ", ".join(sorted(p.stem for p in directory.glob(f"*{suffix}") if not p.stem.startswith("_")))
 
 
+# the top-level packages of jaxtrain's wheel until 2026-12-06, which an experiment file of then imports from
+MOVED_PACKAGES = ("models", "experiments", "sharding_rules")
+
+
 def _shipped(directory: Path, name: str, suffix: str) -> bool:
     """Whether ``name`` is one of the files ``_available`` lists (a bare name, not a path)."""
     return name.isidentifier() and not name.startswith("_") and (directory / f"{name}{suffix}").is_file()
@@ -413,7 +417,7 @@ def _shipped(directory: Path, name: str, suffix: str) -> bool:
 @contextlib.contextmanager
 def _imports_beside(experiment_file: Path | None):
     """The file's folder first on sys.path while it loads and its config() runs, as `python FILE.py` puts it: an
-    experiment imports the helpers beside it, as ours import experiments/_llama.py (a user's `from _common import
+    experiment imports the helpers beside it, as ours import jaxtrain/experiments/_llama.py (a user's `from _common import
     base` was "No module named '_common'")."""
     if experiment_file is None:
         yield
@@ -427,14 +431,14 @@ def _imports_beside(experiment_file: Path | None):
 
 
 def load_experiment(name_or_path: str) -> Config:
-    """An experiment is a Python file under experiments/ (or any path) with ``config() -> Config``."""
+    """An experiment is a Python file under jaxtrain/experiments/ (or any path) with ``config() -> Config``."""
     path = Path(name_or_path)
     # a directory is never an experiment: one in the working directory named as a shipped experiment (a user's
     # folder for its data) leaves the name to the experiment
     if path.suffix == ".py" or path.exists() and not (path.is_dir() and _shipped(EXPERIMENTS_DIR, name_or_path, ".py")):
         if path.is_dir():
             raise UserError(f"experiment {name_or_path} is a directory; give an experiment .py file, or a name under "
-                            f"experiments/: {_available(EXPERIMENTS_DIR, '.py')}")
+                            f"jaxtrain/experiments/: {_available(EXPERIMENTS_DIR, '.py')}")
         if not path.is_file():
             raise UserError(f"experiment file {name_or_path} does not exist")
         if path.suffix != ".py":
@@ -450,13 +454,16 @@ def load_experiment(name_or_path: str) -> Config:
         except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever running it raised (a missing import, a NameError, a
             # sys.exit that ended the command with its status and no word): one line too
             detail = f"{type(e).__name__}: {e}".splitlines()[0]
-            raise UserError(f"experiment file {name_or_path} failed to load: {detail}; fix the file") from None
+            moved = isinstance(e, ModuleNotFoundError) and e.name in MOVED_PACKAGES
+            fix = (f"jaxtrain's {e.name} package is jaxtrain.{e.name} since 2026-12-06: import from jaxtrain.{e.name} where "
+                   f"the file imports from {e.name}" if moved else "fix the file")
+            raise UserError(f"experiment file {name_or_path} failed to load: {detail}; {fix}") from None
     else:
         if not _shipped(EXPERIMENTS_DIR, name_or_path, ".py"):
             raise UserError(
                 f"unknown experiment '{name_or_path}'; available: {_available(EXPERIMENTS_DIR, '.py')} (or pass a path to a .py file)"
             )
-        module, experiment_file = importlib.import_module(f"experiments.{name_or_path}"), None
+        module, experiment_file = importlib.import_module(f"jaxtrain.experiments.{name_or_path}"), None
     if not callable(getattr(module, "config", None)):
         raise UserError(f"experiment {name_or_path} defines no config() function returning a jaxtrain Config")
     try:
@@ -465,7 +472,7 @@ def load_experiment(name_or_path: str) -> Config:
     except UserError:
         raise
     except Exception as e:
-        if module.__name__.startswith("experiments."):  # ours: a bug to see whole
+        if module.__name__.startswith("jaxtrain.experiments."):  # ours: a bug to see whole
             raise
         # the user's file (a misspelt LlamaConfig field, say): where in it, not a traceback
         lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if Path(frame.filename).resolve() == path.resolve()]
@@ -552,10 +559,10 @@ def resolve_for_devices(cfg: Config, nvidia_gpu: bool, cpu: bool = False, pipeli
 
     ``model.attention``: cuDNN flash attention on NVIDIA GPUs where it takes the model (half-precision compute, a
     head dimension that is a multiple of 8 up to 128: jax's cuDNN checks, 256 on Hopper kept out to hold on every
-    GPU), chunked causal attention on CPUs (XLA:CPU has no fused kernel: models/attention.py), XLA elsewhere.
+    GPU), chunked causal attention on CPUs (XLA:CPU has no fused kernel: jaxtrain/models/attention.py), XLA elsewhere.
 
     ``model.scan_layers``: unrolled on CPUs, scanned elsewhere and under pipeline stages (``pipelined``: each
-    stage's layers run in the pipeline's scan whatever this says, models/pipeline.py). On XLA:CPU the layer scan stacks what each layer
+    stage's layers run in the pipeline's scan whatever this says, jaxtrain/models/pipeline.py). On XLA:CPU the layer scan stacks what each layer
     saves and slices it back, and unrolled steps measured 1.12-1.22x faster at 2 to 32 layers for about 0.4 s of
     compile per layer (README, "Benchmarks and performance"); on GPUs the scan keeps compile time flat and memory
     lower (the unrolled program holds 13% more on an H200), and the memory planner models the scanned program.

@@ -39,8 +39,8 @@ from jaxtrain.mesh import build_mesh
 from jaxtrain.partitioning import (Rules, batch_sharding, check_rules_against_mesh, load_rules, logical_to_spec, logical_ways,
                                   model_tracing)
 from jaxtrain.state import model_spec
-from models.config import LlamaConfig
-from models.llama import KVCache
+from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.llama import KVCache
 
 Encode = Callable[[str], list[int]]
 # (new token ids, prompt=the prompt's token ids) -> the text the new tokens add after the prompt

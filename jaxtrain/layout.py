@@ -27,8 +27,8 @@ from jaxtrain.partitioning import (Rules, batch_sharding, batch_shards, check_ru
 from jaxtrain.stages import check_pipeline, schedule
 from jaxtrain.state import ModelSpec, Placement, TrainState, abstract_state, in_device_memory, model_spec, state_shardings
 from jaxtrain.step import make_eval_step, make_train_step
-from models.config import PipelineConfig
-from models.pipeline import STAGES
+from jaxtrain.models.config import PipelineConfig
+from jaxtrain.models.pipeline import STAGES
 
 
 @dataclasses.dataclass(frozen=True)

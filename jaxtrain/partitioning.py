@@ -12,11 +12,11 @@ import jax
 from flax.core import spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import sharding_rules
+from jaxtrain import sharding_rules
 from jaxtrain.config import read_yaml_mapping
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
-from models.sharding import LOGICAL_AXES, MissingLogicalRule, RepeatedMeshAxis
+from jaxtrain.models.sharding import LOGICAL_AXES, MissingLogicalRule, RepeatedMeshAxis
 
 RULES_DIR = Path(sharding_rules.__file__).parent
 
@@ -150,7 +150,7 @@ def check_rules_against_mesh(rules: Rules, mesh: Mesh, source: str) -> None:
 
 
 def flax_rules(rules: Rules) -> tuple:
-    """The rules in the form flax's ``logical_axis_rules`` context expects (read by models/sharding.py)."""
+    """The rules in the form flax's ``logical_axis_rules`` context expects (read by jaxtrain/models/sharding.py)."""
     return tuple((logical, targets[0] if targets and len(targets) == 1 else targets) for logical, targets in rules.items())
 
 

@@ -1,4 +1,4 @@
-"""How a config's layer pipeline (models/pipeline.py) maps onto the mesh: its checks and its schedule's numbers."""
+"""How a config's layer pipeline (jaxtrain/models/pipeline.py) maps onto the mesh: its checks and its schedule's numbers."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
 from jaxtrain.partitioning import RULES_DIR, Rules, batch_shards, logical_ways
 from jaxtrain.state import bytes_per_device
-from models.config import PipelineConfig
-from models.pipeline import STAGES, microbatches
+from jaxtrain.models.config import PipelineConfig
+from jaxtrain.models.pipeline import STAGES, microbatches
 
 if TYPE_CHECKING:  # jaxtrain.layout imports this module
     from jaxtrain.layout import Layout

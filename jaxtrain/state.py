@@ -18,8 +18,8 @@ from jaxtrain.memory import loss_scale as loss_scale_lib
 from jaxtrain.adapt.adapters import join_frozen, split_frozen
 from jaxtrain.memory.quant import quantized
 from jaxtrain.partitioning import Rules, param_shardings, spec_axes
-from models.config import LlamaConfig
-from models.llama import Llama
+from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.llama import Llama
 
 
 @flax.struct.dataclass

@@ -14,8 +14,8 @@ from jaxtrain import spikes as spikes_lib
 from jaxtrain.memory import loss_scale as loss_scale_lib
 from jaxtrain.adapt.adapters import join_frozen
 from jaxtrain.state import TrainState
-from models.lora import dropout_key
-from models.moe import pop_router_stats
+from jaxtrain.models.lora import dropout_key
+from jaxtrain.models.moe import pop_router_stats
 
 # 'inputs', 'targets': (batch, length) int32; packed instruction data (data.format=sft) adds 'segment_ids' and
 # 'positions' (int32, for the model) and 'weights' (float32: 1 where the target token counts in the loss)

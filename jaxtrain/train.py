@@ -36,7 +36,7 @@ from jaxtrain.observe.records import read_records
 from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.state import TrainState, model_spec, state_from_params, state_initializer
 from jaxtrain.step import schedule_count
-from models.config import LlamaConfig
+from jaxtrain.models.config import LlamaConfig
 
 
 @dataclasses.dataclass

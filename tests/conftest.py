@@ -52,7 +52,7 @@ from jaxtrain.memory import host_malloc  # noqa: E402
 host_malloc.configure()  # as `jaxtrain train` does on a CPU, before jax starts its threads
 
 from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig  # noqa: E402
-from models.config import LlamaConfig  # noqa: E402
+from jaxtrain.models.config import LlamaConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

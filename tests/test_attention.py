@@ -1,4 +1,4 @@
-"""Chunked causal attention (models/attention.py, model.attention=chunked, what auto picks on CPUs): the same
+"""Chunked causal attention (jaxtrain/models/attention.py, model.attention=chunked, what auto picks on CPUs): the same
 values and gradients as jax's XLA attention, with grouped-query heads, packed segments and uneven chunks; the
 chunks score only the keys up to their end; a Llama built with it equals one built with XLA attention."""
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import attention
-from models.config import LlamaConfig
-from models.llama import Llama
+from jaxtrain.models import attention
+from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.llama import Llama
 
 
 def _inputs(length: int, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, batch: int = 2):

@@ -25,7 +25,7 @@ PIPELINE = ["--rules", "pp_fsdp_tp", "mesh.ici.data=1", "mesh.ici.stage=2"]  # s
 
 
 def _rules_file(tmp_path: Path, **changes) -> str:
-    rules = yaml.safe_load((REPO / "sharding_rules" / "fsdp_tp.yaml").read_text())
+    rules = yaml.safe_load((REPO / "jaxtrain" / "sharding_rules" / "fsdp_tp.yaml").read_text())
     for key, value in changes.items():
         if value is ...:
             del rules[key]

@@ -118,10 +118,10 @@ def test_an_experiment_path_must_be_a_python_file(tmp_path):
     data.write_text('{"text": "a"}\n')
     with pytest.raises(UserError, match=r"extra.jsonl is not a Python file; an experiment is a .py file with config\(\)") as raised:
         config_lib.load_experiment(str(data))
-    # the example it points to by its real path, which an installed jaxtrain's user has (not experiments/tiny.py)
+    # the example it points to by its real path, which an installed jaxtrain's user has (not jaxtrain/experiments/tiny.py)
     example = Path(re.fullmatch(r".*\(see (.*)\)", str(raised.value)).group(1))
     assert example.is_absolute() and config_lib.load_experiment(str(example)) == config_lib.load_experiment("tiny")
-    with pytest.raises(UserError, match=r"is a directory; give an experiment .py file, or a name under experiments/: .*tiny"):
+    with pytest.raises(UserError, match=r"is a directory; give an experiment .py file, or a name under jaxtrain/experiments/: .*tiny"):
         config_lib.load_experiment(str(tmp_path))
     broken = tmp_path / "broken.py"
     broken.write_text("def config():\n    return Config(\n")
@@ -135,7 +135,7 @@ def test_an_experiment_path_must_be_a_python_file(tmp_path):
     with pytest.raises(UserError, match=rf"^experiment file {broken} failed to load: SystemExit: 3; fix the file$"):
         config_lib.load_experiment(str(broken))
     # config() itself raising (a misspelt field): where in the file, one line
-    broken.write_text("from models.config import LlamaConfig\n\ndef config():\n    return LlamaConfig(d_modle=64)\n")
+    broken.write_text("from jaxtrain.models.config import LlamaConfig\n\ndef config():\n    return LlamaConfig(d_modle=64)\n")
     with pytest.raises(UserError, match=rf"^experiment file {broken} line 4: config\(\) raised TypeError: .*'d_modle'; fix the file$"):
         config_lib.load_experiment(str(broken))
 
@@ -143,7 +143,7 @@ def test_an_experiment_path_must_be_a_python_file(tmp_path):
 
 def test_a_folder_in_the_working_directory_leaves_a_shipped_name_to_its_experiment_and_mesh(tmp_path, monkeypatch):
     """A user's project folder named as an experiment or a mesh (``llama3_8b/`` for its data, say) made the name
-    unusable: "experiment llama3_8b is a directory; give ... or a name under experiments/: ..., llama3_8b, ..."
+    unusable: "experiment llama3_8b is a directory; give ... or a name under jaxtrain/experiments/: ..., llama3_8b, ..."
     (the rule sets' lookup already passed a folder by). A directory is never an experiment or a mesh file."""
     monkeypatch.chdir(tmp_path)
     for name in ("tiny", "cpu8", "gpu1"):
@@ -165,7 +165,7 @@ def test_a_folder_in_the_working_directory_leaves_a_shipped_name_to_its_experime
 
 
 def test_an_experiment_file_imports_the_helpers_beside_it(tmp_path, monkeypatch):
-    """As `python FILE.py` does and as the shipped experiments import experiments/_llama.py: a user's experiments
+    """As `python FILE.py` does and as the shipped experiments import jaxtrain/experiments/_llama.py: a user's experiments
     sharing a helper module failed to load ("No module named '_common'"), from any working directory."""
     folder = tmp_path / "exps"
     folder.mkdir()
@@ -181,6 +181,20 @@ def test_an_experiment_file_imports_the_helpers_beside_it(tmp_path, monkeypatch)
     assert config_lib.load_experiment(str(folder / "in_config.py")).train.steps == 9
     monkeypatch.delitem(sys.modules, "_common")
     assert sys.path == path_before
+
+
+@pytest.mark.parametrize("line, module", [("from models.config import LlamaConfig", "models.config"),
+                                          ("from experiments._llama import llama", "experiments._llama")])
+def test_an_experiment_file_of_before_the_move_into_jaxtrain_is_told_the_new_import(line, module, tmp_path, monkeypatch):
+    """models, experiments and sharding_rules were top-level packages of the wheel until 2026-12-06: an experiment file
+    copied from tiny.py then imports models.config, which is jaxtrain.models.config now."""
+    monkeypatch.chdir(tmp_path)  # no models/ of the checkout's on the path
+    (tmp_path / "old.py").write_text(f"{line}\n\ndef config():\n    pass\n")
+    top = module.split(".")[0]
+    with pytest.raises(UserError, match=f"^experiment file old.py failed to load: ModuleNotFoundError: No module named '{top}'; "
+                                        f"jaxtrain's {top} package is jaxtrain.{top} since 2026-12-06: import from jaxtrain.{top} "
+                                        f"where the file imports from {top}$"):
+        config_lib.load_experiment("old.py")
 
 @pytest.mark.parametrize("key, hint", [
     # a QA report: these printed all 90 keys, or a key of another name ('train' -> 'train.seed', 'model.moe' -> 'model.d_model')
@@ -405,7 +419,7 @@ def test_the_logical_axes_rule_sets_may_name_are_those_the_built_in_rule_sets_na
     import yaml
 
     from jaxtrain.partitioning import RULES_DIR, STATE_SECTIONS
-    from models.sharding import LOGICAL_AXES
+    from jaxtrain.models.sharding import LOGICAL_AXES
 
     named = set()
     for path in RULES_DIR.glob("*.yaml"):

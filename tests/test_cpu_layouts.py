@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import LlamaConfig
-from models.llama import MLP
+from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.llama import MLP
 
 BATCH, LENGTH, D_MODEL, MLP_DIM = 2, 8, 32, 64
 

@@ -20,8 +20,8 @@ from jaxtrain.generate import Loaded, _knobs, _sample_at, generate, nucleus, sam
 from jaxtrain.partitioning import model_tracing
 from jaxtrain.state import init_state, model_spec
 from jaxtrain.layout import make_layout
-from models.config import LoraConfig, MoEConfig, RopeScaling
-from models.llama import KVCache
+from jaxtrain.models.config import LoraConfig, MoEConfig, RopeScaling
+from jaxtrain.models.llama import KVCache
 
 NEW_TOKENS = 32
 # init_std 0.3: decisive logits, so the greedy continuation is far from ties and varied
@@ -63,7 +63,7 @@ def _without_cache(loaded: Loaded, prompts: np.ndarray, pick=_argmax) -> np.ndar
 
 
 # the mixture of experts: 4 prompts fill the batch's fsdp x expert shards, so prefill and each decoding step take
-# dropless dispatch's per-device path (models/moe.py)
+# dropless dispatch's per-device path (jaxtrain/models/moe.py)
 @pytest.mark.parametrize("rules, mesh, devices, batch, experts", [
     ("dp", (1, 1, 1), 1, 2, 0), ("fsdp_tp", (2, 2, 2), 8, 4, 0), ("fsdp_tp_ep", (1, 2, 2, 1, 2), 8, 4, 4)])
 def test_greedy_with_cache_equals_full_forward(rules, mesh, devices, batch, experts):
@@ -677,7 +677,7 @@ def test_a_rule_set_whose_batch_names_a_mesh_axis_the_mesh_lacks_is_one_line(tmp
     from jaxtrain import config as config_lib
     from jaxtrain import generate as generate_lib
 
-    rules = yaml.safe_load((REPO / "sharding_rules" / "fsdp_tp.yaml").read_text()) | {"activation_batch": ["data", "pipeline"]}
+    rules = yaml.safe_load((REPO / "jaxtrain" / "sharding_rules" / "fsdp_tp.yaml").read_text()) | {"activation_batch": ["data", "pipeline"]}
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
     config_lib.save_yaml(small_config(), tmp_path / "config.yaml")
     with pytest.raises(generate_lib.UserError, match=r"^rule set \S+rules.yaml: 'activation_batch' maps to mesh axis 'pipeline', "

@@ -17,7 +17,7 @@ from jaxtrain.plan import step_cost
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.train import build, train
 from test_memory import _run
-from models.config import MoEConfig, PipelineConfig
+from jaxtrain.models.config import MoEConfig, PipelineConfig
 
 STEPS = 6
 
@@ -204,7 +204,7 @@ def test_the_planner_counts_the_once_per_step_sums_and_does_not_hide_them():
     assert once.traffic_bytes["data"] == pytest.approx(4 * 2 * norms * 4 * 3 / 4 + after)
     assert once.after_backward_s == pytest.approx(after / nvlink)
     # per micro-batch: every weight's bfloat16 gradient over data but the embedding's (the float32 of its lookup's
-    # scatter-add, models/llama.py), the norm scales' float32 ones over data and fsdp
+    # scatter-add, jaxtrain/models/llama.py), the norm scales' float32 ones over data and fsdp
     embedding = 4096 * 256 / 4
     assert every.traffic_bytes["data"] == pytest.approx(
         4 * 2 * ((local - norms - embedding) * 2 * 1 / 2 + embedding * 4 * 1 / 2 + norms * 4 * 7 / 8))

@@ -15,7 +15,7 @@ from jaxtrain.plan import hlo_report
 from jaxtrain.plan import estimate as plan_lib
 from jaxtrain.layout import make_layout
 from jaxtrain.state import bytes_per_device
-from models.config import MoEConfig, PipelineConfig
+from jaxtrain.models.config import MoEConfig, PipelineConfig
 
 
 def _bytes(tree) -> int:
@@ -42,7 +42,7 @@ def check_fsdp_collectives(plan, layout):
     assert sum(c.tensors * c.executions for c in gathers) == 2 * cfg.model.num_layers * 7 + 2 + 1
     # each gradient reduced once over fsdp (XLA:CPU reduces with all-reduces, a GPU with reduce-scatters); the
     # rest are the step's scalar metrics. But the embedding's: no device holds its whole gradient, the rows'
-    # gradient (this device's tokens' residual stream) goes to the devices holding their columns (models/llama.py)
+    # gradient (this device's tokens' residual stream) goes to the devices holding their columns (jaxtrain/models/llama.py)
     reductions = [c for c in hlo.collectives if c.kind in ("all-reduce", "reduce-scatter")]
     extra = sum(c.bytes * c.executions for c in reductions) - (_bytes(params) - _bytes(params["embed"]))
     assert 0 <= extra < 1024
@@ -169,7 +169,7 @@ ENTRY %main (p: f32[16]) -> f32[16] {
 
 
 def test_an_all_to_all_over_batch_axes_is_fsdps_and_over_an_expert_axis_expert_parallelisms():
-    """The embedding lookup's gradient rows go to the table's columns in an all-to-all over fsdp (models/llama.py);
+    """The embedding lookup's gradient rows go to the table's columns in an all-to-all over fsdp (jaxtrain/models/llama.py);
     a mixture of experts' tokens to their experts in one over the expert axis (capacity dispatch), or gathered over
     it and their outputs reduce-scattered back (dropless); FSDP gathers weights over fsdp; gathers and reduce-scatters
     over tensor are tensor parallelism's."""
@@ -197,9 +197,9 @@ ENTRY %main (p: f32[16]) -> f32[16] {
 def test_no_rule_set_makes_spmd_replicate_a_tensor_whole():
     """GSPMD's "Involuntary full rematerialization" warning: a layout it could reach only by replicating a tensor.
     The embedding lookup's gradient laid out as the table with no layout for the rows' gradient before its scatter-add
-    raised it (fsdp_tp on data x fsdp x tensor, as `jaxtrain plan tiny`); models/llama.py sends those rows split over
+    raised it (fsdp_tp on data x fsdp x tensor, as `jaxtrain plan tiny`); jaxtrain/models/llama.py sends those rows split over
     the batch's axes but the columns' and over the columns' axes. Dropless expert dispatch sorted over the whole batch
-    raised it on fsdp_ep with data 2 and on fsdp_tp_ep; models/moe.py sorts per device."""
+    raised it on fsdp_ep with data 2 and on fsdp_tp_ep; jaxtrain/models/moe.py sorts per device."""
     experts = {"mlp_dim": 16, "moe": MoEConfig(num_experts=4, top_k=2, dispatch="dropless")}
     for rules, mesh, model in (("fsdp_tp", (2, 2, 2), {}), ("fsdp", (2, 2, 2), {}), ("tp", (2, 2, 2), {}),
                                ("fsdp_ep", (2, 2, 1, 1, 2), experts), ("fsdp_tp_ep", (1, 2, 2, 1, 2), experts)):
@@ -211,7 +211,7 @@ def test_no_rule_set_makes_spmd_replicate_a_tensor_whole():
 def test_a_pipeline_moves_what_step_cost_predicts(repeats):
     """Per iteration one shift of the micro-batches in flight, forward and back; once a pass the output from stage 0 to
     every stage and the input's gradient summed over them; the circular schedule's weights and their gradients over
-    the stages (models/pipeline.py). The micro-batch buffer replicated over the stages cost a broadcast and a sum in
+    the stages (jaxtrain/models/pipeline.py). The micro-batch buffer replicated over the stages cost a broadcast and a sum in
     every iteration. Data parallelism: GSPMD sums a stage's gradients over data in every iteration that runs it
     (optim.grad_sync=microbatch; auto sums them once per step, tests/test_grad_comm.py). jax 0.11.2's partitioner
     replicated the circular weights' gradients whole to lay them back out unless the stored layout is constrained

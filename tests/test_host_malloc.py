@@ -88,10 +88,10 @@ def test_the_jaxtrain_command_starts_again_with_jemalloc_where_main_in_process_c
 
 @needs_jemalloc
 def test_an_experiment_file_run_with_python_starts_again_with_jemalloc_as_the_command_does():
-    """`python experiments/tiny.py` is `jaxtrain train tiny` (README): it gets past the malloc check (a QA report:
+    """`python jaxtrain/experiments/tiny.py` is `jaxtrain train tiny` (README): it gets past the malloc check (a QA report:
     refused, 'for your own script ...') to the config's own one-line error."""
     env = subprocess_env() | {host_malloc.ENV: "jemalloc"}
-    done = subprocess.run([sys.executable, str(REPO / "experiments" / "tiny.py"), "train.steps=abc"], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, str(REPO / "jaxtrain" / "experiments" / "tiny.py"), "train.steps=abc"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr) == (2, "jaxtrain: error: train.steps expects int, got 'abc'\n")
 

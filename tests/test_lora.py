@@ -26,8 +26,8 @@ from jaxtrain.layout import make_layout
 from jaxtrain.observe.metrics import format_summary
 from jaxtrain.partitioning import flax_rules
 from jaxtrain.train import build, train
-from models.config import LORA_TARGETS, LoraConfig, MoEConfig
-from models.llama import Llama
+from jaxtrain.models.config import LORA_TARGETS, LoraConfig, MoEConfig
+from jaxtrain.models.llama import Llama
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, 16))
 
@@ -112,7 +112,7 @@ def test_the_base_hash_sees_each_value_where_it_is():
     assert lora_lib.content_hash({"w": jax.numpy.asarray(w.copy())}) == hashes[0]
 
 
-# bitsandbytes' NF4 code (functional.py get_4bit_type("nf4"), the QLoRA paper's), written out, not read from models/quant.py
+# bitsandbytes' NF4 code (functional.py get_4bit_type("nf4"), the QLoRA paper's), written out, not read from jaxtrain/models/quant.py
 BITSANDBYTES_NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
                     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
                     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
@@ -156,7 +156,7 @@ def test_the_quantized_base_is_bitsandbytes_blockwise_quantization(base_quant):
 @pytest.mark.parametrize("base_quant", ["none", "nf4"])
 def test_adapters_train_as_on_one_device_where_the_layers_gather_the_base(base_quant, corpus, tmp_path):
     """Under a remat policy the layers gather the FSDP-split base themselves (nf4: its codes), and the adapters' B
-    with its own backward (models/sharding.py ``gathered``): fsdp x tensor trains the adapters as one device does."""
+    with its own backward (jaxtrain/models/sharding.py ``gathered``): fsdp x tensor trains the adapters as one device does."""
     cfg = lora_config(base_quant=base_quant, init_std=0.3, remat="full")
     reference = _losses(with_(cfg, mesh={"ici": AxisSizes(1, 1, 1)}), corpus, tmp_path, jax.devices()[:1])
     assert reference[-1] < reference[0] - 0.1, reference

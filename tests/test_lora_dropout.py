@@ -21,9 +21,9 @@ from jaxtrain.adapt import lora as lora_lib
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.partitioning import flax_rules, model_tracing
 from jaxtrain.train import build, train
-from models.config import LoraConfig, PipelineConfig
-from models.llama import KVCache, Llama
-from models.lora import LoRA, dropout_key, layer_inputs, layer_scope
+from jaxtrain.models.config import LoraConfig, PipelineConfig
+from jaxtrain.models.llama import KVCache, Llama
+from jaxtrain.models.lora import LoRA, dropout_key, layer_inputs, layer_scope
 from test_lora import TOKENS, _randomise_adapters, _tree_equal, lora_config
 
 DROPOUT = 0.3
@@ -126,7 +126,7 @@ SETUPS = {
     "grad_bfloat16": lambda: with_(lora_config(init_std=0.3, mesh=(8, 1, 1)), optim={"grad_dtype": "bfloat16"},
                                    train={"microbatches": 2, "global_batch": 16}),
     # 4 stages x 2 repeats x 1 layer, 4 micro-batches in flight, over data 2: each layer's key sliced with its weights
-    # (models/pipeline.py)
+    # (jaxtrain/models/pipeline.py)
     "pipeline": lambda: dataclasses.replace(lora_config(init_std=0.3, mesh=(2, 1, 1, 4), num_layers=8,
                                                         pipeline=PipelineConfig(microbatches=4, repeats=2)), rules="pp_dp"),
 }

@@ -1,5 +1,5 @@
 """The loss: train.loss_chunk's chunked cross-entropy gives the same loss and gradients as the whole-sequence
-one, on one device and on meshes (its backward written out: models/llama.py _chunked_loss), with a smaller compiled
+one, on one device and on meshes (its backward written out: jaxtrain/models/llama.py _chunked_loss), with a smaller compiled
 working set, and a chunk that does not divide the sequence is a UserError; jaxtrain.step.cross_entropy equals
 optax's with a backward that scatters nothing."""
 
@@ -17,7 +17,7 @@ from jaxtrain.state import init_state
 from jaxtrain.step import cross_entropy, token_nll
 from jaxtrain.layout import lower_steps, make_layout
 from jaxtrain.partitioning import model_tracing
-from models.config import LoraConfig
+from jaxtrain.models.config import LoraConfig
 
 
 def _compiled_and_grads(cfg, batch):

@@ -33,8 +33,8 @@ from jaxtrain.observe import metrics as metrics_lib
 from jaxtrain.state import TrainState, model_spec
 from jaxtrain.step import make_train_step, token_nll
 from jaxtrain.train import build, train
-from models.config import LoraConfig
-from models.llama import KVCache, Llama
+from jaxtrain.models.config import LoraConfig
+from jaxtrain.models.llama import KVCache, Llama
 
 STEPS = 20
 DP_MESH = (8, 1, 1)
@@ -314,7 +314,7 @@ def test_a_bfloat16_run_saved_with_bfloat16_moments_resumes_with_them_widened(lo
     """A checkpoint of a bfloat16-parameter run written before the moments (and a LoRA run's adapters) were float32
     (2026-12-06) reads back, each value widened exactly, and the run goes on."""
     from jaxtrain import optim
-    from models import lora as adapters_lib
+    from jaxtrain.models import lora as adapters_lib
 
     cfg = with_(_cfg(param_dtype="bfloat16", lora=LoraConfig(rank=4, alpha=8.0) if lora else LoraConfig()),
                 train={"steps": 2}, checkpoint={"every": 2})
@@ -607,7 +607,7 @@ def _one_line_error(fn) -> str:
 
 def test_bad_input_is_one_line(tmp_path):
     rules = tmp_path / "zero_sequence.yaml"
-    body = (config_lib.Path(__file__).parent.parent / "sharding_rules" / "zero1.yaml").read_text()
+    body = (config_lib.Path(__file__).parent.parent / "jaxtrain" / "sharding_rules" / "zero1.yaml").read_text()
     rules.write_text(body.replace("  embed: [data, fsdp]", "  embed: [sequence]"))
     assert "'embed' maps to mesh axis 'sequence'" in _one_line_error(lambda: make_layout(_cfg(str(rules))))
     assert "model.quant='int4' is unknown" in _one_line_error(lambda: config_lib.check(_cfg(quant="int4")))

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.config import REMAT_POLICIES, LlamaConfig
-from models.llama import REMAT_POLICY_FNS, Llama, RMSNorm
+from jaxtrain.models.config import REMAT_POLICIES, LlamaConfig
+from jaxtrain.models.llama import REMAT_POLICY_FNS, Llama, RMSNorm
 
 CFG = LlamaConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, mlp_dim=64, dtype="float32")
 TOKENS = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
@@ -84,7 +84,7 @@ def test_remat_on_more_layers_compiles_to_less_memory():
 
 
 def test_save_qkv_out_recomputes_only_the_attention_scores_and_the_mlp():
-    """save_qkv_out keeps the q, k, v and output projections (models/llama.py QKV_OUT): the backward of the scanned
+    """save_qkv_out keeps the q, k, v and output projections (jaxtrain/models/llama.py QKV_OUT): the backward of the scanned
     layer recomputes the attention's two batched products and the MLP's gate and up, 4 products more than without
     remat. A name missing from the policy would have its projection recomputed too."""
     def products(remat):
@@ -111,7 +111,7 @@ def test_rms_norm_of_bfloat16_activations_is_computed_in_float32():
 def test_scan_equals_layers_applied_one_by_one():
     model = Llama(CFG, rngs=nnx.Rngs(0))
     layer_def, layer_params = nnx.split(model.layers)
-    from models.llama import rotary_tables
+    from jaxtrain.models.llama import rotary_tables
 
     sin, cos = rotary_tables(TOKENS.shape[1], CFG.resolved_head_dim, CFG.rope_theta)
     x = jnp.take(model.embed[...], TOKENS, axis=0)
@@ -193,7 +193,7 @@ def _dot_operand_dtypes(fn, *args) -> list[tuple]:
 def test_output_projection_backward_runs_in_the_compute_dtype(tie_embeddings):
     """bfloat16 model: float32 logits, but both backward matmuls of the output projection take bfloat16 operands
     (left to autodiff, the float32 logits' gradient makes them float32 products, as the reference shows:
-    models/llama.py); the gradients equal the float32-cotangent reference's within bfloat16 rounding."""
+    jaxtrain/models/llama.py); the gradients equal the float32-cotangent reference's within bfloat16 rounding."""
     model = Llama(LlamaConfig(**{**CFG.__dict__, "dtype": "bfloat16", "tie_embeddings": tie_embeddings}), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     name, equation = ("embed", "btd,vd->btv") if tie_embeddings else ("lm_head", "btd,dv->btv")
@@ -222,10 +222,10 @@ def test_output_projection_backward_runs_in_the_compute_dtype(tie_embeddings):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_embedding_lookup_adds_its_rows_gradient_in_float32(dtype):
-    """models/llama.py's lookup: the rows in the compute dtype (the table cast before the lookup: the same values
+    """jaxtrain/models/llama.py's lookup: the rows in the compute dtype (the table cast before the lookup: the same values
     as a cast after it), and a table gradient that adds every occurrence's row in float32, as autodiff of a
     float32 lookup does: a frequent token's row sums many terms (here 512), which bfloat16 would round away."""
-    from models.llama import _lookup_rows
+    from jaxtrain.models.llama import _lookup_rows
 
     compute = jnp.dtype(dtype)
     table = jax.random.normal(jax.random.key(4), (64, 32))
@@ -244,7 +244,7 @@ def test_the_embedding_lookup_adds_its_rows_gradient_in_float32(dtype):
 
 
 def test_models_name_no_mesh_axes():
-    for path in (Path(__file__).parent.parent / "models").glob("*.py"):
+    for path in (Path(__file__).parent.parent / "jaxtrain" / "models").glob("*.py"):
         text = path.read_text()
         for axis in ("data", "fsdp", "tensor", "stage", "expert"):
             assert not re.search(rf"['\"]{axis}['\"]", text), f"{path.name} names mesh axis {axis}"
@@ -252,17 +252,17 @@ def test_models_name_no_mesh_axes():
 
 def test_models_import_no_trainer():
     """The model never imports the trainer (DESIGN.md), nor the experiments, benchmarks or scripts built on it."""
-    for path in (Path(__file__).parent.parent / "models").glob("*.py"):
+    for path in (Path(__file__).parent.parent / "jaxtrain" / "models").glob("*.py"):
         for line in path.read_text().splitlines():
-            assert not re.match(r"\s*(from|import) (jaxtrain|experiments|benchmarks|scripts)\b", line), f"{path.name}: {line.strip()}"
+            assert not re.match(r"\s*(from|import) (jaxtrain(?!\.models\b)|benchmarks|scripts)\b", line), f"{path.name}: {line.strip()}"
 
 
 def test_llama3_rope_scaling_equals_transformers():
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from models.config import RopeScaling
-    from models.llama import inverse_frequencies
+    from jaxtrain.models.config import RopeScaling
+    from jaxtrain.models.llama import inverse_frequencies
 
     scaling = RopeScaling(type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=8192)
     hf = transformers.LlamaConfig(hidden_size=2048, num_attention_heads=32, max_position_embeddings=131072, rope_parameters={
@@ -292,7 +292,7 @@ def test_rotary_tables_reach_the_compiler_as_constants():
     """The sine and cosine of the positions 0 .. length - 1 are computed once, on the host: the compiled program of
     unrolled layers holds none, where a table built from iota in the program was fused into every rotary multiply
     and recomputed per element. The same numbers as in the program (packed positions, decoding steps)."""
-    from models.llama import rotary_tables
+    from jaxtrain.models.llama import rotary_tables
 
     model = Llama(LlamaConfig(**{**CFG.__dict__, "scan_layers": False}), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)

@@ -21,10 +21,10 @@ from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.state import init_state, model_spec
 from jaxtrain.step import make_train_step, router_metrics, token_nll_and_router_stats, training_objective
 from jaxtrain.train import build, train
-from models.config import EXPERT_LORA, LlamaConfig, LoraConfig, MoEConfig, tokamax_problem
-from models.llama import Llama
-from models.lora import ExpertLoRA, adapter_name
-from models.moe import MoE, capacity, dropless_axes
+from jaxtrain.models.config import EXPERT_LORA, LlamaConfig, LoraConfig, MoEConfig, tokamax_problem
+from jaxtrain.models.llama import Llama
+from jaxtrain.models.lora import ExpertLoRA, adapter_name
+from jaxtrain.models.moe import MoE, capacity, dropless_axes
 
 E, K, T = 8, 2, 16
 # tokamax's grouped matmul (model.moe.grouped_matmul=tokamax): installed with the test extra; its kernels need jax 0.10
@@ -32,7 +32,7 @@ needs_tokamax = pytest.mark.skipif(tokamax_problem() is not None, reason=f"model
 
 
 def _block(adapters: bool = False, **moe) -> tuple[MoE, LlamaConfig]:
-    """A MoE block; with ``adapters`` also rank-2 adapters on its experts (models/lora.py ExpertLoRA), their B random."""
+    """A MoE block; with ``adapters`` also rank-2 adapters on its experts (jaxtrain/models/lora.py ExpertLoRA), their B random."""
     cfg = LlamaConfig(d_model=32, mlp_dim=16, num_layers=2, dtype="float32", moe=MoEConfig(**{"num_experts": E, "top_k": K} | moe),
                       lora=LoraConfig(rank=2, alpha=3.0, targets="gate,up,down") if adapters else LoraConfig())
     block = MoE(cfg, nnx.Rngs(0))
@@ -147,7 +147,7 @@ def test_router_statistics_and_losses(dispatch):
 
 def test_a_bfloat16_model_routes_by_float32_router_logits():
     """The router's logits (and so the choice of experts, their weights and the z-loss) are float32 products of the
-    bfloat16 activations and the float32 router weights (models/moe.py), not products rounded to bfloat16 (up to
+    bfloat16 activations and the float32 router weights (jaxtrain/models/moe.py), not products rounded to bfloat16 (up to
     2^-8 of each logit off, enough to reorder near ties)."""
     cfg = LlamaConfig(d_model=32, mlp_dim=16, num_layers=2, dtype="bfloat16", moe=MoEConfig(num_experts=E, top_k=K))
     block = MoE(cfg, nnx.Rngs(0))
@@ -158,7 +158,7 @@ def test_a_bfloat16_model_routes_by_float32_router_logits():
 
 
 def test_expert_output_weights_start_scaled_as_the_dense_mlps():
-    """The experts' w_down is drawn with init_std / sqrt(2 num_layers), as the dense MLP's (models/llama.py), so the
+    """The experts' w_down is drawn with init_std / sqrt(2 num_layers), as the dense MLP's (jaxtrain/models/llama.py), so the
     residual stream grows alike with either block."""
     block, cfg = _block()
     np.testing.assert_allclose(np.std(block.w_down[...]) / np.std(block.w_gate[...]), 1 / (2 * cfg.num_layers) ** 0.5, rtol=0.05)
@@ -416,7 +416,7 @@ def test_planner_counts_expert_weights_by_the_expert_axis_and_all_to_all_traffic
     per_token = (m.d_model * 4 + 2 * 8) + m.d_model * 4 + (2 * m.d_model * 4 + 2 * 4) + (m.d_model * 4 + 2 * 4)
     assert step_time(make_layout(dropless)).traffic_bytes["expert"] == pytest.approx(4 * 8 * 256 * per_token)
     assert timed.total_s >= timed.compute_s + timed.communication_s["expert"] > timed.compute_s
-    # the routed rows in and out each layer keeps: save_dots names them (models/llama.py EXPERT_SAVED), save_qkv_out not
+    # the routed rows in and out each layer keeps: save_dots names them (jaxtrain/models/llama.py EXPERT_SAVED), save_qkv_out not
     assert "dispatch buffers" not in estimate(layout)
     saving_dots = make_layout(with_(layout.cfg, model={"remat": "save_dots"}))
     assert estimate(saving_dots)["dispatch buffers"] == 4 * 4 * 2 * (8 * 256 * m.d_model) * 2.5
@@ -456,7 +456,7 @@ def test_dropless_sorts_per_device_and_matches_one_device(rules, ici, grouped_ma
     on fsdp_ep with data 2 and on fsdp_tp_ep). With adapters on the experts (B random), theirs too: A's embed
     dimension gathered with the weights', the down adapter's partial sums over tensor summed with the output's.
     tokamax's grouped matmul (its XLA implementation on CPUs) inside the shard_map, which has no vma checks for it:
-    the tensor sum's gradient is scaled back by hand there (models/moe.py _sum_over). A device's rows of other experts'
+    the tensor sum's gradient is scaled back by hand there (jaxtrain/models/moe.py _sum_over). A device's rows of other experts'
     assignments lie past its groups, where jax's grouped matmul's output and gradient are unspecified: NaN here, so
     any of them read back reaches the objective or a gradient."""
     from jaxtrain.partitioning import model_tracing
@@ -505,7 +505,7 @@ def test_save_dots_keeps_the_experts_products_for_the_backward(dispatch):
     """The experts' products are grouped matmuls (dropless) or dots batched over the experts (capacity), which jax's
     policy of dots without batch dimensions does not keep: under save_dots the backward multiplied by the experts
     again (and gathered the expert group's tokens again), as under full remat, where the planner counted them kept.
-    The rows, gate, up and output are named (models/llama.py EXPERT_SAVED) and kept by save_dots, and moved to host
+    The rows, gate, up and output are named (jaxtrain/models/llama.py EXPERT_SAVED) and kept by save_dots, and moved to host
     memory by offload_dots: the gradient multiplies by the experts as often as with no remat."""
     from jaxtrain.partitioning import model_tracing
 

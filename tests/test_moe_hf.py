@@ -14,8 +14,8 @@ import transformers
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from conftest import small_config
-from models.config import MoEConfig
-from models.moe import router_stats
+from jaxtrain.models.config import MoEConfig
+from jaxtrain.models.moe import router_stats
 from jaxtrain.interop import hf_config, hf_export, hf_import
 from jaxtrain.layout import make_layout
 from test_hf import SEQ, _assert_close, _hf_logits, _our_logits
@@ -92,7 +92,7 @@ def test_expert_adapters_equal_peft_on_the_fused_expert_parameters_both_ways(nam
     from jaxtrain.adapt import lora as lora_lib
     from jaxtrain.adapt.adapters import join_frozen
     from jaxtrain.interop import peft as peft_io
-    from models.config import LoraConfig
+    from jaxtrain.models.config import LoraConfig
 
     model_cls, hf_cfg = MODELS[name]
     torch.manual_seed(0)
@@ -163,7 +163,7 @@ def test_peft_adapters_jaxtrain_cannot_take_are_one_line(config, message, tmp_pa
     matches target_modules and exclude_modules to the base's module names."""
     from jaxtrain.errors import UserError
     from jaxtrain.interop import peft as peft_io
-    from models.config import LlamaConfig, MoEConfig
+    from jaxtrain.models.config import LlamaConfig, MoEConfig
 
     base = LlamaConfig() if config.pop("dense", False) else LlamaConfig(moe=MoEConfig(num_experts=4))
     with pytest.raises(UserError) as error:

@@ -39,7 +39,7 @@ from jaxtrain.observe.metrics import NonFiniteError, Progress, format_summary
 from jaxtrain.observe.records import is_skip_record
 from jaxtrain.optim import describe_schedule, learning_rate_schedule
 from jaxtrain.step import schedule_count
-from models.config import LoraConfig, MoEConfig
+from jaxtrain.models.config import LoraConfig, MoEConfig
 
 STEPS = 6
 PEAK_TFLOPS = 0.5  # an override, so MFU is checked against a known denominator

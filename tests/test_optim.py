@@ -10,7 +10,7 @@ from jaxtrain.config import DECAY_SHAPES, SCHEDULES
 from jaxtrain.data import train_batches
 from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.train import build
-from models.config import LoraConfig, MoEConfig
+from jaxtrain.models.config import LoraConfig, MoEConfig
 
 LR, WEIGHT_DECAY = 1e-2, 0.5
 

@@ -71,3 +71,29 @@ print(json.dumps({"experiments": str(config.EXPERIMENTS_DIR), "meshes": str(conf
     assert found["tiny_rules"] == "fsdp_tp" and found["tiny_mesh"]["ici"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1}
     assert found["rule_sets"] == sorted(p.stem for p in partitioning.RULES_DIR.glob("*.yaml"))
     assert found["fsdp_tp"]["embed"] == ["fsdp"]
+
+
+def test_a_users_own_models_experiments_and_sharding_rules_packages_are_theirs(wheel, tmp_path):
+    """The wheel claims the top-level name jaxtrain alone. It installed top-level models, experiments and
+    sharding_rules packages: a user's project with its own models/ package or models.py (Django's layout), run as
+    `python -m jaxtrain`, from a notebook or with the project on PYTHONPATH, broke jaxtrain's imports ("No module named
+    'models.config'", a traceback), the user's own `import models` got jaxtrain's once jaxtrain was imported, and pip
+    wrote over another distribution's files of those names."""
+    assert {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in name} == {"jaxtrain"}
+    site, user = tmp_path / "site", tmp_path / "project"
+    zipfile.ZipFile(wheel).extractall(site)
+    (user / "models").mkdir(parents=True)
+    (user / "models" / "__init__.py").write_text("OWNER = 'user'\n")
+    (user / "experiments.py").write_text("OWNER = 'user'\n")
+    (user / "sharding_rules").mkdir()
+    (user / "sharding_rules" / "__init__.py").write_text("OWNER = 'user'\n")
+    probe = """
+from jaxtrain import config, partitioning
+assert config.load_experiment("tiny").rules == "fsdp_tp" and partitioning.load_rules("fsdp_tp")["embed"] == ("fsdp",)
+import models, experiments, sharding_rules
+print(models.OWNER, experiments.OWNER, sharding_rules.OWNER)
+"""
+    # `python -c` puts the working directory first on sys.path, as `python -m jaxtrain` and a notebook do
+    result = subprocess.run([sys.executable, "-c", probe], cwd=user, env={**os.environ, "PYTHONPATH": str(site)},
+                            capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (0, "user user user\n"), result.stderr[-2000:]

@@ -30,7 +30,7 @@ def _losses(cfg, corpus, tmp_path, devices=None) -> list[float]:
 def test_first_five_losses_match_one_device(dtype, rtol, layouts, remat, corpus, tmp_path):
     """Every layout in float32, to its rounding; bfloat16 on the layout with every axis (its casts are the same
     code on each), to bfloat16's. Under a remat policy the layers gather their FSDP-split weights themselves, with
-    their own backward (models/sharding.py ``gathered``): the layouts with fsdp again."""
+    their own backward (jaxtrain/models/sharding.py ``gathered``): the layouts with fsdp again."""
     reference = _losses(small_config("dp", (1, 1, 1), dtype=dtype, remat=remat), corpus, tmp_path, jax.devices()[:1])
     assert len(reference) == 5 and reference[4] < reference[0]  # it trains
     for rules, mesh in layouts:

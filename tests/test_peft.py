@@ -29,7 +29,7 @@ from jaxtrain.interop import peft as peft_io
 from jaxtrain.layout import make_layout
 from jaxtrain.state import model_spec
 from jaxtrain.train import build, train
-from models.config import LoraConfig
+from jaxtrain.models.config import LoraConfig
 
 
 @pytest.fixture(scope="module")

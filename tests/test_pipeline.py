@@ -26,8 +26,8 @@ from jaxtrain.partitioning import model_tracing
 from jaxtrain.stages import Schedule
 from jaxtrain.state import bytes_per_device
 from jaxtrain.train import build, train
-from models.config import LoraConfig, MoEConfig, PipelineConfig
-from models.llama import Llama
+from jaxtrain.models.config import LoraConfig, MoEConfig, PipelineConfig
+from jaxtrain.models.llama import Llama
 from test_parity import _losses
 from test_plan import medium_config
 

@@ -65,7 +65,7 @@ def test_pipeline_keys_without_pipeline_stages_are_noted_in_the_summary_and_the_
     from jaxtrain.layout import unused_pipeline_note
     from jaxtrain.observe.metrics import format_summary, startup_summary
     from jaxtrain.plan import estimate as plan_lib
-    from models.config import PipelineConfig
+    from jaxtrain.models.config import PipelineConfig
 
     set_keys = {"num_layers": 4, "pipeline": PipelineConfig(microbatches=2, repeats=2)}
     note = ("note: model.pipeline.microbatches=2, model.pipeline.repeats=2 set, but rule set fsdp makes no pipeline "
@@ -114,7 +114,7 @@ def test_an_expert_parallel_rule_set_on_a_mesh_without_an_expert_axis_is_noted_i
     from jaxtrain.layout import unsplit_experts_note
     from jaxtrain.observe.metrics import format_summary, startup_summary
     from jaxtrain.plan import estimate as plan_lib
-    from models.config import MoEConfig
+    from jaxtrain.models.config import MoEConfig
 
     experts = {"mlp_dim": 16, "moe": MoEConfig(num_experts=4, top_k=2)}
     note = ("note: rule set fsdp_ep splits the experts over mesh axis expert, of 1 device here: every device holds all 4 "

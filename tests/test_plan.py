@@ -12,7 +12,7 @@ from jaxtrain.plan import estimate as plan_lib
 from jaxtrain.config import apply_overrides, check, load_experiment, resolve_for_devices
 from jaxtrain.layout import compile_train_step, make_layout, peak_bytes
 from jaxtrain.state import model_spec
-from models.config import LoraConfig, MoEConfig, tokamax_problem
+from jaxtrain.models.config import LoraConfig, MoEConfig, tokamax_problem
 
 GIB = plan_lib.GIB
 
@@ -66,7 +66,7 @@ def test_estimate_within_15_percent_of_compiled_or_as_noted(rules, mesh, remat, 
 @pytest.mark.estimate_vs_cpu_compile
 def test_lora_adapters_add_no_saved_activations_at_save_dots():
     """The adapters' up-projections are recomputed in the backward, not kept by the dot-saving policy
-    (models/lora.py): a LoRA run's compiled peak stays below the plain model's (it has no optimizer state for the
+    (jaxtrain/models/lora.py): a LoRA run's compiled peak stays below the plain model's (it has no optimizer state for the
     base) and the estimate, which counts no adapter outputs, holds. Saved, they took 161 MiB here against 110."""
     plain = medium_config("fsdp", "save_dots", mesh=(1, 8, 1))
     lora = with_(plain, model={"lora": LoraConfig(rank=8, alpha=16.0)})
@@ -271,7 +271,7 @@ def test_usable_memory_is_at_most_jaxs_allocator_pool_in_the_plan_and_in_the_tra
 
 def test_the_trainers_memory_limit_comes_from_a_device_of_its_own_process(monkeypatch):
     """In a job of several processes jax.devices()[0] is process 0's, whose memory_stats the others may not read: with
-    train.microbatches=auto (every experiment built by experiments/_llama.py) process 1 stopped with a traceback
+    train.microbatches=auto (every experiment built by jaxtrain/experiments/_llama.py) process 1 stopped with a traceback
     ("MemoryStats is only supported for addressable PjRt devices") and the job hung at jax's shutdown barrier."""
     from types import SimpleNamespace
 
@@ -451,7 +451,7 @@ def test_a_plan_compiled_over_its_limit_suggests_only_changes_that_save_memory(m
 def test_suggestions_and_techniques_leave_no_mesh_axis_idle_that_the_plan_uses():
     """On a mesh with a stage axis every plain rule set leaves it idle, its devices repeating each other's work
     (llama3_405b_pp on h100x512_pp was told train.microbatches=64 and rules=fsdp_tp): none is offered."""
-    from models.config import PipelineConfig
+    from jaxtrain.models.config import PipelineConfig
 
     cfg = with_(medium_config("pp_fsdp_tp", "none", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2)})
     layout = make_layout(cfg)
@@ -743,7 +743,7 @@ def test_optimizer_offload_leaves_the_accelerator_but_not_the_cpu_compiles_one_m
 def test_a_circular_pipeline_keeps_each_iterations_layers_of_one_repeat():
     """2 stages x 2 repeats x 2 micro-batches: 5 iterations, each running a stage's layers of one repeat (4 layers /
     (2 stages x 2 repeats) = 1) on one micro-batch; remat full keeps each such layer's input."""
-    from models.config import PipelineConfig
+    from jaxtrain.models.config import PipelineConfig
 
     cfg = with_(medium_config("pp_fsdp_tp", "full", mesh=(1, 2, 2, 2)),
                 model={"pipeline": PipelineConfig(microbatches=2, repeats=2), "attention": "cudnn"})
@@ -821,7 +821,7 @@ def test_a_frozen_nf4_layer_is_dequantized_to_the_compute_dtype_in_its_backward(
 def test_suggested_remat_layers_split_over_the_pipeline_stages():
     """Each stage rematerialises the same number of its layers (stages.check_pipeline): a suggestion of model.remat_layers
     that does not split over 2 stages (1 or 3 of 4 layers) would stop the run it was offered for."""
-    from models.config import PipelineConfig
+    from jaxtrain.models.config import PipelineConfig
 
     cfg = with_(medium_config("pp_fsdp_tp", "none", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2)})
     layout = make_layout(cfg)
@@ -834,7 +834,7 @@ def test_suggestions_under_pipeline_stages_name_no_policy_that_runs_as_another()
     """Under stages save_dots keeps no dot and runs as full (step_cost.acting_remat): `jaxtrain plan tiny` on data 1 x fsdp
     2 x dcn fsdp 4 suggested `model.remat=full ... rules=pp_fsdp` and `model.remat=save_dots ... rules=pp_fsdp` with the
     same figures, one program twice in the list (a QA audit)."""
-    from models.config import PipelineConfig
+    from jaxtrain.models.config import PipelineConfig
 
     cfg = with_(medium_config("pp_fsdp_tp", "none", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2)})
     layout = make_layout(cfg)
@@ -848,7 +848,7 @@ def test_gradients_summed_once_per_step_over_vmapped_groups_are_held_before_thei
     """pp_fsdp on data 2 x fsdp 2 x stage 2, one micro-batch: GSPMD would sum a layer's gradient over data in each of the
     3 iterations that run it, so optim.grad_sync=auto sums once per step, over data groups vmapped on that axis, each
     holding its whole gradients until then (jaxtrain/memory/grad_comm.py): an accumulator's worth beside the gradients."""
-    from models.config import PipelineConfig
+    from jaxtrain.models.config import PipelineConfig
 
     cfg = with_(medium_config("pp_fsdp", "full", mesh=(2, 2, 1, 2)), model={"pipeline": PipelineConfig(microbatches=2)},
                 optim={"grad_sync": grad_sync})

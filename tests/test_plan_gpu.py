@@ -32,7 +32,7 @@ if not any(_installed(f"jax_plugins.xla_cuda{cuda}") for cuda in (12, 13)):
     pytest.skip("jax's CUDA plugin is not installed (make test-gpu-plan)", allow_module_level=True)
 
 from jaxtrain.config import AxisSizes  # noqa: E402
-from models.config import LoraConfig, MoEConfig, PipelineConfig, tokamax_problem  # noqa: E402
+from jaxtrain.models.config import LoraConfig, MoEConfig, PipelineConfig, tokamax_problem  # noqa: E402
 from jaxtrain.plan import gpu_targets  # noqa: E402
 from jaxtrain.plan import estimate as plan_lib  # noqa: E402
 from jaxtrain.layout import compile_train_step, make_layout  # noqa: E402
@@ -90,7 +90,7 @@ def test_remat_of_unrolled_layers_takes_their_activations_off_the_gpu():
 @pytest.mark.parametrize("repeats", [1, 2])
 def test_a_pipeline_compiles_for_the_gpu_and_moves_what_the_planner_predicts(repeats):
     """2 stages over fsdp 4, with 2 repeats as the GPU runner's pipeline_1b row and without: each stage takes its repeat's weights by
-    a select (models/pipeline.py). Taken by indexing, the gradient of that vmapped gather was a batched scatter XLA's
+    a select (jaxtrain/models/pipeline.py). Taken by indexing, the gradient of that vmapped gather was a batched scatter XLA's
     GPU compiler rejected ("Repeated dimensions not allowed in scatter_dims_to_operand_dims"). The traffic is
     step_cost's: with the micro-batch buffer laid out (micro-batch, rows), the GPU compiler all-gathered all of it over
     fsdp in every iteration (72 MiB of fsdp traffic against 30 predicted); replicated over the stages, it broadcast the
@@ -103,7 +103,7 @@ def test_a_pipeline_compiles_for_the_gpu_and_moves_what_the_planner_predicts(rep
     assert plan.compiled.platform == "gpu"
     assert abs(plan.estimate_total / plan.compiled.total - 1) < 0.15
     predicted, compiled = plan.step_time.traffic_bytes, plan.compiled_traffic
-    # the embedding lookup's gradient laid out before its scatter-add (models/llama.py): neither jax's compiler splits
+    # the embedding lookup's gradient laid out before its scatter-add (jaxtrain/models/llama.py): neither jax's compiler splits
     # it over the stages (0.10's did without that layout, and summed it over them once a pass)
     assert compiled["pipeline"] == pytest.approx(predicted["pipeline"], rel=1e-3)
     assert compiled["fsdp"] <= predicted["fsdp"]  # the weights' gathers and gradients' reduce-scatters only
@@ -149,7 +149,7 @@ CHUNKED = {"loss_chunk": 128}  # of 512 positions
     ("tp", (2, 1, 4), {}, CHUNKED), ("fsdp", (1, 8, 1), LORA, CHUNKED),
 ])
 def test_the_step_moves_what_step_cost_predicts_and_the_embeddings_gradient_is_never_summed_whole(rules, mesh, model, train):
-    """The embedding lookup (models/llama.py): its table gathered in bfloat16, its gradient rows sent to the devices
+    """The embedding lookup (jaxtrain/models/llama.py): its table gathered in bfloat16, its gradient rows sent to the devices
     holding their columns. Left to autodiff, the table was gathered in float32 and every device built its whole
     float32 gradient, summed over fsdp (llama3_8b on 8 H100s: reduce-scattered; 51.3 GiB compiled instead of 53.0,
     295 GiB of fsdp traffic a step instead of 314), over data x fsdp where the batch was split over both (an
@@ -162,7 +162,7 @@ def test_the_step_moves_what_step_cost_predicts_and_the_embeddings_gradient_is_n
     MiB predicted against 24.5 GiB a step), an nf4 base as its 4-bit codes (GSPMD had gathered the dequantized
     bfloat16 of most: llama3_70b_qlora on 4 A100s, 825 GiB a step against 255). step_cost's bytes equal the compiled
     program's. With the loss in chunks (train.loss_chunk) the output table is gathered once a pass, as without, and
-    each chunk's gradient of it reduce-scattered over fsdp and data at once (models/llama.py _chunked_loss): through
+    each chunk's gradient of it reduce-scattered over fsdp and data at once (jaxtrain/models/llama.py _chunked_loss): through
     autodiff, XLA gathered it in every chunk and reduced it over fsdp in each and over data after (data 2 x fsdp 4:
     35.7 MiB of fsdp and data traffic a step, 30.7 since; 1 x 8, a LoRA run's frozen table: 24.0 -> 17.0, as without
     chunks); an ungathered table's sum (tp) is still GSPMD's, once after the loop."""
@@ -204,11 +204,11 @@ def test_zero_stages_move_what_step_cost_predicts(rules, mesh, microbatches, tmp
 @pytest.mark.parametrize("remat", ["full", "save_dots"])  # full recomputes the adapters' x @ A, save_dots keeps it
 def test_lora_under_tensor_parallel_sums_each_input_gradient_once_and_moves_what_step_cost_predicts(remat):
     """fsdp_tp, data 2 x fsdp 2 x tensor 2, adapters on every projection. The gradient of q, k and v's shared input is
-    summed over tensor once, as without adapters: the adapters' products come first in the layer (models/llama.py
+    summed over tensor once, as without adapters: the adapters' products come first in the layer (jaxtrain/models/llama.py
     _adapters_first), so XLA adds the projections' parts before one all-reduce. Used after them, the adapters' parts
     came between, and q, k and v's parts were all-reduced each, and gate and up's (36.4 MB of tensor traffic a step
     here against 23.7; llama3_8b_lora on fsdp 2 x tensor 4: 388.7 GiB against 244.7). step_cost counts the adapters'
-    own rank-sized sums over tensor. The adapters' A are gathered over fsdp as the base is (models/sharding.py
+    own rank-sized sums over tensor. The adapters' A are gathered over fsdp as the base is (jaxtrain/models/sharding.py
     gathered): GSPMD had moved them over fsdp x tensor and gathered them over tensor, in every pass."""
     cfg = with_(medium_config("fsdp_tp", remat, mesh=(2, 2, 2)), model=LORA)
     plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
@@ -281,7 +281,7 @@ def test_hlo_report_names_cudnn_fused_attention():
 @pytest.mark.parametrize("remat,calls", [("save_dots", 2), ("save_qkv_out", 2), ("full", 3)])
 def test_saving_policies_run_the_fused_attention_forward_once(remat, calls):
     """cuDNN's calls in the layer loops: the forward's, the backward's, and with full remat the forward again. The
-    save_ policies keep its output and statistics (models/llama.py); left to their dots or names they ran the
+    save_ policies keep its output and statistics (jaxtrain/models/llama.py); left to their dots or names they ran the
     forward again too (llama3_1b at seq 4096: 8.8e12 FLOPs a step) to spare 2.1 GiB."""
     cfg = with_(small_config(rules="fsdp", mesh=(1, 8, 1), dtype="bfloat16"), model={"remat": remat, "scan_layers": True})
     plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
@@ -289,7 +289,7 @@ def test_saving_policies_run_the_fused_attention_forward_once(remat, calls):
 
 
 def test_hlo_report_finds_no_float32_matmul_in_a_bfloat16_step():
-    """Every matmul of a bfloat16 step, the output projection's backward included (models/llama.py casts the
+    """Every matmul of a bfloat16 step, the output projection's backward included (jaxtrain/models/llama.py casts the
     logits' gradient to bfloat16; left to autodiff, llama3_1b's two were float32 gemms, 14% of its matmul FLOPs)."""
     cfg = with_(small_config(rules="fsdp", mesh=(1, 8, 1)), model={"dtype": "bfloat16"})
     plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
@@ -370,13 +370,13 @@ needs_tokamax = pytest.mark.skipif(tokamax_problem() is not None, reason=f"model
 def test_expert_parallel_dispatch_moves_what_step_cost_predicts(dispatch, grouped_matmul, remat, estimated_over_compiled):
     """8 experts over expert 4 x data 2 (dp_ep). Dropless: each device gathers its expert group's tokens (with their
     router weights and choices) and reduce-scatters its experts' outputs back, forward and backward, and gathers again
-    in a recomputed forward (models/moe.py); a global sort made GSPMD gather the whole batch to every device. Capacity:
+    in a recomputed forward (jaxtrain/models/moe.py); a global sort made GSPMD gather the whole batch to every device. Capacity:
     all-to-alls of capacity-sized buffers. The estimate counts the gathered rows (4x the routed tokens) and their
     hidden states in the backward; measured here: dropless 0.84 (remat none), 1.05 (full) and 1.00 (save_dots) with
     XLA's grouped matmul, whose dense expansion over the experts' gate and up the estimate counts (0.77 and 0.88
     before), 0.87 and 1.08 with tokamax's, capacity 1.02 (full), 1.03 (save_qkv_out, which keeps no routed row, so the
     recomputed forward all-to-alls again: step_cost counted it as none until 2026-12-05). save_dots keeps the experts'
-    rows, gate, up and output (models/llama.py EXPERT_SAVED): 1.08 with tokamax's, capacity 1.08 (1.68 and 1.27 before
+    rows, gate, up and output (jaxtrain/models/llama.py EXPERT_SAVED): 1.08 with tokamax's, capacity 1.08 (1.68 and 1.27 before
     the policy kept them, when the backward multiplied them again)."""
     cfg = with_(medium_config("dp_ep", remat, mesh=(2, 1, 1, 1, 4)),
                 model={"moe": MoEConfig(num_experts=8, top_k=2, dispatch=dispatch, grouped_matmul=grouped_matmul), "mlp_dim": 512})
@@ -410,7 +410,7 @@ def test_a_plan_with_optimizer_offload_compiles_on_cpus_where_the_gpu_has_no_hos
 @pytest.mark.parametrize("rules, mesh", [("fsdp_tp_ep", (1, 2, 2, 1, 2)), ("tp", (4, 1, 2))])
 def test_the_router_picks_the_experts_of_each_devices_tokens_on_that_device(rules, mesh):
     """XLA's GPU TopK with a tensor axis: GSPMD gathered the float32 router probabilities of every batch shard to each
-    device for top_k, in every layer (models/moe.py now takes top_k per device)."""
+    device for top_k, in every layer (jaxtrain/models/moe.py now takes top_k per device)."""
     cfg = with_(small_config(rules, mesh, mlp_dim=64, d_model=64, dtype="bfloat16", scan_layers=True,
                              moe=MoEConfig(num_experts=4, top_k=2)), train={"global_batch": 16}, data={"seq_len": 64})
     plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
@@ -423,7 +423,7 @@ def test_dropless_dispatch_sums_the_tokens_gradient_over_tensor_after_reducing_i
     """fsdp_tp_ep: autodiff summed the gathered tokens' gradient over tensor for the whole expert group, then reduced
     it to each device's tokens (1.6x step_cost's tensor bytes on this config); in the shard_map without vma checks
     (tokamax's kernels) the sum is at its boundary, after the reduce-scatter, and the experts' partial outputs' sum
-    over tensor takes no all-reduce of its gradient (models/moe.py _sum_over; 1.24x step_cost's bytes with one)."""
+    over tensor takes no all-reduce of its gradient (jaxtrain/models/moe.py _sum_over; 1.24x step_cost's bytes with one)."""
     cfg = with_(small_config("fsdp_tp_ep", (1, 2, 2, 1, 2), mlp_dim=64, d_model=64, dtype="bfloat16", scan_layers=True,
                              moe=MoEConfig(num_experts=4, top_k=2)), train={"global_batch": 16}, data={"seq_len": 64})
     plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
@@ -437,7 +437,7 @@ def test_tokamax_keeps_the_dropless_grouped_matmul_grouped_where_xla_expands_it_
     experts' weights, masked): buffers of (experts, rows, hidden) and 8x the matmul FLOPs. With tokamax's grouped
     matmul (auto on NVIDIA GPUs where installed) the products are its Triton kernels and no such buffer is left; with
     expert adapters (LoRA) too, whose rank-sized products are dense matmuls over the experts side by side
-    (models/moe.py _rank_sized_matmul), not grouped ones."""
+    (jaxtrain/models/moe.py _rank_sized_matmul), not grouped ones."""
     base = with_(small_config(rules, mesh, mlp_dim=256, d_model=128, dtype="bfloat16", scan_layers=True, remat="full",
                               moe=MoEConfig(num_experts=8, top_k=2), lora=LoraConfig(rank=4, alpha=8.0)),
                  train={"global_batch": 16}, data={"seq_len": 128})
@@ -461,7 +461,7 @@ def test_tokamax_keeps_the_dropless_grouped_matmul_grouped_where_xla_expands_it_
 def test_where_gspmd_partitions_the_dropless_dispatch_it_takes_xlas_grouped_matmul():
     """Pure tensor parallelism (tp: the batch split over no axis) leaves the dispatch to GSPMD, which cannot split a
     kernel's custom call: it replicated the experts' weights for tokamax's (57.6 against 53.4 MiB compiled here), so
-    models/moe.py takes jax's grouped matmul there."""
+    jaxtrain/models/moe.py takes jax's grouped matmul there."""
     cfg = with_(small_config("tp", (1, 1, 8), mlp_dim=256, d_model=128, num_heads=8, num_kv_heads=8, dtype="bfloat16", scan_layers=True,
                              moe=MoEConfig(num_experts=8, top_k=2, grouped_matmul="tokamax")), train={"global_batch": 16}, data={"seq_len": 128})
     plan = plan_lib.make_plan(cfg, gpu="h100", devices=gpu_targets.compile_only_devices("h100", 8), hlo_report=True)
@@ -483,7 +483,7 @@ def _laid_out_otherwise(cfg, stored: set[tuple[int, ...]]) -> list[tuple[str, tu
 
 @pytest.mark.parametrize("param_dtype", ["bfloat16", "float32"])
 def test_fsdp_gathers_of_the_experts_copy_no_stack_of_weights(param_dtype):
-    """The dropless dispatch gathers each layer's expert weights over fsdp inside its shard_map (models/moe.py). XLA's
+    """The dropless dispatch gathers each layer's expert weights over fsdp inside its shard_map (jaxtrain/models/moe.py). XLA's
     GPU compiler lays an all-gather's operand out with the gathered dimension outermost: gathering the embed dimension
     of a layer's slice in place, it transposed the whole stack of every layer's weights into that layout before the
     layer loop, a copy of the bfloat16 frozen base of a LoRA run (mixtral_8x7b_lora on 8 H100s: 10.5 GiB a device,
@@ -499,7 +499,7 @@ def test_fsdp_gathers_of_the_experts_copy_no_stack_of_weights(param_dtype):
 
 @pytest.mark.parametrize("param_dtype", ["bfloat16", "float32"])
 def test_fsdp_gathers_of_the_weights_copy_no_stack_of_them(param_dtype):
-    """The same for GSPMD's gathers of a dense model's weights (models/sharding.py ``gathered``): gathering the embed
+    """The same for GSPMD's gathers of a dense model's weights (jaxtrain/models/sharding.py ``gathered``): gathering the embed
     dimension of the down and output projections (their last) in place, XLA copied every layer's stack of them into
     that layout before the layer loop, the LoRA base's and (trained in float32) the gradients', and the embedding
     table's shard (compiled: llama3_8b on 8 H100s 51.3 -> 49.9 GiB, its LoRA run 35.4 -> 34.8, llama3_70b on 64

@@ -1,6 +1,6 @@
 """Each shipped rule set places parameters, optimizer moments, gradients and the batch as README's "Sharding rule sets
 and meshes" table says, and the mesh arranges hosts' devices as the mesh files intend. The expected placements are the
-README's, written out here, not read from sharding_rules/: a rule file's mistake shows as a difference."""
+README's, written out here, not read from jaxtrain/sharding_rules/: a rule file's mistake shows as a difference."""
 
 import jax
 import numpy as np
@@ -14,11 +14,11 @@ from jaxtrain.errors import UserError
 from jaxtrain.layout import make_layout
 from jaxtrain.mesh import device_array, resolve_shape
 from jaxtrain.partitioning import load_rules, load_state_rules, nested_under
-from models.config import MoEConfig
+from jaxtrain.models.config import MoEConfig
 
 BATCH = ("data", "fsdp")
 
-# The small dense model's parameters and their logical axes (models/llama.py)
+# The small dense model's parameters and their logical axes (jaxtrain/models/llama.py)
 DENSE = {
     "embed": ("vocab", "embed"),
     "final_norm/scale": ("norm",),

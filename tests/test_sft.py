@@ -28,7 +28,7 @@ from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.state import init_state
 from jaxtrain.step import make_train_step, token_nll
 from jaxtrain.train import build, train
-from models.llama import Llama
+from jaxtrain.models.llama import Llama
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML; the {% generation %} block marks the answers for transformers' return_assistant_tokens_mask, the

@@ -12,7 +12,7 @@ from jaxtrain.config import AxisSizes, MeshConfig
 from jaxtrain.observe.flops import flops_per_token
 from jaxtrain.plan.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.layout import make_layout
-from models.config import LoraConfig, MoEConfig
+from jaxtrain.models.config import LoraConfig, MoEConfig
 
 H100_BF16 = 989.4e12
 
@@ -45,7 +45,7 @@ def test_fsdp_traffic_compute_and_data_traffic_are_counted_exactly(microbatches)
 
 
 def test_hybrid_fsdp_sends_the_lookups_gradient_within_a_replica_and_sums_its_float32_columns_over_data():
-    """data 2 x fsdp 4: the lookup's gradient rows go to the columns' devices over fsdp only (models/llama.py), and
+    """data 2 x fsdp 4: the lookup's gradient rows go to the columns' devices over fsdp only (jaxtrain/models/llama.py), and
     each device's float32 columns of the table's gradient are all-reduced over data, the other weights' in bfloat16."""
     layout = make_layout(medium_config("fsdp", "full", mesh=(2, 4, 1)))
     timed = step_cost.step_time(layout, "h100")
@@ -103,7 +103,7 @@ def test_float32_compute_is_timed_against_the_float32_peak():
 
 
 def test_pipeline_adds_its_bubble_and_activation_shifts():
-    from models.config import PipelineConfig
+    from jaxtrain.models.config import PipelineConfig
 
     # the same 8 devices splitting the batch (under dp a stage axis would be idle, its devices repeating the work)
     plain = step_cost.step_time(make_layout(medium_config("dp", "full", mesh=(8, 1, 1, 1))), "h100")
@@ -121,7 +121,7 @@ def test_pipeline_adds_its_bubble_and_activation_shifts():
 
 
 def test_policies_that_save_keep_flash_attention_and_recompute_no_attention_forward():
-    """The save_ policies keep cuDNN's fused attention output (models/llama.py): its forward runs once a step; with
+    """The save_ policies keep cuDNN's fused attention output (jaxtrain/models/llama.py): its forward runs once a step; with
     XLA attention, and when offloading, the attention core is recomputed in the backward."""
     flops = {(remat, attention): step_cost.step_flops_per_token(make_layout(with_(medium_config("fsdp", remat),
                                                                                   model={"attention": attention})))
@@ -224,7 +224,7 @@ def test_activation_offload_pays_its_host_transfers(rules, mesh, remat, per_toke
 def test_under_pipeline_stages_the_dot_saving_policies_recompute_as_full():
     """Vmapped over the stages every dot has a batch dimension: save_dots keeps none (the memory estimate counted it as
     full, the step time as save_dots, so llama3_405b_pp was told save_dots would take x0.78 of the step)."""
-    from models.config import PipelineConfig
+    from jaxtrain.models.config import PipelineConfig
 
     def timed(remat):
         cfg = with_(medium_config("pp_fsdp_tp", remat, mesh=(1, 2, 2, 2)),
@@ -338,7 +338,7 @@ def test_a_quantized_frozen_base_is_gathered_as_stored(base_quant, bytes_per_wei
 
 
 def test_activation_offload_of_a_mixture_of_experts_moves_its_routed_rows():
-    """offload_dots also offloads what save_dots keeps of the experts (models/llama.py EXPERT_SAVED): each routed row's
+    """offload_dots also offloads what save_dots keeps of the experts (jaxtrain/models/llama.py EXPERT_SAVED): each routed row's
     gate and up, and the rows in and out. fsdp 4 x expert 2, dropless, top 2 of 4 experts: per device 1024 tokens a step,
     each with 4 routed rows (its 2 choices among the expert group's 2 x 512 tokens, gathered over expert 2)."""
     cfg = with_(medium_config("fsdp_ep", "offload_dots", mesh=(1, 4, 1, 1, 2)), model={"moe": MoEConfig(num_experts=4, top_k=2)})
@@ -398,7 +398,7 @@ def test_a_chunked_loss_reduce_scatters_the_output_tables_gradient_in_each_chunk
 def test_activation_offload_under_pipeline_stages_moves_a_stages_layers():
     """2 stages of 2 layers, fsdp 2 x tensor 2: a device runs its stage's 2 layers on its 8 sequences a step, offloading
     (offload_qkv_out) each layer's attention output projection and q, k, v (256 + 32 x (4 + 2 x 2) a token, bfloat16)."""
-    from models.config import PipelineConfig
+    from jaxtrain.models.config import PipelineConfig
 
     cfg = with_(medium_config("pp_fsdp_tp", "offload_qkv_out", mesh=(1, 2, 2, 2)), model={"pipeline": PipelineConfig(microbatches=2)})
     expected = 2 * 8 * 512 * 2 * (256 + 32 * (4 + 2 * 2)) * 2 / step_cost.PCIE_BYTES_PER_S["h100"]  # both ways

@@ -377,7 +377,7 @@ def test_experiment_file_runs_directly_with_same_arguments(tmp_path):
     run_dir = tmp_path / "run"
     env_python = sys.executable
     # no --devices: a 4-device mesh gets 4 simulated CPU devices (default_cpu_devices), not the 8 it could not use
-    result = subprocess.run([env_python, str(REPO / "experiments" / "tiny.py"), "--run-dir", str(run_dir),
+    result = subprocess.run([env_python, str(REPO / "jaxtrain" / "experiments" / "tiny.py"), "--run-dir", str(run_dir),
                              "--mesh", "gpu1", "mesh.ici.fsdp=4", "--rules", "fsdp", *SHORT],
                             cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -15,7 +15,7 @@ from jaxtrain.interop import peft
 from jaxtrain.interop.hf_config import read_json
 from jaxtrain.observe.records import CHECKPOINTS_DIR, committed_steps, read_records
 
-ADAPTER_PREFIX = "lora_"  # models/lora.py names each adapter lora_<target>
+ADAPTER_PREFIX = "lora_"  # jaxtrain/models/lora.py names each adapter lora_<target>
 BASE_RECORD = "lora_base.json"
 
 

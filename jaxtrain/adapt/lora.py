@@ -31,10 +31,10 @@ from jaxtrain.interop import hf_config, hf_export, hf_import, peft
 from jaxtrain.layout import Layout, make_layout
 from jaxtrain.partitioning import param_shardings
 from jaxtrain.state import TrainState, fresh_state, model_spec
-from models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig, LoraConfig
-from models.llama import Llama
-from models.lora import adapter_name
-from models.quant import dequantize, quantize
+from jaxtrain.models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig, LoraConfig
+from jaxtrain.models.llama import Llama
+from jaxtrain.models.lora import adapter_name
+from jaxtrain.models.quant import dequantize, quantize
 
 def plain_config(model_cfg: LlamaConfig) -> LlamaConfig:
     """The base model alone: no adapters, weights in their float dtype."""
@@ -99,7 +99,7 @@ def split_quantized(plain: dict, model_cfg: LlamaConfig) -> tuple[dict, dict]:
 
 def to_storage(kept: dict, weights: dict, base_quant: str) -> dict:
     """``split_quantized``'s parts -> the frozen part of the LoRA model's tree (the weights quantized layer by
-    layer, as models/quant.py stores them)."""
+    layer, as jaxtrain/models/quant.py stores them)."""
     layers = {name: dict(module) for name, module in kept["layers"].items()}
     for module, weight, inputs in LORA_TARGETS.values():
         if module in weights:

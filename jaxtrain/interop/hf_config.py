@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from jaxtrain.errors import UserError
-from models.config import LlamaConfig
+from jaxtrain.models.config import LlamaConfig
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"

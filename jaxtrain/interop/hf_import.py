@@ -16,7 +16,7 @@ import jax
 from jaxtrain import atomic
 from jaxtrain.interop.hf_config import CONFIG_FILE, GENERATION_CONFIG_FILE, RUN_SUBDIR
 from jaxtrain.interop.hf_weights import Checkpoint, tensor_maps
-from models.config import LlamaConfig
+from jaxtrain.models.config import LlamaConfig
 
 # Files of the source model a run keeps (in RUN_DIR/hf/, RUN_SUBDIR) for export-hf: its config (token ids, context
 # length, ...) and its tokenizer.

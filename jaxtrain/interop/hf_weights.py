@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxtrain.errors import UserError
 from jaxtrain.interop.hf_config import read_json
-from models.config import LlamaConfig
+from jaxtrain.models.config import LlamaConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

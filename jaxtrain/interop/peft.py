@@ -6,7 +6,7 @@ PEFT names one layer's adapter of a projection ``base_model.model.<module>.lora_
 hf_weights' tensor maps); ours are A (layers, inputs..., rank) and B (layers, rank, outputs...), the heads
 and head dimension in Hugging Face's order, so each converts by a reshape and a transpose.
 
-A mixture of experts' adapters (models/lora.py ExpertLoRA) are PEFT's on Hugging Face's fused expert parameters
+A mixture of experts' adapters (jaxtrain/models/lora.py ExpertLoRA) are PEFT's on Hugging Face's fused expert parameters
 (transformers >= 5: ``mlp.experts.gate_up_proj`` (experts, 2 x hidden, d_model), ``mlp.experts.down_proj``), named
 in ``target_parameters``: lora_A (experts x rank, in) with the experts outermost, lora_B (out, rank x experts)
 with the experts innermost (PEFT's ParamWrapper). PEFT wraps a module's targeted parameters one inside the other
@@ -30,8 +30,8 @@ from jaxtrain import atomic
 from jaxtrain.errors import UserError
 from jaxtrain.interop.hf_config import read_json
 from jaxtrain.interop.hf_weights import tensor_maps
-from models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig
-from models.lora import adapter_name
+from jaxtrain.models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig
+from jaxtrain.models.lora import adapter_name
 
 CONFIG_FILE = "adapter_config.json"
 # adapter_config.json keys whose non-empty values PEFT computes with and jaxtrain's adapters do not

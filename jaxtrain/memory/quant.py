@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
-# forward and backward types of each model.quant (models/config.py QUANT_TYPES names them)
+# forward and backward types of each model.quant (jaxtrain/models/config.py QUANT_TYPES names them)
 QTYPES = {"int8": (jnp.int8, jnp.int8), "fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2)}
 LAYER_MATMULS = "layers/.*"  # qwix module paths: the scanned blocks, not the embedding or the logits
 

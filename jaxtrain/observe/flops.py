@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.adapt.adapters import split_frozen
 from jaxtrain.state import model_spec
-from models.config import LlamaConfig
+from jaxtrain.models.config import LlamaConfig
 
 if TYPE_CHECKING:
     from jaxtrain.layout import Layout

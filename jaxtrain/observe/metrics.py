@@ -147,7 +147,7 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "devices": mesh.size, "device_kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count(),
         "mesh": dict(mesh.shape), "rules": cfg.rules, "attention": cfg.model.attention,
         # what the memory techniques and precision are, as the config resolved them (the summary named none of them)
-        # a LoRA run's adapters are float32 on any base (models/lora.py ADAPTER_DTYPE)
+        # a LoRA run's adapters are float32 on any base (jaxtrain/models/lora.py ADAPTER_DTYPE)
         "precision": f"{cfg.model.dtype} compute, "
                      + (f"{cfg.model.param_dtype} base, float32 adapters" if cfg.model.lora.rank else f"{cfg.model.param_dtype} parameters")
                      + (f", {cfg.model.quant} matmuls" if cfg.model.quant != "none" else "")
@@ -156,7 +156,7 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "host_memory": {"parameters": cfg.optim.offload and offloads_master_weights(cfg.model), "optimizer_state": cfg.optim.offload},
         # model.moe.grouped_matmul as resolved (auto), for dropless dispatch; null without it
         "grouped_matmul": cfg.model.moe.grouped_matmul if cfg.model.moe.num_experts and cfg.model.moe.dispatch == "dropless" else None,
-        # pipeline stages loop over their layers with a scan whatever model.scan_layers says (models/pipeline.py);
+        # pipeline stages loop over their layers with a scan whatever model.scan_layers says (jaxtrain/models/pipeline.py);
         # its auto resolves to true there, so false is the user's and the summary says it has no effect
         "layers": "scanned" if cfg.model.scan_layers or pipelined else "unrolled",
         "scan_layers_ignored": pipelined and cfg.model.scan_layers is False,

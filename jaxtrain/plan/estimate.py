@@ -45,9 +45,9 @@ from jaxtrain.memory.offload import HOST, offloads_master_weights
 from jaxtrain.plan.step_cost import (DEFAULT_GPU, StepTime, acting_remat, activation_widths, duration, embedding_gradient_by_columns,
                                      rematted_share, step_time)
 from jaxtrain.layout import Layout, idle_axes_note, lower_steps, make_layout, peak_bytes, unsplit_experts_note, unused_pipeline_note
-from models.attention import scored_fraction
-from models.pipeline import STAGES
-from models.config import REMAT_POLICIES, LlamaConfig
+from jaxtrain.models.attention import scored_fraction
+from jaxtrain.models.pipeline import STAGES
+from jaxtrain.models.config import REMAT_POLICIES, LlamaConfig
 
 GIB = 2**30
 MIB = 2**20
@@ -109,7 +109,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # the schedule's iterations saved: its layers of one repeat on one micro-batch (the bubble's too)
     pipe = schedule(cfg, layout.rules, layout.mesh)
     # the save_ policies also keep cuDNN's fused attention output and its float32 softmax statistics (per query and
-    # head; models/llama.py), stages or not
+    # head; jaxtrain/models/llama.py), stages or not
     keeps_fused_attention = m.remat.startswith("save_") and m.attention == "cudnn"
     remat = acting_remat(m.remat, pipe.stages)
     if on_cpu:
@@ -135,7 +135,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     scores = scored * b / pipe.microbatches * heads * seq**2
     saved_under = {
         # float32 norm inputs, the projections and 4 MLP intermediates (gate, up and their SwiGLU product among them:
-        # models/llama.py recomputes the SwiGLU's own), float32 and compute-dtype probabilities
+        # jaxtrain/models/llama.py recomputes the SwiGLU's own), float32 and compute-dtype probabilities
         "none": 16 * embed + stack * (2 * embed + qkv + 4 * mlp) + (4 + stack) * scores,
         "full": stack * embed,  # the layer input
         "save_dots": stack * (2 * embed + qkv + 2 * mlp),  # input, q k v, output projection, MLP gate and up
@@ -162,7 +162,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # of its weights: nf4 codes hold two per byte; the CPU compile also holds a float32 one), no gradient
     frozen_layer = (act + 4 * on_cpu) * per_layer(state.frozen, frozen_axes) * (2 if m.base_quant == "nf4" else 1) if state.frozen else 0
     vocab_table = m.d_model * m.vocab_size / _ways(layout, "vocab")  # elements, gathered over fsdp
-    # the embedding lookup's gradient: the columns the device holds (models/llama.py), or where those are split over
+    # the embedding lookup's gradient: the columns the device holds (jaxtrain/models/llama.py), or where those are split over
     # an axis the batch is not, autodiff's lookup: the whole gathered table's; none for a frozen table (LoRA)
     lookup_gradient = ("embed" in state.params) * vocab_table / (_ways(layout, "embed") if embedding_gradient_by_columns(layout) else 1)
     # backward of one layer: XLA attention's score arrays (probabilities, their gradient, the scores' gradient:
@@ -171,7 +171,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     # table is (with accumulators and copies on the CPU compile); the layer's gathered weights and their gradient
     attention_backward = (12 + act if on_cpu else 8 + 2 * act) * scores
     # a circular schedule's layer takes its repeat's weights from the stage's stack by a select over every repeat
-    # (models/pipeline.py), whose backward holds a gradient of the device's share of that layer for each repeat (the
+    # (jaxtrain/models/pipeline.py), whose backward holds a gradient of the device's share of that layer for each repeat (the
     # CPU compile does; jax 0.11's GPU compile has the peak of a gather): the stage's stack over its layers per repeat
     circular_selection = bytes_per_device(state.params["layers"]) / per_stage if pipe.repeats > 1 else 0
     # a mixture of experts' routed rows in the backward: their hidden states (gate, up, their product) recomputed or
@@ -194,7 +194,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     logit_tokens = b * (cfg.train.loss_chunk or seq)  # train.loss_chunk: one chunk's logits live at a time
     # float32 logits and their gradient in the compute dtype (jaxtrain.step.cross_entropy's backward, cast by the
     # output projection's; float32 on the CPU compile); the output table gathered over fsdp: its compute copy, kept
-    # for the backward (models/llama.py), and its float32 gradient unless it is a LoRA run's frozen table (the CPU
+    # for the backward (jaxtrain/models/llama.py), and its float32 gradient unless it is a LoRA run's frozen table (the CPU
     # compile also keeps the float32 value and compute copy of each gathered table)
     table_trains = ("embed" if m.tie_embeddings else "lm_head") in state.params
     loss = logit_tokens * m.vocab_size / _ways(layout, "activation_vocab") * (8 if on_cpu else 4 + act) + \
@@ -220,10 +220,10 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     }
     if pipe.repeats > 1:  # the circular schedule's view of the layers (stored split contiguously over stages) is a copy
         items["circular re-layout"] = bytes_per_device(state.params["layers"])
-    if share < 1 and pipe.stages == 1:  # the two layer scans' slices of the stacks (models/pipeline.py), kept for the backward
+    if share < 1 and pipe.stages == 1:  # the two layer scans' slices of the stacks (jaxtrain/models/pipeline.py), kept for the backward
         items["remat_layers slices"] = bytes_per_device(state.params["layers"]) + bytes_per_device((state.frozen or {}).get("layers", {}))
     # the dispatch and combine buffers (routed residual streams) each layer keeps: all of them, or those save_dots
-    # names (models/llama.py EXPERT_SAVED); the layers model.remat_layers leaves out keep theirs
+    # names (jaxtrain/models/llama.py EXPERT_SAVED); the layers model.remat_layers leaves out keep theirs
     keeping_dispatch = (1 - share) + share * (remat in ("none", "save_dots"))
     if moe.num_experts and keeping_dispatch:
         items["dispatch buffers"] = int(keeping_dispatch * m.num_layers * stack * 2 * embed * routed)

@@ -151,7 +151,7 @@ class HloReport:
         the gradients over the axes a rule set's optimizer_state / gradients section adds (they were counted as FSDP's,
         which step_cost's prediction was not); all-reduces over batch axes data parallelism's, all-to-alls,
         all-gathers and reduce-scatters over an expert axis expert parallelism's (tokens to their experts and back:
-        models/moe.py), collectives over other axes tensor parallelism's (an all-to-all over tensor among them: counted
+        jaxtrain/models/moe.py), collectives over other axes tensor parallelism's (an all-to-all over tensor among them: counted
         as the experts', it was left out of the printed comparison of a dense model, which predicts none)."""
         out = {"fsdp": 0.0, "data": 0.0, "tensor": 0.0}
         for c in self.collectives:

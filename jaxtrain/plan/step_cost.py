@@ -9,7 +9,7 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
 - FSDP: per micro-batch, each weight all-gathered over the batch axes it is split on (compute dtype): a layer's
   for the forward and again for the backward, the vocabulary tables once (their gathered copies kept for the
   backward; a tied table for the lookup and for the output layer apart); each gradient reduce-scattered, but the
-  embedding lookup's (models/llama.py): its rows' gradient goes to the devices that hold the table's columns (an
+  embedding lookup's (jaxtrain/models/llama.py): its rows' gradient goes to the devices that hold the table's columns (an
   all-to-all of the pass's residual-stream gradient, with the token ids all-gathered), and each adds its columns,
   summed over the batch's other axes (data) as a data-parallel gradient, in float32. Where the
   table's columns are split over an axis the batch is not (no shipped rule set) the lookup is autodiff's: the
@@ -31,7 +31,7 @@ NVLink when all its mesh axes sit inside a node and over the network otherwise:
 - tensor parallel: per micro-batch and layer, the residual stream all-reduced after attention and the MLP
   in the forward and the backward, and again for each of those the remat policy recomputes; a vocabulary split
   over tensor, per micro-batch the looked-up rows and the output layer's input gradient;
-- pipeline (models/pipeline.py): per micro-batch pass, every iteration shifts each stage's micro-batch of
+- pipeline (jaxtrain/models/pipeline.py): per micro-batch pass, every iteration shifts each stage's micro-batch of
   activations to the next stage in the forward and back in the backward (point to point, on the critical
   path), and once a pass the output goes from stage 0 to every stage and the input's gradient is summed over
   them (all-reduces of the pass's activations); each stage idles the bubble share
@@ -72,10 +72,10 @@ from jaxtrain.memory.offload import offloads_master_weights
 from jaxtrain.partitioning import batch_shards, gather_axes, logical_ways, spec_axes
 from jaxtrain.stages import schedule
 from jaxtrain.state import bytes_per_device, elements_per_device, gathered_elements
-from models.config import LlamaConfig
-from models.llama import EMBEDDING_AXES
-from models.moe import capacity
-from models.pipeline import STAGES
+from jaxtrain.models.config import LlamaConfig
+from jaxtrain.models.llama import EMBEDDING_AXES
+from jaxtrain.models.moe import capacity
+from jaxtrain.models.pipeline import STAGES
 
 ASSUMED_MFU = 0.45  # share of the datasheet peak a well-tuned step reaches (MaxText reports 45-55% on H100)
 DEFAULT_GPU = "h100"  # what a step is timed on when no GPU is named
@@ -99,12 +99,12 @@ def expert_bytes_per_token(m: LlamaConfig, expert_ways: int) -> float:
     """Expert-parallel bytes a device moves per token of its share, layer and micro-batch (the module docstring)."""
     act, moe = np.dtype(m.dtype).itemsize, m.moe
     if moe.dispatch == "capacity":  # dispatch and combine, forward and backward, and again in the recomputed forward of a
-        # policy that keeps none of the routed rows (models/llama.py EXPERT_SAVED): all but none and the dot-saving ones
+        # policy that keeps none of the routed rows (jaxtrain/models/llama.py EXPERT_SAVED): all but none and the dot-saving ones
         all_to_alls = 4 + 2 * (m.remat not in ("none", "save_dots", "offload_dots")) * rematted_share(m)
         return all_to_alls * moe.top_k * moe.capacity_factor * m.d_model * act * (expert_ways - 1) / expert_ways
     gathers = m.d_model * act + moe.top_k * 8  # the tokens, their float32 router weights and int32 expert choices
     # a recomputed forward: the tokens and one k-wide router array (XLA keeps the other); save_dots and offload_dots
-    # keep the gathered tokens (models/llama.py EXPERT_SAVED), not that router array
+    # keep the gathered tokens (jaxtrain/models/llama.py EXPERT_SAVED), not that router array
     recomputed = moe.top_k * 4 + m.d_model * act * (m.remat not in ("save_dots", "offload_dots"))
     forward = gathers + m.d_model * act  # and the outputs back
     backward = 2 * m.d_model * act + moe.top_k * 4  # the outputs' gradient in, the tokens' and weights' back
@@ -113,7 +113,7 @@ def expert_bytes_per_token(m: LlamaConfig, expert_ways: int) -> float:
 
 def adapter_all_reduces(layout: Layout) -> float:
     """Per token of a device's micro-batch, the bytes of LoRA's all-reduces over the axes that split a layer's
-    activations (models/lora.py): an adapter whose input is split (tensor parallel: o, down) sums its rank-sized
+    activations (jaxtrain/models/lora.py): an adapter whose input is split (tensor parallel: o, down) sums its rank-sized
     x @ A there in the forward, and again where the remat policy recomputes it; one whose output is split (q, k, v,
     gate, up), the gradient of x @ A in the backward. Experts' adapters run inside the dispatch's own collectives."""
     m, act = layout.cfg.model, np.dtype(layout.cfg.model.dtype).itemsize
@@ -135,7 +135,7 @@ def adapter_all_reduces(layout: Layout) -> float:
 
 def acting_remat(remat: str, stages: int) -> str:
     """The remat policy as the step runs it: under pipeline stages the layers are vmapped over the stages
-    (models/pipeline.py), every dot has a batch dimension and a dot-saving (or -offloading) policy keeps none: full."""
+    (jaxtrain/models/pipeline.py), every dot has a batch dimension and a dot-saving (or -offloading) policy keeps none: full."""
     return "full" if stages > 1 and remat.endswith("_dots") else remat
 
 
@@ -165,7 +165,7 @@ def offloaded_bytes_per_token(layout: Layout, stages: int) -> float:
     """Bytes an offload_* remat policy moves to host memory per token of a device's micro-batch and per layer: what
     its save_ counterpart keeps on the device but the layer's input (the layer scan keeps that there): the attention's
     output projection, q, k, v and, for offload_dots, the MLP's gate and up and a mixture of experts' routed rows and
-    outputs (models/llama.py EXPERT_SAVED)."""
+    outputs (jaxtrain/models/llama.py EXPERT_SAVED)."""
     m = layout.cfg.model
     remat = acting_remat(m.remat, stages)
     if not remat.startswith("offload_"):
@@ -179,7 +179,7 @@ def offloaded_bytes_per_token(layout: Layout, stages: int) -> float:
 
 def expert_slots_per_token(m: LlamaConfig, seq_len: int) -> float:
     """SwiGLU MLPs of model.mlp_dim the step multiplies per token and layer: ``active_mlps``, but under capacity dispatch
-    every slot of the experts' buffers, filled or not (models/moe.py: capacity_factor x top_k, rounded up per expert)."""
+    every slot of the experts' buffers, filled or not (jaxtrain/models/moe.py: capacity_factor x top_k, rounded up per expert)."""
     moe = m.moe
     if not moe.num_experts or moe.dispatch != "capacity":
         return active_mlps(m)
@@ -199,7 +199,7 @@ def step_flops_per_token(layout: Layout) -> float:
     layer_matmuls = 2 * m.num_layers * m.d_model * m.resolved_head_dim * (2 * m.num_heads + 2 * m.num_kv_heads) + mlp_matmuls
     recomputed = {"none": 0, "save_dots": attention_core, "save_qkv_out": attention_core + mlp_matmuls,
                   "full": attention_core + layer_matmuls}[remat.replace("offload_", "save_")]  # offloading recomputes as saving
-    if m.remat.startswith("save_") and m.attention == "cudnn":  # they keep flash attention's output (models/llama.py)
+    if m.remat.startswith("save_") and m.attention == "cudnn":  # they keep flash attention's output (jaxtrain/models/llama.py)
         recomputed -= attention_core
     frozen_base = split_frozen(layout.spec.shapes)[1] is not None  # a LoRA run: every base weight is frozen
     # the experts' empty capacity slots, multiplied as the filled ones are: forward, input gradient and (a trained base)
@@ -250,7 +250,7 @@ def duration(seconds: float) -> str:
 
 
 def embedding_gradient_by_columns(layout: Layout) -> bool:
-    """Whether the embedding lookup's gradient is built by the table's columns (models/llama.py): the batch split over
+    """Whether the embedding lookup's gradient is built by the table's columns (jaxtrain/models/llama.py): the batch split over
     (at least) the mesh axes its columns are."""
     def split(logical: str) -> set[str]:
         axes = layout.rules.get(logical) or ()
@@ -294,7 +294,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         GSPMD sums their gradient over the data axes, in every iteration that runs them (iterations / repeats a pass)."""
         return k * (pipe.iterations / pipe.repeats if pipe.stages > 1 and "layers" in axes else 1)
 
-    # train.loss_chunk (models/llama.py _chunked_loss): the output table gathered once a pass, as without chunks; a
+    # train.loss_chunk (jaxtrain/models/llama.py _chunked_loss): the output table gathered once a pass, as without chunks; a
     # gathered table's gradient reduce-scattered in each chunk's backward, over the gather axes and the batch axes GSPMD
     # sums in every pass (one reduction where there were two), and gathered back over the latter after the loop
     chunks = seq // cfg.train.loss_chunk if cfg.train.loss_chunk else 0
@@ -316,7 +316,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
         grad = 4 if "norm" in axes else act
         passes = passes_of(axes)
         lookup = tuple(axes) == EMBEDDING_AXES
-        # autodiff's lookup where the table's columns are split over an axis the batch is not (models/llama.py): the
+        # autodiff's lookup where the table's columns are split over an axis the batch is not (jaxtrain/models/llama.py): the
         # table gathered and its gradient summed in float32
         whole = lookup and not embedding_gradient_by_columns(layout)
         tied = lookup and m.tie_embeddings  # also the output layer's: gathered for it apart, its gradient reduced
@@ -357,7 +357,7 @@ def step_time(layout: Layout, gpu: str | None = None) -> StepTime:
     frozen_axes = split_frozen(layout.spec.logical_axes)[1]
     if frozen_axes:
         # a LoRA run's frozen base: gathered as a trained weight is, never reduced; float weights in the compute dtype
-        # (cast first), a quantized one's codes and scales as stored (models/quant.py)
+        # (cast first), a quantized one's codes and scales as stored (jaxtrain/models/quant.py)
         frozen = jax.tree_util.tree_leaves_with_path(layout.abstract_state().frozen)
         quantized = {path[:-1] for path, _ in frozen if getattr(path[-1], "key", None) == "codes"}
         for (path, x), axes in zip(frozen, jax.tree.leaves(frozen_axes, is_leaf=lambda s: isinstance(s, PartitionSpec))):
