@@ -193,7 +193,7 @@ def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]
                                        skip_spikes=cfg.train.skip_spikes),
                        in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
     device_model_params = None if device_params is None else in_device_memory(shardings.model_params)
-    eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk, device_model_params),
+    eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk, device_model_params, cfg.train.microbatches),
                       in_shardings=(shardings.model_params, batch_sh), out_shardings=replicated)
     state, batch = layout.abstract_state(), layout.abstract_batch()
     with model_tracing(layout.mesh, layout.rules, cfg.rules):

@@ -217,15 +217,28 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     return train_step
 
 
-def make_eval_step(graphdef, loss_chunk: int = 0, device_params=None) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
-    """``device_params``: the model parameters' shardings in device memory, where the step brings them from the host."""
-    def eval_step(params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        """Summed nats over the batch's counted tokens, and their count; the caller divides the sums."""
-        if device_params is not None:
-            params = jax.device_put(params, device_params)
+def make_eval_step(graphdef, loss_chunk: int = 0, device_params=None, microbatches: int = 1) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
+    """``device_params``: the model parameters' shardings in device memory, where the step brings them from the host.
+    ``microbatches``: the train step's count (train.microbatches, or the one ``auto`` fitted): the batch is scored in as
+    many forward passes, one after the other, so no pass holds more than a train step's pass does (the whole batch's
+    float32 logits at once had been train.microbatches times the train step's: an OOM at the first evaluation)."""
+    def batch_sums(params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
         nll = token_nll(graphdef, params, batch, loss_chunk)
         if "weights" not in batch:
             return nll.sum(), jnp.asarray(nll.size, jnp.float32)
         return (nll * batch["weights"]).sum(), batch["weights"].sum()
+
+    def eval_step(params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        """Summed nats over the batch's counted tokens, and their count; the caller divides the sums."""
+        if device_params is not None:
+            params = jax.device_put(params, device_params)
+        if microbatches == 1:
+            return batch_sums(params, batch)
+
+        def accumulate(carry, micro):
+            return jax.tree.map(jnp.add, carry, batch_sums(params, micro)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        return jax.lax.scan(accumulate, zeros, _split_microbatches(batch, microbatches))[0]
 
     return eval_step

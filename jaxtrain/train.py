@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
@@ -124,8 +124,9 @@ def build(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
     return compile_steps(check(cfg, corpus, devices))
 
 
-def evaluate(trainer: Trainer, params: dict, batches: list[dict]) -> tuple[float, int]:
-    """Mean nats per counted token over the given validation batches, and the count."""
+def evaluate(trainer: Trainer, params: dict, batches: Iterable[dict]) -> tuple[float, int]:
+    """Mean nats per counted token over the validation batches (``data.eval_batches``, each put on the devices as it
+    is scored), and the count."""
     nll = tokens = 0.0
     for batch in batches:
         # each batch's sums fetched before the next step is dispatched: XLA:CPU runs independent dispatched steps at
@@ -413,7 +414,7 @@ def _write_run_files(trainer: Trainer, run_dir: Path, base: lora_lib.Base | None
         hf_import.keep_source_files(fresh_init_from, run_dir)
 
 
-def _loop(trainer: Trainer, state: TrainState, batches: data_lib.GlobalBatches, eval_data: list[dict],
+def _loop(trainer: Trainer, state: TrainState, batches: data_lib.GlobalBatches, eval_data: data_lib.HostBatches,
           checkpoints: checkpoint_lib.RunCheckpoints, log: MetricsLog) -> TrainState:
     """The steps from ``state``'s to ``train.steps``, with their records, checkpoints and evaluations."""
     t = trainer.cfg.train
@@ -453,7 +454,7 @@ def _final_evaluation_owed(run_dir: Path, step: int, steps: int) -> bool:
     return bool(multihost_utils.broadcast_one_to_all(np.array(owed))) if jax.process_count() > 1 else owed
 
 
-def _evaluate(trainer: Trainer, state: TrainState, eval_data: list[dict], log: MetricsLog, step: int) -> None:
+def _evaluate(trainer: Trainer, state: TrainState, eval_data: data_lib.HostBatches, log: MetricsLog, step: int) -> None:
     # the train steps still running on the devices are step time: waited for inside the timer, they read as eval_s and
     # tokens/s and MFU read high
     jax.block_until_ready(state.params)

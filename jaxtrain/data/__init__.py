@@ -11,7 +11,7 @@ from jaxtrain.data.documents import is_validation_file, stdlib_files, text_files
 from jaxtrain.data.token_file import read_token_file, write_token_file
 from jaxtrain.data.tokenizer import TextTokenizer, hf_tokenizer_files, load_tokenizer, train_tokenizer
 
-_PIPELINE = ("GlobalBatches", "PLAIN_SEEDS", "SPREAD_SEEDS", "Windows", "check_sizes", "grain_seed")
+_PIPELINE = ("GlobalBatches", "HostBatches", "PLAIN_SEEDS", "SPREAD_SEEDS", "Windows", "check_sizes", "grain_seed")
 _BATCHES = ("batch_fields", "eval_batches", "train_batches")
 
 __all__ = ["Corpus", "TextTokenizer", "hf_tokenizer_files", "is_validation_file", "load_corpus", "load_tokenizer",

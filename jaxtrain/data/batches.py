@@ -3,14 +3,13 @@ examples (sft.py, which builds on the pipeline), so neither of those modules imp
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxtrain.config import DataConfig
 from jaxtrain.data import sft
 from jaxtrain.data.corpus import Corpus
-from jaxtrain.data.pipeline import GlobalBatches
+from jaxtrain.data.pipeline import GlobalBatches, HostBatches
 
 
 def batch_fields(cfg: DataConfig) -> dict[str, type]:
@@ -26,9 +25,10 @@ def train_batches(corpus: Corpus, cfg: DataConfig, global_batch: int, sharding: 
     return GlobalBatches(corpus.train, cfg.seq_len, global_batch, sharding, shuffle_seed=cfg.seed, repeat=True)
 
 
-def eval_batches(corpus: Corpus, cfg: DataConfig, global_batch: int, sharding: NamedSharding, count: int) -> list[dict[str, jax.Array]]:
-    """The first ``count`` batches of the validation split, in file order: the same every evaluation."""
+def eval_batches(corpus: Corpus, cfg: DataConfig, global_batch: int, sharding: NamedSharding, count: int) -> HostBatches:
+    """The first ``count`` batches of the validation split, in file order: the same every evaluation. Kept in host
+    memory, each put on the devices as it is scored."""
     if cfg.format == "sft":
         return sft.eval_batches(corpus, cfg, global_batch, sharding, count)
     batches = GlobalBatches(corpus.validation, cfg.seq_len, global_batch, sharding, shuffle_seed=None, repeat=False)
-    return [b for _, b in zip(range(count), batches, strict=False)]
+    return batches.take_to_host(count)

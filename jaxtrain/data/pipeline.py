@@ -116,8 +116,37 @@ class GlobalBatches:
         return self
 
     def __next__(self) -> dict[str, jax.Array]:
-        local = next(self.iterator)
-        return {k: jax.make_array_from_process_local_data(self.sharding, v, self.global_shape) for k, v in local.items()}
+        return on_devices(next(self.iterator), self.sharding, self.global_shape)
+
+    def take_to_host(self, count: int) -> HostBatches:
+        """The next ``count`` batches (fewer where the stream ends), kept in host memory: ``HostBatches``."""
+        local = []
+        for _ in range(count):
+            try:
+                local.append(next(self.iterator))
+            except StopIteration:
+                break
+        return HostBatches(local, self.sharding, self.global_shape)
+
+
+def on_devices(local: dict[str, np.ndarray], sharding: NamedSharding, global_shape: tuple[int, int]) -> dict[str, jax.Array]:
+    """A batch of this process's rows as global arrays laid out by ``sharding``."""
+    return {k: jax.make_array_from_process_local_data(sharding, v, global_shape) for k, v in local.items()}
+
+
+class HostBatches:
+    """Batches kept in host memory, each process its own rows, and put on the devices one at a time as they are
+    iterated: the validation batches, scored every train.eval_every steps, hold no device memory in between (until
+    2026-12-06 they stayed on the devices for the whole run beside the train state, which the planner did not count)."""
+
+    def __init__(self, local: list[dict[str, np.ndarray]], sharding: NamedSharding, global_shape: tuple[int, int]):
+        self.local, self.sharding, self.global_shape = local, sharding, global_shape
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    def __iter__(self) -> Iterator[dict[str, jax.Array]]:
+        return (on_devices(batch, self.sharding, self.global_shape) for batch in self.local)
 
 
 def check_sizes(corpus: Corpus, cfg: DataConfig, global_batch: int, vocab_size: int) -> None:

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 
 from jaxtrain.config import DataConfig
 from jaxtrain.data.documents import JSONL_SUFFIX, check_split, check_utf8, is_validation_file, open_readable, utf8_of
-from jaxtrain.data.pipeline import SEED_SCHEME, SEED_SCHEMES, SPREAD_SEEDS, GlobalBatches, grain_seed, process_rows
+from jaxtrain.data.pipeline import SEED_SCHEME, SEED_SCHEMES, SPREAD_SEEDS, GlobalBatches, HostBatches, grain_seed, process_rows
 from jaxtrain.data.tokenizer import TextTokenizer, load_tokenizer
 from jaxtrain.errors import UserError
 
@@ -311,7 +311,7 @@ def train_batches(corpus: SftCorpus, cfg: DataConfig, global_batch: int, shardin
     return PackedBatches(corpus.train, cfg, global_batch, sharding, shuffle_seed=cfg.seed, repeat=True)
 
 
-def eval_batches(corpus: SftCorpus, cfg: DataConfig, global_batch: int, sharding: NamedSharding, count: int) -> list:
-    """The first ``count`` batches of the validation examples in file order: the same every evaluation."""
+def eval_batches(corpus: SftCorpus, cfg: DataConfig, global_batch: int, sharding: NamedSharding, count: int) -> HostBatches:
+    """The first ``count`` batches of the validation examples in file order: the same every evaluation (in host memory)."""
     batches = PackedBatches(corpus.validation, cfg, global_batch, sharding, shuffle_seed=None, repeat=False)
-    return [b for _, b in zip(range(count), batches)]
+    return batches.take_to_host(count)

@@ -7,7 +7,9 @@ Two views of the same train step, side by side:
   the shardings of the real layout (``layout.make_layout``) and the model shape;
 - the compiled truth: the real train step (``layout.lower_steps``) compiled for the target mesh, on this
   machine's accelerators when it has enough, else on compile-only GPUs (``gpu_targets``), else on simulated
-  CPU devices, read back with XLA's ``memory_analysis`` and ``cost_analysis``.
+  CPU devices, read back with XLA's ``memory_analysis`` and ``cost_analysis``. The train step's peak is the run's: the
+  eval step scores the batch in the train step's micro-batches, forward only, and with the state beside it holds less
+  (tests/test_eval_step.py); the validation batches wait in host memory.
 Suggestions (rule set, remat, micro-batches) are searched with the analytic estimate, which costs
 milliseconds per candidate; the plan itself is compiled, so are the best suggestions until one fits, and
 so is each micro-batch count ``train.microbatches=auto`` tries.
