@@ -31,9 +31,8 @@ from jaxtrain.interop import hf_config, hf_export, hf_import, peft
 from jaxtrain.layout import Layout, make_layout
 from jaxtrain.partitioning import param_shardings
 from jaxtrain.state import TrainState, fresh_state, model_spec
-from models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig, LoraConfig
+from models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig, LoraConfig, adapter_name
 from models.llama import Llama
-from models.lora import adapter_name
 from models.quant import dequantize, quantize
 
 def plain_config(model_cfg: LlamaConfig) -> LlamaConfig:
