@@ -11,7 +11,7 @@ device, d_model 64, float32, interleaved repetitions in one run, so a noisy shar
   target_parameters) and on attention alone, beside training every weight: step times and the expert adapters'
   cost over attention-only adapters;
 - ``moe_remat``: 8 experts, dropless and capacity, one device: ``model.remat=save_dots`` (which keeps the experts'
-  rows, gate, up and output: jaxtrain/models/llama.py EXPERT_SAVED) against ``full``, step times and their ratio.
+  rows, gate, up and output: jaxtrain/models/moe.py EXPERT_SAVED) against ``full``, step times and their ratio.
 
 On CPUs ``jax.lax.ragged_dot`` runs as a dense product masked per group (every expert's weights against every
 row), so the dropless path's cost grows with the expert count here; GPUs have grouped-matmul kernels.

@@ -112,7 +112,7 @@ ROWS = (
     # and LoRA on the experts (rank 16 on attention and every expert, bf16 frozen base: PEFT's target_parameters)
     Row("moe_mixtral_layers_capacity", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2", "model.remat=full",
                                                         "model.attention=auto", "model.moe.dispatch=capacity"), 75),
-    # the same with save_dots, which keeps the experts' rows, gate, up and output (jaxtrain/models/llama.py EXPERT_SAVED): the
+    # the same with save_dots, which keeps the experts' rows, gate, up and output (jaxtrain/models/moe.py EXPERT_SAVED): the
     # backward does not multiply by the experts again
     Row("moe_mixtral_layers_capacity_save_dots", "mixtral_8x7b", ("model.num_layers=2", "train.global_batch=2",
                                                                   "model.remat=save_dots", "model.attention=auto",

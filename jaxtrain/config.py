@@ -239,6 +239,12 @@ def _did_you_mean(key: str, candidates) -> str:
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; valid keys: {', '.join(sorted(candidates))}"
 
 
+# numeric keys whose 0 turns their feature off, and what 0 means: a value such as `none` or `off` there is refused with
+# the way to turn it off
+OFF_AT_ZERO = {"optim.clip_norm": "no clipping", "train.skip_spikes": "off", "checkpoint.keep_every": "off",
+               "log.layer_every": "off"}
+
+
 def _type_name(tp) -> str:
     return " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(tp)) or tp.__name__
 
@@ -282,7 +288,8 @@ def parse_value(key: str, text, tp):
     elif tp is str:
         if isinstance(text, str):
             return text
-    raise UserError(f"{key} expects {_type_name(tp)}, got {text!r}")
+    off = f"; {key}=0 means {OFF_AT_ZERO[key]}" if key in OFF_AT_ZERO else ""
+    raise UserError(f"{key} expects {_type_name(tp)}, got {text!r}{off}")
 
 
 def _replace_path(obj, path: list[str], value):
@@ -653,10 +660,11 @@ def range_problems(cfg: Config) -> list[str]:
         r("log.every", cfg.log.every, 1), r("train.eval_batches", t.eval_batches, 1),
         r("checkpoint.every", c.every, 1), r("checkpoint.keep", c.keep, 1),
         r("train.eval_every", t.eval_every, 0, meaning=" (0: evaluate only at the end)"),
-        r("checkpoint.keep_every", c.keep_every, 0, meaning=" (0: off)"),
-        r("log.layer_every", cfg.log.layer_every, 0, meaning=" (0: off)"),
+        r("checkpoint.keep_every", c.keep_every, 0, meaning=f" (0: {OFF_AT_ZERO['checkpoint.keep_every']})"),
+        r("log.layer_every", cfg.log.layer_every, 0, meaning=f" (0: {OFF_AT_ZERO['log.layer_every']})"),
         r("train.skip_nonfinite", t.skip_nonfinite, 0, meaning=" (0: stop at the first)"),
-        r("train.skip_spikes", t.skip_spikes, 0, high_open=True, meaning=" (standard deviations; 0: off)"),
+        r("train.skip_spikes", t.skip_spikes, 0, high_open=True,
+          meaning=f" (standard deviations; 0: {OFF_AT_ZERO['train.skip_spikes']})"),
         r("train.spike_window", t.spike_window, 2, INT32_MAX,
           meaning=" (the steps the mean and deviation of train.skip_spikes are taken over)"),
         r("train.seed", t.seed, 0, SamplingConfig.SEED_MAX), r("data.seed", d.seed, 0, SamplingConfig.SEED_MAX),
@@ -668,7 +676,7 @@ def range_problems(cfg: Config) -> list[str]:
         r("optim.weight_decay", o.weight_decay, 0, high_open=True),
         r("optim.b1", o.b1, 0, 1, high_open=True), r("optim.b2", o.b2, 0, 1, high_open=True),
         r("optim.eps", o.eps, 0, low_open=True, high_open=True),
-        r("optim.clip_norm", o.clip_norm, 0, high_open=True, meaning=" (0: no clipping)"),
+        r("optim.clip_norm", o.clip_norm, 0, high_open=True, meaning=f" (0: {OFF_AT_ZERO['optim.clip_norm']})"),
         r("optim.loss_scale_period", o.loss_scale_period, 1, INT32_MAX),
     ]
     if isinstance(t.microbatches, int):

@@ -38,6 +38,9 @@ def test_unknown_key_names_closest():
     ("optim.lr=fast", "optim.lr expects float, got 'fast'"),
     ("model.tie_embeddings=maybe", "model.tie_embeddings expects bool"),
     ("model.head_dim=x", "model.head_dim expects int or NoneType"),
+    # a key whose 0 turns its feature off says so to a user turning it off another way
+    ("optim.clip_norm=none", "optim.clip_norm expects float, got 'none'; optim.clip_norm=0 means no clipping"),
+    ("train.skip_spikes=off", "train.skip_spikes expects float, got 'off'; train.skip_spikes=0 means off"),
     ("train.steps", "not of the form key=value"),
 ])
 def test_wrong_types_are_errors(item, message):

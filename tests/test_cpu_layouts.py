@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.config import LlamaConfig
-from jaxtrain.models.llama import MLP
+from jaxtrain.models.layers import MLP
 
 BATCH, LENGTH, D_MODEL, MLP_DIM = 2, 8, 32, 64
 

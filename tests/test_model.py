@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from jaxtrain.models.config import REMAT_POLICIES, LlamaConfig
-from jaxtrain.models.llama import REMAT_POLICY_FNS, Llama, RMSNorm
+from jaxtrain.models.layers import RMSNorm
+from jaxtrain.models.llama import REMAT_POLICY_FNS, Llama
 
 CFG = LlamaConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, mlp_dim=64, dtype="float32")
 TOKENS = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)

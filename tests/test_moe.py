@@ -21,9 +21,9 @@ from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.state import init_state, model_spec
 from jaxtrain.step import make_train_step, router_metrics, token_nll_and_router_stats, training_objective
 from jaxtrain.train import build, train
-from jaxtrain.models.config import EXPERT_LORA, LlamaConfig, LoraConfig, MoEConfig, tokamax_problem
+from jaxtrain.models.config import EXPERT_LORA, LlamaConfig, LoraConfig, MoEConfig, adapter_name, tokamax_problem
 from jaxtrain.models.llama import Llama
-from jaxtrain.models.lora import ExpertLoRA, adapter_name
+from jaxtrain.models.lora import ExpertLoRA
 from jaxtrain.models.moe import MoE, capacity, dropless_axes
 
 E, K, T = 8, 2, 16
@@ -416,7 +416,7 @@ def test_planner_counts_expert_weights_by_the_expert_axis_and_all_to_all_traffic
     per_token = (m.d_model * 4 + 2 * 8) + m.d_model * 4 + (2 * m.d_model * 4 + 2 * 4) + (m.d_model * 4 + 2 * 4)
     assert step_time(make_layout(dropless)).traffic_bytes["expert"] == pytest.approx(4 * 8 * 256 * per_token)
     assert timed.total_s >= timed.compute_s + timed.communication_s["expert"] > timed.compute_s
-    # the routed rows in and out each layer keeps: save_dots names them (jaxtrain/models/llama.py EXPERT_SAVED), save_qkv_out not
+    # the routed rows in and out each layer keeps: save_dots names them (jaxtrain/models/moe.py EXPERT_SAVED), save_qkv_out not
     assert "dispatch buffers" not in estimate(layout)
     saving_dots = make_layout(with_(layout.cfg, model={"remat": "save_dots"}))
     assert estimate(saving_dots)["dispatch buffers"] == 4 * 4 * 2 * (8 * 256 * m.d_model) * 2.5
@@ -505,7 +505,7 @@ def test_save_dots_keeps_the_experts_products_for_the_backward(dispatch):
     """The experts' products are grouped matmuls (dropless) or dots batched over the experts (capacity), which jax's
     policy of dots without batch dimensions does not keep: under save_dots the backward multiplied by the experts
     again (and gathered the expert group's tokens again), as under full remat, where the planner counted them kept.
-    The rows, gate, up and output are named (jaxtrain/models/llama.py EXPERT_SAVED) and kept by save_dots, and moved to host
+    The rows, gate, up and output are named (jaxtrain/models/moe.py EXPERT_SAVED) and kept by save_dots, and moved to host
     memory by offload_dots: the gradient multiplies by the experts as often as with no remat."""
     from jaxtrain.partitioning import model_tracing
 

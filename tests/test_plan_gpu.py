@@ -204,8 +204,8 @@ def test_zero_stages_move_what_step_cost_predicts(rules, mesh, microbatches, tmp
 @pytest.mark.parametrize("remat", ["full", "save_dots"])  # full recomputes the adapters' x @ A, save_dots keeps it
 def test_lora_under_tensor_parallel_sums_each_input_gradient_once_and_moves_what_step_cost_predicts(remat):
     """fsdp_tp, data 2 x fsdp 2 x tensor 2, adapters on every projection. The gradient of q, k and v's shared input is
-    summed over tensor once, as without adapters: the adapters' products come first in the layer (jaxtrain/models/llama.py
-    _adapters_first), so XLA adds the projections' parts before one all-reduce. Used after them, the adapters' parts
+    summed over tensor once, as without adapters: the adapters' products come first in the layer (jaxtrain/models/layers.py
+    adapters_first), so XLA adds the projections' parts before one all-reduce. Used after them, the adapters' parts
     came between, and q, k and v's parts were all-reduced each, and gate and up's (36.4 MB of tensor traffic a step
     here against 23.7; llama3_8b_lora on fsdp 2 x tensor 4: 388.7 GiB against 244.7). step_cost counts the adapters'
     own rank-sized sums over tensor. The adapters' A are gathered over fsdp as the base is (jaxtrain/models/sharding.py
@@ -376,7 +376,7 @@ def test_expert_parallel_dispatch_moves_what_step_cost_predicts(dispatch, groupe
     XLA's grouped matmul, whose dense expansion over the experts' gate and up the estimate counts (0.77 and 0.88
     before), 0.87 and 1.08 with tokamax's, capacity 1.02 (full), 1.03 (save_qkv_out, which keeps no routed row, so the
     recomputed forward all-to-alls again: step_cost counted it as none until 2026-12-05). save_dots keeps the experts'
-    rows, gate, up and output (jaxtrain/models/llama.py EXPERT_SAVED): 1.08 with tokamax's, capacity 1.08 (1.68 and 1.27 before
+    rows, gate, up and output (jaxtrain/models/moe.py EXPERT_SAVED): 1.08 with tokamax's, capacity 1.08 (1.68 and 1.27 before
     the policy kept them, when the backward multiplied them again)."""
     cfg = with_(medium_config("dp_ep", remat, mesh=(2, 1, 1, 1, 4)),
                 model={"moe": MoEConfig(num_experts=8, top_k=2, dispatch=dispatch, grouped_matmul=grouped_matmul), "mlp_dim": 512})

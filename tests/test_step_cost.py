@@ -338,7 +338,7 @@ def test_a_quantized_frozen_base_is_gathered_as_stored(base_quant, bytes_per_wei
 
 
 def test_activation_offload_of_a_mixture_of_experts_moves_its_routed_rows():
-    """offload_dots also offloads what save_dots keeps of the experts (jaxtrain/models/llama.py EXPERT_SAVED): each routed row's
+    """offload_dots also offloads what save_dots keeps of the experts (jaxtrain/models/moe.py EXPERT_SAVED): each routed row's
     gate and up, and the rows in and out. fsdp 4 x expert 2, dropless, top 2 of 4 experts: per device 1024 tokens a step,
     each with 4 routed rows (its 2 choices among the expert group's 2 x 512 tokens, gathered over expert 2)."""
     cfg = with_(medium_config("fsdp_ep", "offload_dots", mesh=(1, 4, 1, 1, 2)), model={"moe": MoEConfig(num_experts=4, top_k=2)})

@@ -593,6 +593,20 @@ def test_a_tokenizer_trainer_killed_from_outside_is_one_line(slow_documents, tmp
     assert [p.name for p in tmp_path.iterdir()] == ["in"]
 
 
+def test_a_failure_inside_the_tokenizer_trainers_process_is_one_line(tmp_path):
+    """The trainer's process failing to save (here its directory is gone, as a full disk fails it) is one line naming
+    the library's error; it was a RuntimeError holding the child's whole traceback."""
+    from jaxtrain.data.tokenizer import _train_in_child
+
+    gone = tmp_path / "removed" / "tok"
+    with pytest.raises(UserError) as failed:
+        _train_in_child(iter(["some text to train on\n"] * 10), 300, gone)
+    message = str(failed.value)
+    assert "\n" not in message and message.startswith("training the tokenizer failed in its process: Exception: ")
+    assert "No such file or directory" in message and f"the disk holding {gone.parent} is full" in message, message
+    assert not multiprocessing.active_children() and list(tmp_path.iterdir()) == []
+
+
 def test_sigterm_during_tokenize_exits_143_and_leaves_nothing(trained, texts, tmp_path, monkeypatch, capsys, sigterm_outside):
     encode = TextTokenizer.encode
 

@@ -31,9 +31,8 @@ from jaxtrain.interop import hf_config, hf_export, hf_import, peft
 from jaxtrain.layout import Layout, make_layout
 from jaxtrain.partitioning import param_shardings
 from jaxtrain.state import TrainState, fresh_state, model_spec
-from jaxtrain.models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig, LoraConfig
+from jaxtrain.models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig, LoraConfig, adapter_name
 from jaxtrain.models.llama import Llama
-from jaxtrain.models.lora import adapter_name
 from jaxtrain.models.quant import dequantize, quantize
 
 def plain_config(model_cfg: LlamaConfig) -> LlamaConfig:

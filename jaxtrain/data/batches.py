@@ -1,5 +1,6 @@
-"""A run's batches whatever its ``data.format``: windows of the token stream (pipeline.py) or packed instruction
-examples (sft.py, which builds on the pipeline), so neither of those modules imports the other to choose."""
+"""A run's data and batches whatever its ``data.format``: the token stream (corpus.py) cut into windows
+(pipeline.py), or instruction examples (sft.py, which builds on the pipeline) packed; the choice is made here, so
+none of those modules imports another to make it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ from jax.sharding import NamedSharding
 
 from jaxtrain.config import DataConfig
 from jaxtrain.data import sft
-from jaxtrain.data.corpus import Corpus
+from jaxtrain.data.corpus import Corpus, load_corpus
 from jaxtrain.data.pipeline import GlobalBatches, HostBatches
+
+
+def load_data(cfg: DataConfig) -> Corpus | sft.SftCorpus:
+    """What the run trains on: instruction examples (data.format=sft), else the token stream."""
+    return sft.load_sft(cfg) if cfg.format == "sft" else load_corpus(cfg)
 
 
 def batch_fields(cfg: DataConfig) -> dict[str, type]:

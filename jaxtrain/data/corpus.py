@@ -28,10 +28,8 @@ class Corpus:
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:
-    if cfg.format == "sft":  # instruction data: examples, not one token stream
-        from jaxtrain.data import sft
-
-        return sft.load_sft(cfg)
+    """The token stream of data.format=text (instruction data, data.format=sft, is sft.load_sft's: batches.load_data
+    picks)."""
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     if cfg.path is None:
         root, files = stdlib_files()

@@ -15,7 +15,6 @@ import re
 import multiprocessing
 import signal
 import sys
-import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -253,12 +252,14 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, directory: Path) -> N
         if child.pid is not None:
             child.join()
     if failure is not None:
-        raise RuntimeError(f"tokenizer training failed in its process:\n{failure}")
+        raise UserError(f"training the tokenizer failed in its process: {failure}; if the disk holding {directory.parent} is "
+                        "full or not writable, free space or give another --out")
 
 
 def _train_bpe(connection: Connection, vocab_size: int, directory: str) -> None:
     """The child process of ``_train_in_child``: train on the texts it is sent (a None after the last batch), save,
-    and send back None or the failure's traceback."""
+    and send back None or the failure as one line, which the parent raises as a UserError: what fails here (the save
+    into a full disk) is the user's to fix."""
 
     def texts() -> Iterator[str]:
         while (batch := connection.recv()) is not None:
@@ -275,6 +276,6 @@ def _train_bpe(connection: Connection, vocab_size: int, directory: str) -> None:
         bpe.save(str(Path(directory) / TOKENIZER_FILE))
         (Path(directory) / CONFIG_FILE).write_bytes(_hf_config(END_OF_TEXT))
         failure = None
-    except BaseException:
-        failure = traceback.format_exc()
+    except BaseException as e:  # the signals are blocked here: an error of the library's or the disk's
+        failure = " ".join(f"{type(e).__name__}: {e}".split())
     connection.send(failure)

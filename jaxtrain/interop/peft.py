@@ -30,8 +30,7 @@ from jaxtrain import atomic
 from jaxtrain.errors import UserError
 from jaxtrain.interop.hf_config import read_json
 from jaxtrain.interop.hf_weights import tensor_maps
-from jaxtrain.models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig
-from jaxtrain.models.lora import adapter_name
+from jaxtrain.models.config import EXPERT_LORA, LORA_TARGETS, LlamaConfig, adapter_name
 
 CONFIG_FILE = "adapter_config.json"
 # adapter_config.json keys whose non-empty values PEFT computes with and jaxtrain's adapters do not

@@ -28,6 +28,12 @@ EXPERT_LORA = {"gate_up": (("gate", "up"), ("w_gate", "w_up")), "down": (("down"
 BASE_QUANTS = ("none", "int8", "nf4")  # how the frozen base of a LoRA run is stored (nf4: QLoRA)
 
 
+def adapter_name(target: str) -> str:
+    """The attribute, and so the parameter path's part, of a LoRA target's adapter (or an expert adapter's) on its
+    module: ``attn.lora_q``. Here, without jax, so the PEFT reader and the CLI name adapters before jax starts."""
+    return f"lora_{target}"
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """Low-rank adapters on the projection weights; rank 0: off (every parameter trains)."""

@@ -23,22 +23,18 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.models import pipeline
 from jaxtrain.models.attention import chunked_causal_attention
 from jaxtrain.models.config import LlamaConfig, RopeScaling
+from jaxtrain.models.layers import BATCH, EMBED_ACT, LENGTH, MLP, RMSNorm, adapters_first, param, plus_delta
 from jaxtrain.models.lora import adapt_block, adapter_delta, layer_inputs, layer_scope
+from jaxtrain.models.moe import EXPERT_SAVED, MoE
 from jaxtrain.models.quant import gathering_weights, weight
 from jaxtrain.models.sharding import (constrain, constrain_mesh_axes, gathered, gathered_for_use, mesh_axes_of, split_axes,
                              split_over_batch_too)
 
-BATCH, LENGTH = "activation_batch", "activation_length"
 EMBEDDING_AXES = ("vocab", "embed")  # the token embedding table's (the planner prices its lookup's gradient apart)
-EMBED_ACT = (BATCH, LENGTH, "activation_embed")
 # one layer's cached keys or values: (batch, cache length, kv_heads, head_dim)
 LAYER_CACHE = (BATCH, "cache_length", "activation_kv_heads", "activation_head_dim")
 
 QKV_OUT = ("query_proj", "key_proj", "value_proj", "attn_out")
-# a mixture of experts' routed rows, their gate and up projections and their output (jaxtrain/models/moe.py): the experts'
-# products are grouped matmuls (dropless) or dots batched over the experts (capacity), which a policy of dots without
-# batch dimensions does not keep
-EXPERT_SAVED = ("expert_rows", "expert_gate", "expert_up", "expert_out")
 # cuDNN's fused (flash) attention forward, as jax 0.10 and 0.11 name its primitive in a jaxpr
 FUSED_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
 
@@ -75,24 +71,6 @@ REMAT_POLICY_FNS = {
     "offload_qkv_out": jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=(), names_which_can_be_offloaded=QKV_OUT, offload_src="device", offload_dst="pinned_host"),
 }
-
-
-def _param(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> nnx.Param:
-    value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, dtype)
-    # eager_sharding=False: the trainer places parameters with jit out_shardings, never eagerly.
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, cfg: LlamaConfig):
-        self.eps = cfg.norm_eps
-        self.dtype = jnp.dtype(cfg.dtype)
-        self.scale = nnx.Param(jnp.ones((cfg.d_model,), cfg.param_dtype), out_sharding=("norm",), eager_sharding=False)
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()):
@@ -139,35 +117,6 @@ def apply_rotary(x, sin, cos):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x (..., k) @ w (k, n) as one 2-D product over the flattened leading dimensions. Same numbers; but w's
-    gradient then is a single transposed-operand dot, where from the 3-D form XLA:CPU makes a transposing copy of
-    the (batch, length, n) cotangent with the activation's backward fused into it, which took about a quarter of
-    the train step on CPU (README, "Benchmarks and performance"). ``lax.dot_general``, not ``@``: model.quant's qwix
-    intercepts dot_general while the layers are traced, and ``@`` is jnp.matmul, a jitted function whose traces jax
-    keeps by shapes: in one process, a quantized model got a plain model's earlier trace back (its MLP unquantized),
-    and a plain model traced after a quantized one ran its MLP in int8."""
-    dtype = jnp.result_type(x, w)  # as ``@`` promotes and types its product
-    product = jax.lax.dot_general(x.reshape(-1, x.shape[-1]).astype(dtype), w.astype(dtype), (((1,), (0,)), ((), ())),
-                                  preferred_element_type=dtype)
-    return product.reshape(*x.shape[:-1], w.shape[-1])
-
-
-def _adapters_first(module: nnx.Module, targets: tuple[str, ...], x: jax.Array) -> list[jax.Array | None]:
-    """The adapter updates of ``module``'s projections of one input ``x``, to be computed before the projections
-    themselves. Why first: autodiff sums x's gradient in the reverse order of x's uses, and with the projections split
-    over tensor each projection's part of it is summed over tensor (an all-reduce). With the projections used last,
-    their parts come first in that sum, and XLA adds them before one all-reduce (AR(a) + AR(b) -> AR(a + b)); between
-    adapters' parts (each summed over tensor before its rank-sized product) it cannot, and all-reduced q, k and v's
-    parts each (fsdp_tp: 1.6x the tensor bytes of the same model without adapters)."""
-    return [adapter_delta(module, target, x) for target in targets]
-
-
-def _plus(out: jax.Array, delta: jax.Array | None) -> jax.Array:
-    """A projection's output plus its adapter's update, if it has one."""
-    return out if delta is None else out + delta
-
-
 class LayerCache(NamedTuple):
     """One layer's keys and values, (batch, max_length, kv_heads, head_dim), and how many positions hold tokens."""
 
@@ -198,12 +147,12 @@ class Attention(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         self.dtype = jnp.dtype(cfg.dtype)
         self.implementation = None if cfg.attention == "auto" else cfg.attention  # None: jax chooses
-        self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), cfg.init_std, pd)
-        self.wk = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)
-        self.wv = _param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)
+        self.wq = param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), cfg.init_std, pd)
+        self.wk = param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)
+        self.wv = param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)
         # residual-branch outputs scaled down with depth (GPT-2 / Megatron init)
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), out_std, pd)
+        self.wo = param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), out_std, pd)
         self.qkv_bias = cfg.qkv_bias
         if cfg.qkv_bias:
             self.bq = nnx.Param(jnp.zeros((h, hd), pd), out_sharding=("heads", "head_dim"), eager_sharding=False)
@@ -212,7 +161,7 @@ class Attention(nnx.Module):
 
     def _project(self, x, name: str, axes, delta):
         """x @ w{name} (+ b{name}) + its adapter's ``delta`` for name in q, k, v."""
-        out = _plus(jnp.einsum("btd,dhk->bthk", x, weight(getattr(self, f"w{name}"), self.dtype)), delta)
+        out = plus_delta(jnp.einsum("btd,dhk->bthk", x, weight(getattr(self, f"w{name}"), self.dtype)), delta)
         if self.qkv_bias:
             out = out + getattr(self, f"b{name}")[...].astype(self.dtype)
         return constrain(out, axes)
@@ -248,7 +197,7 @@ class Attention(nnx.Module):
     def _qkv(self, x, sin, cos):
         heads = (BATCH, LENGTH, "activation_heads", "activation_head_dim")
         kv_heads = (BATCH, LENGTH, "activation_kv_heads", "activation_head_dim")
-        deltas = _adapters_first(self, ("q", "k", "v"), x)
+        deltas = adapters_first(self, ("q", "k", "v"), x)
         q = self._project(x, "q", heads, deltas[0])
         k = self._project(x, "k", kv_heads, deltas[1])
         v = self._project(x, "v", kv_heads, deltas[2])
@@ -259,32 +208,8 @@ class Attention(nnx.Module):
 
     def _output(self, out):
         out = constrain(out, (BATCH, LENGTH, "activation_heads", "activation_head_dim"))
-        out = _plus(jnp.einsum("bthk,hkd->btd", out, weight(self.wo, self.dtype)), adapter_delta(self, "o", out))
+        out = plus_delta(jnp.einsum("bthk,hkd->btd", out, weight(self.wo, self.dtype)), adapter_delta(self, "o", out))
         return checkpoint_name(constrain(out, EMBED_ACT), "attn_out")
-
-
-# recomputed in the backward pass from gate and up, which are kept anyway: the (batch, length, mlp) SiLU and product
-# are then not saved per layer (in the layer scan, fewer stacked buffers to fill, copy and slice: 1.08x on CPU)
-_swiglu = jax.checkpoint(lambda gate, up: jax.nn.silu(gate) * up)
-
-
-class MLP(nnx.Module):
-    """SwiGLU feed-forward block."""
-
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        d, m, pd = cfg.d_model, cfg.mlp_dim, jnp.dtype(cfg.param_dtype)
-        self.dtype = jnp.dtype(cfg.dtype)
-        self.w_gate = _param(rngs, (d, m), ("embed", "mlp"), cfg.init_std, pd)
-        self.w_up = _param(rngs, (d, m), ("embed", "mlp"), cfg.init_std, pd)
-        self.w_down = _param(rngs, (m, d), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5, pd)
-
-    def __call__(self, x):
-        hidden = (BATCH, LENGTH, "activation_mlp")
-        gate_delta, up_delta = _adapters_first(self, ("gate", "up"), x)
-        gate = constrain(_plus(_matmul(x, weight(self.w_gate, self.dtype)), gate_delta), hidden)
-        up = constrain(_plus(_matmul(x, weight(self.w_up, self.dtype)), up_delta), hidden)
-        h = _swiglu(gate, up)
-        return constrain(_plus(_matmul(h, weight(self.w_down, self.dtype)), adapter_delta(self, "down", h)), EMBED_ACT)
 
 
 class Block(nnx.Module):
@@ -292,12 +217,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg)
-        if cfg.moe.num_experts:
-            from jaxtrain.models.moe import MoE  # moe builds on this module's MLP
-
-            self.mlp = MoE(cfg, rngs)
-        else:
-            self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if cfg.moe.num_experts else MLP(cfg, rngs)
         adapt_block(self, cfg, rngs)  # LoRA adapters and a quantized base, when configured
 
     def __call__(self, x, sin, cos, segment_ids=None):
@@ -455,7 +375,7 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         pd = jnp.dtype(cfg.param_dtype)
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), EMBEDDING_AXES, cfg.init_std, pd)
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), EMBEDDING_AXES, cfg.init_std, pd)
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -465,7 +385,7 @@ class Llama(nnx.Module):
         self.layers = stacked_blocks(rngs)
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
+            self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
         """tokens (batch, length) int32 -> logits (batch, length, vocab) float32."""

@@ -33,9 +33,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from jaxtrain.models.config import EXPERT_LORA, LlamaConfig
-from jaxtrain.models.llama import BATCH, EMBED_ACT, EXPERT_SAVED, MLP, _param
-from jaxtrain.models.lora import adapter_name, expert_deltas
+from jaxtrain.models.config import EXPERT_LORA, LlamaConfig, adapter_name
+from jaxtrain.models.layers import BATCH, EMBED_ACT, MLP, param
+from jaxtrain.models.lora import expert_deltas
 from jaxtrain.models.sharding import constrain, mesh_axes_of, split_axes
 
 # a dispatched buffer (batch, experts, capacity, d_model) before and after the all-to-all: first split by
@@ -44,6 +44,10 @@ BY_SEQUENCE = (BATCH, None, None, "activation_embed")
 BY_EXPERT = ("activation_batch_no_expert", "activation_expert", None, "activation_embed")
 HIDDEN_BY_EXPERT = ("activation_batch_no_expert", "activation_expert", None, "activation_mlp")
 STATS_NAME = "router_stats"
+# the routed rows, their gate and up projections and their output: the experts' products are grouped matmuls (dropless)
+# or dots batched over the experts (capacity), which a remat policy of dots without batch dimensions does not keep, so
+# jaxtrain/models/llama.py's policies keep these by name
+EXPERT_SAVED = ("expert_rows", "expert_gate", "expert_up", "expert_out")
 
 
 def capacity(seq_len: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -59,14 +63,14 @@ class MoE(nnx.Module):
         d, m, e, pd = cfg.d_model, cfg.mlp_dim, moe.num_experts, jnp.dtype(cfg.param_dtype)
         self.moe = moe
         self.dtype = jnp.dtype(cfg.dtype)
-        self.router = _param(rngs, (d, e), ("embed", None), cfg.init_std, pd)
-        self.w_gate = _param(rngs, (e, d, m), ("experts", "embed", "mlp"), cfg.init_std, pd)
-        self.w_up = _param(rngs, (e, d, m), ("experts", "embed", "mlp"), cfg.init_std, pd)
-        self.w_down = _param(rngs, (e, m, d), ("experts", "mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5, pd)
+        self.router = param(rngs, (d, e), ("embed", None), cfg.init_std, pd)
+        self.w_gate = param(rngs, (e, d, m), ("experts", "embed", "mlp"), cfg.init_std, pd)
+        self.w_up = param(rngs, (e, d, m), ("experts", "embed", "mlp"), cfg.init_std, pd)
+        self.w_down = param(rngs, (e, m, d), ("experts", "mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5, pd)
         if moe.num_shared_experts:
             self.shared = MLP(dataclasses.replace(cfg, mlp_dim=moe.num_shared_experts * m), rngs)
             if moe.shared_expert_gate:
-                self.shared_gate = _param(rngs, (d, 1), ("embed", None), cfg.init_std, pd)
+                self.shared_gate = param(rngs, (d, 1), ("embed", None), cfg.init_std, pd)
 
     def __call__(self, x):
         """x (batch, length, d_model) -> (batch, length, d_model)."""
@@ -193,7 +197,7 @@ def _experts_swiglu(x, matmul, expert_params, hidden_layout=lambda h: h, adapter
     """The experts' SwiGLU with ``matmul(x, w)`` multiplying by each expert's weights (gate, up, down), plus the
     updates of their adapters (``MoE._expert_params``) by ``adapter_matmul`` (default: ``matmul``). The rows, the
     gate and up projections and the output are named for the save_dots and offload_dots remat policies
-    (jaxtrain/models/llama.py EXPERT_SAVED): kept, the backward neither gathers the rows nor multiplies by the experts again."""
+    (EXPERT_SAVED): kept, the backward neither gathers the rows nor multiplies by the experts again."""
     (w_gate, w_up, w_down), adapters = expert_params
     adapter_matmul = adapter_matmul or matmul
     rows_name, gate_name, up_name, _ = EXPERT_SAVED  # the output is named by the caller, in the layout it keeps

@@ -225,7 +225,7 @@ def estimate(layout: Layout, for_platform: str | None = None) -> dict[str, int]:
     if share < 1 and pipe.stages == 1:  # the two layer scans' slices of the stacks (jaxtrain/models/pipeline.py), kept for the backward
         items["remat_layers slices"] = bytes_per_device(state.params["layers"]) + bytes_per_device((state.frozen or {}).get("layers", {}))
     # the dispatch and combine buffers (routed residual streams) each layer keeps: all of them, or those save_dots
-    # names (jaxtrain/models/llama.py EXPERT_SAVED); the layers model.remat_layers leaves out keep theirs
+    # names (jaxtrain/models/moe.py EXPERT_SAVED); the layers model.remat_layers leaves out keep theirs
     keeping_dispatch = (1 - share) + share * (remat in ("none", "save_dots"))
     if moe.num_experts and keeping_dispatch:
         items["dispatch buffers"] = int(keeping_dispatch * m.num_layers * stack * 2 * embed * routed)

@@ -99,12 +99,12 @@ def expert_bytes_per_token(m: LlamaConfig, expert_ways: int) -> float:
     """Expert-parallel bytes a device moves per token of its share, layer and micro-batch (the module docstring)."""
     act, moe = np.dtype(m.dtype).itemsize, m.moe
     if moe.dispatch == "capacity":  # dispatch and combine, forward and backward, and again in the recomputed forward of a
-        # policy that keeps none of the routed rows (jaxtrain/models/llama.py EXPERT_SAVED): all but none and the dot-saving ones
+        # policy that keeps none of the routed rows (jaxtrain/models/moe.py EXPERT_SAVED): all but none and the dot-saving ones
         all_to_alls = 4 + 2 * (m.remat not in ("none", "save_dots", "offload_dots")) * rematted_share(m)
         return all_to_alls * moe.top_k * moe.capacity_factor * m.d_model * act * (expert_ways - 1) / expert_ways
     gathers = m.d_model * act + moe.top_k * 8  # the tokens, their float32 router weights and int32 expert choices
     # a recomputed forward: the tokens and one k-wide router array (XLA keeps the other); save_dots and offload_dots
-    # keep the gathered tokens (jaxtrain/models/llama.py EXPERT_SAVED), not that router array
+    # keep the gathered tokens (jaxtrain/models/moe.py EXPERT_SAVED), not that router array
     recomputed = moe.top_k * 4 + m.d_model * act * (m.remat not in ("save_dots", "offload_dots"))
     forward = gathers + m.d_model * act  # and the outputs back
     backward = 2 * m.d_model * act + moe.top_k * 4  # the outputs' gradient in, the tokens' and weights' back
@@ -165,7 +165,7 @@ def offloaded_bytes_per_token(layout: Layout, stages: int) -> float:
     """Bytes an offload_* remat policy moves to host memory per token of a device's micro-batch and per layer: what
     its save_ counterpart keeps on the device but the layer's input (the layer scan keeps that there): the attention's
     output projection, q, k, v and, for offload_dots, the MLP's gate and up and a mixture of experts' routed rows and
-    outputs (jaxtrain/models/llama.py EXPERT_SAVED)."""
+    outputs (jaxtrain/models/moe.py EXPERT_SAVED)."""
     m = layout.cfg.model
     remat = acting_remat(m.remat, stages)
     if not remat.startswith("offload_"):
