@@ -521,6 +521,16 @@ def read_yaml_mapping(path: Path, what: str, expected: str) -> dict:
     return body
 
 
+def moved_file_hint(name_or_path: str, shipped_dir: Path) -> str:
+    """Where ``name_or_path`` is a shipped mesh's or rule set's path in the checkout of before 2026-12-06
+    (experiments/meshes/h100x8.yaml, sharding_rules/fsdp.yaml: top-level folders then, jaxtrain/... now), the advice
+    to give its name, which works from any directory and installation; else ''."""
+    path, old_folder = Path(name_or_path), shipped_dir.relative_to(Path(__file__).parent).as_posix()
+    if path.suffix == ".yaml" and path.parent.as_posix().endswith(old_folder) and (shipped_dir / path.name).is_file():
+        return f"the shipped ones are in jaxtrain/{old_folder}/ since 2026-12-06: give the name, {path.stem}; "
+    return ""
+
+
 def load_mesh_file(name_or_path: str) -> MeshConfig:
     """Mesh YAML: ``ici:`` and ``dcn:`` mappings of axis name to size (missing axes are 1)."""
     path = Path(name_or_path)
@@ -529,7 +539,8 @@ def load_mesh_file(name_or_path: str) -> MeshConfig:
     if not path.is_file():
         if name_or_path and Path(name_or_path).is_dir():
             raise UserError(f"--mesh {name_or_path} is a directory; give a mesh YAML file or one of: {_available(MESHES_DIR, '.yaml')}")
-        raise UserError(f"mesh file '{name_or_path}' not found; give a path or one of: {_available(MESHES_DIR, '.yaml')}")
+        raise UserError(f"mesh file '{name_or_path}' not found; {moved_file_hint(name_or_path, MESHES_DIR)}give a path or one "
+                        f"of: {_available(MESHES_DIR, '.yaml')}")
     expected = "a mapping with only the keys 'ici' and 'dcn'"
     body = read_yaml_mapping(path, "mesh file", expected)
     if set(body) - {"ici", "dcn"}:

@@ -13,7 +13,7 @@ from flax.core import spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import sharding_rules
-from jaxtrain.config import read_yaml_mapping
+from jaxtrain.config import moved_file_hint, read_yaml_mapping
 from jaxtrain.errors import UserError
 from jaxtrain.mesh import describe_axes
 from jaxtrain.models.sharding import LOGICAL_AXES, MissingLogicalRule, RepeatedMeshAxis
@@ -44,7 +44,7 @@ def _rule_path(name_or_path: str, extended_by: Path | None = None) -> Path:
         if name_or_path and Path(name_or_path).is_dir():  # it was "not found; did you mean 'tp'?" for /tmp (Path("") is ".")
             raise UserError(f"{what} is a directory; give a rule-set YAML file or one of: {', '.join(names)}")
         close = _did_you_mean(name_or_path, names)
-        hint = f"did you mean '{close}'? " if close else ""
+        hint = moved_file_hint(name_or_path, RULES_DIR) or (f"did you mean '{close}'? " if close else "")
         raise UserError(f"{what}{' is' if extended_by else ''} not found; {hint}give a path or one of: {', '.join(names)}")
     return path
 

@@ -186,6 +186,22 @@ def test_an_experiment_file_imports_the_helpers_beside_it(tmp_path, monkeypatch)
     assert sys.path == path_before
 
 
+def test_a_shipped_mesh_or_rule_set_at_its_path_of_before_the_move_is_told_its_name(tmp_path, monkeypatch):
+    """experiments/meshes/h100x8.yaml and sharding_rules/fsdp.yaml were the paths DESIGN's and README's commands gave
+    until 2026-12-06, when those folders moved into the package; a mistyped name gets no such advice."""
+    from jaxtrain import partitioning
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"^mesh file 'experiments/meshes/h100x8.yaml' not found; the shipped ones are in "
+                                        r"jaxtrain/experiments/meshes/ since 2026-12-06: give the name, h100x8; give a path"):
+        load_mesh_file("experiments/meshes/h100x8.yaml")
+    with pytest.raises(UserError, match=r"^rule set 'sharding_rules/fsdp.yaml' not found; the shipped ones are in "
+                                        r"jaxtrain/sharding_rules/ since 2026-12-06: give the name, fsdp; give a path"):
+        partitioning.load_rules("sharding_rules/fsdp.yaml")
+    with pytest.raises(UserError, match=r"^rule set 'sharding_rules/fsd.yaml' not found; give a path"):
+        partitioning.load_rules("sharding_rules/fsd.yaml")
+
+
 @pytest.mark.parametrize("line, module", [("from models.config import LlamaConfig", "models.config"),
                                           ("from experiments._llama import llama", "experiments._llama")])
 def test_an_experiment_file_of_before_the_move_into_jaxtrain_is_told_the_new_import(line, module, tmp_path, monkeypatch):
