@@ -512,26 +512,27 @@ class RunCheckpoints:
         """Whether to stop after ``step`` (every process must ask at every step, in the same order)."""
         return step < self.last_step and self.preemption.reached(step)
 
-    def after_step(self, step: int, state, data_iterator, *, preempted: bool) -> None:
-        """Save if due (always at the last step); on preemption (or Ctrl-C) save, wait for the commit and raise
-        Preempted. With several processes, a save whose background write failed on this process raises its error here,
-        at the step after (``_barrier_refusing_failed_saves``): the others are in the step's collectives then, which fail
-        when this process stops, not at a save's barrier, where they waited for it until Orbax's timeout."""
+    def after_step(self, step: int, state, data_iterator, *, preempted: bool, epoch: float | None = None) -> None:
+        """Save if due (always at the last step), with ``epoch`` (the epochs of training data read) in its meta for
+        `jaxtrain checkpoints`; on preemption (or Ctrl-C) save, wait for the commit and raise Preempted. With several
+        processes, a save whose background write failed on this process raises its error here, at the step after
+        (``_barrier_refusing_failed_saves``): the others are in the step's collectives then, which fail when this process
+        stops, not at a save's barrier, where they waited for it until Orbax's timeout."""
         if self.write_failed.is_set():
             self.finish()  # raises the failed save's error
-        self.save(step, state, data_iterator, force=preempted or step == self.last_step)
+        self.save(step, state, data_iterator, force=preempted or step == self.last_step, epoch=epoch)
         if preempted:
             self.close()
             raise Preempted(step, interrupted=self.preemption.interrupted)
 
-    def save(self, step: int, state, data_iterator, *, force: bool = False) -> bool:
+    def save(self, step: int, state, data_iterator, *, force: bool = False, epoch: float | None = None) -> bool:
         """Start saving ``step`` if it is due (or ``force``); the write continues in the background
         when asynchronous. Returns whether a save started."""
         taken = time.time()
         args = ocp.args.Composite(
             state=ocp.args.PyTreeSave(saved_part(state)),
             data=DataPositionSave(data_iterator),
-            meta=ocp.args.JsonSave(self.meta | {"step": step, "time": taken}))
+            meta=ocp.args.JsonSave(self.meta | {"step": step, "time": taken, "epoch": epoch}))
         try:
             started = self.manager.save(step, args=args, force=force)  # first waits for the previous save
         except Exception as e:  # noqa: BLE001 - a failed write (full disk, permissions) is the user's to fix
@@ -775,17 +776,19 @@ def describe(run_dir: Path) -> list[dict]:
             "step": step, "size": _size(path), "time": meta.get("time", path.stat().st_mtime),
             "complete": step in complete and _TMP_MARK not in path.name,
             "mesh": meta.get("mesh"), "rules": meta.get("rules"), "processes": meta.get("processes"),
+            "epoch": meta.get("epoch"),  # the epochs of training data read (none recorded until 2026-12-06)
         })
     manager.close()
     return sorted(rows, key=lambda r: (r["step"], r["complete"]))
 
 
 def format_table(rows: list[dict]) -> str:
-    header = f"{'step':>8}  {'size':>10}  {'written':19}  {'committed':9}  mesh / rules"
+    header = f"{'step':>8}  {'epoch':>8}  {'size':>10}  {'written':19}  {'committed':9}  mesh / rules"
     lines = [header]
     for r in rows:
         mesh = describe_axes(r["mesh"]) if r["mesh"] else "?"
         written = datetime.datetime.fromtimestamp(r["time"]).strftime("%Y-%m-%d %H:%M:%S")
-        lines.append(f"{r['step']:>8}  {_human(r['size']):>10}  {written:19}  {'yes' if r['complete'] else 'NO':9}  "
+        epoch = "?" if r.get("epoch") is None else f"{r['epoch']:.4f}"
+        lines.append(f"{r['step']:>8}  {epoch:>8}  {_human(r['size']):>10}  {written:19}  {'yes' if r['complete'] else 'NO':9}  "
                      f"{mesh} / {r['rules'] or '?'} ({r['processes'] or '?'} process(es))")
     return "\n".join(lines)

@@ -251,14 +251,16 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
             if jax.process_count() > 1:  # the first record's clock starts once every process has come this far: process 0,
                 # its step read back from the compilation cache, had timed its first step waiting for a process still compiling
                 multihost_utils.sync_global_devices("jaxtrain: the steps start")
+            epoch = data_lib.epoch(checked.corpus, cfg.data)
             log = MetricsLog(trainer.layout, run_dir, int(state.step), compile_s=trainer.compile_s,
                              compile_cache=trainer.compiled.record(cache_dir), data=checked.corpus.description,
                              enabled=jax.process_index() == 0, microbatches_auto=trainer.microbatches_auto,
+                             epoch=epoch, data_position=batches.position(),
                              # a compiled step gives its program for the profile's summary; a wrapped one (tests) none
                              step_program=getattr(trainer.train_step, "as_text", None))
             if checkpoints.restored:  # the checkpoint to fall back on (Prometheus: age since it was written, not NaN)
                 log.checkpoint_saved(*checkpoints.restored)
-            state = _loop(trainer, state, batches, eval_data, checkpoints, log)
+            state = _loop(trainer, state, batches, epoch, eval_data, checkpoints, log)
     except BaseException as e:  # the error in flight is the one to report: one in closing is only a warning
         if isinstance(e, LostPeer) or lost_peer(e):  # the saves in flight wait on processes that are gone: wait for nothing
             checkpoints.abandon()
@@ -414,9 +416,10 @@ def _write_run_files(trainer: Trainer, run_dir: Path, base: lora_lib.Base | None
         hf_import.keep_source_files(fresh_init_from, run_dir)
 
 
-def _loop(trainer: Trainer, state: TrainState, batches: data_lib.GlobalBatches, eval_data: data_lib.HostBatches,
+def _loop(trainer: Trainer, state: TrainState, batches: data_lib.GlobalBatches, epoch: data_lib.Epoch, eval_data: data_lib.HostBatches,
           checkpoints: checkpoint_lib.RunCheckpoints, log: MetricsLog) -> TrainState:
-    """The steps from ``state``'s to ``train.steps``, with their records, checkpoints and evaluations."""
+    """The steps from ``state``'s to ``train.steps``, with their records, checkpoints and evaluations; ``epoch``, the
+    training split's, tells the records and checkpoints the epochs read."""
     t = trainer.cfg.train
     checkpoints.preemption.watch_interrupts()  # a Ctrl-C from here on stops after the step, with a checkpoint
     resumed = int(state.step)
@@ -433,9 +436,10 @@ def _loop(trainer: Trainer, state: TrainState, batches: data_lib.GlobalBatches, 
         preempted = checkpoints.preempted(step)
         # a record of the steps since the last one before any save (a preemption save too); raises NonFiniteError
         # before a checkpoint of a bad step is written
-        log.after_step(step, metrics, flush=preempted)
-        with log.timer("checkpoint_s"):
-            checkpoints.after_step(step, state, batches.iterator, preempted=preempted)  # raises Preempted once committed
+        read = batches.position()
+        log.after_step(step, metrics, flush=preempted, data_position=read)
+        with log.timer("checkpoint_s"):  # raises Preempted once committed
+            checkpoints.after_step(step, state, batches.iterator, preempted=preempted, epoch=epoch.of(read))
         if (committed := checkpoints.newly_committed()) is not None:
             log.checkpoint_saved(*committed)
         if step == t.steps or (t.eval_every and step % t.eval_every == 0):

@@ -574,6 +574,22 @@ def test_resharded_run_continues_training(reference, tmp_path):
     assert rows[0]["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1} and rows[0]["rules"] == "fsdp_tp"
 
 
+def test_jaxtrain_checkpoints_says_the_epoch_each_checkpoint_reached(reference, capsys):
+    """Each checkpoint records the epochs of training data read by its step (8 sequences a step, over the split's
+    sequences of data.seq_len=32), which `jaxtrain checkpoints` lists: the one to start again from at an epoch's end is
+    found without arithmetic (a QA report: nothing said where in the data a checkpoint was)."""
+    from jaxtrain import cli
+
+    ref_dir, _ = reference
+    size = json.loads((ref_dir / "summary.json").read_text())["epoch"]["size"]
+    rows = checkpoint_lib.describe(ref_dir)
+    assert [(r["step"], r["epoch"]) for r in rows] == [(step, step * 8 / size) for step in (STEPS - 4, STEPS - 2, STEPS)]
+    assert cli.main(["checkpoints", str(ref_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["step", "epoch", "size"]
+    assert lines[-1].split()[:2] == [str(STEPS), f"{STEPS * 8 / size:.4f}"]
+
+
 def test_init_from_full_state_continues_the_same_run(reference, trainer, tmp_path, capsys):
     ref_dir, cfg = reference
     run_dir = tmp_path / "new"

@@ -394,3 +394,22 @@ def test_every_process_reads_the_same_evaluation_batches():
     assert [len(batches) for batches in per_process] == [3] * 4
     rows = np.concatenate([np.concatenate([per_process[p][b]["inputs"] for p in range(4)]) for b in range(3)])
     np.testing.assert_array_equal(rows, np.stack([tokens[i * 16:i * 16 + 16] for i in range(24)]))
+
+
+def test_an_epoch_is_the_training_splits_sequences_each_read_once_and_its_last_tokens_short_of_one_are_counted():
+    """The epoch figure (start-up summary, each record's ``epoch``) is the training split's whole sequences: 20
+    sequences of 16 tokens, the target after the last one and 5 tokens more are an epoch of 20 sequences = 2.5 steps
+    of 8, 5 tokens never read; 20 sequences of the run's stream read each once, and a run resumed at 12 read with 2
+    steps of 8 to go trains from epoch 0.6 to 1.4 (a QA report: no figure said how many steps an epoch is, nor which
+    epoch a step is in)."""
+    from jaxtrain.data import Corpus, epoch
+
+    tokens = np.arange(16 * 20 + 1 + 5)
+    cfg = DataConfig(seq_len=16)
+    split = epoch(Corpus(tokens, tokens[:40], 512, "t"), cfg)
+    assert (split.size, split.unit, split.left_out_tokens) == (20, "sequences", 5)
+    rows = _rows(GlobalBatches(tokens, 16, 4, _sharding(4), shuffle_seed=3, repeat=True), split.size // 4)
+    assert sorted(rows[:, 0].tolist()) == list(range(0, 16 * 20, 16))  # every window once: window i starts at token 16 i
+    assert split.of(30) == 1.5
+    assert split.summary(12, 3, 5, 8) == {"size": 20, "unit": "sequences", "left_out_tokens": 5, "steps": 2.5,
+                                          "at_start": 0.6, "at_end": 1.4}

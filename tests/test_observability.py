@@ -127,7 +127,8 @@ def test_records_tensorboard_and_summary(two_runs, trainer):
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "eval/loss", "train/learning_rate", "train/grad_norm", "train/param_norm", "perf/tokens_per_s",
             "perf/tokens_per_s_per_device", "perf/step_time_s", "perf/mfu", "perf/data_wait_s", "perf/checkpoint_s",
-            "memory/in_use_gib", "memory/peak_gib", "grad_norm_per_layer/layer_000", "param_norm_per_layer/layer_001"} <= tags
+            "memory/in_use_gib", "memory/peak_gib", "grad_norm_per_layer/layer_000", "param_norm_per_layer/layer_001",
+            "train/epoch"} <= tags
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == \
         [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in steps]
 
@@ -418,16 +419,17 @@ class _Terminal(io.StringIO):
 def test_progress_is_one_line_on_a_terminal_and_log_lines_otherwise(stream):
     progress = Progress(total=20, initial=0, stream=stream)
     for step in (10, 20):
-        progress.update(step, {"loss": 2.5, "tokens_per_s": 1234.0, "mfu": 0.125}, eta_s=90.0 if step == 10 else 0.0)
+        epoch = {"epoch": 1.5} if step == 20 else {}  # a record of the run's batches says its epoch; one of a test's may not
+        progress.update(step, {"loss": 2.5, "tokens_per_s": 1234.0, "mfu": 0.125} | epoch, eta_s=90.0 if step == 10 else 0.0)
     progress.evaluated(20, 2.25, 4096)
     progress.close()
     text = stream.getvalue()
     if stream.isatty():  # the evaluation a line of its own above the bar
-        assert text.count("\n") == 2 and "\r" in text and "20/20" in text and "mfu=12.5%" in text
+        assert text.count("\n") == 2 and "\r" in text and "20/20" in text and "mfu=12.5%, epoch=1.50" in text
         assert "step 20/20 eval loss 2.25 over 4,096 tokens\n" in text
     else:
         assert text.splitlines() == ["step 10/20 loss 2.5 tok/s 1,234 mfu 12.5% eta 1m30s",
-                                     "step 20/20 loss 2.5 tok/s 1,234 mfu 12.5% eta 0m00s",
+                                     "step 20/20 loss 2.5 tok/s 1,234 mfu 12.5% epoch 1.50 eta 0m00s",
                                      "step 20/20 eval loss 2.25 over 4,096 tokens"]
     assert metrics_lib._duration(5430.0) == "1h30m"  # the ETA of a long run
 

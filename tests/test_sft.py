@@ -317,6 +317,18 @@ def test_train_resume_and_generate_chat(data, tmp_path, capsys):
     losses = [(r["step"], r["loss"]) for r in whole if "loss" in r]
     assert [(r["step"], r["loss"]) for r in stopped if "loss" in r] == losses and len(losses) == 6
     assert losses[-1][1] < losses[0][1]
+    # an epoch of instruction data is its training examples; each record the examples read through its step over them,
+    # the same after the preemption (the data position's count)
+    epochs = [(r["step"], r["epoch"]) for r in whole if "loss" in r]
+    assert [(r["step"], r["epoch"]) for r in stopped if "loss" in r] == epochs
+    reference, read = sft.train_batches(trainer.corpus, trainer.cfg.data, 8, trainer.batch_sharding), []
+    for _ in range(6):
+        next(reference)
+        read.append(reference.position() / len(trainer.corpus.train))
+    assert [epoch for _, epoch in epochs] == read and 0 < read[0] < read[-1]
+    summary = json.loads((tmp_path / "whole" / "summary.json").read_text())["epoch"]
+    assert summary == {"size": len(trainer.corpus.train), "unit": "examples", "left_out_tokens": None, "steps": None,
+                       "at_start": 0.0, "at_end": None}
     # train and eval loss: nats per counted (answer) token
     nll_of = jax.jit(lambda params, batch: token_nll(trainer.layout.spec.graphdef, params, batch))
 

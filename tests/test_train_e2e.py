@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,25 @@ def test_train_command_writes_config_and_metrics(short_run):
     assert resolved["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1} and resolved["devices"] == 8
     cfg = from_dict(saved)
     assert cfg.train.steps == 4 and cfg.optim.lr == 1e-3 and cfg.rules == "fsdp_tp"
+
+
+def test_the_summary_says_how_many_steps_an_epoch_is_and_each_record_which_epoch_it_is_in(short_run):
+    """The training split's sequences of data.seq_len=32 are an epoch, global_batch=8 of them a step: the summary says
+    how many, and each step record the epochs read through its batch (a QA report: no figure said how many steps an
+    epoch is, nor which epoch a step is in)."""
+    from jaxtrain.data import load_corpus
+    from jaxtrain.config import DataConfig
+
+    train = load_corpus(DataConfig(seq_len=32)).train
+    sequences = (len(train) - 1) // 32
+    summary = json.loads((short_run / "summary.json").read_text())
+    assert summary["epoch"] == {"size": sequences, "unit": "sequences", "left_out_tokens": len(train) - 1 - 32 * sequences,
+                                "steps": sequences / 8, "at_start": 0.0, "at_end": 32 / sequences}
+    assert [r["epoch"] for r in _records(short_run) if "loss" in r] == [16 / sequences, 32 / sequences]
+    printed = (short_run.parent / "stderr.txt").read_text()
+    line = re.search(r"\n  epoch: ([0-9,]+) training sequences = ([0-9,.]+) steps of train.global_batch=8, each sequence read once "
+                     r"an epoch, in an order of its own", printed)
+    assert int(line[1].replace(",", "")) == sequences and float(line[2].replace(",", "")) == round(sequences / 8, 2)
 
 
 def test_a_resume_refused_for_another_model_shape_leaves_the_run_directory_as_it_was(short_run, tmp_path):
@@ -176,6 +196,10 @@ def test_a_resume_with_another_global_batch_reads_on_from_the_next_sequence(shor
     runs = _recorded_runs(monkeypatch, train_lib)
     train_lib.train(resolve_config("tiny", None, None, [*SHORT, "train.steps=5", "train.global_batch=12"]), run_dir)
     np.testing.assert_array_equal(runs[0].read[0], runs[0].uninterrupted(48)[32:44])
+    epoch = json.loads((run_dir / "summary.json").read_text())["epoch"]  # counted in sequences read, not steps x batch
+    last = [r for r in _records(run_dir) if "loss" in r][-1]
+    assert (epoch["at_start"], epoch["at_end"], last["step"], last["epoch"]) == (32 / epoch["size"], 44 / epoch["size"], 5,
+                                                                                 44 / epoch["size"])
     notes = [line for line in capsys.readouterr().err.splitlines()
              if line.startswith("jaxtrain: note:") and "learning-rate schedule" not in line]  # train.steps raised: its own test
     assert notes == [f"jaxtrain: note: train.global_batch=12 here but 8 in {run_dir / 'config.yaml'}: the data goes on after "

@@ -4,13 +4,15 @@ none of those modules imports another to make it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxtrain.config import DataConfig
 from jaxtrain.data import sft
 from jaxtrain.data.corpus import Corpus, load_corpus
-from jaxtrain.data.pipeline import GlobalBatches, HostBatches
+from jaxtrain.data.pipeline import GlobalBatches, HostBatches, Windows
 
 
 def load_data(cfg: DataConfig) -> Corpus | sft.SftCorpus:
@@ -38,3 +40,34 @@ def eval_batches(corpus: Corpus, cfg: DataConfig, global_batch: int, sharding: N
         return sft.eval_batches(corpus, cfg, global_batch, sharding, count)
     batches = GlobalBatches(corpus.validation, cfg.seq_len, global_batch, sharding, shuffle_seed=None, repeat=False)
     return batches.take_to_host(count)
+
+
+@dataclasses.dataclass(frozen=True)
+class Epoch:
+    """One pass over the training split, which the data position counts in: ``size`` of ``unit`` (text: the sequences
+    of data.seq_len, each read once an epoch; instruction data: the examples, packed several to a sequence)."""
+
+    size: int
+    unit: str
+    left_out_tokens: int | None  # text: the split's last tokens, short of a sequence, which no epoch reads
+
+    def of(self, position: int) -> float:
+        """The epochs read at data position ``position`` (``unit`` read): 1.5 is half-way through the second."""
+        return position / self.size
+
+    def summary(self, position: int, step: int, steps: int, global_batch: int) -> dict:
+        """The start-up summary's ``epoch``: its size, its steps (text: whole sequences, so global_batch of them a step;
+        instruction data: as many examples a step as pack into it, so null), and the epochs read at this start and at
+        train.steps (null for instruction data)."""
+        whole_sequences = self.unit == "sequences"
+        return {"size": self.size, "unit": self.unit, "left_out_tokens": self.left_out_tokens,
+                "steps": self.size / global_batch if whole_sequences else None, "at_start": self.of(position),
+                "at_end": self.of(position + (steps - step) * global_batch) if whole_sequences else None}
+
+
+def epoch(corpus: Corpus, cfg: DataConfig) -> Epoch:
+    if cfg.format == "sft":
+        return Epoch(len(corpus.train), "examples", None)
+    sequences = len(Windows(corpus.train, cfg.seq_len))
+    # a window is seq_len inputs and the target after them: the tokens past the last window's target are never read
+    return Epoch(sequences, "sequences", len(corpus.train) - 1 - sequences * cfg.seq_len)

@@ -33,6 +33,7 @@ from jaxtrain import config as config_lib
 from jaxtrain.atomic import atomic_file
 from jaxtrain.compile_cache import describe as describe_cache
 from jaxtrain.config import Config
+from jaxtrain.data.batches import Epoch
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config
 from jaxtrain.observe.exporters import MlflowRun, PrometheusGauges, start_wandb
@@ -61,6 +62,7 @@ TAGS = {
     "tokens_per_s": "perf/tokens_per_s", "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
     "step_time_s": "perf/step_time_s", "mfu": "perf/mfu", "data_wait_s": "perf/data_wait_s",
     "checkpoint_s": "perf/checkpoint_s", "memory_in_use_gib": "memory/in_use_gib", "memory_peak_gib": "memory/peak_gib",
+    "epoch": "train/epoch",
     # mixture of experts (jaxtrain.step.router_metrics), means over layers
     "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_router_loss": "moe/router_loss",
     "moe_dropped_fraction": "moe/dropped_fraction",
@@ -137,9 +139,9 @@ def job_memory_gib() -> dict[str, Any]:
 
 
 def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None, data: str, peak: float | None,
-                    peak_source: str, microbatches_auto: str | None = None) -> dict[str, Any]:
+                    peak_source: str, microbatches_auto: str | None = None, epoch: dict | None = None) -> dict[str, Any]:
     """``microbatches_auto``: how train.microbatches=auto chose the count ("fitted" to the devices' memory, or one pass
-    where they report none: "unsized"); None where the config gave a count."""
+    where they report none: "unsized"); None where the config gave a count. ``epoch``: ``data.Epoch.summary``'s."""
     cfg, mesh, state = layout.cfg, layout.mesh, layout.abstract_state()
     pipeline = schedule(cfg, layout.rules, mesh)
     pipelined = pipeline.stages > 1
@@ -188,7 +190,7 @@ def startup_summary(layout: Layout, compile_s: float, compile_cache: dict | None
         "warmup_steps": warmup_steps(cfg), "configured_warmup_steps": cfg.optim.warmup_steps,  # at most train.steps: the former
         "optimizer": describe_schedule(cfg),
         "peak_flops_per_device": peak, "peak_source": peak_source, "compile_s": round(compile_s, 3),
-        "compile_cache": compile_cache, "data": data, "cpu_devices_per_core": cpu_devices_per_core(),
+        "compile_cache": compile_cache, "data": data, "epoch": epoch, "cpu_devices_per_core": cpu_devices_per_core(),
         # on CPUs: the malloc and whether it keeps XLA:CPU's step buffers mapped (memory/host_malloc.py); null on accelerators
         **({"host_malloc": host_malloc.allocator(), "host_malloc_kept": host_malloc.kept()}
            if jax.local_devices()[0].platform == "cpu" else {"host_malloc": None, "host_malloc_kept": None}),
@@ -247,6 +249,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  peak for MFU {peak} per device ({s['peak_source']}); train step compiled in {s['compile_s']:.1f}s "
         f"({describe_cache(s['compile_cache'])})",
         f"  data: {s['data']}",
+        *([f"  epoch: {describe_epoch(s['epoch'], s['global_batch_sequences'])}"] if s.get("epoch") else []),
         *([f"  {note}"] if (note := idle_axes_note(s["idle_axes"], s["rules"])) else []),
         *([f"  {s['unsplit_experts_note']}"] if s.get("unsplit_experts_note") else []),
         *([f"  {s['unused_pipeline_note']}"] if s.get("unused_pipeline_note") else []),
@@ -273,6 +276,20 @@ def format_summary(s: dict[str, Any]) -> str:
     ])
 
 
+def describe_epoch(epoch: dict, global_batch: int) -> str:
+    """The summary's epoch line: how much of the data an epoch is, in sequences and steps, and where this run is in it."""
+    if epoch["steps"] is None:  # instruction data: the examples a step takes are those that pack into it
+        return (f"{epoch['size']:,} training {epoch['unit']}, as many a step as pack into its sequences; this run starts at "
+                f"epoch {epoch['at_start']:.4g}")
+    left_out = epoch["left_out_tokens"]
+    steps = f"{epoch['steps']:,.2f}".rstrip("0").rstrip(".")  # 7.38, 41,234.5: never in exponent notation
+    return (f"{epoch['size']:,} training {epoch['unit']} = {steps} steps of train.global_batch={global_batch}, each "
+            "sequence read once an epoch, in an order of its own"
+            + (f" (the split's last {left_out:,} token{'s' * (left_out != 1)}, short of a sequence, "
+               f"{'is' if left_out == 1 else 'are'} never read)" if left_out else "")
+            + f"; this run trains from epoch {epoch['at_start']:.4g} to {epoch['at_end']:.4g}")
+
+
 def keep_hint(allocator: str) -> str:
     """How to keep freed step buffers with this malloc (the summary's note)."""
     if allocator == "jemalloc":  # preloaded by the user with its default settings
@@ -295,6 +312,8 @@ class Progress:
         shown = {"loss": f"{record['loss']:.4g}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
         if record.get("mfu") is not None:
             shown["mfu"] = f"{record['mfu']:.1%}"
+        if record.get("epoch") is not None:
+            shown["epoch"] = f"{record['epoch']:.2f}"
         if self.bar is not None:
             self.bar.set_postfix(shown, refresh=False)
             self.bar.update(step - self.bar.n)
@@ -363,9 +382,10 @@ class MetricsLog:
 
     def __init__(self, layout: Layout, run_dir: Path, initial_step: int, *, compile_s: float,
                  compile_cache: dict | None, data: str, enabled: bool, step_program: Callable[[], str] | None = None,
-                 microbatches_auto: str | None = None):
+                 microbatches_auto: str | None = None, epoch: Epoch | None = None, data_position: int = 0):
         """``step_program``: the compiled train step's HLO text, read when a profile is summarized; ``microbatches_auto``:
-        ``startup_summary``'s."""
+        ``startup_summary``'s; ``epoch``: the training split's (``data.epoch``), with which ``data_position`` (the
+        data read before ``initial_step``'s step) and each step's give the epochs read."""
         cfg = layout.cfg
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
         self.step_program, self.mesh_shape = step_program, dict(layout.mesh.shape)
@@ -382,11 +402,14 @@ class MetricsLog:
         self.skipped = 0
         self.overflows = 0  # float16: steps the loss scaler skipped since the run (re)started
         self.spikes = 0  # train.skip_spikes: updates skipped as spikes since the run (re)started
+        self.epoch, self.data_position = epoch, data_position
         self.file = self.tensorboard = self.wandb = self.mlflow = self.prometheus = self.progress = None
         self.peak, peak_source = resolve_peak(cfg, list(layout.mesh.devices.flat)) if enabled else (None, "")
         if enabled:
             try:
-                self._open(startup_summary(layout, compile_s, compile_cache, data, self.peak, peak_source, microbatches_auto), initial_step)
+                epoch_summary = epoch and epoch.summary(data_position, initial_step, cfg.train.steps, cfg.train.global_batch)
+                self._open(startup_summary(layout, compile_s, compile_cache, data, self.peak, peak_source, microbatches_auto,
+                                           epoch_summary), initial_step)
             except BaseException:
                 self.close()
                 raise
@@ -435,9 +458,11 @@ class MetricsLog:
                 jax.profiler.start_trace(str(self.run_dir))
             self.profiling = True
 
-    def after_step(self, step: int, metrics: dict, *, flush: bool = False) -> None:
+    def after_step(self, step: int, metrics: dict, *, flush: bool = False, data_position: int | None = None) -> None:
         """Queue the step's device metrics; fetch, check and write them when a record or checkpoint is due, or
-        ``flush`` (a preemption save follows)."""
+        ``flush`` (a preemption save follows). ``data_position``: the data read through this step's batch."""
+        if data_position is not None:
+            self.data_position = data_position
         layer_every = self.cfg.log.layer_every
         if not (layer_every and step % layer_every == 0):
             metrics = {k: v for k, v in metrics.items() if k not in PER_LAYER}
@@ -515,6 +540,8 @@ class MetricsLog:
             "mfu": None if self.peak is None else self.flops_per_token * tokens_per_s / (self.devices * self.peak),
             "data_wait_s": self.timers["data_wait_s"], "checkpoint_s": self.timers["checkpoint_s"],
         } | job_memory_gib() | {k: np.asarray(v).tolist() for k, v in metrics.items() if k.startswith("moe_")}
+        if self.epoch:
+            record |= {"epoch": self.epoch.of(self.data_position)}
         if "loss_scale" in metrics:
             record |= {"loss_scale": float(metrics["loss_scale"]), "overflow_steps": self.overflows}
         if "spike" in metrics:
