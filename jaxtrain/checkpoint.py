@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import grain.checkpoint
@@ -46,6 +47,12 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 # replica. Saving the tiny model's state on 8 CPU devices: first save 6.0 -> 0.3 s, later ones 0.45 -> 0.23 s
 # (2026-12-03, 2-core Intel Xeon VM).
 REPLICA_SLICE_MIN_BYTES = 1 << 20
+# The layout of what a checkpoint holds (state tree, data position, meta record), recorded in each one's meta. Raise it
+# with a change the jaxtrain before would misread or fail to read: that one then refuses such a checkpoint in one line
+# (``_check_format``), where a jaxtrain without the record took a later layout for damage, moved the run's checkpoints
+# aside and trained again from step 0. A checkpoint without the record is format 1 (its older layouts: ``_read``).
+CHECKPOINT_FORMAT = 1
+FORMAT_KEY = "checkpoint_format"
 
 
 class Preempted(Exception):
@@ -126,11 +133,39 @@ def _first_line(error: BaseException) -> str:
     return line if len(line) <= 300 else line[:300].rsplit(" ", 1)[0] + " ..."  # cut between words, and said to be
 
 
+def _flat_arrays(tree) -> dict:
+    """'params/layers/attn/q/kernel' -> its array (or shape and dtype), for a state tree or Orbax's metadata of one."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {"/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path): leaf
+            for path, leaf in leaves if hasattr(leaf, "shape")}
+
+
 def _flat_shapes(tree) -> dict[str, tuple]:
     """'params/layers/attn/q/kernel' -> shape, for a state tree or Orbax's metadata of one."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-    return {"/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path): tuple(leaf.shape)
-            for path, leaf in leaves if hasattr(leaf, "shape")}
+    return {name: tuple(leaf.shape) for name, leaf in _flat_arrays(tree).items()}
+
+
+# how a checkpoint's top-level items are named in messages
+_STATE_PARTS = {"params": "parameters", "opt_state": "optimizer state"}
+
+
+def _note_other_dtypes(saved_metadata, target, where: str) -> None:
+    """A note where the checkpoint holds arrays in another dtype than this run keeps them in, which Orbax casts as it
+    reads them: a checkpoint of an earlier jaxtrain (a LoRA run's adapters and the Adam moments of bfloat16 parameters
+    were bfloat16 until 2026-12-06) or of another model.param_dtype. The run goes on from the cast values, so not bit for
+    bit as the checkpoint's own run would have (a QA report: an upgraded jaxtrain resumed such a run without a word)."""
+    saved, wanted = _flat_arrays(saved_metadata), _flat_arrays(target)
+    cast: dict[tuple[str, str], list[str]] = {}
+    for name, array in wanted.items():
+        if name in saved and saved[name].dtype != array.dtype:
+            cast.setdefault((str(saved[name].dtype), str(array.dtype)), []).append(name)
+    for (then, now), names in cast.items():
+        parts = Counter(name.split("/", 1)[0] for name in names)
+        counted = " and ".join(f"{count} of the {_STATE_PARTS.get(part, part)}" for part, count in parts.items())
+        _say(f"jaxtrain: note: {where} holds {len(names)} arrays in {then} that this run keeps in {now} ({counted}, e.g. "
+             f"{names[0]}): they are read as {now}, so the run goes on from those values, not bit for bit as it would have "
+             f"(an earlier jaxtrain kept a LoRA run's adapters and the Adam moments of bfloat16 parameters in bfloat16, until "
+             f"2026-12-06; or the run had another model.param_dtype)")
 
 
 def check_same_shapes(saved_metadata, abstract_state, where: str) -> None:
@@ -295,6 +330,19 @@ def saved_meta(step_dir: Path) -> dict:
     return json.loads((step_dir / "meta" / "metadata").read_text())
 
 
+def _check_format(step_dir: Path, where: str) -> None:
+    """A checkpoint a later jaxtrain wrote in a layout this one does not read is one line, and left where it is: read,
+    it failed or was misread, and a run took it for damaged, moved every checkpoint aside and trained from step 0."""
+    try:
+        written = saved_meta(step_dir).get(FORMAT_KEY, 1)
+    except (OSError, ValueError, AttributeError):  # a damaged or missing meta item: the read falls back past it
+        return
+    if not isinstance(written, int) or written > CHECKPOINT_FORMAT:
+        raise UserError(f"{where} was written by a later jaxtrain (checkpoint format {written}; this one reads format "
+                        f"{CHECKPOINT_FORMAT} and earlier): use that jaxtrain, or a later one, for it; every checkpoint is left "
+                        "as it was")
+
+
 def saved_config(step_dir: Path) -> dict:
     """The config a checkpoint was written under (its ``meta`` item's, as ``to_dict`` gives it)."""
     return saved_meta(step_dir)["config"]
@@ -319,6 +367,7 @@ def _read(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterat
     with ``params_only``), after checking that its shapes are the model's (``where`` names it in that error). With
     ``data_format``, the data position is read only from a checkpoint written under that data.format (another's
     position cannot be taken, and a new run from it starts its data at the beginning)."""
+    _check_format(Path(manager.directory) / str(step), where)
     if data_format is not None and saved_data_format(Path(manager.directory) / str(step)) != data_format:
         data_iterator = None
     saved = manager.item_metadata(step)["state"]
@@ -336,9 +385,14 @@ def _read(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterat
     kept = _flat_shapes({"spikes": target.spikes}) == saved_window
     # the spike window is the guard's alone: switched on or off, or of another length, it starts again empty
     check_same_shapes({name: value for name, value in saved.items() if name != "spikes"}, target.replace(spikes=None), where)
-    restored = manager.restore(step, args=_restore_args(target if kept else target.replace(spikes=None), data_iterator,
-                                                        partial=not kept))
-    state = restored.state
+    read = target if kept else target.replace(spikes=None)
+    # a field the train state gained since the checkpoint's jaxtrain (spikes, 2026-12-05; None here): Orbax refuses a
+    # target with a node the saved tree lacks, and the run took every such checkpoint for damaged and began again
+    absent = [field.name for field in dataclasses.fields(read) if field.name not in saved]
+    item = {field.name: getattr(read, field.name) for field in dataclasses.fields(read) if field.name in saved} if absent else read
+    restored = manager.restore(step, args=_restore_args(item, data_iterator, partial=not kept))
+    _note_other_dtypes(saved, read, where)
+    state = read.replace(**restored.state) if absent else restored.state
     if unclipped:
         state = state.replace(opt_state=(abstract_state.opt_state[0], state.opt_state))
     if not kept and target.spikes is not None:
@@ -532,7 +586,7 @@ class RunCheckpoints:
         args = ocp.args.Composite(
             state=ocp.args.PyTreeSave(saved_part(state)),
             data=DataPositionSave(data_iterator),
-            meta=ocp.args.JsonSave(self.meta | {"step": step, "time": taken, "epoch": epoch}))
+            meta=ocp.args.JsonSave(self.meta | {"step": step, "time": taken, "epoch": epoch, FORMAT_KEY: CHECKPOINT_FORMAT}))
         try:
             started = self.manager.save(step, args=args, force=force)  # first waits for the previous save
         except Exception as e:  # noqa: BLE001 - a failed write (full disk, permissions) is the user's to fix
@@ -628,6 +682,7 @@ def check_resume_shapes(run_dir: Path, trained_shapes: dict) -> None:
         step = manager.latest_step()
         if step is None:
             return
+        _check_format(directory / str(step), f"checkpoint step {step} in {directory}")
         try:
             saved = manager.item_metadata(step)["state"]["params"]
         except Exception:  # noqa: BLE001 - an unreadable checkpoint: the restore reports and passes it

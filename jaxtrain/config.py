@@ -371,7 +371,9 @@ def load_run_config(run_dir: Path) -> Config:
     try:
         return from_dict(body)
     except UserError as e:
-        raise UserError(f"{path}: {e}") from None
+        # a typo by hand, or a key a later jaxtrain added, which the hint alone took for a misspelling of another
+        later = " (or a later jaxtrain's key: read this run with that jaxtrain)" if str(e).startswith("unknown config key") else ""
+        raise UserError(f"{path}: {e}{later}") from None
 
 
 def weights_on_device(cfg: Config) -> Config:

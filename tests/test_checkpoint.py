@@ -727,6 +727,79 @@ def test_clipping_switched_on_resume_and_an_unclipped_runs_older_checkpoint_rest
     assert jax.tree.structure(restored) == jax.tree.structure(clipped)
 
 
+def test_a_train_state_saved_before_its_spike_window_field_resumes_bit_for_bit(reference, trainer, tmp_path, capsys):
+    """A checkpoint of a jaxtrain from before the spike guard (2026-12-05), whose train state had no ``spikes`` field, so
+    its saved tree no such node: Orbax refused the tree, and the upgraded jaxtrain took each checkpoint for damaged, moved
+    them all aside and trained again from step 0 (a QA report). It resumes, and --init-from takes it, bit for bit."""
+    import flax.struct
+    import orbax.checkpoint as ocp
+
+    @flax.struct.dataclass
+    class TrainStateBeforeTheSpikeGuard:
+        step: jax.Array
+        params: dict
+        opt_state: object
+        loss_scale: object = None
+        frozen: object = None
+
+    ref_dir, cfg = reference
+    run_dir, step = tmp_path / "run", STEPS - 2
+    shutil.copytree(ref_dir, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / str(STEPS))
+    state = _state(ref_dir / "checkpoints" / str(step), cfg)[0]
+    older = ocp.CheckpointManager(tmp_path / "older", item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+    older.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(
+        TrainStateBeforeTheSpikeGuard(step=state.step, params=state.params, opt_state=state.opt_state))))
+    older.wait_until_finished()
+    older.close()
+    shutil.rmtree(run_dir / "checkpoints" / str(step) / "state")
+    shutil.copytree(tmp_path / "older" / str(step) / "state", run_dir / "checkpoints" / str(step) / "state")
+    shutil.copytree(run_dir, tmp_path / "as-written")
+    manager = checkpoint_lib._manager(run_dir / "checkpoints", None)
+    assert "spikes" not in manager.item_metadata(step)["state"] and "frozen" in manager.item_metadata(step)["state"]
+    manager.close()
+
+    capsys.readouterr()
+    train(cfg, run_dir, trainer)
+    assert f"jaxtrain: resuming from checkpoint step {step} " in capsys.readouterr().err
+    assert not (run_dir / checkpoint_lib.QUARANTINE_DIR).exists()
+    assert _losses(run_dir)[-2:] == _losses(ref_dir)[-2:]
+    train(cfg, tmp_path / "continued", trainer, init_from=tmp_path / "as-written")
+    assert _losses(tmp_path / "continued") == _losses(ref_dir)[-2:]
+
+
+def test_a_checkpoint_of_a_later_jaxtrain_is_refused_in_one_line_and_left_in_place(reference, trainer, tmp_path, capsys):
+    """Every checkpoint records its layout's format. One a later jaxtrain wrote in a layout this one does not read is one
+    line for the run's resume, --init-from, generate and export-hf, every file as it was (a QA report: a jaxtrain without
+    the record, given a later one's run, took each checkpoint for damaged, moved them all aside and stopped at config.yaml,
+    the run's work gone from where a resume looks)."""
+    from jaxtrain import cli
+
+    ref_dir, cfg = reference
+    assert checkpoint_lib.saved_meta(ref_dir / "checkpoints" / str(STEPS))[checkpoint_lib.FORMAT_KEY] == checkpoint_lib.CHECKPOINT_FORMAT
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir, run_dir)
+    meta = run_dir / "checkpoints" / str(STEPS) / "meta" / "metadata"
+    later = checkpoint_lib.CHECKPOINT_FORMAT + 1
+    meta.write_text(json.dumps(json.loads(meta.read_text()) | {checkpoint_lib.FORMAT_KEY: later}))
+    before = _files(run_dir)
+    refusal = (f"checkpoint step {STEPS} in {run_dir / 'checkpoints'} was written by a later jaxtrain (checkpoint format {later}; "
+               f"this one reads format {checkpoint_lib.CHECKPOINT_FORMAT} and earlier): use that jaxtrain, or a later one, for it; "
+               "every checkpoint is left as it was")
+    with pytest.raises(UserError) as refused:
+        train(with_(cfg, train={"steps": STEPS + 2}), run_dir, trainer)
+    assert str(refused.value) == refusal
+    with pytest.raises(UserError, match=rf"^--init-from {run_dir / 'checkpoints' / str(STEPS)} was written by a later jaxtrain "):
+        train(with_(cfg, train={"steps": STEPS + 2}), tmp_path / "new", trainer, init_from=run_dir)
+    for command in (["generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "2"],
+                    ["export-hf", str(run_dir), "--out", str(tmp_path / "exported")]):
+        capsys.readouterr()
+        assert cli.main(command) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxtrain: error")]
+        assert len(errors) == 1 and "was written by a later jaxtrain (checkpoint format" in errors[0], errors
+    assert _files(run_dir) == before and not (tmp_path / "new").exists() and not list(tmp_path.glob("exported*"))
+
+
 def test_checkpoints_command_lists_steps(reference):
     result = run_cli("checkpoints", str(reference[0]), cwd=REPO)
     assert result.returncode == 0, result.stderr

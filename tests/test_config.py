@@ -390,7 +390,8 @@ def test_a_runs_config_records_its_files_by_absolute_path(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("body, message", [
-    ("train: {stepz: 2}\n", "config.yaml: unknown config key 'train.stepz'; did you mean 'train.steps'?"),
+    ("train: {stepz: 2}\n", r"config.yaml: unknown config key 'train.stepz'; did you mean 'train.steps'\? \(or a later jaxtrain's key: "
+                           r"read this run with that jaxtrain\)$"),
     # where and what: it said only "while parsing a flow sequence" (a QA report)
     ("model: [1\n", r"is not valid YAML at line 2, column 1: expected ',' or '\]', but got '<stream end>' \(while parsing a flow "
                     r"sequence from line 1\)"),

@@ -310,9 +310,10 @@ def test_adam_keeps_float32_moments_for_bfloat16_parameters():
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["bfloat16 parameters", "LoRA on a bfloat16 base"])
-def test_a_bfloat16_run_saved_with_bfloat16_moments_resumes_with_them_widened(lora, corpus, tmp_path, monkeypatch):
+def test_a_bfloat16_run_saved_with_bfloat16_moments_resumes_with_them_widened(lora, corpus, tmp_path, monkeypatch, capsys):
     """A checkpoint of a bfloat16-parameter run written before the moments (and a LoRA run's adapters) were float32
-    (2026-12-06) reads back, each value widened exactly, and the run goes on."""
+    (2026-12-06) reads back, each value widened exactly, and the run goes on, with a note saying so (a QA report: the
+    upgraded jaxtrain resumed it without a word, and the steps after it were not those the old one would take)."""
     from jaxtrain import optim
     from jaxtrain.models import lora as adapters_lib
 
@@ -337,8 +338,16 @@ def test_a_bfloat16_run_saved_with_bfloat16_moments_resumes_with_them_widened(lo
     assert floats(widened.params) == {jnp.dtype(jnp.float32 if lora else jnp.bfloat16)}
     jax.tree.map(lambda w, s: np.testing.assert_array_equal(w, np.asarray(s).astype(w.dtype)),
                  (widened.params, widened.opt_state), (saved.params, saved.opt_state))
+    capsys.readouterr()
     final = train(longer, tmp_path / "run", trainer)
     assert int(final.step) == 3 and floats(final.opt_state) == {jnp.dtype(jnp.float32)}
+    moments = 2 * len(jax.tree.leaves(saved.params))  # Adam's mu and nu of each trained parameter
+    widened_arrays = moments + (len(jax.tree.leaves(saved.params)) if lora else 0)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "that this run keeps in float32" in line]
+    assert len(notes) == 1, notes
+    assert notes[0].startswith(f"jaxtrain: note: checkpoint step 2 in {tmp_path / 'run' / 'checkpoints'} holds {widened_arrays} "
+                               "arrays in bfloat16 that this run keeps in float32 (")
+    assert f"{moments} of the optimizer state" in notes[0] and ("of the parameters" in notes[0]) == lora
 
 
 def test_float16_non_finite_loss_is_not_an_overflow():
