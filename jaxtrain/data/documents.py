@@ -4,13 +4,14 @@ every machine has. No jax here: the tokenizer commands start without it."""
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 import os
 import sysconfig
 import zlib
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple, TypeVar
 
 from jaxtrain.errors import UserError
 
@@ -18,6 +19,8 @@ SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_
 JSONL_SUFFIX = ".jsonl"
 TOKEN_FILE_SUFFIXES = (".npy", ".bin")  # token ids (data/token_file.py), never text
 BATCH_BYTES = 4 << 20  # text per encoding batch: enough documents to keep every core busy, bounded memory
+T = TypeVar("T")
+UTF8_CHECK_BYTES = 16 << 20  # text checked for UTF-8 this much at a time (check_utf8)
 
 
 def is_byte_level(tokenizer: str | None, path: str | None) -> bool:
@@ -150,7 +153,16 @@ def utf8_of(text: str, where: str) -> bytes:
 
 
 def check_utf8(data: bytes, where: str) -> None:
-    """A UserError naming the first byte of ``data`` that is not UTF-8: the tokenizer would replace it silently."""
+    """A UserError naming the first byte of ``data`` that is not UTF-8: the tokenizer would replace it silently.
+    Checked UTF8_CHECK_BYTES at a time: decoded whole, a large file's text took its size again in memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        for start in range(0, len(data), UTF8_CHECK_BYTES):
+            decoder.decode(data[start:start + UTF8_CHECK_BYTES])
+        decoder.decode(b"", final=True)
+        return
+    except UnicodeDecodeError:
+        pass  # decoded whole below, which names the first bad byte's offset
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -207,12 +219,12 @@ def documents(files: Iterable[tuple[Path, Path]]) -> Iterator[Document]:
             yield Document(key, text, len(text))
 
 
-def batches(docs: Iterable[Document], max_bytes: int = BATCH_BYTES) -> Iterator[list[Document]]:
-    """Consecutive documents in groups of about ``max_bytes`` of text."""
+def batches(docs: Iterable[T], max_bytes: int = BATCH_BYTES, size_of: Callable[[T], int] = lambda doc: len(doc.text)) -> Iterator[list[T]]:
+    """Consecutive documents (or other pieces of text, ``size_of`` bytes each) in groups of about ``max_bytes`` of text."""
     batch, size = [], 0
     for doc in docs:
         batch.append(doc)
-        size += len(doc.text)
+        size += size_of(doc)
         if size >= max_bytes:
             yield batch
             batch, size = [], 0

@@ -56,9 +56,10 @@ def write_token_file(inputs: Iterable[str], tokenizer_path: str, out: str | Path
             tqdm(total=sum(path.stat().st_size for _, path in files), unit="B", unit_scale=True, desc="tokenize",
                  disable=None, file=sys.stderr) as progress:  # shown only on a terminal
         for batch in batches(source):
-            tokens = tokenizer.encode([doc.text for doc in batch])
-            f.write(tokens.data)  # already of the file's dtype
-            count, docs = count + len(tokens), docs + len(batch)
+            for tokens in tokenizer.encode_in_parts([doc.text for doc in batch]):  # a large file's too, part by part
+                f.write(tokens.data)  # already of the file's dtype
+                count += len(tokens)
+            docs += len(batch)
             progress.update(sum(doc.size for doc in batch))
         sidecar = {"format": SIDECAR_FORMAT, "dtype": dtype.name, "tokens": count, "documents": docs,
                    "vocab_size": tokenizer.vocab_size, "end_of_text": tokenizer.end_of_text,
