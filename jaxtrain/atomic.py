@@ -39,6 +39,32 @@ def _temporary(path: Path, what: str, make: Callable[..., T]) -> T:
 UNSYNCABLE = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 
 
+# a write the machine refused, not a mistake in jaxtrain: what each means, and what to do about it
+WRITE_FAILURES = {
+    errno.ENOSPC: ("the disk is full", "free space there or write elsewhere"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space there or write elsewhere"),
+    errno.EFBIG: ("the file would pass the file size limit (ulimit -f)", "raise the limit or write elsewhere"),
+    errno.EROFS: ("it is on a read-only file system", "write elsewhere"),
+    errno.EACCES: ("this user may not write there", "write elsewhere"),
+    errno.EIO: ("the device failed the write", "check the disk, or write elsewhere"),
+}
+
+
+@contextlib.contextmanager
+def failed_writes_reported(path: Path, what: str, left: str = "nothing of it is left behind",
+                           fix: str | None = None) -> Iterator[None]:
+    """For the block, a write the machine refuses (``WRITE_FAILURES``: a full disk, a quota, a read-only file system)
+    is one line naming ``what`` at ``path``, what the failure left on disk (``left``) and what to do (``fix``, else the
+    failure's own), instead of a traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in WRITE_FAILURES:
+            raise
+        why, usual_fix = WRITE_FAILURES[e.errno]
+        raise UserError(f"could not write {what} {path}: {why} ({os.strerror(e.errno)}); {left}; {fix or usual_fix}") from None
+
+
 def _sync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -95,18 +121,30 @@ def made_parents(path: Path, what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def removed_on_failure(path: Path) -> Iterator[None]:
+    """Remove ``path`` when the block fails: an output the block wrote whole that must not stay without the others."""
+    try:
+        yield
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
 def atomic_file(path: Path, what: str = "output file") -> Iterator[BinaryIO]:
     """A binary file object that becomes ``path`` (replacing any file there) when the block ends without error."""
     _check_parent(path, what)
     f = _temporary(path, what, lambda **where: tempfile.NamedTemporaryFile(delete=False, **where))
-    try:
-        with f:
-            yield f
-        os.chmod(f.name, 0o644)  # temporary files are created private
-        publish(Path(f.name), path)
-    except BaseException:
-        Path(f.name).unlink(missing_ok=True)
-        raise
+    kept = "the file there before is kept" if path.exists() else "nothing of it is left behind"
+    with failed_writes_reported(path, what, kept):
+        try:
+            with f:
+                yield f
+            os.chmod(f.name, 0o644)  # temporary files are created private
+            publish(Path(f.name), path)
+        except BaseException:
+            Path(f.name).unlink(missing_ok=True)
+            raise
 
 
 @contextlib.contextmanager
@@ -117,13 +155,14 @@ def atomic_dir(path: Path, what: str = "output directory") -> Iterator[Path]:
         raise UserError(f"{what} {path} already exists and is not an empty directory; choose a new path or remove it")
     _check_parent(path, what)
     temp = Path(_temporary(path, what, tempfile.mkdtemp))
-    try:
-        yield temp
-        temp.chmod(0o755)  # temporary directories are created private
-        publish(temp, path)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+    with failed_writes_reported(path, what):
+        try:
+            yield temp
+            temp.chmod(0o755)  # temporary directories are created private
+            publish(temp, path)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
 
 
 class Terminated(SystemExit):

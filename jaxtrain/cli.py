@@ -73,6 +73,8 @@ def check_output_path(flag: str, path: Path) -> None:
             if not part.is_dir():
                 raise UserError(f"{flag} {path}: {part} is a file, not a directory; give a path inside a directory")
             if not path.is_dir() and not os.access(part, os.W_OK | os.X_OK):
+                if os.statvfs(part).f_flag & os.ST_RDONLY:  # access(2) says EROFS, which "permission denied" hid
+                    raise UserError(f"{flag} {path}: {part} is on a read-only file system; give a path on a writable one")
                 raise UserError(f"{flag} {path}: this user cannot write in {part} (permission denied); "
                                 "give a path in a directory you can write")
             return

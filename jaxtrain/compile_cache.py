@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+try:  # jax's private cache module: where a later jax moves it, entries are written as jax writes them
+    from jax._src import lru_cache
+except ImportError:
+    lru_cache = None
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from jaxtrain.errors import UserError
@@ -74,6 +78,35 @@ def using(setting: bool | str) -> Iterator[Path | None]:
         yield folder
     finally:
         _configure(*previous)
+
+
+_put_in_place = getattr(getattr(lru_cache, "LRUCache", None), "put", None)
+
+
+def _put_whole(cache: lru_cache.LRUCache, key: str, value: bytes) -> None:
+    """jax's ``LRUCache.put``, the entry written under a temporary key and renamed when complete. jax writes it in place:
+    a process killed while writing one (preempted during its first compile's write) or a disk filling up left it cut
+    short, and every later run warned that it could not read it, compiled again and kept it, as jax never writes over
+    an entry. An entry is put only after a compile that did not read it back, so a damaged one is replaced too."""
+    temporary = f"{key}.{os.getpid()}.tmp"
+    # the entry, and its access time where jax evicts
+    written = [(cache.path / f"{temporary}{suffix}", cache.path / f"{key}{suffix}")
+               for suffix in (lru_cache._CACHE_SUFFIX, lru_cache._ATIME_SUFFIX)]
+    try:
+        _put_in_place(cache, temporary, value)
+    except BaseException:  # a full disk (jax warns): no cut-short temporary left either
+        for path, _ in written:
+            path.unlink(missing_ok=True)
+        raise
+    for path, final in written:
+        if path.exists():
+            path.replace(final)
+
+
+# jax's private module, as of 0.10 and 0.11 alike: where a later jax changes it, its own put stays (entries written in
+# place, as before), rather than jaxtrain failing to import
+if all(hasattr(lru_cache, name) for name in ("LRUCache", "_CACHE_SUFFIX", "_ATIME_SUFFIX")):
+    lru_cache.LRUCache.put = _put_whole
 
 
 def _configure(folder: str | None, enabled: bool) -> None:

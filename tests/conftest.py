@@ -115,6 +115,25 @@ def run_cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedPr
                           text=True, timeout=timeout)
 
 
+def fill_disk(prefix: str | Path) -> list[str]:
+    """Point every file this process holds open whose path starts with ``prefix`` at /dev/full, so each later write to
+    it fails with ENOSPC, as on a full disk (without mounting a small file system, which needs root). Returns their paths."""
+    full = os.open("/dev/full", os.O_WRONLY)
+    filled = []
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # closed since it was listed
+                continue
+            if target.startswith(str(prefix)):
+                os.dup2(full, int(fd))
+                filled.append(target)
+    finally:
+        os.close(full)
+    return filled
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE:  # the process that made the session's cache folder (not an xdist worker)
         shutil.rmtree(os.environ["JAXTRAIN_TEST_CACHE"], ignore_errors=True)

@@ -5,7 +5,9 @@ import os
 
 import pytest
 
+from conftest import fill_disk
 from jaxtrain.atomic import atomic_dir, atomic_file
+from jaxtrain.errors import UserError
 
 
 def test_a_failed_rewrite_leaves_the_previous_file_whole_and_nothing_beside_it(tmp_path):
@@ -15,7 +17,14 @@ def test_a_failed_rewrite_leaves_the_previous_file_whole_and_nothing_beside_it(t
     path.write_bytes(b"old\n")
     with pytest.raises(OSError), atomic_file(path, "metrics file") as f:
         f.write(b"half")
-        raise OSError(28, "No space left on device")
+        raise OSError(errno.EBADF, "Bad file descriptor")  # not a refusal of the disk's: as it was raised
+    assert path.read_bytes() == b"old\n" and os.listdir(tmp_path) == ["metrics.jsonl"]
+    with pytest.raises(UserError) as refused, atomic_file(path, "metrics file") as f:
+        f.write(b"half")
+        fill_disk(f"{tmp_path}/")  # a real full disk: the write below fails with ENOSPC
+        f.write(b"x" * 65536)
+    assert str(refused.value) == (f"could not write metrics file {path}: the disk is full (No space left on device); the file "
+                                  "there before is kept; free space there or write elsewhere")
     assert path.read_bytes() == b"old\n" and os.listdir(tmp_path) == ["metrics.jsonl"]
     with atomic_file(path, "metrics file") as f:
         f.write(b"new\n")

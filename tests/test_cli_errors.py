@@ -311,6 +311,18 @@ def test_a_run_dir_that_cannot_be_made(tmp_path, monkeypatch, capsys):
     assert not run_dir.exists()
 
 
+def test_an_output_on_a_read_only_file_system_says_so(tmp_path, monkeypatch, capsys):
+    """A QA report: an output under a read-only mount was "this user cannot write in DIR (permission denied)", which sends
+    the user to chmod. access(2) refuses such a directory with EROFS (here to root too: statvfs says read-only)."""
+    statvfs = os.statvfs
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
+    monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result(
+        (*statvfs(path)[:8], statvfs(path).f_flag | (os.ST_RDONLY if Path(path) == tmp_path else 0), statvfs(path).f_namemax)))
+    status = cli.main(["tokenize", str(tmp_path), "--tokenizer", str(tmp_path), "--out", str(tmp_path / "new" / "t.bin")])
+    assert _one_line_error(status, capsys.readouterr().err) == \
+        f"jaxtrain: error: --out {tmp_path / 'new' / 't.bin'}: {tmp_path} is on a read-only file system; give a path on a writable one"
+
+
 @pytest.mark.parametrize("text, problem", [
     ("{", "is not readable JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
     ("[8]", "must hold a JSON object, got list")])

@@ -83,3 +83,47 @@ def test_the_hlo_report_compiles_past_the_cache(tmp_path):
         with compile_cache.using(str(tmp_path)), compile_cache.counting() as counts[hlo_report]:
             plan_lib.compile_truth(layout, hlo_report=hlo_report)
     assert counts[False].lookups >= 1 and counts[True].lookups == 0
+
+
+def _compile_in(folder: Path):
+    """Compile a small function with the cache in ``folder`` (every program written: no minimum compile time); the
+    compile's cache count, and the folder's entries by size."""
+    import jax
+    import jax.numpy as jnp
+
+    minimum = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        with compile_cache.using(str(folder)), compile_cache.counting() as count:
+            jax.jit(lambda x: jnp.sin(x) @ x.T + 1)(jnp.ones((4, 4))).block_until_ready()
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", minimum)
+        jax.clear_caches()  # the next compile goes to the folder again
+    return count, {p.name: p.stat().st_size for p in folder.iterdir()}
+
+
+def test_a_cache_entry_cut_short_is_replaced_and_none_is_left_cut_short(tmp_path, monkeypatch):
+    """A QA report: jax writes an entry in place, so a process killed while writing one (preempted during its first
+    compile's write) or a full disk left it cut short; every later run warned that it could not read it and compiled
+    again, for good, as jax never writes over an entry. Now it is written under a temporary name and renamed, and the
+    compile after a damaged entry replaces it."""
+    import os
+    import warnings
+
+    folder = tmp_path / "cache"
+    _, whole = _compile_in(folder)
+    for name, size in whole.items():
+        os.truncate(folder / name, size // 2)
+    with warnings.catch_warnings(record=True):  # jax's warning for each entry it cannot read
+        missed, repaired = _compile_in(folder)
+    assert missed.lookups >= 1 and missed.hits == 0 and repaired.keys() == whole.keys()  # written over, not beside
+    read_back, _ = _compile_in(folder)
+    assert read_back.hits == read_back.lookups >= 1
+
+    def cut_short(cache, key, value):  # the disk fills up half-way through the entry
+        (cache.path / f"{key}-cache").write_bytes(value[: len(value) // 2])
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(compile_cache, "_put_in_place", cut_short)
+    with warnings.catch_warnings(record=True):  # jax's warning for the failed write
+        _compile_in(tmp_path / "full")
+    assert list((tmp_path / "full").iterdir()) == []

@@ -410,12 +410,13 @@ SAVE_ON_A_FULL_DISK = """
 import resource, signal, sys
 from pathlib import Path
 from jaxtrain import config as config_lib
+from jaxtrain.errors import UserError
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as one on a full disk with ENOSPC
 resource.setrlimit(resource.RLIMIT_FSIZE, (37, resource.RLIM_INFINITY))  # the file cut after 'model: ... d_model: 2'
 try:
     config_lib.save_yaml(config_lib.apply_overrides(config_lib.Config(), ["train.steps=9"]), Path(sys.argv[1]))
-except OSError as e:
-    failed = e.strerror
+except UserError as e:  # one line, not OSError's traceback
+    failed = str(e)
 resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 print(failed)
 """
@@ -427,7 +428,9 @@ def test_a_run_config_that_fails_to_save_leaves_the_one_before(tmp_path):
     config_lib.save_yaml(apply_overrides(Config(), ["train.steps=7"]), tmp_path / "config.yaml")
     done = subprocess.run([sys.executable, "-c", SAVE_ON_A_FULL_DISK, str(tmp_path / "config.yaml")], cwd=REPO,
                           env=subprocess_env(), capture_output=True, text=True, timeout=60)
-    assert done.stdout.strip() == "File too large", done.stderr[-2000:]
+    assert done.stdout.strip() == (f"could not write run config {tmp_path / 'config.yaml'}: the file would pass the file size "
+                                   "limit (ulimit -f) (File too large); the file there before is kept; raise the limit or "
+                                   "write elsewhere"), done.stderr[-2000:]
     saved = config_lib.load_run_config(tmp_path)
     assert (saved.train.steps, saved.model.d_model) == (7, Config().model.d_model)
     assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # no temporary file left

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -531,8 +532,10 @@ def test_an_export_that_fails_leaves_no_directory(hf_models, tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(hf_export, "_write_metadata", disk_full)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(hf_config.UserError) as failed:  # until 2026-12-06 the OSError's traceback
         hf_export.write_model(params, cfg, tmp_path / "out", "float32", source_dir=hf_dir)
+    assert str(failed.value) == (f"could not write model directory {tmp_path / 'out'}: the disk is full (No space left on device); "
+                                 f"{tmp_path / 'out.partial'} is removed; free space there or write elsewhere")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -552,6 +555,23 @@ def test_an_export_directory_that_cannot_be_made_is_one_line(tmp_path, monkeypat
         with pytest.raises(hf_config.UserError, match=re.escape(f"--out {out}: cannot make the directory {out}.partial (Disk quota")):
             export()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+def test_an_adapter_export_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path):
+    """A QA report: `export-hf --adapter-only` onto a full disk was a traceback of the safetensors library's own
+    SafetensorError; now one line, OUT.partial removed. A file size limit of 0 bytes stands in for the full disk (Python
+    ignores SIGXFSZ, so the write fails with EFBIG), in this process only while the adapter is written."""
+    out = tmp_path / "adapter"
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, limits[1]))
+    try:
+        with pytest.raises(hf_config.UserError) as failed:
+            peft_io.write_adapter({}, small_config().model, out, None, {})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(failed.value) == (f"could not write adapter directory {out}: the file would pass the file size limit (ulimit -f) "
+                                 f"(File too large); {out}.partial is removed; raise the limit or write elsewhere")
+    assert list(tmp_path.iterdir()) == []
+
 
 def test_a_sigterm_during_export_leaves_no_directory(tmp_path, monkeypatch):
     """A SIGTERM (a scheduler's time limit) after the weights are written: status 143 through the export's cleanup, and

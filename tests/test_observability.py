@@ -3,6 +3,7 @@
 
 import asyncio
 import dataclasses
+import gc
 import io
 import json
 import math
@@ -23,7 +24,7 @@ import pytest
 from jax.experimental import io_callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, run_cli, small_config, subprocess_env, with_
+from conftest import REPO, fill_disk, run_cli, small_config, subprocess_env, with_
 from jaxtrain.observe import exporters
 from jaxtrain.observe import metrics as metrics_lib
 from jaxtrain.observe import step_profile
@@ -458,6 +459,29 @@ def _poison(monkeypatch, bad_steps, vocab_size, on_step=None):
 
 def _sigterm():
     os.kill(os.getpid(), signal.SIGTERM)  # the run's preemption watch owns SIGTERM while it trains
+
+
+@pytest.mark.parametrize("written", ["metrics.jsonl", "events.out.tfevents"])
+def test_a_disk_full_under_the_records_stops_the_run_in_one_line_and_it_resumes(written, trainer, tmp_path, monkeypatch):
+    """A QA report: the disk filling up under metrics.jsonl or the TensorBoard events was a traceback, then tensorboardX's
+    retries of its flush at close and at exit (98 lines, status 1). Now one line naming the file, the checkpoints kept,
+    and the same command, with room again, resumes: each step's record once."""
+    run_dir = tmp_path / "run"
+    _poison(monkeypatch, set(), trainer.cfg.model.vocab_size, on_step={5: lambda: fill_disk(run_dir / written)})
+    with pytest.raises(UserError) as stopped:
+        train_lib.train(trainer.cfg, run_dir, trainer)
+    where = run_dir / "metrics.jsonl" if written == "metrics.jsonl" else run_dir
+    assert str(stopped.value).startswith(f"could not write {'a metrics record' if written == 'metrics.jsonl' else 'TensorBoard events'} "
+                                         f"to {where}: the disk is full (No space left on device); the run stops, its committed "
+                                         "checkpoints intact")
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [2, 4]
+    # no TensorBoard writer left open, whose flush tensorboardX's exit handler would try again: a traceback at exit
+    from tensorboardX.event_file_writer import EventFileWriter  # here: the run imported tensorboardX without torch
+
+    assert not [w for w in gc.get_objects() if isinstance(w, EventFileWriter) and w.get_logdir() == str(run_dir) and not w._closed]
+    monkeypatch.undo()
+    train_lib.train(trainer.cfg, run_dir, trainer)
+    assert [r["step"] for r in _records(run_dir) if "loss" in r] == [2, 4, 6]
 
 
 def test_nonfinite_stops_before_saving_and_last_checkpoint_restores(trainer, tmp_path, monkeypatch):
@@ -1255,6 +1279,7 @@ def test_an_image_path_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Figure, "savefig", full_disk)
-    with pytest.raises(UserError, match=r"^cannot write .*plan\.png: No space left on device; give another path"):
+    with pytest.raises(UserError, match=r"^could not write image .*plan\.png: the disk is full \(No space left on device\); "
+                       "nothing of it is left behind; free space there or write elsewhere$"):
         save_figure(plt.figure(), tmp_path / "plan.png")
     assert [p.name for p in tmp_path.iterdir()] == ["taken.png"]

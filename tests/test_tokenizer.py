@@ -6,6 +6,7 @@ import io
 import json
 import multiprocessing
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,8 @@ import numpy as np
 import pytest
 from conftest import subprocess_env
 
-from jaxtrain import cli
+from conftest import REPO, fill_disk, subprocess_env
+from jaxtrain import atomic, cli
 from jaxtrain.config import DataConfig
 from jaxtrain.data import hf_tokenizer_files, load_corpus, load_tokenizer, stdlib_files
 from jaxtrain.data.token_file import sidecar_path, tokenizer_of
@@ -597,17 +599,16 @@ def test_a_tokenizer_trainer_killed_from_outside_is_one_line(slow_documents, tmp
 
 
 def test_a_failure_inside_the_tokenizer_trainers_process_is_one_line(tmp_path):
-    """The trainer's process failing to save (here its directory is gone, as a full disk fails it) is one line naming
-    the library's error; it was a RuntimeError holding the child's whole traceback."""
+    """The library failing in the trainer's process (here a vocabulary size it cannot take, which the commands check
+    before) is one line naming its error; it was a RuntimeError holding the child's whole traceback. (The files are
+    written by this process: a full disk is atomic_dir's one line.)"""
     from jaxtrain.data.tokenizer import _train_in_child
 
-    gone = tmp_path / "removed" / "tok"
     with pytest.raises(UserError) as failed:
-        _train_in_child(iter(["some text to train on\n"] * 10), 300, gone)
+        _train_in_child(iter(["some text to train on\n"] * 10), -1)
     message = str(failed.value)
-    assert "\n" not in message and message.startswith("training the tokenizer failed in its process: Exception: ")
-    assert "No such file or directory" in message and f"the disk holding {gone.parent} is full" in message, message
-    assert not multiprocessing.active_children() and list(tmp_path.iterdir()) == []
+    assert message == "training the tokenizer failed in its process: OverflowError: can't convert negative int to unsigned"
+    assert not multiprocessing.active_children()
 
 
 def test_sigterm_during_tokenize_exits_143_and_leaves_nothing(trained, texts, tmp_path, monkeypatch, capsys, sigterm_outside):
@@ -622,6 +623,54 @@ def test_sigterm_during_tokenize_exits_143_and_leaves_nothing(trained, texts, tm
     assert signal.getsignal(signal.SIGTERM) is sigterm_outside
     assert stopped.value.code == 143 and capsys.readouterr().err.strip() == "jaxtrain: terminated"
     assert list(tmp_path.iterdir()) == []  # neither the temporary file nor the directory made for it
+
+
+def test_tokenize_onto_a_full_disk_is_one_line_and_leaves_nothing(trained, texts, tmp_path, monkeypatch, capsys):
+    """A QA report: a disk filling up under tokenize was a traceback (exit status 1); now one line naming the file and the
+    full disk, status 2, and neither the temporary file nor the directory made for it left."""
+    encode = TextTokenizer.encode
+
+    def encode_onto_a_full_disk(self, documents):
+        assert fill_disk(f"{tmp_path}/")  # the temporary token file, open: its next write fails with ENOSPC
+        return encode(self, documents)
+    monkeypatch.setattr(TextTokenizer, "encode", encode_onto_a_full_disk)
+    out = tmp_path / "new" / "t.bin"
+    status, err = jaxtrain(capsys, "tokenize", str(texts), "--tokenizer", str(trained), "--out", str(out))
+    assert status == 2 and err == [f"jaxtrain: error: could not write token file {out}: the disk is full (No space left on "
+                                   "device); nothing of it is left behind; free space there or write elsewhere"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_tokenizer_onto_a_full_disk_is_one_line_and_leaves_nothing(texts, tmp_path):
+    """A QA report: the trainer's process saved tokenizer.json with the library's own save, whose full-disk error came
+    back as its traceback inside a RuntimeError's. Now this process writes it: one line, nothing left. A file size limit
+    stands in for the full disk (Python ignores SIGXFSZ, so the write fails with EFBIG), set in the command's process."""
+    limit = 4096  # tokenizer_config.json fits, tokenizer.json does not
+    out = tmp_path / "tok"
+    done = subprocess.run([sys.executable, "-m", "jaxtrain.cli", "train-tokenizer", str(texts), "--vocab-size", "300", "--out", str(out)],
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY)))
+    assert (done.returncode, done.stderr.splitlines()) == (2, [
+        f"jaxtrain: error: could not write tokenizer directory {out}: the file would pass the file size limit (ulimit -f) "
+        "(File too large); nothing of it is left behind; raise the limit or write elsewhere"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_token_file_whose_rename_fails_takes_its_sidecar_with_it(trained, texts, tmp_path, monkeypatch, capsys):
+    """The sidecar is renamed into place first; where the token file's own sync and rename then fail (ext4 reports a
+    full disk at fsync), the sidecar stayed alone, and every later tokenize to that path was refused for it."""
+    publish, out = atomic.publish, tmp_path / "new" / "t.bin"
+
+    def full_at_the_token_file(temp, path):
+        if path == out:
+            assert sidecar_path(out).is_file()  # the sidecar is in place by now
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        publish(temp, path)
+    monkeypatch.setattr(atomic, "publish", full_at_the_token_file)
+    status, err = jaxtrain(capsys, "tokenize", str(texts), "--tokenizer", str(trained), "--out", str(out))
+    assert status == 2 and err == [f"jaxtrain: error: could not write token file {out}: the disk is full (No space left on "
+                                   "device); nothing of it is left behind; free space there or write elsewhere"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_tokenizer_unlike_a_trained_one_gives_each_document_then_end_of_text(tmp_path, capsys):

@@ -17,7 +17,7 @@ from typing import Iterable
 import numpy as np
 from tqdm import tqdm
 
-from jaxtrain.atomic import atomic_file, made_parents, sigterm_cleans_up
+from jaxtrain.atomic import atomic_file, made_parents, removed_on_failure, sigterm_cleans_up
 from jaxtrain.data.documents import TOKEN_FILE_SUFFIXES, batches, input_documents
 from jaxtrain.data.tokenizer import TextTokenizer, load_tokenizer, token_dtype
 from jaxtrain.errors import UserError
@@ -51,8 +51,10 @@ def write_token_file(inputs: Iterable[str], tokenizer_path: str, out: str | Path
     files, source = input_documents(inputs)
     dtype = token_dtype(tokenizer.vocab_size)
     count = docs = 0
-    # missing directories are made, as plot --out does, and removed again if a later input fails
-    with sigterm_cleans_up(), made_parents(out, "token file"), atomic_file(out, "token file") as f, \
+    # missing directories are made, as plot --out does, and removed again if a later input fails; the sidecar, renamed
+    # first, goes too where the token file's own rename fails after it
+    with sigterm_cleans_up(), made_parents(out, "token file"), removed_on_failure(sidecar_path(out)), \
+            atomic_file(out, "token file") as f, \
             tqdm(total=sum(path.stat().st_size for _, path in files), unit="B", unit_scale=True, desc="tokenize",
                  disable=None, file=sys.stderr) as progress:  # shown only on a terminal
         for batch in batches(source):

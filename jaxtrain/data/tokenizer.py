@@ -228,7 +228,10 @@ def train_tokenizer(inputs: Iterable[str], vocab_size: int, out: str | Path) -> 
                         "vocabularies models use (about 256k); the trainer allocates memory for every token asked for")
     _, docs = input_documents(inputs)
     with sigterm_cleans_up(), atomic_dir(Path(out), "tokenizer directory") as temp:
-        _train_in_child(map(_checked_text, docs), vocab_size, temp)
+        # written here, not in the trainer's process: a full disk is then this process's OSError, one line (the library's
+        # save raised its own error in the child, a traceback)
+        (temp / TOKENIZER_FILE).write_text(_train_in_child(map(_checked_text, docs), vocab_size), encoding="utf-8")
+        (temp / CONFIG_FILE).write_bytes(_hf_config(END_OF_TEXT))
     return load_tokenizer(out)
 
 
@@ -246,14 +249,14 @@ def _checked_text(doc: Document) -> str:
     return text
 
 
-def _train_in_child(texts: Iterator[str], vocab_size: int, directory: Path) -> None:
-    """Train on ``texts`` (read and checked here, sent on in batches) in a child process that saves the tokenizer into
-    ``directory``, and which a signal to this process kills at once: the Rust trainer never looks at signals, so
+def _train_in_child(texts: Iterator[str], vocab_size: int) -> str:
+    """Train on ``texts`` (read and checked here, sent on in batches) in a child process that sends back the tokenizer's
+    JSON, and which a signal to this process kills at once: the Rust trainer never looks at signals, so
     Ctrl-C waited for it to finish (minutes to hours on long pre-tokens), and a thread left running it now and then
     aborted the interpreter's exit ("FATAL: exception not rethrown", 1 Ctrl-C in 16)."""
     context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks (jax's, where loaded)
     connection, child_end = context.Pipe()
-    child = context.Process(target=_train_bpe, args=(child_end, vocab_size, str(directory)), name="train-tokenizer", daemon=True)
+    child = context.Process(target=_train_bpe, args=(child_end, vocab_size), name="train-tokenizer", daemon=True)
     try:
         # blocked in the child for good (the mask is inherited): a Ctrl-C reaches the whole process group, and this
         # process, not the child, answers it (one line, its cleanup) and kills the child
@@ -272,7 +275,7 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, directory: Path) -> N
                 batch, size = [], 0
         connection.send(batch)
         connection.send(None)
-        failure = connection.recv()
+        failure, trained = connection.recv()
     except (EOFError, BrokenPipeError, ConnectionResetError):  # it died: killed by the kernel (out of memory) or by another process
         child.join()
         raise UserError(f"the tokenizer trainer's process died (exit status {child.exitcode}); if it ran out of memory, give "
@@ -288,14 +291,13 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, directory: Path) -> N
         if child.pid is not None:
             child.join()
     if failure is not None:
-        raise UserError(f"training the tokenizer failed in its process: {failure}; if the disk holding {directory.parent} is "
-                        "full or not writable, free space or give another --out")
+        raise UserError(f"training the tokenizer failed in its process: {failure}")
+    return trained
 
 
-def _train_bpe(connection: Connection, vocab_size: int, directory: str) -> None:
-    """The child process of ``_train_in_child``: train on the texts it is sent (a None after the last batch), save,
-    and send back None or the failure as one line, which the parent raises as a UserError: what fails here (the save
-    into a full disk) is the user's to fix."""
+def _train_bpe(connection: Connection, vocab_size: int) -> None:
+    """The child process of ``_train_in_child``: train on the texts it is sent (a None after the last batch) and send
+    back (None, the tokenizer's JSON) or (the failure as one line, None), which the parent raises as a UserError."""
 
     def texts() -> Iterator[str]:
         while (batch := connection.recv()) is not None:
@@ -309,9 +311,7 @@ def _train_bpe(connection: Connection, vocab_size: int, directory: str) -> None:
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=sys.stderr.isatty())
         bpe.train_from_iterator(texts(), trainer)
-        bpe.save(str(Path(directory) / TOKENIZER_FILE))
-        (Path(directory) / CONFIG_FILE).write_bytes(_hf_config(END_OF_TEXT))
-        failure = None
-    except BaseException as e:  # the signals are blocked here: an error of the library's or the disk's
-        failure = " ".join(f"{type(e).__name__}: {e}".split())
-    connection.send(failure)
+        result = None, bpe.to_str(pretty=True)  # as Tokenizer.save writes it
+    except BaseException as e:  # the signals are blocked here: an error of the library's
+        result = " ".join(f"{type(e).__name__}: {e}".split()), None
+    connection.send(result)

@@ -165,23 +165,25 @@ def write_model(params: dict, cfg: Config, out: Path, dtype: str, source_dir: Pa
     if is_main:
         atomic.fresh_dir(partial, f"--out {out}")
     gather = Gatherer(params, dtype)
-    try:
-        for name, shard in zip(names, shards):
-            writer = ShardWriter(partial / name, shard, dtype) if is_main else None
-            for t in shard:
-                layer = gather(t)  # every process takes part in the gather
+    # a full disk is one line, OUT.partial removed
+    with atomic.failed_writes_reported(out, "model directory", f"{partial} is removed"):
+        try:
+            for name, shard in zip(names, shards):
+                writer = ShardWriter(partial / name, shard, dtype) if is_main else None
+                for t in shard:
+                    layer = gather(t)  # every process takes part in the gather
+                    if writer:
+                        writer.write(t.tm.hf_order(layer))
+                    del layer
                 if writer:
-                    writer.write(t.tm.hf_order(layer))
-                del layer
-            if writer:
-                writer.close()
-        if is_main:
-            _write_metadata(partial, cfg, dtype.name, shards, names, source_dir, tokenizer)
-            atomic.publish(partial, out)
-    except BaseException:
-        if is_main:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise
+                    writer.close()
+            if is_main:
+                _write_metadata(partial, cfg, dtype.name, shards, names, source_dir, tokenizer)
+                atomic.publish(partial, out)
+        except BaseException:
+            if is_main:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("jaxtrain export-hf written")
     return names

@@ -53,10 +53,14 @@ def load_params(hf_dir: Path, model_cfg: LlamaConfig, abstract_params: dict) -> 
 def keep_source_files(hf_dir: Path, run_dir: Path) -> None:
     """Copy the source model's config and tokenizer files into RUN_DIR/hf/ (written whole, then renamed)."""
     target, partial = run_dir / RUN_SUBDIR, run_dir / f"{RUN_SUBDIR}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    for name in KEPT_FILES:
-        if (hf_dir / name).is_file():
-            shutil.copy2(hf_dir / name, partial / name)
-    shutil.rmtree(target, ignore_errors=True)
-    atomic.publish(partial, target)
+    atomic.fresh_dir(partial, f"--run-dir {run_dir}")
+    with atomic.failed_writes_reported(target, "the source model's files", f"{partial} is removed"):
+        try:
+            for name in KEPT_FILES:
+                if (hf_dir / name).is_file():
+                    shutil.copy2(hf_dir / name, partial / name)
+            shutil.rmtree(target, ignore_errors=True)
+            atomic.publish(partial, target)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save
 
 from jaxtrain import atomic
 from jaxtrain.errors import UserError
@@ -233,14 +233,18 @@ def write_adapter(adapters: dict, model_cfg: LlamaConfig, out: Path, base_path: 
     """Write the adapter directory ``out`` whole (a temporary directory renamed when complete), tensors in ``dtype``."""
     partial = out.with_name(f"{out.name}.partial")
     atomic.fresh_dir(partial, f"--out {out}")
-    try:
-        save_file({name: x.astype(np.dtype(dtype)) for name, x in to_peft(adapters, model_cfg).items()}, str(partial / WEIGHTS_FILE))
-        (partial / CONFIG_FILE).write_text(json.dumps(adapter_config(model_cfg, base_path), indent=2) + "\n")
-        (partial / JAXTRAIN_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        atomic.publish(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+    with atomic.failed_writes_reported(out, "adapter directory", f"{partial} is removed"):
+        try:
+            # serialized here and written by Python, whose OSError names a full disk (the library's save_file raised its own
+            # SafetensorError for it, a traceback); adapters are small
+            tensors = {name: x.astype(np.dtype(dtype)) for name, x in to_peft(adapters, model_cfg).items()}
+            (partial / WEIGHTS_FILE).write_bytes(save(tensors))
+            (partial / CONFIG_FILE).write_text(json.dumps(adapter_config(model_cfg, base_path), indent=2) + "\n")
+            (partial / JAXTRAIN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+            atomic.publish(partial, out)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
 
 
 def unsupported_options(config: dict) -> list[str]:

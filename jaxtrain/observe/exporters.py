@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from jaxtrain import config as config_lib
+from jaxtrain.atomic import atomic_file
 from jaxtrain.config import Config
 from jaxtrain.distributed import bind_error_reason, port_problem
 from jaxtrain.errors import UserError
@@ -38,7 +39,8 @@ def start_wandb(cfg: Config, run_dir: Path):
     run = wandb.init(project=cfg.log.wandb, name=run_dir.name, dir=str(run_dir), config=config_lib.to_dict(cfg), id=run_id,
                      resume="allow")
     if not id_file.is_file():
-        id_file.write_text(run_id + "\n")
+        with atomic_file(id_file, "W&B run id") as f:  # whole or not at all: an empty one, read back, began another W&B run
+            f.write(f"{run_id}\n".encode())
     return run
 
 
@@ -66,7 +68,8 @@ class MlflowRun:
             found = self.client.get_experiment_by_name(cfg.log.mlflow)
             experiment = found.experiment_id if found else self.client.create_experiment(cfg.log.mlflow)
             self.run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
-            id_file.write_text(self.run_id + "\n")
+            with atomic_file(id_file, "MLflow run id") as f:  # whole or not at all, as W&B's
+                f.write(f"{self.run_id}\n".encode())
             # MLflow refuses to change a param, so a resumed run keeps the ones it started with
             params = [Param(key, str(value)) for key, value in config_lib.flatten(config_lib.to_dict(cfg)).items()]
             for start in range(0, len(params), MLFLOW_PARAMS_PER_BATCH):

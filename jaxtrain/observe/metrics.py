@@ -30,7 +30,7 @@ import tqdm
 from jax.experimental import multihost_utils
 
 from jaxtrain import config as config_lib
-from jaxtrain.atomic import atomic_file
+from jaxtrain.atomic import WRITE_FAILURES, atomic_file, failed_writes_reported
 from jaxtrain.compile_cache import describe as describe_cache
 from jaxtrain.config import Config
 from jaxtrain.data.batches import Epoch
@@ -95,6 +95,22 @@ def resolve_peak(cfg: Config, devices: list) -> tuple[float | None, str]:
         local = tuple(d for d in devices if d.process_index == jax.process_index())
         return _measured_cpu_peak(local, cfg.model.dtype), f"measured {cfg.model.dtype} matmul on {len(local)} CPU devices"
     return None, f"unknown for {kind}; set log.peak_tflops"
+
+
+# a record the disk refuses (full) stops the run: its checkpoints stay, and a re-run resumes from the newest
+RECORD_LEFT, RECORD_FIX = ("the run stops, its committed checkpoints intact (a record cut short is dropped on resume)",
+                           "free space there and run the same command again to resume")
+
+
+def _abandon_tensorboard(writer) -> None:
+    """Let go of a TensorBoard writer whose file the disk refuses: tensorboardX's close, and its exit handler after it,
+    flush the events it holds again, each failure one more traceback (at exit, after the run's one line). It offers no
+    close without that flush, so this reaches into its EventFileWriter: its thread stopped, then marked closed."""
+    for file_writer in writer.all_writers.values():
+        events = file_writer.event_writer
+        if not events._closed:
+            events._worker.stop()
+            events._closed = True
 
 
 def tensorboard_writer_class() -> type:
@@ -404,6 +420,7 @@ class MetricsLog:
         self.spikes = 0  # train.skip_spikes: updates skipped as spikes since the run (re)started
         self.epoch, self.data_position = epoch, data_position
         self.file = self.tensorboard = self.wandb = self.mlflow = self.prometheus = self.progress = None
+        self.write_failed = False  # a record the disk refused, reported: closing drops what it could not write
         self.peak, peak_source = resolve_peak(cfg, list(layout.mesh.devices.flat)) if enabled else (None, "")
         if enabled:
             try:
@@ -561,16 +578,22 @@ class MetricsLog:
         if "eval_loss" in record and record["step"] in self.evaluated:  # a resume's evaluation of a step already recorded
             return
         record = {k: _finite_or_none(v) for k, v in record.items()}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
         step = record["step"]
         scalars = {} if is_skip_record(record) else {TAGS[k]: v for k, v in record.items() if k in TAGS and v is not None}
         for key in PER_LAYER_TAGS:
             scalars |= {f"{key}/layer_{i:03d}": v for i, v in enumerate(record.get(key, ())) if v is not None}
-        if self.tensorboard:
-            for tag, value in scalars.items():
-                self.tensorboard.add_scalar(tag, value, step)
-            self.tensorboard.flush()
+        try:
+            with failed_writes_reported(self.run_dir / "metrics.jsonl", "a metrics record to", RECORD_LEFT, RECORD_FIX):
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+            if self.tensorboard:
+                with failed_writes_reported(self.run_dir, "TensorBoard events to", RECORD_LEFT, RECORD_FIX):
+                    for tag, value in scalars.items():
+                        self.tensorboard.add_scalar(tag, value, step)
+                    self.tensorboard.flush()
+        except UserError:
+            self.write_failed = True
+            raise
         if self.wandb:
             self.wandb.log(scalars, step=step)
         if self.mlflow:
@@ -618,17 +641,27 @@ class MetricsLog:
         else:
             print(line, file=sys.stderr, flush=True)
 
+    def _close_file(self, close: Callable[[], None], abandon: Callable[[], None] = lambda: None) -> None:
+        """``close()`` flushes what the disk refused once more: after the failure was reported (``write_failed``) that is
+        dropped, without a second error in place of the first."""
+        try:
+            close()
+        except OSError as e:
+            abandon()
+            if not (self.write_failed and e.errno in WRITE_FAILURES):
+                raise
+
     def close(self, mlflow_status: str = "FINISHED") -> None:
         if self.profiling:
             jax.profiler.stop_trace()
         if self.progress:
             self.progress.close()
         if self.tensorboard:
-            self.tensorboard.close()
+            self._close_file(self.tensorboard.close, lambda: _abandon_tensorboard(self.tensorboard))
         if self.wandb:
             self.wandb.finish()
         if self.file:
-            self.file.close()
+            self._close_file(self.file.close)
         if self.prometheus:
             self.prometheus.close()
         if self.mlflow:
