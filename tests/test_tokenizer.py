@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import subprocess_env
 
 from conftest import REPO, fill_disk, subprocess_env
 from jaxtrain import atomic, cli
