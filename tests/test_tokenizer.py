@@ -627,12 +627,12 @@ def test_sigterm_during_tokenize_exits_143_and_leaves_nothing(trained, texts, tm
 def test_tokenize_onto_a_full_disk_is_one_line_and_leaves_nothing(trained, texts, tmp_path, monkeypatch, capsys):
     """A QA report: a disk filling up under tokenize was a traceback (exit status 1); now one line naming the file and the
     full disk, status 2, and neither the temporary file nor the directory made for it left."""
-    encode = TextTokenizer.encode
+    encode_in_parts = TextTokenizer.encode_in_parts
 
     def encode_onto_a_full_disk(self, documents):
         assert fill_disk(f"{tmp_path}/")  # the temporary token file, open: its next write fails with ENOSPC
-        return encode(self, documents)
-    monkeypatch.setattr(TextTokenizer, "encode", encode_onto_a_full_disk)
+        yield from encode_in_parts(self, documents)
+    monkeypatch.setattr(TextTokenizer, "encode_in_parts", encode_onto_a_full_disk)
     out = tmp_path / "new" / "t.bin"
     status, err = jaxtrain(capsys, "tokenize", str(texts), "--tokenizer", str(trained), "--out", str(out))
     assert status == 2 and err == [f"jaxtrain: error: could not write token file {out}: the disk is full (No space left on "
