@@ -582,8 +582,8 @@ def resolve_for_devices(cfg: Config, nvidia_gpu: bool, cpu: bool = False, pipeli
     GPU), chunked causal attention on CPUs (XLA:CPU has no fused kernel: jaxtrain/models/attention.py), XLA elsewhere.
 
     ``model.scan_layers``: unrolled on CPUs, scanned elsewhere and under pipeline stages (``pipelined``: each
-    stage's layers run in the pipeline's scan whatever this says, jaxtrain/models/pipeline.py). On XLA:CPU the layer scan stacks what each layer
-    saves and slices it back, and unrolled steps measured 1.12-1.22x faster at 2 to 32 layers for about 0.4 s of
+    stage's layers run in the pipeline's scan whatever this says, jaxtrain/models/pipeline.py). On XLA:CPU the layer
+    scan stacks what each layer saves and slices it back, and unrolled steps measured 1.12-1.22x faster at 2 to 32 layers for about 0.4 s of
     compile per layer (README, "Benchmarks and performance"); on GPUs the scan keeps compile time flat and memory
     lower (the unrolled program holds 13% more on an H200), and the memory planner models the scanned program.
 

@@ -217,7 +217,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     return train_step
 
 
-def make_eval_step(graphdef, loss_chunk: int = 0, device_params=None, microbatches: int = 1) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
+def make_eval_step(graphdef, loss_chunk: int = 0, device_params=None,
+                   microbatches: int = 1) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
     """``device_params``: the model parameters' shardings in device memory, where the step brings them from the host.
     ``microbatches``: the train step's count (train.microbatches, or the one ``auto`` fitted): the batch is scored in as
     many forward passes, one after the other, so no pass holds more than a train step's pass does (the whole batch's

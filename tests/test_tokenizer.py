@@ -757,7 +757,8 @@ def test_a_long_document_is_encoded_in_pieces_to_the_tokens_it_has_whole(trained
     assert len(list(bpe._pieces(document))) > 20 and len(list(bpe.encode_in_parts([document]))) > 5
     assert bpe.encode([document, b"x = 1"]).tolist() == _whole(bpe, document) + _whole(bpe, b"x = 1")
     (tmp_path / "long.txt").write_bytes(document)
-    assert jaxtrain(capsys, "tokenize", str(tmp_path / "long.txt"), "--tokenizer", str(trained), "--out", str(tmp_path / "long.bin"))[0] == 0
+    assert jaxtrain(capsys, "tokenize", str(tmp_path / "long.txt"), "--tokenizer", str(trained),
+                    "--out", str(tmp_path / "long.bin"))[0] == 0
     assert np.fromfile(tmp_path / "long.bin", np.uint16).tolist() == _whole(bpe, document)
 
     directory = _word_level(tmp_path / "prefixed", {END_OF_TEXT: 0, "#": 1, "a": 2, "b": 3})

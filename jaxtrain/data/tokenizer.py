@@ -101,7 +101,7 @@ class TextTokenizer:
         for group in batches(pieces, BATCH_BYTES, lambda piece: len(piece[0])):
             encodings = self.tokenizer.encode_batch_fast([text.decode("utf-8", "replace") for text, _ in group], add_special_tokens=False)
             part = []
-            for (_, last), encoding in zip(group, encodings):
+            for (_, last), encoding in zip(group, encodings, strict=True):
                 part.append(np.asarray(encoding.ids, dtype))
                 if last:
                     part.append(np.array([self.end_of_text], dtype))
