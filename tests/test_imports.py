@@ -24,6 +24,7 @@ DEFERRED_IMPORTS = {
         "checkpoint", "train", "adapt.lora", "interop.hf_export", "plan.estimate", "compile_cache", "generate")},
     ("jaxtrain.cli", "jaxtrain.observe.plot"): _MATPLOTLIB,
     ("jaxtrain.plan.estimate", "jaxtrain.observe.plot"): _MATPLOTLIB,
+    ("jaxtrain.observe.exporters", "jaxtrain.observe.plot"): _MATPLOTLIB,
     ("jaxtrain.cli", "jaxtrain.data.token_file"): "the tokenizers library only for the tokenizer commands",
     ("jaxtrain.cli", "jaxtrain.data.tokenizer"): "the tokenizers library only for the tokenizer commands",
     ("jaxtrain.data", "jaxtrain.data.pipeline"): "the pipeline's names load on first use: the tokenizer commands start without jax",

@@ -35,8 +35,15 @@ class Document(NamedTuple):
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
+    """The standard library's ``.py`` files, tests and installed packages left out. A walk that never enters the left-out
+    directories: filtering a ``rglob`` listed every file of the interpreter's site-packages first (13,000 files, 0.9 s of
+    each `jaxtrain train`'s start where a few packages sit there); the same files (symbolic links to directories not
+    followed, as ``rglob`` does not)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if not SKIPPED_STDLIB_DIRS & set(p.relative_to(root).parts[:-1])]
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in SKIPPED_STDLIB_DIRS]
+        files += [Path(folder, name) for name in names if name.endswith(".py")]
     return root, sorted(files)
 
 

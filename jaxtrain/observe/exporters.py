@@ -19,7 +19,6 @@ from jaxtrain.atomic import atomic_file
 from jaxtrain.config import Config
 from jaxtrain.distributed import bind_error_reason, port_problem
 from jaxtrain.errors import UserError
-from jaxtrain.observe.plot import plot_runs
 
 MLFLOW_RUN_ID_FILE = "mlflow_run_id"  # in the run directory: a resumed run continues the same MLflow run
 MLFLOW_PARAMS_PER_BATCH = 100  # the most params MLflow's log_batch takes at once
@@ -103,6 +102,8 @@ class MlflowRun:
         MLflow's own asynchronous logging (``synchronous=False``) would wait for its queue at exit without a limit."""
         try:
             if (self.run_dir / "metrics.jsonl").stat().st_size:
+                from jaxtrain.observe.plot import plot_runs
+
                 plot_runs([self.run_dir], self.run_dir / PLOT_FILE)
                 self.calls.put(("the plot", lambda: self.client.log_artifact(self.run_id, str(self.run_dir / PLOT_FILE))))
         finally:  # the run's end is sent whatever the plot did
