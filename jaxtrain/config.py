@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import importlib
 import importlib.util
 import math
@@ -202,15 +203,16 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def all_keys(cls=Config, prefix: str = "") -> dict[str, type]:
-    """Every dotted leaf key of a config class with its type."""
+@functools.cache  # typing.get_type_hints evaluates every annotation's string anew: 0.3 s per from_dict uncached
+def all_keys(cls=Config, prefix: str = "") -> types.MappingProxyType[str, type]:
+    """Every dotted leaf key of a config class with its type (read-only: the one mapping is shared)."""
     out = {}
     for name, tp in typing.get_type_hints(cls).items():
         if dataclasses.is_dataclass(tp):
             out.update(all_keys(tp, f"{prefix}{name}."))
         else:
             out[f"{prefix}{name}"] = tp
-    return out
+    return types.MappingProxyType(out)
 
 
 # other frameworks' names for keys of ours, which spelling alone does not find (optim.learning_rate looks more like
