@@ -215,7 +215,10 @@ def test_a_pipelined_train_step_draws_the_masks_of_the_unpipelined_one(corpus):
     pipeline other masks, keys per data group the grouped passes, keys per accumulated micro-batch the accumulation."""
     piped = with_dropout(SETUPS["pipeline"]())
     assert make_layout(piped).grad_reduction is not None
-    plain = with_(dataclasses.replace(piped, rules="fsdp", mesh=lora_config(mesh=(2, 4, 1)).mesh), model={"pipeline": PipelineConfig()})
+    # scanned layers, as under the stages (model.scan_layers=auto unrolls on CPUs, and 8 unrolled layers with dropout
+    # took XLA:CPU 2.5x as long to compile)
+    plain = with_(dataclasses.replace(piped, rules="fsdp", mesh=lora_config(mesh=(2, 4, 1)).mesh),
+                  model={"pipeline": PipelineConfig(), "scan_layers": True})
     accumulated = with_(dataclasses.replace(plain, rules="fsdp_tp", mesh=lora_config().mesh), train={"microbatches": 2})
 
     def one_step(cfg):

@@ -36,8 +36,10 @@ STEPS = 7
 
 
 def _config(rules="dp", mesh=(1, 1, 1, 1), pipeline=PipelineConfig(), remat="none"):
-    # a constant learning rate: the checkpoint test's legs raise train.steps, which sets the cosine's length
-    return with_(small_config(rules, mesh, num_layers=8, remat=remat, pipeline=pipeline), optim={"min_lr_ratio": 1.0})
+    # a constant learning rate: the checkpoint test's legs raise train.steps, which sets the cosine's length. Scanned
+    # layers without stages too (model.scan_layers=auto unrolls on CPUs): 8 unrolled layers took XLA:CPU 2-3x as long
+    # to compile, and scan and unrolled layers agree (test_model.py)
+    return with_(small_config(rules, mesh, num_layers=8, remat=remat, pipeline=pipeline, scan_layers=True), optim={"min_lr_ratio": 1.0})
 
 
 @pytest.fixture(scope="module")
