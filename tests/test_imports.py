@@ -140,3 +140,11 @@ def test_the_cli_and_the_tokenizer_commands_modules_load_without_jax():
     code = "import sys, jaxtrain.cli, jaxtrain.data, jaxtrain.data.token_file; print(sorted({'jax', 'flax'} & set(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+
+
+def test_the_trainer_loads_without_matplotlib():
+    """matplotlib (0.4 s of each `jaxtrain train` start) loads for a plot only: the MLflow exporter's at the run's end
+    had it imported with the trainer."""
+    code = "import sys, jaxtrain.train; print('matplotlib' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "False"
