@@ -19,7 +19,6 @@ import itertools
 import math
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -153,6 +152,10 @@ class Checkpoint:
     ``model.safetensors.index.json``), memory-mapped; counts the bytes of tensor data read."""
 
     def __init__(self, hf_dir: Path):
+        # registers bfloat16 with numpy, for the tensors read; here, not at import: loading ml_dtypes took 0.75 s of
+        # every command's start, also of those that stop at a mistake in their arguments
+        import ml_dtypes  # noqa: F401
+
         self.dir = hf_dir
         self.bytes_read = 0
         if (hf_dir / SINGLE_FILE).is_file():  # before an index beside it, as transformers reads them
