@@ -462,9 +462,10 @@ def _evaluate(trainer: Trainer, state: TrainState, eval_data: data_lib.HostBatch
     # the train steps still running on the devices are step time: waited for inside the timer, they read as eval_s and
     # tokens/s and MFU read high
     jax.block_until_ready(state.params)
+    started = time.perf_counter()
     with log.timer("eval_s"):
         eval_loss, eval_tokens = evaluate(trainer, state.model_params, eval_data)
-    log.write({"step": step, "eval_loss": eval_loss, "eval_tokens": eval_tokens})
+    log.write({"step": step, "eval_loss": eval_loss, "eval_tokens": eval_tokens, "eval_s": time.perf_counter() - started})
 
 
 def _say(line: str) -> None:

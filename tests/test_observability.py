@@ -703,7 +703,7 @@ def test_the_steps_an_evaluation_waits_for_are_step_time_not_evaluation_time(tra
     """An evaluation between records waited, inside its timer, for the train steps still running on the devices: their
     time left step_time_s (tokens/s and MFU read high). Each step here takes at least 1 s on the devices (a host
     callback), while the host runs ahead; the one record, at step 6, counts all six seconds, not the evaluation's own
-    time, and a slow batch's wait as data_wait_s."""
+    time, and a slow batch's wait as data_wait_s; each evaluation record carries the evaluation's own time."""
     def nap():
         time.sleep(1.0)
         return np.float32(0)
@@ -733,6 +733,9 @@ def test_the_steps_an_evaluation_waits_for_are_step_time_not_evaluation_time(tra
     # the six seconds of steps in (the batch's wait overlaps them), step 3's 4 s evaluation out (the host's own work: well
     # under 0.4 s a step)
     assert 1.0 <= record["step_time_s"] < 1.5
+    # each evaluation records its own time: the 4 s, not the steps it waited for (step 3's waited about 1 s for naps)
+    evaluation_s = [r["eval_s"] for r in _records(tmp_path) if "eval_loss" in r]
+    assert all(4.0 <= s < 4.6 for s in evaluation_s), evaluation_s
 
 
 def test_the_measured_matmul_peak_counts_two_flops_per_multiply_add(monkeypatch):
