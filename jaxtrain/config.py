@@ -470,6 +470,9 @@ def load_experiment(name_or_path: str) -> Config:
                    f"the file imports from {e.name}" if moved else "fix the file")
             raise UserError(f"experiment file {name_or_path} failed to load: {detail}; {fix}") from None
     else:
+        if path.suffix or len(path.parts) > 1:  # a path, not a name: "unknown experiment" for a mistyped file was no help
+            raise UserError(f"experiment file {name_or_path} does not exist; give an experiment .py file with config() -> Config, "
+                            f"or a name under jaxtrain/experiments/: {_available(EXPERIMENTS_DIR, '.py')}")
         if not _shipped(EXPERIMENTS_DIR, name_or_path, ".py"):
             raise UserError(
                 f"unknown experiment '{name_or_path}'; available: {_available(EXPERIMENTS_DIR, '.py')} (or pass a path to a .py file)"

@@ -114,6 +114,11 @@ def test_bad_mesh_files(tmp_path: Path, body, message):
 def test_unknown_experiment_lists_available():
     with pytest.raises(UserError, match="unknown experiment 'nope'; available: .*tiny"):
         config_lib.load_experiment("nope")
+    # a path that is not there is a missing file, not an unknown name
+    for missing in ("runs/tiny/config.yaml", "mine.yaml", "experiments/mine"):
+        with pytest.raises(UserError, match=f"^experiment file {missing} does not exist; give an experiment .py file with "
+                                            r"config\(\) -> Config, or a name under jaxtrain/experiments/: .*tiny"):
+            config_lib.load_experiment(missing)
 
 
 def test_an_experiment_path_must_be_a_python_file(tmp_path):
