@@ -61,7 +61,8 @@ TAGS = {
     "grad_norm": "train/grad_norm", "param_norm": "train/param_norm",
     "tokens_per_s": "perf/tokens_per_s", "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
     "step_time_s": "perf/step_time_s", "mfu": "perf/mfu", "data_wait_s": "perf/data_wait_s",
-    "checkpoint_s": "perf/checkpoint_s", "eval_s": "perf/eval_s", "memory_in_use_gib": "memory/in_use_gib", "memory_peak_gib": "memory/peak_gib",
+    "checkpoint_s": "perf/checkpoint_s", "eval_s": "perf/eval_s", "memory_in_use_gib": "memory/in_use_gib",
+    "memory_peak_gib": "memory/peak_gib",
     "epoch": "train/epoch",
     # mixture of experts (jaxtrain.step.router_metrics), means over layers
     "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_router_loss": "moe/router_loss",
