@@ -203,7 +203,7 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-@functools.cache  # typing.get_type_hints evaluates every annotation's string anew: 0.3 s per from_dict uncached
+@functools.cache  # typing.get_type_hints evaluates every annotation's string anew: 0.14 s per from_dict uncached
 def all_keys(cls=Config, prefix: str = "") -> types.MappingProxyType[str, type]:
     """Every dotted leaf key of a config class with its type (read-only: the one mapping is shared)."""
     out = {}
