@@ -1129,12 +1129,13 @@ def test_prometheus_serves_the_latest_record_during_the_run(trainer, tmp_path, m
     train_lib.train(served.cfg, tmp_path / "run", served)
     record = next(r for r in _records(tmp_path / "run") if r["step"] == 4 and "loss" in r)
     assert scraped["jaxtrain_step"] == 4 and scraped["jaxtrain_loss"] == pytest.approx(record["loss"])
+    assert scraped["jaxtrain_epoch"] == pytest.approx(record["epoch"]) and record["epoch"] > 0
     assert scraped["jaxtrain_tokens_per_second"] == pytest.approx(record["tokens_per_s"])
     assert scraped["jaxtrain_mfu"] == pytest.approx(record["mfu"]) and scraped["jaxtrain_memory_in_use_gib"] == pytest.approx(record["memory_in_use_gib"])
     assert scraped["jaxtrain_last_checkpoint_step"] == 4 and 0 <= scraped["jaxtrain_last_checkpoint_age_seconds"] < 60
     check_port_free(port)  # the run let go of its port
     # before the first record every gauge is unknown, not 0 (a loss or step of 0 would read as one)
-    assert all(math.isnan(first[f"jaxtrain_{name}"]) for name in ("step", "loss", "tokens_per_second", "mfu", "last_checkpoint_step"))
+    assert all(math.isnan(first[f"jaxtrain_{name}"]) for name in ("step", "loss", "epoch", "tokens_per_second", "mfu", "last_checkpoint_step"))
 
 
 def test_prometheus_knows_the_checkpoint_a_resumed_run_started_from(trainer, tmp_path, monkeypatch):

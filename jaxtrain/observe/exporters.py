@@ -199,6 +199,7 @@ class PrometheusGauges:
         self.gauges = {
             "step": gauge("step", "latest step with a metrics record"),
             "loss": gauge("loss", "training loss (nats per token) at that step"),
+            "epoch": gauge("epoch", "epochs of the training split read through that step's batch"),
             "tokens_per_s": gauge("tokens_per_second", "global training throughput"),
             "mfu": gauge("mfu", "model FLOPs utilisation (0-1); NaN when the device peak is unknown"),
             "memory_in_use_gib": gauge("memory_in_use_gib", "memory in use on the fullest device (host RSS on CPU), GiB"),
