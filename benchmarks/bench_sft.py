@@ -9,6 +9,9 @@ examples are rendered and packed. One run, same examples:
 - ``sft_load_examples_per_s``: rendering with the chat template (transformers' renderer, two renders per
   prompt/completion example: the whole, and the text before the answer) and tokenizing;
   ``sft_pack_examples_per_s``: packing into batches (grain), both on this machine's one Python thread.
+- ``sft_epoch_count_examples_per_s``: ``train.epochs`` counted into steps at a run's start (``steps_for_epochs``:
+  the run's own packed batches, its packing thread and row split included, run over one epoch of the examples),
+  which a run given ``train.epochs`` on instruction data waits for at every start.
 
 Examples: prompt and answer lengths drawn from log-normal distributions (median about 60 and 120 words, as
 chat data is long-tailed), words from a fixed list; a byte-level BPE of ``VOCAB`` tokens trained on them,
@@ -26,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxtrain.config import DataConfig
-from jaxtrain.data import sft, train_tokenizer
+from jaxtrain.data import sft, steps_for_epochs, train_tokenizer
 
 EXAMPLES = 2000
 SEQ_LEN = 1024
@@ -73,6 +76,9 @@ def run() -> dict:
         examples = corpus.train + corpus.validation
         packed, pack_s = _fill(examples, cfg)
         unpacked, _ = _fill(examples, dataclasses.replace(cfg, pack=False))
+        start = time.perf_counter()
+        steps_for_epochs(corpus, cfg, GLOBAL_BATCH, _one_device_rows(), 1)
+        count_s = time.perf_counter() - start
         tokens = sum(len(e.tokens) for e in examples)
         return {
             "sft_fill_packed": round(packed, 4), "sft_fill_unpacked": round(unpacked, 4),
@@ -80,7 +86,16 @@ def run() -> dict:
             "sft_answer_share": round(sum(int(e.counted.sum()) for e in examples) / tokens, 3),
             "sft_mean_example_tokens": round(tokens / len(examples), 1),
             "sft_load_examples_per_s": round(len(examples) / load_s), "sft_pack_examples_per_s": round(len(examples) / pack_s),
+            "sft_epoch_count_examples_per_s": round(len(corpus.train) / count_s),
         }
+
+
+def _one_device_rows():
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,))
+    return NamedSharding(mesh, PartitionSpec("data", None))
 
 
 if __name__ == "__main__":

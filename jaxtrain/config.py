@@ -92,6 +92,9 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 100
+    # > 0: passes over the training split to train, which replace train.steps once the data is read: the first step
+    # whose batch reads that much of it (jaxtrain/data/batches.py steps_for_epochs); 0: train.steps decides
+    epochs: float = 0
     global_batch: int = 32  # sequences per optimizer step, across all devices
     microbatches: int | str = 1  # gradient accumulation passes per step; "auto": the fewest that fit (jaxtrain/plan/estimate.py)
     seed: int = 0  # parameter initialisation
@@ -218,6 +221,7 @@ def all_keys(cls=Config, prefix: str = "") -> types.MappingProxyType[str, type]:
 # other frameworks' names for keys of ours, which spelling alone does not find (optim.learning_rate looks more like
 # optim.min_lr_ratio than optim.lr)
 _OTHER_NAMES = {"learning_rate": "lr", "batch_size": "global_batch", "max_steps": "steps", "num_steps": "steps",
+                "num_train_epochs": "epochs", "num_epochs": "epochs",
                 "seq_length": "seq_len", "sequence_length": "seq_len", "max_seq_len": "seq_len", "warmup": "warmup_steps",
                 "grad_clip": "clip_norm", "max_grad_norm": "clip_norm", "n_layers": "num_layers", "hidden_size": "d_model",
                 "intermediate_size": "mlp_dim", "gradient_accumulation_steps": "microbatches", "lr_scheduler_type": "schedule",
@@ -607,15 +611,25 @@ def resolve_for_devices(cfg: Config, nvidia_gpu: bool, cpu: bool = False, pipeli
     return dataclasses.replace(cfg, model=m)
 
 
+def steps_problems(cfg: Config, epochs_counted: bool = False) -> list[str]:
+    """log.profile_steps against train.steps; under train.epochs against the steps they came to, which are known only
+    once the data is read (jaxtrain.train.check, ``epochs_counted``): before that, the range's form alone."""
+    t, profile = cfg.train, cfg.log.profile_steps
+    if profile is None:
+        return []
+    try:
+        end = profile_range(profile)[1]
+    except UserError as e:
+        return [] if epochs_counted else [str(e)]
+    if (t.epochs and not epochs_counted) or end <= t.steps:
+        return []
+    steps, raise_ = ((f"train.epochs={t.epochs:g} came to train.steps={t.steps:,}", "train.epochs") if t.epochs else
+                     (f"train.steps={t.steps}", "train.steps"))
+    return [f"log.profile_steps={profile} ends after {steps}; end the range by step {t.steps} or raise {raise_}"]
+
+
 def log_problems(cfg: Config) -> list[str]:
     log, problems = cfg.log, []
-    if log.profile_steps is not None:
-        try:
-            if profile_range(log.profile_steps)[1] > cfg.train.steps:
-                problems.append(f"log.profile_steps={log.profile_steps} ends after train.steps={cfg.train.steps}; end the range "
-                                f"by step {cfg.train.steps} or raise train.steps")
-        except UserError as e:
-            problems.append(str(e))
     for key, value, package, pip_name in (("log.wandb", log.wandb, "wandb", "wandb"), ("log.mlflow", log.mlflow, "mlflow", "mlflow-skinny"),
                                           ("log.prometheus_port", log.prometheus_port, "prometheus_client", "prometheus-client")):
         if value not in (None, "") and importlib.util.find_spec(package) is None:  # '' is check()'s one line
@@ -675,6 +689,7 @@ def range_problems(cfg: Config) -> list[str]:
     r = _out_of_range
     problems = [
         r("train.steps", t.steps, 1), r("train.global_batch", t.global_batch, 1), r("data.seq_len", d.seq_len, 1),
+        r("train.epochs", t.epochs, 0, high_open=True, meaning=" (passes over the training split; 0: train.steps decides)"),
         r("log.every", cfg.log.every, 1), r("train.eval_batches", t.eval_batches, 1),
         r("checkpoint.every", c.every, 1), r("checkpoint.keep", c.keep, 1),
         r("train.eval_every", t.eval_every, 0, meaning=" (0: evaluate only at the end)"),
@@ -720,6 +735,7 @@ def check(cfg: Config) -> None:
     if isinstance(t.microbatches, str) and t.microbatches != "auto":
         problems.append(f"train.microbatches={t.microbatches!r} must be a positive integer or 'auto'")
     problems.extend(range_problems(cfg))
+    problems.extend(steps_problems(cfg))
     problems.extend(log_problems(cfg))
     if cfg.optim.grad_dtype not in ("float32", "bfloat16"):
         problems.append(f"optim.grad_dtype={cfg.optim.grad_dtype!r} must be float32 or bfloat16 (gradients summed across devices in bfloat16)")

@@ -177,6 +177,13 @@ def make_layout(cfg: Config, devices: list | None = None, *, microbatches_auto: 
     return layout
 
 
+def with_train_steps(layout: Layout, steps: int) -> Layout:
+    """``layout`` training for ``steps`` (train.epochs, counted once the data is read): the learning-rate schedule,
+    which ends at train.steps, made again; the optimizer state it keeps, and so every sharding, is the same."""
+    cfg = dataclasses.replace(layout.cfg, train=dataclasses.replace(layout.cfg.train, steps=steps))
+    return dataclasses.replace(layout, cfg=cfg, tx=make_optimizer(cfg, layout.spec.logical_axes))
+
+
 def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
     """Trace and lower the train and eval steps (no XLA compilation yet). Activation axes without a
     rule surface here, as a UserError."""

@@ -30,7 +30,7 @@ from jaxtrain.data.tokenizer import TOKENIZER_FILE
 from jaxtrain.distributed import LostPeer, lost_peer
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import, peft
-from jaxtrain.layout import Layout, compile_train_step
+from jaxtrain.layout import Layout, compile_train_step, with_train_steps
 from jaxtrain.observe.metrics import MetricsLog
 from jaxtrain.observe.records import read_records
 from jaxtrain.optim import learning_rate_schedule
@@ -101,6 +101,11 @@ def check(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
     layout = plan.unfitted_layout(cfg, devices)  # every check before the data is read
     corpus = corpus or data_lib.load_data(cfg.data)
     data_lib.check_sizes(corpus, cfg.data, cfg.train.global_batch, cfg.model.vocab_size)
+    if cfg.train.epochs:
+        layout = with_train_steps(layout, data_lib.steps_for_epochs(corpus, cfg.data, cfg.train.global_batch,
+                                                                    layout.batch_sharding, cfg.train.epochs))
+        if problems := config_lib.steps_problems(layout.cfg, epochs_counted=True):
+            raise UserError("; ".join(problems))
     return Checked(layout, corpus, limit, cfg.train.microbatches == "auto")
 
 

@@ -225,7 +225,7 @@ def test_an_experiment_file_of_before_the_move_into_jaxtrain_is_told_the_new_imp
     ("lr", "; did you mean 'optim.lr'?"), ("seed", "; did you mean 'data.seed' or 'train.seed'?"),
     ("mesh.data", "; did you mean 'mesh.ici.data' or 'mesh.dcn.data'?"),
     ("mesh.ici", ", a section; give one of its keys: mesh.ici.data, mesh.ici.expert, mesh.ici.fsdp, mesh.ici.stage, mesh.ici.tensor"),
-    ("train", ", a section; give one of its keys: train.compile_cache, train.eval_batches,"),
+    ("train", ", a section; give one of its keys: train.compile_cache, train.epochs, train.eval_batches,"),
 ])
 def test_an_unknown_key_names_the_keys_of_that_name_or_section(key, hint):
     with pytest.raises(UserError, match=f"^unknown config key '{key}'{hint}"):

@@ -412,4 +412,23 @@ def test_an_epoch_is_the_training_splits_sequences_each_read_once_and_its_last_t
     assert sorted(rows[:, 0].tolist()) == list(range(0, 16 * 20, 16))  # every window once: window i starts at token 16 i
     assert split.of(30) == 1.5
     assert split.summary(12, 3, 5, 8) == {"size": 20, "unit": "sequences", "left_out_tokens": 5, "steps": 2.5,
-                                          "at_start": 0.6, "at_end": 1.4}
+                                          "at_start": 0.6, "at_end": 1.4, "train_epochs": None, "train_steps": None}
+
+
+@pytest.mark.parametrize("epochs, steps", [(1, 7), (2, 13), (0.45, 3), (1.12, 7), (1e-9, 1), (0.16, 1)])
+def test_train_epochs_come_to_the_first_step_whose_batch_has_read_them(epochs, steps):
+    """An epoch of 50 sequences, 8 a step: the run's own batches reach the epochs at the step counted and not before.
+    1.12 epochs are 56 sequences exactly, the seventh step's end (in binary floating point 1.12 * 50 is
+    56.00000000000001, a step more)."""
+    from jaxtrain.data import Corpus, epoch, steps_for_epochs
+
+    tokens = np.arange(16 * 50 + 1 + 5)
+    cfg = DataConfig(seq_len=16)
+    corpus = Corpus(tokens, tokens[:40], 1024, "t")
+    assert steps_for_epochs(corpus, cfg, 8, _sharding(4), epochs) == steps
+    batches, size = GlobalBatches(tokens, 16, 8, _sharding(4), shuffle_seed=0, repeat=True), epoch(corpus, cfg).size
+    read = []
+    for _ in range(steps):
+        next(batches)
+        read.append(batches.position() / size)
+    assert read[-1] >= epochs and (steps == 1 or read[-2] < epochs)

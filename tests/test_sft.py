@@ -328,7 +328,7 @@ def test_train_resume_and_generate_chat(data, tmp_path, capsys):
     assert [epoch for _, epoch in epochs] == read and 0 < read[0] < read[-1]
     summary = json.loads((tmp_path / "whole" / "summary.json").read_text())["epoch"]
     assert summary == {"size": len(trainer.corpus.train), "unit": "examples", "left_out_tokens": None, "steps": None,
-                       "at_start": 0.0, "at_end": None}
+                       "at_start": 0.0, "at_end": None, "train_epochs": None, "train_steps": None}
     # train and eval loss: nats per counted (answer) token
     nll_of = jax.jit(lambda params, batch: token_nll(trainer.layout.spec.graphdef, params, batch))
 
@@ -497,6 +497,25 @@ def _plain_seeds(batches):
     """``batches`` from their beginning shuffled as before data.seed was spread: a run begun before then."""
     batches.iterator.set_state(batches.iterator.get_state() | {SEED_SCHEME: PLAIN_SEEDS})
     return batches
+
+
+@pytest.mark.parametrize("epochs", [1, 2.5])
+def test_train_epochs_of_instruction_data_come_to_the_first_step_whose_packing_has_read_them(data, epochs):
+    """As many examples a step as pack into it: train.epochs becomes the steps the run's own batches take to read that
+    many epochs of examples, counted at the start (jaxtrain.train.check), and the learning-rate schedule ends there."""
+    from jaxtrain.train import check
+
+    tok_dir, path = data
+    cfg = with_(small_config(vocab_size=VOCAB), data={"path": str(path), "tokenizer": str(tok_dir), "format": "sft", "seq_len": SEQ,
+                                                      "val_fraction": 0.2}, train={"epochs": epochs, "global_batch": 8})
+    checked = check(cfg)
+    steps = checked.layout.cfg.train.steps
+    batches, wanted, read = sft.train_batches(checked.corpus, cfg.data, 8, checked.layout.batch_sharding), epochs * len(checked.corpus.train), []
+    for _ in range(steps):
+        next(batches)
+        read.append(batches.position())
+    assert read[-2] < wanted <= read[-1] and steps > epochs  # more than one step an epoch: several examples a sequence
+    assert learning_rate_schedule(checked.layout.cfg)(steps) == cfg.optim.lr * cfg.optim.min_lr_ratio
 
 
 def test_nearby_seeds_share_no_epoch_order():

@@ -76,7 +76,8 @@ def test_the_summary_says_how_many_steps_an_epoch_is_and_each_record_which_epoch
     sequences = (len(train) - 1) // 32
     summary = json.loads((short_run / "summary.json").read_text())
     assert summary["epoch"] == {"size": sequences, "unit": "sequences", "left_out_tokens": len(train) - 1 - 32 * sequences,
-                                "steps": sequences / 8, "at_start": 0.0, "at_end": 32 / sequences}
+                                "steps": sequences / 8, "at_start": 0.0, "at_end": 32 / sequences, "train_epochs": None,
+                                "train_steps": None}
     assert [r["epoch"] for r in _records(short_run) if "loss" in r] == [16 / sequences, 32 / sequences]
     printed = (short_run.parent / "stderr.txt").read_text()
     line = re.search(r"\n  epoch: ([0-9,]+) training sequences = ([0-9,.]+) steps of train.global_batch=8, each sequence read once "

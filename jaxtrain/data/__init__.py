@@ -12,7 +12,7 @@ from jaxtrain.data.token_file import read_token_file, write_token_file
 from jaxtrain.data.tokenizer import TextTokenizer, hf_tokenizer_files, load_tokenizer, train_tokenizer
 
 _PIPELINE = ("GlobalBatches", "HostBatches", "PLAIN_SEEDS", "SPREAD_SEEDS", "Windows", "check_sizes", "grain_seed")
-_BATCHES = ("Epoch", "batch_fields", "epoch", "eval_batches", "load_data", "train_batches")
+_BATCHES = ("Epoch", "batch_fields", "epoch", "eval_batches", "load_data", "steps_for_epochs", "train_batches")
 
 __all__ = ["Corpus", "TextTokenizer", "hf_tokenizer_files", "is_validation_file", "load_corpus", "load_tokenizer",
            "read_token_file", "stdlib_files", "text_files", "train_tokenizer", "write_token_file", *_PIPELINE, *_BATCHES]

@@ -5,6 +5,8 @@ none of those modules imports another to make it."""
 from __future__ import annotations
 
 import dataclasses
+import fractions
+import math
 
 import numpy as np
 from jax.sharding import NamedSharding
@@ -55,14 +57,15 @@ class Epoch:
         """The epochs read at data position ``position`` (``unit`` read): 1.5 is half-way through the second."""
         return position / self.size
 
-    def summary(self, position: int, step: int, steps: int, global_batch: int) -> dict:
+    def summary(self, position: int, step: int, steps: int, global_batch: int, train_epochs: float = 0) -> dict:
         """The start-up summary's ``epoch``: its size, its steps (text: whole sequences, so global_batch of them a step;
-        instruction data: as many examples a step as pack into it, so null), and the epochs read at this start and at
-        train.steps (null for instruction data)."""
+        instruction data: as many examples a step as pack into it, so null), the epochs read at this start and at
+        train.steps (null for instruction data), and train.epochs with the train.steps it came to (null without)."""
         whole_sequences = self.unit == "sequences"
         return {"size": self.size, "unit": self.unit, "left_out_tokens": self.left_out_tokens,
                 "steps": self.size / global_batch if whole_sequences else None, "at_start": self.of(position),
-                "at_end": self.of(position + (steps - step) * global_batch) if whole_sequences else None}
+                "at_end": self.of(position + (steps - step) * global_batch) if whole_sequences else None,
+                "train_epochs": train_epochs or None, "train_steps": steps if train_epochs else None}
 
 
 def epoch(corpus: Corpus, cfg: DataConfig) -> Epoch:
@@ -71,3 +74,24 @@ def epoch(corpus: Corpus, cfg: DataConfig) -> Epoch:
     sequences = len(Windows(corpus.train, cfg.seq_len))
     # a window is seq_len inputs and the target after them: the tokens past the last window's target are never read
     return Epoch(sequences, "sequences", len(corpus.train) - 1 - sequences * cfg.seq_len)
+
+
+def steps_for_epochs(corpus: Corpus | sft.SftCorpus, cfg: DataConfig, global_batch: int, sharding: NamedSharding,
+                     epochs: float) -> int:
+    """train.epochs as steps: the first step whose batch reads ``epochs`` passes over the training split from its start
+    (the last one reads on into the next pass where they end inside a batch). Text: ``global_batch`` sequences a step,
+    so a division. Instruction data: as many examples a step as pack into it, so the run's own packer is run here over
+    those passes and its steps counted (at the packer's speed: about 3,500 examples a second on a 2-core VM, README)."""
+    # the decimal given, not its binary neighbour: 1.12 epochs of 50 sequences are 56 of them, not 56.00000000000001
+    wanted = fractions.Fraction(repr(float(epochs))) * epoch(corpus, cfg).size
+    if cfg.format != "sft":
+        return max(1, math.ceil(wanted / global_batch))
+    batches = train_batches(corpus, cfg, global_batch, sharding)
+    steps = 0
+    try:
+        while steps == 0 or batches.position() < wanted:
+            next(batches.iterator)
+            steps += 1
+    finally:
+        batches.iterator.close()
+    return steps

@@ -282,6 +282,10 @@ class PackedIterator:
     def __next__(self) -> dict[str, np.ndarray]:
         return next(self.batches)
 
+    def close(self) -> None:
+        """Stop the packing thread."""
+        self.batches.close()
+
 
 class PackedBatches(GlobalBatches):
     """Global batches of packed instruction data; each process packs every batch and keeps its own rows. The grain

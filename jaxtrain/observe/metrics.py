@@ -294,17 +294,20 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def describe_epoch(epoch: dict, global_batch: int) -> str:
-    """The summary's epoch line: how much of the data an epoch is, in sequences and steps, and where this run is in it."""
+    """The summary's epoch line: how much of the data an epoch is, in sequences and steps, where this run is in it, and
+    the train.steps that train.epochs came to."""
+    epochs = (f" (train.epochs={epoch['train_epochs']:g}: train.steps={epoch['train_steps']:,}, the first step to have read "
+              f"{epoch['train_epochs']:g} epoch{'s' * (epoch['train_epochs'] != 1)})" if epoch.get("train_epochs") else "")
     if epoch["steps"] is None:  # instruction data: the examples a step takes are those that pack into it
         return (f"{epoch['size']:,} training {epoch['unit']}, as many a step as pack into its sequences; this run starts at "
-                f"epoch {epoch['at_start']:.4g}")
+                f"epoch {epoch['at_start']:.4g}{epochs}")
     left_out = epoch["left_out_tokens"]
     steps = f"{epoch['steps']:,.2f}".rstrip("0").rstrip(".")  # 7.38, 41,234.5: never in exponent notation
     return (f"{epoch['size']:,} training {epoch['unit']} = {steps} steps of train.global_batch={global_batch}, each "
             "sequence read once an epoch, in an order of its own"
             + (f" (the split's last {left_out:,} token{'s' * (left_out != 1)}, short of a sequence, "
                f"{'is' if left_out == 1 else 'are'} never read)" if left_out else "")
-            + f"; this run trains from epoch {epoch['at_start']:.4g} to {epoch['at_end']:.4g}")
+            + f"; this run trains from epoch {epoch['at_start']:.4g} to {epoch['at_end']:.4g}{epochs}")
 
 
 def keep_hint(allocator: str) -> str:
@@ -425,7 +428,8 @@ class MetricsLog:
         self.peak, peak_source = resolve_peak(cfg, list(layout.mesh.devices.flat)) if enabled else (None, "")
         if enabled:
             try:
-                epoch_summary = epoch and epoch.summary(data_position, initial_step, cfg.train.steps, cfg.train.global_batch)
+                epoch_summary = epoch and epoch.summary(data_position, initial_step, cfg.train.steps, cfg.train.global_batch,
+                                                        cfg.train.epochs)
                 self._open(startup_summary(layout, compile_s, compile_cache, data, self.peak, peak_source, microbatches_auto,
                                            epoch_summary), initial_step)
             except BaseException:
