@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -27,11 +29,42 @@ def _check_parent(path: Path, what: str) -> None:
 
 
 def _temporary(path: Path, what: str, make: Callable[..., T]) -> T:
-    """``make`` (a tempfile function) beside ``path``; a UserError where its directory is not writable."""
+    """``make`` (a tempfile function) beside ``path``, named with this host and process (``.NAME.HOST-PID.XXXX.tmp``),
+    once the temporaries a dead process of this host left there are removed (``_remove_abandoned``); a UserError where
+    the directory is not writable."""
+    _remove_abandoned(path, what)
     try:
-        return make(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        return make(dir=path.parent, prefix=f".{path.name}.{socket.gethostname()}-{os.getpid()}.", suffix=".tmp")
     except OSError as e:
         raise UserError(f"{what} {path}: cannot write in {path.parent} ({e.strerror}); give a path in a writable directory") from None
+
+
+def _remove_abandoned(path: Path, what: str) -> None:
+    """Remove, with a note, the temporaries beside ``path`` of a process of this host that is gone: one killed while it
+    wrote (SIGKILL, the out-of-memory killer; a SIGTERM cleans up) left its partial output hidden there, which the
+    command run again wrote a second time beside (a token file of a large corpus: tens of GB). A live process's, or
+    another host's (on a shared file system, where this host cannot tell whether its writer lives), are left alone,
+    as are those named before 2026-12-06, which name no process."""
+    owned = re.compile(rf"\.{re.escape(path.name)}\.{re.escape(socket.gethostname())}-(\d+)\.\w+\.tmp")
+    with contextlib.suppress(OSError):  # an unreadable directory: the write itself says so
+        for entry in path.parent.iterdir():
+            if (match := owned.fullmatch(entry.name)) and not _alive(int(match[1])):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink(missing_ok=True)
+                print(f"jaxtrain: note: removed {entry}, the partial {what} {path} of process {match[1]} on this host, "
+                      "which stopped before it finished (killed)", file=sys.stderr)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 # fsync's errors from a file system that does not sync such a file (some FUSE and network file systems, for a

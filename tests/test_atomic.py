@@ -2,10 +2,13 @@
 
 import errno
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
-from conftest import fill_disk
+from conftest import fill_disk, subprocess_env
 from jaxtrain.atomic import atomic_dir, atomic_file
 from jaxtrain.errors import UserError
 
@@ -86,3 +89,33 @@ def test_a_file_system_that_cannot_sync_a_directory_still_gets_the_output(tmp_pa
     with atomic_file(path, "run config") as f:
         f.write(b"model: {}\n")
     assert path.read_bytes() == b"model: {}\n" and os.listdir(tmp_path) == ["config.yaml"]
+
+
+def test_a_rerun_removes_what_a_killed_writer_on_this_host_left_and_nothing_else(tmp_path, capsys):
+    """A command killed while it wrote (SIGKILL, the out-of-memory killer) leaves its partial output hidden beside the
+    output's path; run again, it wrote a second copy beside the first (a token file of a large corpus: tens of GB). The
+    next write of that path removes a dead process's, with a note, and keeps a live process's, another host's (whose
+    writer this host cannot see) and those named before temporaries named their process."""
+    out = tmp_path / "tokens.bin"
+    writer = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\nfrom jaxtrain.atomic import atomic_file\n"
+                               f"with atomic_file(Path({str(out)!r}), 'token file') as f:\n"
+                               "    f.write(b'partial'); f.flush(); print('writing', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    assert writer.stdout.readline() == "writing\n"
+    left = [p.name for p in tmp_path.iterdir()]
+    writer.kill()
+    writer.wait()
+    assert len(left) == 1 and left[0].startswith(f".tokens.bin.{socket.gethostname()}-{writer.pid}.")
+    dead_dir = tmp_path / f".tokens.bin.{socket.gethostname()}-{writer.pid}.x1_y.tmp"  # an atomic_dir's
+    dead_dir.mkdir()
+    (dead_dir / "part").write_bytes(b"partial")
+    kept = [f".tokens.bin.{socket.gethostname()}-{os.getppid()}.abc.tmp", f".tokens.bin.otherhost-{writer.pid}.abc.tmp",
+            ".tokens.bin.abc123.tmp", f".other.bin.{socket.gethostname()}-{writer.pid}.abc.tmp"]
+    for name in kept:
+        (tmp_path / name).write_bytes(b"not ours to remove")
+    with atomic_file(out, "token file") as f:
+        f.write(b"whole")
+    assert out.read_bytes() == b"whole" and sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "tokens.bin"])
+    notes = capsys.readouterr().err.splitlines()
+    assert sorted(notes) == sorted(f"jaxtrain: note: removed {tmp_path / name}, the partial token file {out} of process {writer.pid} "
+                                   "on this host, which stopped before it finished (killed)" for name in (left[0], dead_dir.name))
