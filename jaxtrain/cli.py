@@ -100,11 +100,20 @@ def resolve_config(experiment: str, mesh: str | None, rules: str | None, overrid
     return cfg
 
 
+def default_run_dir(experiment: str) -> Path:
+    """runs/EXPERIMENT; for a run's own config.yaml given as the experiment, that run's directory: the command resumes it
+    (runs/config was a new run beside it)."""
+    path = Path(experiment)
+    if path.name == "config.yaml" and path.is_file():
+        return path.parent
+    return Path("runs") / path.stem
+
+
 def cmd_train(args) -> int:
     hf_dir = Path(args.init_from) if args.init_from and hf_config.is_hf_dir(Path(args.init_from)) else None
     cfg = resolve_config(args.experiment, args.mesh, args.rules, args.overrides, hf_dir)
     simulate_cpu_devices(args.devices, default=default_cpu_devices(cfg.mesh, args.num_processes))
-    run_dir = Path(args.run_dir or Path("runs") / Path(args.experiment).stem)
+    run_dir = Path(args.run_dir or default_run_dir(args.experiment))
     check_output_path("--run-dir", run_dir)
     if args.params_only and not args.init_from:
         raise UserError("--params-only needs --init-from PATH (the checkpoint whose parameters to start from)")
@@ -361,13 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="jaxtrain", description="Train large language models with JAX on device meshes.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     train = sub.add_parser("train", help="train an experiment; resumes a run directory that has checkpoints")
-    train.add_argument("experiment", help="a name under jaxtrain/experiments/ (e.g. tiny) or a path to an experiment .py file")
+    train.add_argument("experiment", help="a name under jaxtrain/experiments/ (e.g. tiny), or a path to an experiment .py file "
+                                          "or a .yaml file of config sections (a run's config.yaml resumes that run)")
     # default=[]: argparse counts a '*' positional without a default as required, and named key=value as missing
     train.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                        help="config overrides, e.g. train.steps=100 optim.lr=3e-4")
     train.add_argument("--mesh", help="mesh file (a path, or a name under jaxtrain/experiments/meshes/)")
     train.add_argument("--rules", help="sharding rule set (a name under jaxtrain/sharding_rules/, or a path)")
-    train.add_argument("--run-dir", help="run directory (default runs/EXPERIMENT)")
+    train.add_argument("--run-dir", help="run directory (default runs/EXPERIMENT; for a run's config.yaml, that run's directory)")
     train.add_argument("--devices", type=_positive_int32, help=_DEVICES_HELP)
     train.add_argument("--init-from", metavar="PATH", help="start from another run's checkpoint (run dir or step dir), or from a "
                        "Hugging Face model directory (its config.json gives the model's shape); ignored once this run has checkpoints of its own")
@@ -375,7 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_process_flags(train)
     train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="per-device memory of an experiment on a target mesh: estimate, compiled truth, fixes")
-    plan.add_argument("experiment", help="a name under jaxtrain/experiments/ (e.g. llama3_8b) or a path to an experiment .py file")
+    plan.add_argument("experiment", help="a name under jaxtrain/experiments/ (e.g. llama3_8b), or a path to an experiment .py "
+                                         "or .yaml file")
     plan.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config overrides, e.g. train.microbatches=auto")
     plan.add_argument("--mesh", help="the target mesh file (a path, or a name under jaxtrain/experiments/meshes/)")
     plan.add_argument("--rules", help="sharding rule set (a name under jaxtrain/sharding_rules/, or a path)")

@@ -445,20 +445,27 @@ def _imports_beside(experiment_file: Path | None):
         sys.path.remove(folder)
 
 
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
 def load_experiment(name_or_path: str) -> Config:
-    """An experiment is a Python file under jaxtrain/experiments/ (or any path) with ``config() -> Config``."""
+    """An experiment is a Python file under jaxtrain/experiments/ (or any path) with ``config() -> Config``, or a YAML
+    file of config sections (a run's config.yaml among them: ``_yaml_experiment``)."""
     path = Path(name_or_path)
     # a directory is never an experiment: one in the working directory named as a shipped experiment (a user's
     # folder for its data) leaves the name to the experiment
     if path.suffix == ".py" or path.exists() and not (path.is_dir() and _shipped(EXPERIMENTS_DIR, name_or_path, ".py")):
         if path.is_dir():
-            raise UserError(f"experiment {name_or_path} is a directory; give an experiment .py file, or a name under "
+            raise UserError(f"experiment {name_or_path} is a directory; give an experiment .py or .yaml file, or a name under "
                             f"jaxtrain/experiments/: {_available(EXPERIMENTS_DIR, '.py')}")
         if not path.is_file():
             raise UserError(f"experiment file {name_or_path} does not exist")
+        if path.suffix in YAML_SUFFIXES:
+            return _yaml_experiment(path)
         if path.suffix != ".py":
-            raise UserError(f"experiment file {name_or_path} is not a Python file; an experiment is a .py file with "
-                            f"config() -> Config (see {EXPERIMENTS_DIR / 'tiny.py'})")  # where it is installed
+            raise UserError(f"experiment file {name_or_path} is neither a Python nor a YAML file; an experiment is a .py file "
+                            f"with config() -> Config (see {EXPERIMENTS_DIR / 'tiny.py'}) or a .yaml file of config "  # where it is installed
+                            "sections (a run's config.yaml is one)")
         spec = importlib.util.spec_from_file_location(f"_experiment_{path.stem}", path)
         module, experiment_file = importlib.util.module_from_spec(spec), path
         try:
@@ -476,7 +483,7 @@ def load_experiment(name_or_path: str) -> Config:
     else:
         if path.suffix or len(path.parts) > 1:  # a path, not a name: "unknown experiment" for a mistyped file was no help
             raise UserError(f"experiment file {name_or_path} does not exist; give an experiment .py file with config() -> Config, "
-                            f"or a name under jaxtrain/experiments/: {_available(EXPERIMENTS_DIR, '.py')}")
+                            f"a .yaml file of config sections, or a name under jaxtrain/experiments/: {_available(EXPERIMENTS_DIR, '.py')}")
         if not _shipped(EXPERIMENTS_DIR, name_or_path, ".py"):
             raise UserError(
                 f"unknown experiment '{name_or_path}'; available: {_available(EXPERIMENTS_DIR, '.py')} (or pass a path to a .py file)"
@@ -505,6 +512,19 @@ def load_experiment(name_or_path: str) -> Config:
         return from_dict(to_dict(cfg))
     except UserError as e:
         raise UserError(f"experiment {name_or_path}: in the Config its config() returned, {e}; fix the file") from None
+
+
+def _yaml_experiment(path: Path) -> Config:
+    """A YAML experiment: config sections as config.yaml writes them (``model:``, ``data:``, ``train:``, ...), each key
+    read as its override is, a key not given at its default. A run's config.yaml is one: the same run again, or its
+    resume without its overrides; its ``resolved:`` section (what the run's devices made of the config) is a record,
+    not config, and is left out."""
+    body = read_yaml_mapping(path, "experiment file", "a mapping of config sections (model, data, train, ...)")
+    body.pop("resolved", None)
+    try:
+        return from_dict(body)
+    except UserError as e:
+        raise UserError(f"experiment file {path}: {e}; fix the file") from None
 
 
 def _yaml_error_place(e: yaml.YAMLError) -> str:

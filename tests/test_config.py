@@ -117,19 +117,21 @@ def test_unknown_experiment_lists_available():
     # a path that is not there is a missing file, not an unknown name
     for missing in ("runs/tiny/config.yaml", "mine.yaml", "experiments/mine"):
         with pytest.raises(UserError, match=f"^experiment file {missing} does not exist; give an experiment .py file with "
-                                            r"config\(\) -> Config, or a name under jaxtrain/experiments/: .*tiny"):
+                                            r"config\(\) -> Config, a .yaml file of config sections, or a name under "
+                                            "jaxtrain/experiments/: .*tiny"):
             config_lib.load_experiment(missing)
 
 
 def test_an_experiment_path_must_be_a_python_file(tmp_path):
     data = tmp_path / "extra.jsonl"
     data.write_text('{"text": "a"}\n')
-    with pytest.raises(UserError, match=r"extra.jsonl is not a Python file; an experiment is a .py file with config\(\)") as raised:
+    with pytest.raises(UserError, match=r"extra.jsonl is neither a Python nor a YAML file; an experiment is a .py file with "
+                                        r"config\(\) -> Config \(see .*\) or a .yaml file of config sections") as raised:
         config_lib.load_experiment(str(data))
     # the example it points to by its real path, which an installed jaxtrain's user has (not jaxtrain/experiments/tiny.py)
-    example = Path(re.fullmatch(r".*\(see (.*)\)", str(raised.value)).group(1))
+    example = Path(re.fullmatch(r".*\(see (.*?)\).*", str(raised.value)).group(1))
     assert example.is_absolute() and config_lib.load_experiment(str(example)) == config_lib.load_experiment("tiny")
-    with pytest.raises(UserError, match=r"is a directory; give an experiment .py file, or a name under jaxtrain/experiments/: .*tiny"):
+    with pytest.raises(UserError, match=r"is a directory; give an experiment .py or .yaml file, or a name under jaxtrain/experiments/: .*tiny"):
         config_lib.load_experiment(str(tmp_path))
     broken = tmp_path / "broken.py"
     broken.write_text("def config():\n    return Config(\n")
@@ -147,6 +149,26 @@ def test_an_experiment_path_must_be_a_python_file(tmp_path):
     with pytest.raises(UserError, match=rf"^experiment file {broken} line 4: config\(\) raised TypeError: .*'d_modle'; fix the file$"):
         config_lib.load_experiment(str(broken))
 
+
+
+def test_a_yaml_experiment_is_config_sections_read_as_overrides_are(tmp_path):
+    """Keys given as config.yaml writes them, each read as its override is, the others at their defaults; a run's
+    config.yaml is one, its resolved: section a record left out; a mistake in the file is one line naming it."""
+    path = tmp_path / "mine.yaml"
+    path.write_text("model: {num_layers: 3, dtype: float32}\ntrain: {steps: '7', epochs: 1.5}\nrules: dp\n"
+                    "resolved: {devices: 8}\n")
+    assert config_lib.load_experiment(str(path)) == config_lib.apply_overrides(
+        Config(), ["model.num_layers=3", "model.dtype=float32", "train.steps=7", "train.epochs=1.5", "rules=dp"])
+    tiny = config_lib.with_absolute_paths(config_lib.load_experiment("tiny"))
+    config_lib.save_yaml(tiny, tmp_path / "config.yaml", {"resolved": {"devices": 8}})  # as a run writes it
+    assert config_lib.load_experiment(str(tmp_path / "config.yaml")) == tiny
+    for text, problem in (("model: {num_layrs: 3}\n", "unknown config key 'model.num_layrs'; did you mean 'model.num_layers'\\?; fix the file"),
+                          ("train: {steps: many}\n", "train.steps expects int, got 'many'; fix the file"),
+                          ("- model\n", "must be a mapping of config sections \\(model, data, train, ...\\), got list"),
+                          ("model: {num_layers: [3\n", "is not valid YAML at line 2, column 1")):
+        path.write_text(text)
+        with pytest.raises(UserError, match=f"^experiment file {path}:? {problem}"):
+            config_lib.load_experiment(str(path))
 
 
 def test_a_folder_in_the_working_directory_leaves_a_shipped_name_to_its_experiment_and_mesh(tmp_path, monkeypatch):

@@ -186,6 +186,22 @@ def _recorded_runs(monkeypatch, train_lib) -> list:
     return runs
 
 
+def test_a_runs_config_yaml_as_the_experiment_resumes_that_run_with_its_config(short_run, tmp_path, monkeypatch, capsys):
+    """`jaxtrain train RUN_DIR/config.yaml` trains on in RUN_DIR with the config it trained with, without the command's
+    overrides given again (SHORT's model and batch here): no note of another model, batch or evaluation, only the
+    raised train.steps's schedule note; without --run-dir it went to runs/config, a new run."""
+    from jaxtrain import cli
+
+    run_dir = _copy(short_run, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", str(run_dir / "config.yaml"), "train.steps=6"]) == 0
+    assert [r["step"] for r in _records(run_dir) if "loss" in r] == [2, 4, 6] and not (tmp_path / "runs").exists()
+    err = capsys.readouterr().err
+    assert f"jaxtrain: resuming from checkpoint step 4 in {run_dir}" in err, err
+    notes = [line for line in err.splitlines() if line.startswith("jaxtrain: note:")]
+    assert len(notes) == 1 and "learning-rate schedule" in notes[0], notes
+
+
 def test_a_resume_with_another_global_batch_reads_on_from_the_next_sequence(short_run, tmp_path, monkeypatch, capsys):
     """The checkpoint's data position counts sequences: 4 steps of 8 resumed with 12 a batch (which 32 is no multiple
     of) read sequences 32-43 of the uninterrupted run's stream (a QA report: it counted batches, so 16 a batch read
