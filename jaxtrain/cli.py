@@ -97,6 +97,8 @@ def resolve_config(experiment: str, mesh: str | None, rules: str | None, overrid
     config_lib.check(cfg)
     if hf_dir and weights:
         hf_weights.check_dir(hf_dir, cfg.model)
+    for note in config_lib.unused_key_notes(cfg):
+        print(f"jaxtrain: note: {note}", file=sys.stderr)
     return cfg
 
 

@@ -631,6 +631,35 @@ def resolve_for_devices(cfg: Config, nvidia_gpu: bool, cpu: bool = False, pipeli
     return dataclasses.replace(cfg, model=m)
 
 
+# the keys that do nothing while a feature is off: (the keys, or their section; the feature's switch; whether its value
+# is off; what off means and how to switch it on). One set to other than its default is noted: model.lora.alpha=32
+# without model.lora.rank trained every weight without a word, model.rope_scaling.factor=8 without its type no scaling
+UNUSED_WHILE_OFF = (
+    ("model.lora.", "model.lora.rank", lambda v: v == 0, "no adapters: every weight trains; give model.lora.rank to train LoRA adapters"),
+    ("model.moe.", "model.moe.num_experts", lambda v: v == 0, "a dense model; give model.moe.num_experts for a mixture of experts"),
+    ("model.rope_scaling.", "model.rope_scaling.type", lambda v: v == "none", "no rotary scaling; give model.rope_scaling.type=llama3"),
+    (("optim.decay_fraction", "optim.decay_shape"), "optim.schedule", lambda v: v != "wsd", "only optim.schedule=wsd's decay uses them"),
+    (("data.pack", "data.truncate"), "data.format", lambda v: v != "sft", "only instruction data, data.format=sft, is packed and cut"),
+    (("train.spike_window",), "train.skip_spikes", lambda v: v == 0, "no spike guard; give train.skip_spikes"),
+    (("optim.loss_scale_period",), "model.dtype", lambda v: v != "float16", "only float16 compute, model.dtype=float16, scales the loss"),
+)
+
+
+def unused_key_notes(cfg: Config) -> list[str]:
+    """A note per feature that is off where some of its keys are set (``UNUSED_WHILE_OFF``)."""
+    values, defaults = flatten(to_dict(cfg)), flatten(to_dict(Config()))
+    notes = []
+    for keys, switch, is_off, meaning in UNUSED_WHILE_OFF:
+        if not is_off(values[switch]):
+            continue
+        unused = [f"{key}={as_override(value)}" for key, value in values.items()
+                  if key != switch and (key.startswith(keys) if isinstance(keys, str) else key in keys) and value != defaults[key]]
+        if unused:
+            noun = "has" if len(unused) == 1 else "have"
+            notes.append(f"{', '.join(unused)} {noun} no effect with {switch}={as_override(values[switch])} ({meaning})")
+    return notes
+
+
 def steps_problems(cfg: Config, epochs_counted: bool = False) -> list[str]:
     """log.profile_steps against train.steps; under train.epochs against the steps they came to, which are known only
     once the data is read (jaxtrain.train.check, ``epochs_counted``): before that, the range's form alone."""

@@ -171,6 +171,34 @@ def test_a_yaml_experiment_is_config_sections_read_as_overrides_are(tmp_path):
             config_lib.load_experiment(str(path))
 
 
+def test_keys_of_a_feature_that_is_off_are_noted_when_set(capsys):
+    """model.lora.alpha=32 without model.lora.rank trained every weight without a word (and the like for the other
+    features' keys); the shipped experiments set none."""
+    from jaxtrain.cli import resolve_config
+
+    resolve_config("tiny", None, None, ["model.lora.alpha=32", "model.lora.dropout=0.1", "model.rope_scaling.factor=4",
+                                        "optim.decay_shape=cosine", "data.truncate=true", "train.spike_window=64",
+                                        "optim.loss_scale_period=100", "model.moe.top_k=1"])
+    assert capsys.readouterr().err.splitlines() == [
+        "jaxtrain: note: model.lora.alpha=32.0, model.lora.dropout=0.1 have no effect with model.lora.rank=0 (no adapters: "
+        "every weight trains; give model.lora.rank to train LoRA adapters)",
+        "jaxtrain: note: model.moe.top_k=1 has no effect with model.moe.num_experts=0 (a dense model; give model.moe.num_experts "
+        "for a mixture of experts)",
+        "jaxtrain: note: model.rope_scaling.factor=4.0 has no effect with model.rope_scaling.type=none (no rotary scaling; give "
+        "model.rope_scaling.type=llama3)",
+        "jaxtrain: note: optim.decay_shape=cosine has no effect with optim.schedule=cosine (only optim.schedule=wsd's decay uses them)",
+        "jaxtrain: note: data.truncate=true has no effect with data.format=text (only instruction data, data.format=sft, is "
+        "packed and cut)",
+        "jaxtrain: note: train.spike_window=64 has no effect with train.skip_spikes=0.0 (no spike guard; give train.skip_spikes)",
+        "jaxtrain: note: optim.loss_scale_period=100 has no effect with model.dtype=float32 (only float16 compute, "
+        "model.dtype=float16, scales the loss)"]
+    resolve_config("tiny", None, None, ["model.lora.rank=4", "model.lora.alpha=32", "optim.schedule=wsd", "optim.decay_shape=cosine"])
+    assert capsys.readouterr().err == ""  # on, the keys are used
+    shipped = sorted(p.stem for p in config_lib.EXPERIMENTS_DIR.glob("*.py") if not p.stem.startswith("_"))
+    assert len(shipped) > 10 and {name: config_lib.unused_key_notes(config_lib.load_experiment(name)) for name in shipped} == \
+        {name: [] for name in shipped}
+
+
 def test_a_folder_in_the_working_directory_leaves_a_shipped_name_to_its_experiment_and_mesh(tmp_path, monkeypatch):
     """A user's project folder named as an experiment or a mesh (``llama3_8b/`` for its data, say) made the name
     unusable: "experiment llama3_8b is a directory; give ... or a name under jaxtrain/experiments/: ..., llama3_8b, ..."
