@@ -486,7 +486,7 @@ def load_experiment(name_or_path: str) -> Config:
                             f"a .yaml file of config sections, or a name under jaxtrain/experiments/: {_available(EXPERIMENTS_DIR, '.py')}")
         if not _shipped(EXPERIMENTS_DIR, name_or_path, ".py"):
             raise UserError(
-                f"unknown experiment '{name_or_path}'; available: {_available(EXPERIMENTS_DIR, '.py')} (or pass a path to a .py file)"
+                f"unknown experiment '{name_or_path}'; available: {_available(EXPERIMENTS_DIR, '.py')} (or pass a path to a .py or .yaml file)"
             )
         module, experiment_file = importlib.import_module(f"jaxtrain.experiments.{name_or_path}"), None
     if not callable(getattr(module, "config", None)):
