@@ -464,7 +464,8 @@ def load_experiment(name_or_path: str) -> Config:
             return _yaml_experiment(path)
         if path.suffix != ".py":
             raise UserError(f"experiment file {name_or_path} is neither a Python nor a YAML file; an experiment is a .py file "
-                            f"with config() -> Config (see {EXPERIMENTS_DIR / 'tiny.py'}) or a .yaml file of config "  # where it is installed
+                            # the example where it is installed
+                            f"with config() -> Config (see {EXPERIMENTS_DIR / 'tiny.py'}) or a .yaml file of config "
                             "sections (a run's config.yaml is one)")
         spec = importlib.util.spec_from_file_location(f"_experiment_{path.stem}", path)
         module, experiment_file = importlib.util.module_from_spec(spec), path
@@ -486,7 +487,8 @@ def load_experiment(name_or_path: str) -> Config:
                             f"a .yaml file of config sections, or a name under jaxtrain/experiments/: {_available(EXPERIMENTS_DIR, '.py')}")
         if not _shipped(EXPERIMENTS_DIR, name_or_path, ".py"):
             raise UserError(
-                f"unknown experiment '{name_or_path}'; available: {_available(EXPERIMENTS_DIR, '.py')} (or pass a path to a .py or .yaml file)"
+                f"unknown experiment '{name_or_path}'; available: {_available(EXPERIMENTS_DIR, '.py')} "
+                "(or pass a path to a .py or .yaml file)"
             )
         module, experiment_file = importlib.import_module(f"jaxtrain.experiments.{name_or_path}"), None
     if not callable(getattr(module, "config", None)):

@@ -131,7 +131,8 @@ def test_an_experiment_path_must_be_a_python_file(tmp_path):
     # the example it points to by its real path, which an installed jaxtrain's user has (not jaxtrain/experiments/tiny.py)
     example = Path(re.fullmatch(r".*\(see (.*?)\).*", str(raised.value)).group(1))
     assert example.is_absolute() and config_lib.load_experiment(str(example)) == config_lib.load_experiment("tiny")
-    with pytest.raises(UserError, match=r"is a directory; give an experiment .py or .yaml file, or a name under jaxtrain/experiments/: .*tiny"):
+    with pytest.raises(UserError, match=r"is a directory; give an experiment .py or .yaml file, or a name under "
+                                        r"jaxtrain/experiments/: .*tiny"):
         config_lib.load_experiment(str(tmp_path))
     broken = tmp_path / "broken.py"
     broken.write_text("def config():\n    return Config(\n")
@@ -162,7 +163,8 @@ def test_a_yaml_experiment_is_config_sections_read_as_overrides_are(tmp_path):
     tiny = config_lib.with_absolute_paths(config_lib.load_experiment("tiny"))
     config_lib.save_yaml(tiny, tmp_path / "config.yaml", {"resolved": {"devices": 8}})  # as a run writes it
     assert config_lib.load_experiment(str(tmp_path / "config.yaml")) == tiny
-    for text, problem in (("model: {num_layrs: 3}\n", "unknown config key 'model.num_layrs'; did you mean 'model.num_layers'\\?; fix the file"),
+    for text, problem in (("model: {num_layrs: 3}\n",
+                           "unknown config key 'model.num_layrs'; did you mean 'model.num_layers'\\?; fix the file"),
                           ("train: {steps: many}\n", "train.steps expects int, got 'many'; fix the file"),
                           ("- model\n", "must be a mapping of config sections \\(model, data, train, ...\\), got list"),
                           ("model: {num_layers: [3\n", "is not valid YAML at line 2, column 1")):

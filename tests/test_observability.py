@@ -1135,7 +1135,8 @@ def test_prometheus_serves_the_latest_record_during_the_run(trainer, tmp_path, m
     assert scraped["jaxtrain_last_checkpoint_step"] == 4 and 0 <= scraped["jaxtrain_last_checkpoint_age_seconds"] < 60
     check_port_free(port)  # the run let go of its port
     # before the first record every gauge is unknown, not 0 (a loss or step of 0 would read as one)
-    assert all(math.isnan(first[f"jaxtrain_{name}"]) for name in ("step", "loss", "epoch", "tokens_per_second", "mfu", "last_checkpoint_step"))
+    assert all(math.isnan(first[f"jaxtrain_{name}"])
+               for name in ("step", "loss", "epoch", "tokens_per_second", "mfu", "last_checkpoint_step"))
 
 
 def test_prometheus_knows_the_checkpoint_a_resumed_run_started_from(trainer, tmp_path, monkeypatch):

@@ -510,7 +510,8 @@ def test_train_epochs_of_instruction_data_come_to_the_first_step_whose_packing_h
                                                       "val_fraction": 0.2}, train={"epochs": epochs, "global_batch": 8})
     checked = check(cfg)
     steps = checked.layout.cfg.train.steps
-    batches, wanted, read = sft.train_batches(checked.corpus, cfg.data, 8, checked.layout.batch_sharding), epochs * len(checked.corpus.train), []
+    batches = sft.train_batches(checked.corpus, cfg.data, 8, checked.layout.batch_sharding)
+    wanted, read = epochs * len(checked.corpus.train), []
     for _ in range(steps):
         next(batches)
         read.append(batches.position())
