@@ -213,7 +213,7 @@ def test_a_folder_in_the_working_directory_leaves_a_shipped_name_to_its_experime
     assert load_mesh_file("gpu1").ici.data == 1
     # a folder of no shipped name is still refused as one, and so is a path to one
     (tmp_path / "mine").mkdir()
-    with pytest.raises(UserError, match="^experiment mine is a directory; give an experiment .py file"):
+    with pytest.raises(UserError, match="^experiment mine is a directory; give an experiment .py or .yaml file"):
         config_lib.load_experiment("mine")
     with pytest.raises(UserError, match="^experiment ./tiny is a directory"):
         config_lib.load_experiment("./tiny")
