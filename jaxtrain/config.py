@@ -647,6 +647,10 @@ UNUSED_WHILE_OFF = (
 )
 
 
+# the keys resolve_for_devices turns from auto into a choice, which a run's config.yaml keeps: not the user's setting
+CHOSEN_FOR_DEVICES = ("model.moe.grouped_matmul", "model.attention", "model.scan_layers")
+
+
 def unused_key_notes(cfg: Config) -> list[str]:
     """A note per feature that is off where some of its keys are set (``UNUSED_WHILE_OFF``)."""
     values, defaults = flatten(to_dict(cfg)), flatten(to_dict(Config()))
@@ -655,7 +659,8 @@ def unused_key_notes(cfg: Config) -> list[str]:
         if not is_off(values[switch]):
             continue
         unused = [f"{key}={as_override(value)}" for key, value in values.items()
-                  if key != switch and (key.startswith(keys) if isinstance(keys, str) else key in keys) and value != defaults[key]]
+                  if key != switch and (key.startswith(keys) if isinstance(keys, str) else key in keys)
+                  and value != defaults[key] and key not in CHOSEN_FOR_DEVICES]
         if unused:
             noun = "has" if len(unused) == 1 else "have"
             notes.append(f"{', '.join(unused)} {noun} no effect with {switch}={as_override(values[switch])} ({meaning})")

@@ -196,6 +196,8 @@ def test_keys_of_a_feature_that_is_off_are_noted_when_set(capsys):
         "model.dtype=float16, scales the loss)"]
     resolve_config("tiny", None, None, ["model.lora.rank=4", "model.lora.alpha=32", "optim.schedule=wsd", "optim.decay_shape=cosine"])
     assert capsys.readouterr().err == ""  # on, the keys are used
+    # what the devices chose for auto, which a run's config.yaml keeps (a dense run's config.yaml resumed noted it)
+    assert config_lib.unused_key_notes(config_lib.apply_overrides(Config(), ["model.moe.grouped_matmul=xla"])) == []
     shipped = sorted(p.stem for p in config_lib.EXPERIMENTS_DIR.glob("*.py") if not p.stem.startswith("_"))
     assert len(shipped) > 10 and {name: config_lib.unused_key_notes(config_lib.load_experiment(name)) for name in shipped} == \
         {name: [] for name in shipped}
