@@ -60,10 +60,10 @@ def describe_schedule(cfg: Config) -> str:
     then = {"cosine": f"a cosine to {end}", "linear": f"linear to {end}",
             "wsd": f"held to step {held_to}, then a {o.decay_shape} decay to {end}"}[o.schedule]
     if o.warmup_steps >= steps:  # the warmup takes every step: nothing decays
-        then = f"no decay (the warmup takes all {steps} steps)"
+        then = f"no decay (the warmup takes all {steps} steps)" if steps > 1 else "no decay (the warmup takes the one step)"
     clipping = f"gradients clipped at global norm {o.clip_norm:g}" if o.clip_norm else "no clipping"
     return (f"AdamW (b1 {o.b1:g}, b2 {o.b2:g}, eps {o.eps:g}, weight decay {o.weight_decay:g}, {clipping}): learning rate "
-            f"{o.lr:.3g} after {warmup_steps(cfg)} warmup steps, then {then}")
+            f"{o.lr:.3g} after {warmup_steps(cfg)} warmup step{'s' * (warmup_steps(cfg) != 1)}, then {then}")
 
 
 # optim.decay_shape: the factor at a decay's progress p (torchtitan's and transformers' warmup-stable-decay shapes;

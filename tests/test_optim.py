@@ -171,3 +171,5 @@ def test_the_start_up_summary_says_the_schedule_as_it_runs():
     for schedule in ("cosine", "linear", "wsd"):  # a warmup as long as the run: no decay to name
         assert describe_schedule(with_(cfg, train={"steps": 10}, optim={"schedule": schedule})).endswith(
             "learning rate 0.001 after 10 warmup steps, then no decay (the warmup takes all 10 steps)")
+    assert describe_schedule(with_(cfg, train={"steps": 1})).endswith(  # "after 1 warmup steps ... takes all 1 steps"
+        "learning rate 0.001 after 1 warmup step, then no decay (the warmup takes the one step)")
