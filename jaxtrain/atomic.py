@@ -44,7 +44,9 @@ def _remove_abandoned(path: Path, what: str) -> None:
     wrote (SIGKILL, the out-of-memory killer; a SIGTERM cleans up) left its partial output hidden there, which the
     command run again wrote a second time beside (a token file of a large corpus: tens of GB). A live process's, or
     another host's (on a shared file system, where this host cannot tell whether its writer lives), are left alone,
-    as are those named before 2026-12-06, which name no process."""
+    as are those named before 2026-12-06, which name no process. Containers that share a file system, a host name
+    and not their process ids would take each other's live writers for dead: give them host names of their own
+    (Docker's and Kubernetes' defaults are)."""
     owned = re.compile(rf"\.{re.escape(path.name)}\.{re.escape(socket.gethostname())}-(\d+)\.\w+\.tmp")
     with contextlib.suppress(OSError):  # an unreadable directory: the write itself says so
         for entry in path.parent.iterdir():

@@ -103,10 +103,11 @@ def resolve_config(experiment: str, mesh: str | None, rules: str | None, overrid
 
 
 def default_run_dir(experiment: str) -> Path:
-    """runs/EXPERIMENT; for a run's own config.yaml given as the experiment, that run's directory: the command resumes it
-    (runs/config was a new run beside it)."""
+    """runs/EXPERIMENT; for a run's own config.yaml given as the experiment (beside its metrics or checkpoints), that
+    run's directory: the command resumes it (runs/config was a new run beside it). A config.yaml of the user's elsewhere
+    is an experiment like any other, whose run is not written into its folder."""
     path = Path(experiment)
-    if path.name == "config.yaml" and path.is_file():
+    if path.name == "config.yaml" and ((path.parent / "metrics.jsonl").is_file() or (path.parent / "checkpoints").is_dir()):
         return path.parent
     return Path("runs") / path.stem
 

@@ -173,6 +173,26 @@ def test_a_yaml_experiment_is_config_sections_read_as_overrides_are(tmp_path):
             config_lib.load_experiment(str(path))
 
 
+def test_a_runs_config_yaml_defaults_to_its_run_and_another_config_yaml_to_runs(tmp_path):
+    """The run's own (beside its metrics or checkpoints) resumes it; a user's experiment named config.yaml in a project
+    folder is written to runs/config, not into that folder."""
+    from jaxtrain.cli import default_run_dir
+
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "config.yaml").write_text("train: {steps: 3}\n")
+    assert default_run_dir(str(tmp_path / "project" / "config.yaml")) == Path("runs/config")
+    for made in ("metrics.jsonl", "checkpoints"):
+        run = tmp_path / made.split(".")[0]
+        run.mkdir()
+        (run / "config.yaml").write_text("train: {steps: 3}\n")
+        if made == "metrics.jsonl":
+            (run / made).write_text("")
+        else:
+            (run / made).mkdir()
+        assert default_run_dir(str(run / "config.yaml")) == run
+    assert default_run_dir("tiny") == Path("runs/tiny") and default_run_dir("exp/mine.yaml") == Path("runs/mine")
+
+
 def test_keys_of_a_feature_that_is_off_are_noted_when_set(capsys):
     """model.lora.alpha=32 without model.lora.rank trained every weight without a word (and the like for the other
     features' keys); the shipped experiments set none."""
