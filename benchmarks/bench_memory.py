@@ -23,7 +23,7 @@ import jax
 
 from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig
 from jaxtrain.plan import hlo_report
-from jaxtrain.layout import lower_steps, peak_bytes
+from jaxtrain.layout import lower_train_step, peak_bytes
 from jaxtrain.state import bytes_per_device
 from jaxtrain.train import build
 from jaxtrain.models.config import LlamaConfig
@@ -62,7 +62,7 @@ def gradient_reduction_bytes(trainer) -> dict[str, int]:
     float32 (a GPU keeps them bfloat16)."""
     mesh = dict(trainer.mesh.shape)
     narrow = trainer.cfg.optim.grad_dtype != "float32"
-    text = hlo_report.partitioned_hlo(lower_steps(trainer.layout)[0]) if narrow else trainer.train_step.as_text()
+    text = hlo_report.partitioned_hlo(lower_train_step(trainer.layout)) if narrow else trainer.train_step.as_text()
     out: dict[str, int] = {}
     for c in hlo_report.report(text, mesh).collectives:
         if c.kind in ("all-reduce", "reduce-scatter") and c.bytes > 4 * c.tensors:

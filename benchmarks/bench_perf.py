@@ -41,7 +41,7 @@ from jaxtrain import data as data_lib
 from jaxtrain.config import AxisSizes, Config, DataConfig, LogConfig, MeshConfig, OptimConfig, TrainConfig
 from jaxtrain.observe import step_profile
 from jaxtrain.observe.flops import measure_matmul_peak, model_flops_per_token
-from jaxtrain.layout import lower_steps, make_layout
+from jaxtrain.layout import lower_train_step, make_layout
 from jaxtrain.optim import decay_mask
 from jaxtrain.state import init_state, model_spec
 from jaxtrain.step import cross_entropy
@@ -188,7 +188,7 @@ def compiled_train_step(cfg: Config, corpus):
     its contender (step, fresh state), a batch, lowering seconds, compile seconds)."""
     layout = make_layout(cfg)
     start = time.perf_counter()
-    lowered = lower_steps(layout)[0]
+    lowered = lower_train_step(layout)
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
     done = time.perf_counter()

@@ -184,27 +184,43 @@ def with_train_steps(layout: Layout, steps: int) -> Layout:
     return dataclasses.replace(layout, cfg=cfg, tx=make_optimizer(cfg, layout.spec.logical_axes))
 
 
-def lower_steps(layout: Layout) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
-    """Trace and lower the train and eval steps (no XLA compilation yet). Activation axes without a
-    rule surface here, as a UserError."""
-    cfg, shardings, batch_sh = layout.cfg, layout.shardings, layout.batch_sharding
-    replicated = NamedSharding(layout.mesh, PartitionSpec())
+def lower_train_step(layout: Layout) -> jax.stages.Lowered:
+    """Trace and lower the train step (no XLA compilation yet). Activation axes without a rule surface here, as a
+    UserError."""
+    cfg, shardings = layout.cfg, layout.shardings
     device_opt_state = in_device_memory(shardings.opt_state) if cfg.optim.offload else None
-    device_params = in_device_memory(shardings.params) if cfg.optim.offload and offload.offloads_master_weights(cfg.model) else None
     train_fn = jax.jit(make_train_step(layout.spec.graphdef, layout.tx, learning_rate_schedule(cfg), cfg.train.microbatches,
                                        layer_norms=cfg.log.layer_every > 0, loss_chunk=cfg.train.loss_chunk,
                                        grad_shardings=layout.grad_shardings, device_opt_state=device_opt_state,
                                        loss_scale_period=cfg.optim.loss_scale_period, grad_reduction=layout.grad_reduction,
-                                       device_params=device_params,
+                                       device_params=_device_params(layout, shardings.params),
                                        dropout_seed=cfg.train.seed if cfg.model.lora.rank and cfg.model.lora.dropout else None,
                                        skip_spikes=cfg.train.skip_spikes),
-                       in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated), donate_argnums=0)
-    device_model_params = None if device_params is None else in_device_memory(shardings.model_params)
-    eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk, device_model_params, cfg.train.microbatches),
-                      in_shardings=(shardings.model_params, batch_sh), out_shardings=replicated)
-    state, batch = layout.abstract_state(), layout.abstract_batch()
+                       in_shardings=(shardings, layout.batch_sharding), out_shardings=(shardings, _replicated(layout)),
+                       donate_argnums=0)
     with model_tracing(layout.mesh, layout.rules, cfg.rules):
-        return train_fn.lower(state, batch), eval_fn.lower(state.model_params, batch)
+        return train_fn.lower(layout.abstract_state(), layout.abstract_batch())
+
+
+def lower_eval_step(layout: Layout) -> jax.stages.Lowered:
+    """Trace and lower the eval step (no XLA compilation yet): apart from the train step, which the planner and
+    ``train.microbatches=auto`` compile alone."""
+    cfg, shardings = layout.cfg, layout.shardings
+    eval_fn = jax.jit(make_eval_step(layout.spec.graphdef, cfg.train.loss_chunk, _device_params(layout, shardings.model_params),
+                                     cfg.train.microbatches),
+                      in_shardings=(shardings.model_params, layout.batch_sharding), out_shardings=_replicated(layout))
+    with model_tracing(layout.mesh, layout.rules, cfg.rules):
+        return eval_fn.lower(layout.abstract_state().model_params, layout.abstract_batch())
+
+
+def _device_params(layout: Layout, params_shardings):
+    """``params_shardings`` in device memory where optim.offload keeps the master weights in host memory; else None."""
+    cfg = layout.cfg
+    return in_device_memory(params_shardings) if cfg.optim.offload and offload.offloads_master_weights(cfg.model) else None
+
+
+def _replicated(layout: Layout) -> NamedSharding:
+    return NamedSharding(layout.mesh, PartitionSpec())
 
 
 def peak_bytes(memory) -> int:
@@ -213,8 +229,7 @@ def peak_bytes(memory) -> int:
     return memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes
 
 
-def compile_train_step(layout: Layout) -> tuple[tuple[jax.stages.Compiled, jax.stages.Lowered], int]:
-    """The compiled train step and the lowered eval step, and the train step's peak bytes per device."""
-    train_lowered, eval_lowered = lower_steps(layout)
-    train_step = train_lowered.compile()
-    return (train_step, eval_lowered), peak_bytes(train_step.memory_analysis())
+def compile_train_step(layout: Layout) -> tuple[jax.stages.Compiled, int]:
+    """The compiled train step and its peak bytes per device."""
+    train_step = lower_train_step(layout).compile()
+    return train_step, peak_bytes(train_step.memory_analysis())

@@ -30,7 +30,7 @@ from jaxtrain.data.tokenizer import TOKENIZER_FILE
 from jaxtrain.distributed import LostPeer, lost_peer
 from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import, peft
-from jaxtrain.layout import Layout, compile_train_step, with_train_steps
+from jaxtrain.layout import Layout, compile_train_step, lower_eval_step, with_train_steps
 from jaxtrain.observe.metrics import MetricsLog
 from jaxtrain.observe.records import read_records
 from jaxtrain.optim import learning_rate_schedule
@@ -116,10 +116,10 @@ def compile_steps(checked: Checked) -> Trainer:
     with compile_cache.counting() as compiled:
         if checked.memory_limit is None:
             layout = checked.layout
-            (train_step, eval_lowered), _ = compile_train_step(layout)
+            train_step, _ = compile_train_step(layout)
         else:
-            layout, (train_step, eval_lowered) = plan.fit_microbatches(checked.layout, checked.memory_limit, compile_train_step)
-        eval_step = eval_lowered.compile()
+            layout, train_step = plan.fit_microbatches(checked.layout, checked.memory_limit, compile_train_step)
+        eval_step = lower_eval_step(layout).compile()
     auto = None if not checked.microbatches_auto else "unsized" if checked.memory_limit is None else "fitted"
     return Trainer.of(layout, checked.corpus, train_step, eval_step, time.perf_counter() - start, compiled, auto)
 

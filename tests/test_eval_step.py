@@ -9,7 +9,7 @@ import pytest
 
 from conftest import small_config, with_
 from jaxtrain import data as data_lib
-from jaxtrain.layout import compile_train_step, lower_steps, make_layout
+from jaxtrain.layout import compile_train_step, lower_eval_step, lower_train_step, make_layout
 from jaxtrain.plan.estimate import unfitted_layout
 from jaxtrain.state import bytes_per_device, state_initializer
 from jaxtrain.train import Checked, build, compile_steps, train
@@ -36,8 +36,7 @@ def test_evaluation_needs_no_more_device_memory_than_the_train_step(setup):
     at seq 8192: 125 GiB of float32 logits a device at the first evaluation."""
     cfg = with_(MEMORY_SETUPS[setup](), data={"seq_len": 64}, train={"global_batch": 32, "microbatches": 8})
     layout = make_layout(cfg)
-    train_lowered, eval_lowered = lower_steps(layout)
-    train_memory, eval_memory = train_lowered.compile().memory_analysis(), eval_lowered.compile().memory_analysis()
+    train_memory, eval_memory = (lower(layout).compile().memory_analysis() for lower in (lower_train_step, lower_eval_step))
     batch = bytes_per_device(layout.abstract_batch())
     train_working = train_memory.temp_size_in_bytes + train_memory.output_size_in_bytes - train_memory.alias_size_in_bytes
     eval_working = batch + eval_memory.temp_size_in_bytes + eval_memory.output_size_in_bytes
@@ -52,7 +51,7 @@ def test_auto_micro_batches_evaluate_in_the_fitted_count():
     one_pass_peak = compile_train_step(layout)[1]
     trainer = compile_steps(Checked(layout, None, one_pass_peak - 1, microbatches_auto=True))
     assert trainer.layout.cfg.train.microbatches > 1
-    unsplit = lower_steps(layout)[1].compile().memory_analysis().temp_size_in_bytes
+    unsplit = lower_eval_step(layout).compile().memory_analysis().temp_size_in_bytes
     assert trainer.eval_step.memory_analysis().temp_size_in_bytes < unsplit
 
 
@@ -65,7 +64,7 @@ def test_a_split_evaluation_sums_the_nats_and_tokens_of_the_whole_batch():
     for microbatches in (1, 4):
         layout = make_layout(with_(cfg, train={"microbatches": microbatches}))
         params = state_initializer(cfg.model, layout.tx, 0, layout.shardings)().model_params
-        nats, tokens = lower_steps(layout)[1].compile()(params, jax.device_put(batch, layout.batch_sharding))
+        nats, tokens = lower_eval_step(layout).compile()(params, jax.device_put(batch, layout.batch_sharding))
         sums[microbatches] = float(nats), float(tokens)
     assert sums[4][1] == sums[1][1] == batch["weights"].sum()
     np.testing.assert_allclose(sums[4][0], sums[1][0], rtol=1e-6)
@@ -78,7 +77,7 @@ def test_a_runs_eval_loss_is_the_unsplit_evaluations(corpus, tmp_path):
     trainer = build(cfg, corpus)
     final = train(cfg, tmp_path / "run", trainer)
     record = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
-    unsplit = lower_steps(make_layout(with_(cfg, train={"microbatches": 1})))[1].compile()
+    unsplit = lower_eval_step(make_layout(with_(cfg, train={"microbatches": 1}))).compile()
     eval_data = data_lib.eval_batches(corpus, cfg.data, 16, trainer.batch_sharding, 2)
     split_sums = [tuple(map(float, trainer.eval_step(final.model_params, b))) for b in eval_data]
     unsplit_sums = [tuple(map(float, unsplit(final.model_params, b))) for b in eval_data]

@@ -14,7 +14,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.plan.gpu_targets import LINK_BYTES_PER_S
 from jaxtrain.plan import hlo_report
 from jaxtrain.plan import step_cost
-from jaxtrain.layout import lower_steps, make_layout
+from jaxtrain.layout import lower_train_step, make_layout
 from jaxtrain.train import build, train
 from test_memory import _run
 from jaxtrain.models.config import MoEConfig, PipelineConfig
@@ -31,7 +31,7 @@ def _cfg(grad_dtype, rules="dp", mesh=(8, 1, 1), microbatches=1):
 def _gradient_reductions(cfg) -> dict[tuple[str, str], int]:
     """Bytes per (kind, element type) that the partitioned step's all-reduces and reduce-scatters carry, scalars left out."""
     layout = make_layout(cfg)
-    hlo = hlo_report.report(hlo_report.partitioned_hlo(lower_steps(layout)[0]), dict(layout.mesh.shape))
+    hlo = hlo_report.report(hlo_report.partitioned_hlo(lower_train_step(layout)), dict(layout.mesh.shape))
     out: dict[str, int] = {}
     for c in hlo.collectives:
         if c.kind in ("all-reduce", "reduce-scatter") and c.bytes > 4 * c.tensors:
@@ -85,7 +85,7 @@ def test_bfloat16_reduction_trains_like_float32_and_resumes_exactly(trainers, co
 
 def test_the_partitioned_program_is_read_even_when_the_compilation_cache_holds_it(tmp_path):
     # a program the persistent cache gives back runs no compiler passes, so none would be dumped (a warm cache failed here)
-    lowered = lower_steps(make_layout(_cfg("bfloat16")))[0]
+    lowered = lower_train_step(make_layout(_cfg("bfloat16")))
     with compile_cache.using(str(tmp_path)):
         lowered.compile()
         assert any(tmp_path.iterdir())  # the cache holds the program now
@@ -103,7 +103,7 @@ def _data_sums(cfg) -> dict[bool, int]:
     """Bytes per step of the partitioned step's all-reduces over the data axis, by whether they run outside every loop
     (inside one, before XLA's passes, the count of runs is not known yet: one each here); scalars left out."""
     layout = make_layout(cfg)
-    hlo = hlo_report.report(hlo_report.partitioned_hlo(lower_steps(layout)[0]), dict(layout.mesh.shape))
+    hlo = hlo_report.report(hlo_report.partitioned_hlo(lower_train_step(layout)), dict(layout.mesh.shape))
     out: dict[bool, int] = {}
     for c in hlo.collectives:
         if c.kind == "all-reduce" and c.axes == ("data",) and c.bytes > 4 * c.tensors:  # not the loss's

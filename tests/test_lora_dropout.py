@@ -18,7 +18,7 @@ from conftest import with_
 from jaxtrain import cli
 from jaxtrain import data as data_lib
 from jaxtrain.adapt import lora as lora_lib
-from jaxtrain.layout import lower_steps, make_layout
+from jaxtrain.layout import lower_train_step, make_layout
 from jaxtrain.partitioning import flax_rules, model_tracing
 from jaxtrain.train import build, train
 from jaxtrain.models.config import LoraConfig, PipelineConfig
@@ -225,7 +225,7 @@ def test_a_pipelined_train_step_draws_the_masks_of_the_unpipelined_one(corpus):
         layout = make_layout(cfg)
         state = lora_lib.load_base(layout, None).start_state(layout)
         batch = next(data_lib.train_batches(corpus, cfg.data, cfg.train.global_batch, layout.batch_sharding))
-        state, metrics = lower_steps(layout)[0].compile()(state, batch)
+        state, metrics = lower_train_step(layout).compile()(state, batch)
         return float(metrics["grad_norm"]), jax.tree.map(np.asarray, state.params)
 
     plain_norm, plain_params = one_step(plain)

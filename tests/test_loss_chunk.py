@@ -15,7 +15,7 @@ from jaxtrain.config import check
 from jaxtrain.errors import UserError
 from jaxtrain.state import init_state
 from jaxtrain.step import cross_entropy, token_nll
-from jaxtrain.layout import lower_steps, make_layout
+from jaxtrain.layout import lower_train_step, make_layout
 from jaxtrain.partitioning import model_tracing
 from jaxtrain.models.config import LoraConfig
 
@@ -24,7 +24,7 @@ def _compiled_and_grads(cfg, batch):
     layout = make_layout(cfg, jax.devices()[:1])
     params = init_state(cfg.model, layout.tx, 0, layout.shardings).params
     loss, grads = jax.value_and_grad(lambda p: token_nll(layout.spec.graphdef, p, batch, cfg.train.loss_chunk).mean())(params)
-    return lower_steps(layout)[0].compile(), loss, grads
+    return lower_train_step(layout).compile(), loss, grads
 
 
 def test_chunked_loss_matches_whole_sequence_and_uses_less_memory():

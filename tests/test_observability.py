@@ -35,7 +35,7 @@ from jaxtrain.config import Config, OptimConfig
 from jaxtrain.errors import UserError
 from jaxtrain.observe.exporters import check_port_free
 from jaxtrain.observe.flops import flops_per_token, model_flops_per_token, peak_flops
-from jaxtrain.layout import lower_steps, make_layout
+from jaxtrain.layout import lower_train_step, make_layout
 from jaxtrain.observe.metrics import NonFiniteError, Progress, format_summary
 from jaxtrain.observe.records import is_skip_record
 from jaxtrain.optim import describe_schedule, learning_rate_schedule
@@ -405,7 +405,7 @@ def test_flops_per_token_is_xlas_count_less_the_masked_half_of_the_scores():
     cfg = with_(small_config(mesh=(1, 1, 1), vocab_size=256, d_model=256, num_layers=2, num_heads=4, num_kv_heads=2,
                              mlp_dim=1024, attention="xla", scan_layers=False),
                 data={"seq_len": 256})
-    train_lowered, _ = lower_steps(make_layout(cfg, jax.devices()[:1]))
+    train_lowered = lower_train_step(make_layout(cfg, jax.devices()[:1]))
     xla_flops = train_lowered.compile().cost_analysis()["flops"]
     masked_half = 6 * 2 * 256 * 4 * 64
     assert (flops_per_token(cfg.model, 256) + masked_half) * 8 * 256 == pytest.approx(xla_flops, rel=0.02)

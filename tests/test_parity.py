@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import small_config, with_
-from jaxtrain.layout import lower_steps, make_layout
+from jaxtrain.layout import lower_train_step, make_layout
 from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.step import make_train_step
 from jaxtrain.train import build, train
@@ -87,6 +87,6 @@ def test_micro_batches_are_cut_where_the_devices_hold_the_rows():
     the data-parallel step moves no rows between devices (only the gradients' all-reduces). Cut into contiguous halves,
     each micro-batch lay on half the devices, and every pass gathered and permuted its tokens and activations."""
     cfg = with_(small_config("dp", (8, 1, 1)), train={"global_batch": 16, "microbatches": 2}, optim={"grad_sync": "microbatch"})
-    text = lower_steps(make_layout(cfg))[0].compile().as_text()
+    text = lower_train_step(make_layout(cfg)).compile().as_text()
     assert "all-reduce(" in text
     assert not re.findall(r"\b(all-gather|all-to-all|collective-permute)(-start)?\(", text)

@@ -6,7 +6,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from conftest import small_config, with_
-from jaxtrain.layout import lower_steps, make_layout
+from jaxtrain.layout import lower_train_step, make_layout
 from jaxtrain.train import build
 
 
@@ -87,7 +87,7 @@ def test_activation_constraints_keep_fsdp_activations_split_like_the_batch():
     temp = {}
     for rules in ("dp", "fsdp"):
         layout = make_layout(with_(small_config(rules), log={"layer_every": 0}))
-        temp[rules] = lower_steps(layout)[0].compile().memory_analysis().temp_size_in_bytes
+        temp[rules] = lower_train_step(layout).compile().memory_analysis().temp_size_in_bytes
     assert temp["fsdp"] < temp["dp"], temp
 
 

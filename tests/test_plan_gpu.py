@@ -473,7 +473,7 @@ def _laid_out_otherwise(cfg, stored: set[tuple[int, ...]]) -> list[tuple[str, tu
     order (dimensions of one left out), after checking that the stored ones are there."""
     layout = make_layout(cfg, gpu_targets.compile_only_devices("h100", 8))
     with jax.default_device(layout.mesh.devices.flat[0]):
-        text = plan_lib.lower_steps(layout)[0].compile().as_text()
+        text = plan_lib.lower_train_step(layout).compile().as_text()
     shapes = [(i.opcode, tuple(int(d) for d in dims.split(",") if d != "1"))
               for computation in hlo_report.parse_computations(text).values() for i in computation
               for dims in re.findall(r"\w+\[([\d,]+)\]", i.type)]

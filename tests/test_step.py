@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from conftest import small_config, with_
-from jaxtrain.layout import lower_steps, make_layout
+from jaxtrain.layout import lower_train_step, make_layout
 from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.state import TrainState, state_initializer
 from jaxtrain.step import make_train_step, token_nll
@@ -39,7 +39,7 @@ def test_a_weighted_loss_is_the_batchs_nats_per_counted_token_however_the_step_s
                 train={"global_batch": ROWS, "microbatches": microbatches}, log={"layer_every": 1})
     layout = make_layout(cfg)
     assert (layout.grad_reduction is None) == (grad_sync == "microbatch")
-    step = lower_steps(layout)[0].compile()
+    step = lower_train_step(layout).compile()
     state = state_initializer(cfg.model, layout.tx, 0, layout.shardings)()
     batch = _weighted_batch(cfg.model.vocab_size)
     params = jax.device_get(state.params)

@@ -247,7 +247,7 @@ def test_a_lora_runs_frozen_base_takes_no_weight_gradients_as_compiled():
     model's step, which XLA's whole (not causally halved) attention scores do not enter."""
     import jax
 
-    from jaxtrain.layout import lower_steps
+    from jaxtrain.layout import lower_train_step
     from jaxtrain.plan import hlo_report
 
     plain = with_(small_config(rules="fsdp", mesh=(1, 1, 1), vocab_size=256, d_model=256, num_layers=2, num_heads=4, num_kv_heads=4,
@@ -256,7 +256,7 @@ def test_a_lora_runs_frozen_base_takes_no_weight_gradients_as_compiled():
     compiled, predicted = {}, {}
     for name, cfg in (("plain", plain), ("lora", lora)):
         layout = make_layout(cfg, jax.devices()[:1])
-        program = lower_steps(layout)[0].compile().as_text()
+        program = lower_train_step(layout).compile().as_text()
         compiled[name] = sum(hlo_report.report(program, dict(layout.mesh.shape), "").matmul_flops.values())
         predicted[name] = step_cost.step_flops_per_token(layout) * cfg.train.global_batch * cfg.data.seq_len
     assert compiled["lora"] < 0.8 * compiled["plain"]
@@ -271,7 +271,7 @@ def test_capacity_dispatch_multiplies_its_empty_expert_slots_as_compiled(remat):
     Until 2026-12-06 it counted top_k only, and a Mixtral plan's compute read 1.25 x fewer expert FLOPs than it ran."""
     import jax
 
-    from jaxtrain.layout import lower_steps
+    from jaxtrain.layout import lower_train_step
     from jaxtrain.plan import hlo_report
 
     compiled, predicted = {}, {}
@@ -280,7 +280,7 @@ def test_capacity_dispatch_multiplies_its_empty_expert_slots_as_compiled(remat):
                                  moe=MoEConfig(num_experts=8, top_k=2, dispatch="capacity", capacity_factor=factor)),
                     data={"seq_len": 32})
         layout = make_layout(cfg, jax.devices()[:1])
-        program = lower_steps(layout)[0].compile().as_text()
+        program = lower_train_step(layout).compile().as_text()
         compiled[factor] = sum(hlo_report.report(program, dict(layout.mesh.shape), "").matmul_flops.values())
         predicted[factor] = step_cost.step_flops_per_token(layout) * cfg.train.global_batch * cfg.data.seq_len
     assert compiled[2.0] > compiled[1.0]

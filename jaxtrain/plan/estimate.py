@@ -5,7 +5,7 @@ Two views of the same train step, side by side:
   under the remat policy, the working sets of the loss and of one layer's backward; the peak counts what is live
   at the largest of the moments it can fall on), computed from
   the shardings of the real layout (``layout.make_layout``) and the model shape;
-- the compiled truth: the real train step (``layout.lower_steps``) compiled for the target mesh, on this
+- the compiled truth: the real train step (``layout.lower_train_step``) compiled for the target mesh, on this
   machine's accelerators when it has enough, else on compile-only GPUs (``gpu_targets``), else on simulated
   CPU devices, read back with XLA's ``memory_analysis`` and ``cost_analysis``. The train step's peak is the run's: the
   eval step scores the batch in the train step's micro-batches, forward only, and with the state beside it holds less
@@ -46,7 +46,7 @@ from jaxtrain.state import bytes_per_device, gathered_elements
 from jaxtrain.memory.offload import HOST, offloads_master_weights
 from jaxtrain.plan.step_cost import (DEFAULT_GPU, StepTime, acting_remat, activation_widths, duration, embedding_gradient_by_columns,
                                      rematted_share, step_time)
-from jaxtrain.layout import Layout, idle_axes_note, lower_steps, make_layout, peak_bytes, unsplit_experts_note, unused_pipeline_note
+from jaxtrain.layout import Layout, idle_axes_note, lower_train_step, make_layout, peak_bytes, unsplit_experts_note, unused_pipeline_note
 from jaxtrain.models.attention import scored_fraction
 from jaxtrain.models.pipeline import STAGES
 from jaxtrain.models.config import REMAT_POLICIES, LlamaConfig
@@ -298,7 +298,7 @@ def compile_truth(layout: Layout, hlo_report: bool = False) -> Compiled:
     # the mesh's device as jax's default while tracing: tokamax's ragged dot (model.moe.grouped_matmul) picks its GPU
     # kernel by the default device, which is never a compile-only GPU
     with jax.default_device(layout.mesh.devices.flat[0]):
-        train_lowered, _ = lower_steps(layout)
+        train_lowered = lower_train_step(layout)
     # XLA logs its warnings only as it compiles: a program read back from a persistent cache (one set with
     # JAX_COMPILATION_CACHE_DIR) would come without them, so the report's compile bypasses any cache
     with captured_stderr() if hlo_report else contextlib.nullcontext([""]) as log, \
