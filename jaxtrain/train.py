@@ -99,6 +99,7 @@ def check(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
         raise UserError(f"model.attention=cudnn (cuDNN flash attention) runs only on NVIDIA GPUs and these devices are {kind}; "
                         "use model.attention=auto or xla")
     layout = plan.unfitted_layout(cfg, devices)  # every check before the data is read
+    plan.check_host_memory(layout)
     corpus = corpus or data_lib.load_data(cfg.data)
     data_lib.check_sizes(corpus, cfg.data, cfg.train.global_batch, cfg.model.vocab_size)
     if cfg.train.epochs:

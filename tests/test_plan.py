@@ -4,12 +4,14 @@ experiment files' public Llama shapes."""
 import dataclasses
 import json
 import re
+import types
 
 import pytest
 from conftest import REPO, run_cli, small_config, with_
 
 from jaxtrain.plan import estimate as plan_lib
 from jaxtrain.config import apply_overrides, check, load_experiment, resolve_for_devices
+from jaxtrain.errors import UserError
 from jaxtrain.layout import compile_train_step, make_layout, peak_bytes
 from jaxtrain.state import model_spec
 from jaxtrain.models.config import LoraConfig, MoEConfig, tokamax_problem
@@ -235,6 +237,46 @@ def test_trainer_resolves_auto_with_its_compiled_step_against_the_device_limit(m
     train_lib.train(auto, tmp_path, trainer)
     assert f"in {k} micro-batch(es) (train.microbatches=auto: the fewest whose step fits the device's memory)" in capsys.readouterr().err
     assert json.loads((tmp_path / "summary.json").read_text())["microbatches_auto"] == "fitted"
+
+
+def test_a_train_step_past_the_hosts_memory_is_refused_on_cpus_before_anything_compiles(monkeypatch, corpus, tmp_path, capsys):
+    """CPU devices report no memory size, and a model too large for the host compiled for minutes, then swapped or was
+    killed without a word. Host memory available under the estimate (8 devices' shards) less its tolerance: one line
+    naming what does not fit (the state, or a step's activations), status 2 from the command, nothing compiled or
+    written; within the tolerance: a note; above the estimate: no word."""
+    from jaxtrain import cli
+    from jaxtrain import train as train_lib
+
+    cfg = with_(small_config(), data={"seq_len": 64}, train={"global_batch": 16})  # a step's activations are most of it
+    items = plan_lib.peak_items(plan_lib.estimate(make_layout(cfg)))
+    needed, state = 8 * sum(items.values()), 8 * (items["parameters"] + items["optimizer state"])
+    assert state < needed / 4
+
+    def available(size):
+        monkeypatch.setattr(plan_lib.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=int(size)))
+        capsys.readouterr()
+
+    available(needed)
+    train_lib.check(cfg, corpus)
+    assert capsys.readouterr().err == ""
+    available(needed * 0.9)
+    train_lib.check(cfg, corpus)
+    assert re.fullmatch(r"jaxtrain: note: the train step needs about 0\.0 GiB of host memory \(0\.00 GiB on each of the 8 CPU "
+                        r"devices, .*\), more than the 0\.0 GiB this machine has available, within the estimate's 25%: the run "
+                        r"may swap or be stopped for memory\n", capsys.readouterr().err)
+    available(needed * 0.7)
+    with pytest.raises(UserError, match=r"^the train step needs about .* available; a step's activations do not fit: pass fewer "
+                                        r"tokens at a time \(train.microbatches=N splits the batch of 16 x 64 tokens; "):
+        train_lib.check(cfg, corpus)
+    available(state / 2)
+    with pytest.raises(UserError, match=r"; the parameters and optimizer state alone do not fit: train a smaller model "):
+        train_lib.check(cfg, corpus)
+    monkeypatch.setattr(train_lib, "compile_train_step", lambda layout: pytest.fail("compiled past the host's memory"))
+    available(1)
+    assert cli.main(["train", "tiny", "--run-dir", str(tmp_path / "run"), "log.progress=false"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("jaxtrain: error: the train step needs about ") and "GiB this machine has available; " in line
+    assert not (tmp_path / "run").exists()
 
 
 def test_usable_memory_is_at_most_jaxs_allocator_pool_in_the_plan_and_in_the_trainer(monkeypatch):
