@@ -14,6 +14,7 @@ import transformers
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from conftest import small_config
+from jaxtrain.errors import UserError
 from jaxtrain.models.config import MoEConfig
 from jaxtrain.models.moe import router_stats
 from jaxtrain.interop import hf_config, hf_export, hf_import
@@ -118,6 +119,10 @@ def test_expert_adapters_equal_peft_on_the_fused_expert_parameters_both_ways(nam
     assert cfg.model.expert_adapters() == ["gate_up", "down"]
     layout = make_layout(cfg)
     adapters = {"layers": peft_io.from_peft(tensors, cfg.model, adapter_dir)}
+    # an adapter_config.json whose r is not the tensors' rank is blamed on the config, not on the base
+    with pytest.raises(UserError, match=r"adapter_config.json: r=3, but the adapter's tensors have rank 2 \(base_model.model.model."
+                                        r"layers.0.mlp.experts.base_layer.lora_A is \(8, 32\)"):
+        peft_io.from_peft(tensors, dataclasses.replace(cfg.model, lora=LoraConfig(rank=3, alpha=6.0, targets=targets)), adapter_dir)
     params = join_frozen(lora_lib.load_base(layout, hf_dir).frozen, adapters)
     ours = _our_logits(layout, params)
     _assert_close(ours, expected)
@@ -134,8 +139,6 @@ def test_expert_adapters_equal_peft_on_the_fused_expert_parameters_both_ways(nam
 
 def test_a_qwen2_moe_without_a_shared_expert_is_one_line():
     """It was read as a Mixtral, then refused for a Mixtral tensor missing from the files ("does not match its config.json")."""
-    from jaxtrain.errors import UserError
-
     config = MODELS["qwen2_moe"][1].to_dict() | {"shared_expert_intermediate_size": 0}
     with pytest.raises(UserError, match=r"^config.json: shared_expert_intermediate_size=0 is not supported \(a shared expert: a "
                        r"positive multiple of moe_intermediate_size=16\)$"):

@@ -280,6 +280,21 @@ def test_a_peft_adapter_holding_tensors_outside_its_targets_is_one_line(hf_base,
         peft_io.from_peft(tensors, model_cfg, tmp_path)
 
 
+def test_a_peft_adapter_whose_r_is_not_its_tensors_rank_is_blamed_on_its_config_not_the_base(hf_base, tmp_path):
+    """A hand-edited r (4 for rank-2 tensors) was called an adapter "made for another base"; another base still is."""
+    hf_dir, _ = hf_base
+    adapted = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    tensors = {name: t.detach().numpy() for name, t in peft.get_peft_model_state_dict(adapted).items()}
+    model_cfg = hf_config.model_config(hf_dir, small_config().model, set(), 16)
+    with pytest.raises(UserError, match=r"^\S+adapter_config.json: r=4, but the adapter's tensors have rank 2 \(base_model.model.model."
+                                        r"layers.0.self_attn.q_proj.lora_A is \(2, 32\), lora_B \(32, 2\)\); give the r it was saved with$"):
+        peft_io.from_peft(tensors, dataclasses.replace(model_cfg, lora=LoraConfig(rank=4, targets="q")), tmp_path)
+    narrower = dataclasses.replace(model_cfg, d_model=16, lora=LoraConfig(rank=2, targets="q"))
+    with pytest.raises(UserError, match=r"adapter_model.safetensors: \S+lora_A/lora_B are \(2, 32\) / \(32, 2\), this base needs "
+                                        r"\(2, 16\) / \(\d+, 2\); the adapter was made for another base$"):
+        peft_io.from_peft(tensors, narrower, tmp_path)
+
+
 def test_generate_with_a_qlora_adapter_serves_the_model_it_trained(hf_base, corpus, tmp_path, capsys):
     """Adapters trained on an nf4 base (a run directory, or its PEFT export with our record) are applied to the float
     base quantized the same way: the model the merged export (and `generate RUN_DIR`) gives. Applied to the float base, the

@@ -108,6 +108,21 @@ def to_peft(adapters: dict, model_cfg: LlamaConfig) -> dict[str, np.ndarray]:
     return out
 
 
+def _check_pair(where: Path, prefix: str, a: np.ndarray | None, b: np.ndarray | None, want_a: tuple, want_b: tuple,
+                experts: int = 1) -> None:
+    """A UserError unless one layer's lora_A and lora_B have the shapes the base and adapter_config.json's ``r`` ask
+    (``experts`` blocks of rank rows each). Tensors of one rank that fit the base otherwise mean a wrong ``r``, not
+    another base (a QA report: a hand-edited r was blamed on the base)."""
+    if a is not None and b is not None and a.shape == want_a and b.shape == want_b:
+        return
+    if (a is not None and b is not None and a.ndim == b.ndim == 2 and a.shape[1] == want_a[1] and b.shape[0] == want_b[0]
+            and a.shape[0] == b.shape[1] and a.shape[0] % experts == 0):
+        raise UserError(f"{where / CONFIG_FILE}: r={want_a[0] // experts}, but the adapter's tensors have rank "
+                        f"{a.shape[0] // experts} ({prefix}lora_A is {a.shape}, lora_B {b.shape}); give the r it was saved with")
+    raise UserError(f"{where / WEIGHTS_FILE}: {prefix}lora_A/lora_B are {None if a is None else a.shape} / "
+                    f"{None if b is None else b.shape}, this base needs {want_a} / {want_b}; the adapter was made for another base")
+
+
 def from_peft(tensors: dict[str, np.ndarray], model_cfg: LlamaConfig, where: Path) -> dict:
     """PEFT tensors -> our adapters (the ``layers`` subtree), shaped for ``model_cfg``."""
     shapes, rank = model_cfg.weight_shapes(), model_cfg.lora.rank
@@ -126,10 +141,7 @@ def from_peft(tensors: dict[str, np.ndarray], model_cfg: LlamaConfig, where: Pat
         for layer in range(model_cfg.num_layers):
             at = prefix.format(layer=layer)
             a, b = pair(at)
-            want_a, want_b = (experts * rank, inputs), (len(weights) * outputs, rank * experts)
-            if a is None or b is None or a.shape != want_a or b.shape != want_b:
-                raise UserError(f"{where / WEIGHTS_FILE}: {at}lora_A/lora_B are {None if a is None else a.shape} / "
-                                f"{None if b is None else b.shape}, this base needs {want_a} / {want_b}; the adapter was made for another base")
+            _check_pair(where, at, a, b, (experts * rank, inputs), (len(weights) * outputs, rank * experts), experts)
             a_layers.append(a.reshape(experts, rank, inputs).transpose(0, 2, 1))
             b_layers.append(b.reshape(-1, rank, experts).transpose(2, 1, 0).reshape(experts, rank, len(weights), outputs))
         out.setdefault("mlp", {})[adapter_name(name)] = {"a": np.stack(a_layers), "b": np.stack(b_layers)}
@@ -143,10 +155,7 @@ def from_peft(tensors: dict[str, np.ndarray], model_cfg: LlamaConfig, where: Pat
         for layer in range(model_cfg.num_layers):
             prefix = f"base_model.model.{module.format(layer=layer)}"
             a, b = pair(f"{prefix}.")
-            want_a, want_b = (rank, math.prod(shape[:inputs])), (math.prod(shape[inputs:]), rank)
-            if a is None or b is None or a.shape != want_a or b.shape != want_b:
-                raise UserError(f"{where / WEIGHTS_FILE}: {prefix}.lora_A/lora_B are {None if a is None else a.shape} / "
-                                f"{None if b is None else b.shape}, this base needs {want_a} / {want_b}; the adapter was made for another base")
+            _check_pair(where, f"{prefix}.", a, b, (rank, math.prod(shape[:inputs])), (math.prod(shape[inputs:]), rank))
             a_layers.append(a.T.reshape(*shape[:inputs], rank))
             b_layers.append(b.T.reshape(rank, *shape[inputs:]))
         out.setdefault(module_name, {})[adapter_name(target)] = {"a": np.stack(a_layers), "b": np.stack(b_layers)}
