@@ -53,9 +53,10 @@ class ModelSpec:
 
 @functools.lru_cache(maxsize=16)
 def model_spec(model_cfg: LlamaConfig) -> ModelSpec:
-    """Built from an abstract model: nothing is allocated. Kept per model config (a frozen dataclass), as the spec is
-    read-only: tracing the model's construction was a sixth of `jaxtrain plan`'s time, which makes a layout for each
-    configuration it tries."""
+    """Built from an abstract model: nothing is allocated. Kept per model config (a frozen dataclass; the spec is
+    read-only): tracing the model's construction was a sixth of tests/test_plan.py's time, whose plans make a layout
+    of the same model for each configuration they weigh. A test that patches what the model's construction reads
+    (a module's constant) clears it (``model_spec.cache_clear()``)."""
     abstract = nnx.eval_shape(lambda: quantized(Llama(model_cfg, rngs=nnx.Rngs(0)), model_cfg.quant))
     graphdef, state = nnx.split(abstract)
     return ModelSpec(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)))
