@@ -286,8 +286,9 @@ def test_a_peft_adapter_whose_r_is_not_its_tensors_rank_is_blamed_on_its_config_
     adapted = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     tensors = {name: t.detach().numpy() for name, t in peft.get_peft_model_state_dict(adapted).items()}
     model_cfg = hf_config.model_config(hf_dir, small_config().model, set(), 16)
-    with pytest.raises(UserError, match=r"^\S+adapter_config.json: r=4, but the adapter's tensors have rank 2 \(base_model.model.model."
-                                        r"layers.0.self_attn.q_proj.lora_A is \(2, 32\), lora_B \(32, 2\)\); give the r it was saved with$"):
+    with pytest.raises(UserError, match=r"^\S+adapter_config.json: r=4, but the adapter's tensors have rank 2 \(base_model.model."
+                                        r"model.layers.0.self_attn.q_proj.lora_A is \(2, 32\), lora_B \(32, 2\)\); give the r it was "
+                                        r"saved with$"):
         peft_io.from_peft(tensors, dataclasses.replace(model_cfg, lora=LoraConfig(rank=4, targets="q")), tmp_path)
     narrower = dataclasses.replace(model_cfg, d_model=16, lora=LoraConfig(rank=2, targets="q"))
     with pytest.raises(UserError, match=r"adapter_model.safetensors: \S+lora_A/lora_B are \(2, 32\) / \(32, 2\), this base needs "
