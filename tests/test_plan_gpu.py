@@ -303,7 +303,7 @@ def test_kernel_kinds_of_the_gpu_program():
     in XLA's GPU program, every gemm fusion a matmul, cuDNN's calls attention, the gradients' reduce-scatters
     collectives, and the matmul FLOPs the profile divides by the matmuls' time all in kernels it calls matmuls."""
     cfg = small_config(rules="fsdp", mesh=(1, 8, 1), dtype="bfloat16")
-    (step, _), _ = compile_train_step(make_layout(cfg, gpu_targets.compile_only_devices("h100", 8)))
+    step, _ = compile_train_step(make_layout(cfg, gpu_targets.compile_only_devices("h100", 8)))
     hlo = step.as_text()
     kinds = hlo_report.kernel_kinds(hlo)
 
