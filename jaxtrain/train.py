@@ -251,6 +251,8 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
                                                                   checked.corpus)
                 _note_data_order_changes(run_dir, cfg, batches, other_data)
                 _note_evaluation_changes(run_dir, cfg)
+            if checkpoints.restored:
+                _note_layout_changes(checkpoints.directory / str(checkpoints.restored[0]), trainer)
             # only now, once the run's own checkpoint fits this config: a refused start leaves the run directory as it was
             _write_run_files(trainer, run_dir, base, init_from if fresh else None)
             eval_data = data_lib.eval_batches(checked.corpus, cfg.data, t.global_batch, layout.batch_sharding, t.eval_batches)
@@ -407,6 +409,25 @@ def _note_evaluation_changes(run_dir: Path, cfg: Config) -> None:
         _say(f"jaxtrain: note: the evaluation scores train.eval_batches x train.global_batch = {cfg.train.eval_batches} x "
              f"{cfg.train.global_batch} validation sequences here, {before.eval_batches} x {before.global_batch} in "
              f"{run_dir / 'config.yaml'}: eval_loss from here on is taken over other sequences than the earlier records'")
+
+
+def _note_layout_changes(step_dir: Path, trainer: Trainer) -> None:
+    """A note where the run resumes onto another mesh, rule set or number of processes than its checkpoint was written
+    on: the state reads onto the new layout exactly, but the steps from here sum over another split of the work, so the
+    losses leave the uninterrupted run's in their last bits, where a same-layout resume is bit for bit, and nothing
+    said why. A checkpoint whose meta predates the record is passed in silence."""
+    then = checkpoint_lib.saved_meta(step_dir)
+    now = _resolved(trainer) | {"rules": trainer.cfg.rules}
+    compared = ("mesh", "sharding_rules", "processes")
+    if any(key not in then for key in compared) or all(then[key] == now[key] for key in compared):
+        return
+
+    def layout(meta: dict) -> str:
+        return f"mesh {config_lib.describe_axes(meta['mesh'])}, rules {meta.get('rules', '?')}, {meta['processes']} process(es)"
+
+    _say(f"jaxtrain: note: checkpoint {step_dir} was written on {layout(then)}; here {layout(now)}: its state was read onto "
+         "this layout exactly, but the steps from here sum in another order, so the losses follow the old layout's to "
+         "rounding, not bit for bit; resume on the old mesh, rules and process count to continue bit for bit")
 
 
 def _write_run_files(trainer: Trainer, run_dir: Path, base: lora_lib.Base | None, fresh_init_from: Path | None) -> None:

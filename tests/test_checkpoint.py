@@ -119,6 +119,7 @@ def test_signal_at_several_steps_then_resume_is_bit_identical(reference, tmp_pat
     assert stops == sorted(set(stops)) and stops[-1] < STEPS  # really stopped early, at different steps
     assert _start(run_dir).wait(timeout=300) == 0, _stderr(run_dir)[-3000:]
     assert all(f"resuming from checkpoint step {stop}" in _stderr(run_dir) for stop in stops)
+    assert " was written on mesh " not in _stderr(run_dir)  # the same layout: no note of another
     assert _losses(run_dir) == _losses(ref_dir)  # every step once, same float32 bits
     _assert_identical(_state(run_dir, cfg)[0], _state(ref_dir, cfg)[0])
 
@@ -163,6 +164,12 @@ def test_a_run_resumes_on_another_number_of_processes(reference, tmp_path):
     assert _start(run_dir).wait(timeout=300) == 0, _stderr(run_dir)[-3000:]
     said = _stderr(run_dir)
     assert "resuming from checkpoint step 12" in said and "resuming from checkpoint step 14" in said
+    # the same mesh across the processes: the note names the process counts, whose sums add in another order
+    mesh = "mesh data 2 x fsdp 2 x tensor 2, rules fsdp_tp"
+    for step, then, now in ((12, 1, 2), (14, 2, 1)):
+        assert (f"jaxtrain: note: checkpoint {run_dir / 'checkpoints' / str(step)} was written on {mesh}, {then} process(es); "
+                f"here {mesh}, {now} process(es): its state was read onto this layout exactly, but the steps from here sum in "
+                "another order") in said, said[-3000:]
     assert "unreadable" not in said and not (run_dir / checkpoint_lib.QUARANTINE_DIR).exists()
     resumed, single = _losses(run_dir), _losses(ref_dir)
     assert [s for s, _ in resumed] == [s for s, _ in single] == list(range(1, STEPS + 1))
@@ -569,6 +576,10 @@ def test_resharded_run_continues_training(reference, tmp_path):
     result = run_cli("train", "tiny", "--run-dir", str(run_dir), *ARGS, f"train.steps={STEPS + 2}", "--devices", "2",
                      "--rules", "dp", "mesh.ici.data=2", "mesh.ici.fsdp=1", "mesh.ici.tensor=1", cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert (f"jaxtrain: note: checkpoint {run_dir / 'checkpoints' / str(STEPS)} was written on mesh data 2 x fsdp 2 x tensor 2, "
+            "rules fsdp_tp, 1 process(es); here mesh data 2 x fsdp 1 x tensor 1, rules dp, 1 process(es): its state was read "
+            "onto this layout exactly, but the steps from here sum in another order, so the losses follow the old layout's to "
+            "rounding, not bit for bit; resume on the old mesh, rules and process count to continue bit for bit\n") in result.stderr
     assert [s for s, _ in _losses(run_dir)][-3:] == [STEPS, STEPS + 1, STEPS + 2]
     rows = checkpoint_lib.describe(run_dir)
     assert rows[-1]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1, "stage": 1, "expert": 1} and rows[-1]["rules"] == "dp"
