@@ -208,16 +208,8 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
         (Path(directory) / f"process_{jax.process_index()}-of-{jax.process_count()}.json").write_text(state)
 
     def restore(self, directory, item=None, args=None):
-        index, count = jax.process_index(), jax.process_count()
-        own = Path(directory) / f"process_{index}-of-{count}.json"
-        saved = {own.read_text()} if own.exists() else {path.read_text() for path in Path(directory).glob("process_*-of-*.json")}
-        if len(saved) != 1:
-            raise ValueError(f"{directory} holds {len(saved)} different data positions and none for process {index} of {count}")
-        state = json.loads(saved.pop())
-        if list(state) == ["next_index"]:  # grain's own position, written until 2026-12-05: a count of global batches
-            state = {"sequences": state["next_index"] * saved_config(Path(directory).parent)["train"]["global_batch"]}
-        state.setdefault(SEED_SCHEME, PLAIN_SEEDS)  # written before the record: shuffled with data.seed as it is
         step_dir = Path(directory).parent
+        state = saved_data_position(step_dir)
         if state[SEED_SCHEME] not in SEED_SCHEMES:  # a later jaxtrain's: its order cannot be rebuilt here
             raise UserError(f"checkpoint {step_dir} holds a data position under seed scheme {state[SEED_SCHEME]}, which this "
                             f"jaxtrain does not know (it knows {', '.join(map(str, SEED_SCHEMES))}): resume it with the jaxtrain "
@@ -232,6 +224,21 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
                             f"--init-from {step_dir} (its data from the beginning; add --params-only for its parameters alone)") from None
         iterator.start_prefetch()
         return iterator
+
+
+def saved_data_position(step_dir: Path) -> dict:
+    """The data position checkpoint ``step_dir`` holds for this process: its data iterator's state (``DataPositionHandler``)."""
+    index, count = jax.process_index(), jax.process_count()
+    directory = step_dir / "data"
+    own = directory / f"process_{index}-of-{count}.json"
+    saved = {own.read_text()} if own.exists() else {path.read_text() for path in directory.glob("process_*-of-*.json")}
+    if len(saved) != 1:
+        raise ValueError(f"{directory} holds {len(saved)} different data positions and none for process {index} of {count}")
+    state = json.loads(saved.pop())
+    if list(state) == ["next_index"]:  # grain's own position, written until 2026-12-05: a count of global batches
+        state = {"sequences": state["next_index"] * saved_config(step_dir)["train"]["global_batch"]}
+    state.setdefault(SEED_SCHEME, PLAIN_SEEDS)  # written before the record: shuffled with data.seed as it is
+    return state
 
 
 # grain's argument types name its own handler; orbax matches an item's arguments to its handler by type

@@ -32,7 +32,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.interop import hf_config, hf_import, peft
 from jaxtrain.layout import Layout, compile_train_step, lower_eval_step, with_train_steps
 from jaxtrain.observe.metrics import MetricsLog
-from jaxtrain.observe.records import read_records
+from jaxtrain.observe.records import CHECKPOINTS_DIR, committed_steps, read_records
 from jaxtrain.optim import learning_rate_schedule
 from jaxtrain.state import TrainState, model_spec, state_from_params, state_initializer
 from jaxtrain.step import schedule_count
@@ -89,8 +89,9 @@ class Checked:
     microbatches_auto: bool = False  # train.microbatches=auto (with no memory_limit: these devices report no memory size)
 
 
-def check(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None) -> Checked:
-    """Validate the config against the devices, mesh, rules, model and data, without compiling."""
+def check(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | None = None, run_dir: Path | None = None) -> Checked:
+    """Validate the config against the devices, mesh, rules, model and data, without compiling; ``run_dir``: the run
+    it starts or resumes, whose checkpoint train.epochs counts on from (``_epoch_steps``)."""
     if problems := config_lib.optimizer_rounding_problems(cfg):
         raise UserError("; ".join(problems))
     limit = plan.memory_limit(devices) if cfg.train.microbatches == "auto" else None  # None on CPU: one pass
@@ -103,11 +104,39 @@ def check(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
     corpus = corpus or data_lib.load_data(cfg.data)
     data_lib.check_sizes(corpus, cfg.data, cfg.train.global_batch, cfg.model.vocab_size)
     if cfg.train.epochs:
-        layout = with_train_steps(layout, data_lib.steps_for_epochs(corpus, cfg.data, cfg.train.global_batch,
-                                                                    layout.batch_sharding, cfg.train.epochs))
+        layout = with_train_steps(layout, _epoch_steps(run_dir, cfg, corpus, layout.batch_sharding))
         if problems := config_lib.steps_problems(layout.cfg, epochs_counted=True):
             raise UserError("; ".join(problems))
     return Checked(layout, corpus, limit, cfg.train.microbatches == "auto")
+
+
+def _epoch_steps(run_dir: Path | None, cfg: Config, corpus: data_lib.Corpus, sharding: NamedSharding) -> int:
+    """train.epochs as steps. A run resumed on the stream its latest checkpoint read (no data key or file that changes it,
+    ``_data_order_changes``, ``_other_data``) counts on from that checkpoint: the steps it has taken and those its data
+    position needs to read the rest under this train.global_batch (counted from the beginning, a resume with another
+    batch counted as if the whole run had read with it: doubling it half-way ended the run there, half the epochs
+    unread); where
+    train.epochs and every key of the data's order are the checkpoint's too, the steps it was written with, counted before (counting
+    instruction data packs every example of the epochs, about 3,500 a second on a 2-core VM: minutes at every start
+    of a preempted run). A fresh run, or one resumed on another stream, counts from the data's beginning."""
+    def count(start: dict | None = None) -> int:
+        return data_lib.steps_for_epochs(corpus, cfg.data, cfg.train.global_batch, sharding, cfg.train.epochs, start)
+
+    steps = [] if run_dir is None else committed_steps(run_dir / CHECKPOINTS_DIR)
+    if not steps:
+        return count()
+    step_dir = run_dir / CHECKPOINTS_DIR / str(steps[-1])
+    try:
+        then = checkpoint_lib.saved_config(step_dir)
+        before = config_lib.from_dict({"train": {"global_batch": then["train"]["global_batch"]}, "data": then["data"]})
+        changes = _data_order_changes(before, cfg)
+        if any(not same for *_, same in changes.values()) or _other_data(step_dir, cfg, corpus) is not None:
+            return count()
+        if not changes and then["train"]["epochs"] == cfg.train.epochs:
+            return then["train"]["steps"]
+        return steps[-1] + count(checkpoint_lib.saved_data_position(step_dir))
+    except (OSError, ValueError, KeyError, UserError):  # an older or damaged checkpoint's records: from the beginning
+        return count()
 
 
 def compile_steps(checked: Checked) -> Trainer:
@@ -185,7 +214,7 @@ def train(cfg: Config, run_dir: Path, trainer: Trainer | None = None, *, init_fr
 
 def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path | None, params_only: bool,
            cache_dir: Path | None) -> TrainState:
-    checked = Checked(trainer.layout, trainer.corpus, None) if trainer else check(cfg)
+    checked = Checked(trainer.layout, trainer.corpus, None) if trainer else check(cfg, run_dir=run_dir)
     fresh = not checkpoint_lib.has_checkpoints(run_dir)
     if fresh:  # compiled before the run directory is made: a config only the tracer refuses leaves none behind
         trainer = trainer or compile_steps(checked)
@@ -232,8 +261,9 @@ def _train(cfg: Config, run_dir: Path, trainer: Trainer | None, init_from: Path 
         if base is not None:
             state = base.start_state(layout) if state is None else state.replace(frozen=base.frozen)
         if finished:  # a finished run started again: nothing to write but where its LoRA base is now
-            _say(f"jaxtrain: {run_dir} is already at step {int(state.step)} of train.steps={t.steps}, nothing to do; "
-                 "raise train.steps to train on")
+            goal, key = ((f"the {t.steps} steps train.epochs={t.epochs:g} came to", "train.epochs") if t.epochs
+                         else (f"train.steps={t.steps}", "train.steps"))
+            _say(f"jaxtrain: {run_dir} is already at step {int(state.step)} of {goal}, nothing to do; raise {key} to train on")
             if base is not None and jax.process_index() == 0 and lora_lib.record_moved_base(run_dir, base):
                 _say(f"jaxtrain: note: {run_dir / lora_lib.BASE_RECORD} now names the LoRA base at {base.record['path']} "
                      "(the same content hash), for export-hf and generate")

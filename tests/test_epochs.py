@@ -46,6 +46,30 @@ def test_a_run_given_epochs_stops_at_the_first_step_that_has_read_them(tmp_path)
     assert (saved["epochs"], saved["steps"]) == (0.75, 5)
 
 
+def test_a_resume_counts_its_epochs_on_from_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """49 sequences an epoch; the run read 40 in 5 steps of 8. Resumed with 4 a batch and 1 epoch it counts on from its
+    checkpoint's data position: 9 sequences left, 3 steps (from the beginning, 4 a batch came to 13 steps: the run read
+    72 sequences, not 49); with 0.75 it has read them. Where nothing changed it takes the checkpoint's count, not
+    counting again (instruction data's count packs every example: minutes at each start of a preempted run); on other
+    data it counts from the beginning."""
+    from jaxtrain import train as train_lib
+
+    cfg, run_dir = _epochs_config(_token_file(tmp_path), 0.75), tmp_path / "run"
+    train(cfg, run_dir)
+    starts, count = [], train_lib.data_lib.steps_for_epochs
+    monkeypatch.setattr(train_lib.data_lib, "steps_for_epochs", lambda *args: starts.append(args[-1]) or count(*args))
+    for changed, steps in (({}, 5), ({"epochs": 1.0}, 7), ({"epochs": 1.0, "global_batch": 4}, 8), ({"global_batch": 4}, 5)):
+        assert check(with_(cfg, train=changed), run_dir=run_dir).layout.cfg.train.steps == steps, changed
+    assert starts[0] == starts[1] == train_lib.checkpoint_lib.saved_data_position(run_dir / "checkpoints" / "5")
+    assert len(starts) == 3 and starts[0]["sequences"] == 40  # the unchanged run: the checkpoint's count
+    capsys.readouterr()
+    train(with_(cfg, train={"global_batch": 4}), run_dir)
+    assert (f"jaxtrain: {run_dir} is already at step 5 of the 5 steps train.epochs=0.75 came to, nothing to do; raise "
+            "train.epochs to train on") in capsys.readouterr().err
+    _token_file(tmp_path, tokens=1200)  # 960 training tokens: 59 sequences, 0.75 of them 44.25, 6 steps from the beginning
+    assert check(cfg, run_dir=run_dir).layout.cfg.train.steps == 6 and starts[-1] is None
+
+
 def test_the_steps_the_epochs_came_to_get_a_schedule_ending_there():
     """The optimizer, whose learning-rate schedule ends at train.steps, is made again for the steps counted: its updates
     are those of a layout made with that train.steps, not with the one it replaced."""

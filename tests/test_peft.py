@@ -371,6 +371,10 @@ def test_generate_with_an_adapter_and_the_adapter_pool(hf_base, corpus, tmp_path
         "merged model instead")
     assert cli.main(["adapters", str(options)]) == 0  # listed, marked
     assert capsys.readouterr().out.splitlines()[1].endswith("  (not applied by jaxtrain: use_dora=True, alpha_pattern={'v_proj': 64})")
+    # an adapter on the output projection (or the embedding), which applying refuses, is marked too
+    (options / "adapter_config.json").write_text(json.dumps(config | {"target_modules": [*config["target_modules"], "lm_head"]}))
+    assert cli.main(["adapters", str(options)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].endswith("  (not applied by jaxtrain: adapters on lm_head)")
 
     record = json.loads((run_dir / lora_lib.BASE_RECORD).read_text())
     assert cli.main(["adapters", str(pool_dir)]) == 0

@@ -519,6 +519,35 @@ def test_train_epochs_of_instruction_data_come_to_the_first_step_whose_packing_h
     assert learning_rate_schedule(checked.layout.cfg)(steps) == cfg.optim.lr * cfg.optim.min_lr_ratio
 
 
+def test_epochs_of_instruction_data_counted_from_a_data_position_under_another_batch(data):
+    """A resumed run counts its epochs on from its checkpoint's data position (jaxtrain.train._epoch_steps): packed 16
+    a batch from the position 3 steps of 8 reached, the steps still to take read past 2.5 epochs, the one before not;
+    none where the position has read them."""
+    from jaxtrain.data import steps_for_epochs
+    from jaxtrain.train import check
+
+    tok_dir, path = data
+    cfg = with_(small_config(vocab_size=VOCAB), data={"path": str(path), "tokenizer": str(tok_dir), "format": "sft", "seq_len": SEQ,
+                                                      "val_fraction": 0.2}, train={"epochs": 2.5, "global_batch": 8})
+    checked = check(cfg)
+    sharding, wanted = checked.layout.batch_sharding, 2.5 * len(checked.corpus.train)
+    batches = sft.train_batches(checked.corpus, cfg.data, 8, sharding)
+    for _ in range(3):
+        next(batches)
+    start = batches.iterator.get_state()
+    steps = steps_for_epochs(checked.corpus, cfg.data, 16, sharding, 2.5, start)
+    wider = sft.train_batches(checked.corpus, cfg.data, 16, sharding)
+    wider.iterator.set_state(start)
+    read = [wider.position()]
+    for _ in range(steps):
+        next(wider)
+        read.append(wider.position())
+    assert read[-2] < wanted <= read[-1] and read[0] == batches.position() > 0
+    assert steps_for_epochs(checked.corpus, cfg.data, 16, sharding, 2.5, wider.iterator.get_state()) == 0
+    batches.iterator.close()
+    wider.iterator.close()
+
+
 def test_nearby_seeds_share_no_epoch_order():
     """grain shuffles epoch e with its seed + e: with data.seed as grain's seed, seed 4's first epoch of instruction
     data was seed 3's second (here one example a sequence, 4 a batch: the same examples in each batch). Spread, the

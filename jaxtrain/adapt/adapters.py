@@ -105,7 +105,7 @@ def pool(directory: Path) -> list[dict]:
             rows.append({"adapter": str(path), "kind": "run"} | summary(path))
         elif peft.is_adapter_dir(path):
             record, config = peft.read_jaxtrain_record(path), peft.read_config(path)
-            unsupported = {"unsupported": peft.unsupported_options(config)}  # what generate --adapter refuses
+            unsupported = {"unsupported": peft.not_applied(config)}  # what generate --adapter refuses
             if record is not None:
                 rows.append({"adapter": str(path), "kind": "peft"} | record | unsupported)
             else:  # exported elsewhere: PEFT's own fields only

@@ -77,19 +77,24 @@ def epoch(corpus: Corpus, cfg: DataConfig) -> Epoch:
 
 
 def steps_for_epochs(corpus: Corpus | sft.SftCorpus, cfg: DataConfig, global_batch: int, sharding: NamedSharding,
-                     epochs: float) -> int:
+                     epochs: float, start: dict | None = None) -> int:
     """train.epochs as steps: the first step whose batch reads ``epochs`` passes over the training split from its start
-    (the last one reads on into the next pass where they end inside a batch). Text: ``global_batch`` sequences a step,
-    so a division. Instruction data: as many examples a step as pack into it, so the run's own packer is run here over
-    those passes and its steps counted (at the packer's speed: about 3,500 examples a second on a 2-core VM, README)."""
+    (the last one reads on into the next pass where they end inside a batch). ``start``: a data position to count from
+    instead (a resumed run's, its checkpoint's iterator state): the steps still to take, 0 where it has read them.
+    Text: ``global_batch`` sequences a step, so a division. Instruction data: as many examples a step as pack into it, so
+    the run's own packer is run here over those passes and its steps counted (at the packer's speed: about 3,500
+    examples a second on a 2-core VM, README)."""
     # the decimal given, not its binary neighbour: 1.12 epochs of 50 sequences are 56 of them, not 56.00000000000001
     wanted = fractions.Fraction(repr(float(epochs))) * epoch(corpus, cfg).size
-    if cfg.format != "sft":
-        return max(1, math.ceil(wanted / global_batch))
+    least = 1 if start is None else 0  # a run takes a step; a resumed one may have read its epochs already
     batches = train_batches(corpus, cfg, global_batch, sharding)
+    if start is not None:
+        batches.iterator.set_state(start)
+    if cfg.format != "sft":
+        return max(least, math.ceil((wanted - batches.position()) / global_batch))
     steps = 0
     try:
-        while steps == 0 or batches.position() < wanted:
+        while steps < least or batches.position() < wanted:
             next(batches.iterator)
             steps += 1
     finally:

@@ -266,6 +266,14 @@ def unsupported_options(config: dict) -> list[str]:
         ([f"init_lora_weights={init!r}"] if isinstance(init, str) and init.startswith(BASE_REWRITING_INITS) else [])
 
 
+def not_applied(config: dict) -> list[str]:
+    """What of adapter_config.json jaxtrain does not apply, for `jaxtrain adapters`' mark: the options
+    ``unsupported_options`` names and adapters on modules besides the layers' projections (``OTHER_MODULES``), which
+    applying refuses (``targets_of``)."""
+    others = [module for module in OTHER_MODULES if _peft_adapts(config, module)]
+    return unsupported_options(config) + ([f"adapters on {', '.join(others)}"] if others else [])
+
+
 def read_config(adapter_dir: Path) -> dict:
     """adapter_config.json, a UserError where it is not a JSON object (``jaxtrain adapters`` printed a traceback)."""
     return read_json(adapter_dir / CONFIG_FILE, fix="save the adapter again (PEFT's save_pretrained writes it)")
