@@ -209,7 +209,7 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
 
     def restore(self, directory, item=None, args=None):
         step_dir = Path(directory).parent
-        state = saved_data_position(step_dir)
+        state = _read_data_position(Path(directory))
         if state[SEED_SCHEME] not in SEED_SCHEMES:  # a later jaxtrain's: its order cannot be rebuilt here
             raise UserError(f"checkpoint {step_dir} holds a data position under seed scheme {state[SEED_SCHEME]}, which this "
                             f"jaxtrain does not know (it knows {', '.join(map(str, SEED_SCHEMES))}): resume it with the jaxtrain "
@@ -227,16 +227,21 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
 
 
 def saved_data_position(step_dir: Path) -> dict:
-    """The data position checkpoint ``step_dir`` holds for this process: its data iterator's state (``DataPositionHandler``)."""
+    """The data position checkpoint ``step_dir`` holds for this process: its data iterator's state."""
+    return _read_data_position(step_dir / "data")
+
+
+def _read_data_position(directory: Path) -> dict:
+    """``DataPositionHandler``'s read of the data item ``directory``: this process's file, or the one the saving
+    processes agree on; older checkpoints' positions in today's form."""
     index, count = jax.process_index(), jax.process_count()
-    directory = step_dir / "data"
     own = directory / f"process_{index}-of-{count}.json"
     saved = {own.read_text()} if own.exists() else {path.read_text() for path in directory.glob("process_*-of-*.json")}
     if len(saved) != 1:
         raise ValueError(f"{directory} holds {len(saved)} different data positions and none for process {index} of {count}")
     state = json.loads(saved.pop())
     if list(state) == ["next_index"]:  # grain's own position, written until 2026-12-05: a count of global batches
-        state = {"sequences": state["next_index"] * saved_config(step_dir)["train"]["global_batch"]}
+        state = {"sequences": state["next_index"] * saved_config(directory.parent)["train"]["global_batch"]}
     state.setdefault(SEED_SCHEME, PLAIN_SEEDS)  # written before the record: shuffled with data.seed as it is
     return state
 
