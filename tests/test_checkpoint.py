@@ -102,16 +102,14 @@ def _assert_identical(a, b):
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b))
 
 
-@pytest.mark.parametrize("signum, status, word", [(signal.SIGTERM, 143, "preempted"), (signal.SIGINT, 130, "interrupted")],
-                         ids=["SIGTERM", "SIGINT"])
-def test_signal_at_several_steps_then_resume_is_bit_identical(reference, tmp_path, signum, status, word):
-    """SIGTERM (preemption) or a Ctrl-C (SIGINT) mid-run: the step finishes, its checkpoint is committed, one line says
-    so, and the status is 143 or 130; the same command resumes to the uninterrupted run's losses and state. SIGTERM
-    twice, the second time in a resumed run; a Ctrl-C once (the same code after the handler: a start less)."""
+def test_signal_at_several_steps_then_resume_is_bit_identical(reference, tmp_path):
+    """SIGTERM (preemption) mid-run, then a Ctrl-C (SIGINT) in the resumed run: each time the step finishes, its
+    checkpoint is committed, one line says so, and the status is 143 or 130; the same command resumes to the
+    uninterrupted run's losses and state."""
     ref_dir, cfg = reference
     run_dir = tmp_path / "run"
     stops = []
-    for stop_after in (2, 7) if signum == signal.SIGTERM else (7,):
+    for stop_after, signum, status, word in ((2, signal.SIGTERM, 143, "preempted"), (7, signal.SIGINT, 130, "interrupted")):
         exit_status, said = _signal_after_step(_start(run_dir), run_dir, stop_after, signum)
         assert exit_status == status, _stderr(run_dir)[-3000:]
         stops.append(max(_complete_steps(run_dir)))
