@@ -57,11 +57,22 @@ def default_cpu_devices(mesh_cfg: config_lib.MeshConfig, num_processes: int | No
 
 
 def _positive_int32(text: str) -> int:
-    """A count that XLA's and jax's C++ read as int32 (--devices, --num-processes): a larger --devices printed XLA's whole
-    flag table and exit status 1, a larger --num-processes was a TypeError traceback from jax's coordinator."""
+    """A count that jax's C++ reads as int32 (--num-processes): a larger one was a TypeError traceback from jax's
+    coordinator."""
     value = positive_int(text)
     if value > config_lib.INT32_MAX:
         raise argparse.ArgumentTypeError(f"expected a positive integer of at most {config_lib.INT32_MAX}, got {text!r}")
+    return value
+
+
+def _simulated_devices(text: str) -> int:
+    """--devices: simulated CPU devices, at most as many as XLA:CPU compiles a program for (``config.CPU_MAX_DEVICES``):
+    more took minutes and gigabytes to start and to stop (16,384: over 3 minutes on a 2-core VM) before the compile
+    failed with a traceback (past int32, XLA printed its whole flag table)."""
+    value = positive_int(text)
+    if value > config_lib.CPU_MAX_DEVICES:
+        raise argparse.ArgumentTypeError(f"expected at most {config_lib.CPU_MAX_DEVICES} simulated CPU devices, as many as "
+                                         f"XLA:CPU compiles a program for, got {text!r}")
     return value
 
 
@@ -381,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--mesh", help="mesh file (a path, or a name under jaxtrain/experiments/meshes/)")
     train.add_argument("--rules", help="sharding rule set (a name under jaxtrain/sharding_rules/, or a path)")
     train.add_argument("--run-dir", help="run directory (default runs/EXPERIMENT; for a run's config.yaml, that run's directory)")
-    train.add_argument("--devices", type=_positive_int32, help=_DEVICES_HELP)
+    train.add_argument("--devices", type=_simulated_devices, help=_DEVICES_HELP)
     train.add_argument("--init-from", metavar="PATH", help="start from another run's checkpoint (run dir or step dir), or from a "
                        "Hugging Face model directory (its config.json gives the model's shape); ignored once this run has checkpoints of its own")
     train.add_argument("--params-only", action="store_true", help="with --init-from: take only the parameters (fresh optimizer, step 0)")
@@ -393,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config overrides, e.g. train.microbatches=auto")
     plan.add_argument("--mesh", help="the target mesh file (a path, or a name under jaxtrain/experiments/meshes/)")
     plan.add_argument("--rules", help="sharding rule set (a name under jaxtrain/sharding_rules/, or a path)")
-    plan.add_argument("--devices", type=_positive_int32,
+    plan.add_argument("--devices", type=_simulated_devices,
                       help="devices to simulate (default: the mesh's size; an ici -1 fills an 8-GPU node)")
     plan.add_argument("--init-from", metavar="HF_DIR", help="the model's shape from a Hugging Face model directory's config.json, "
                       "as `train --init-from` takes it (the weights need not be there)")
@@ -428,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "on it, or a PEFT adapter directory (adapter_config.json); merged into the weights before generating")
     generate.add_argument("--mesh", help="mesh file to generate on (default: the run's mesh; HF_DIR: every device on fsdp)")
     generate.add_argument("--rules", help="sharding rule set (default: the run's; HF_DIR: fsdp_tp)")
-    generate.add_argument("--devices", type=_positive_int32, help=_DEVICES_HELP)
+    generate.add_argument("--devices", type=_simulated_devices, help=_DEVICES_HELP)
     generate.set_defaults(func=cmd_generate)
     checkpoints = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, time, committed, mesh/rules")
     checkpoints.add_argument("run_dir", metavar="RUN_DIR", help="a training run's directory (its --run-dir)")
@@ -461,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
     export.add_argument("--mesh", help="mesh to restore onto (default: the run's)")
     export.add_argument("--rules", help="sharding rule set to restore with (default: the run's)")
-    export.add_argument("--devices", type=_positive_int32, help=_DEVICES_HELP)
+    export.add_argument("--devices", type=_simulated_devices, help=_DEVICES_HELP)
     _add_process_flags(export)
     export.set_defaults(func=cmd_export_hf)
     for command_parser in sub.choices.values():  # an unknown option is reported by its command: `jaxtrain train --help`

@@ -40,8 +40,12 @@ SCHEDULES = ("cosine", "linear", "wsd")
 DECAY_SHAPES = ("linear", "1-sqrt", "cosine")  # the factor at progress p of the decay: 1 - p, 1 - sqrt(p), (1 + cos(pi p)) / 2
 # the train state's step counters are int32 (the spike window's count, the loss scale's run of finite steps): a larger
 # train.spike_window or optim.loss_scale_period stopped the first step with jax's OverflowError traceback; XLA and jax
-# read --devices and --num-processes as int32 too (cli.py)
+# read --num-processes as int32 too (cli.py)
 INT32_MAX = 2**31 - 1
+# XLA:CPU compiles a program for at most this many devices: past it every compile fails with "Multiprocess computations
+# aren't implemented on the CPU backend" (jaxlib 0.10, simulated devices: 2048 compile, 2049 do not); here, not in
+# mesh.py, for the command line's --devices, read before jax is imported
+CPU_MAX_DEVICES = 2048
 
 
 @dataclasses.dataclass(frozen=True)

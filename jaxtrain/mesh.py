@@ -9,7 +9,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxtrain.config import MESH_AXES, AxisSizes, MeshConfig, describe_axes
+from jaxtrain.config import CPU_MAX_DEVICES, MESH_AXES, AxisSizes, MeshConfig, describe_axes
 from jaxtrain.errors import UserError
 
 
@@ -63,5 +63,9 @@ def device_array(mesh_cfg: MeshConfig, devices: list, num_processes: int) -> np.
 def build_mesh(mesh_cfg: MeshConfig, devices: list | None = None) -> Mesh:
     """An Auto-typed (GSPMD) mesh with axes (data, fsdp, tensor, stage, expert) over ``devices`` (default: all);
     hybrid ICI/DCN across processes."""
-    array = device_array(mesh_cfg, devices or jax.devices(), jax.process_count())
+    devices = devices or jax.devices()
+    if devices[0].platform == "cpu" and len(devices) > CPU_MAX_DEVICES:  # a plan's or a CPU run's: its compile fails
+        raise UserError(f"a mesh of {len(devices)} CPU devices: XLA:CPU compiles programs for at most {CPU_MAX_DEVICES} devices; "
+                        f"use a mesh of at most {CPU_MAX_DEVICES} (fewer nodes across: a smaller mesh.dcn axis)")
+    array = device_array(mesh_cfg, devices, jax.process_count())
     return Mesh(array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

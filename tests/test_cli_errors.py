@@ -157,9 +157,11 @@ CASES = {
     "device count in another script's digits": (lambda t: ["--devices", "\u0668"],  # int() reads it as 8
                                                 "argument --devices: expected a positive integer, got '\u0668'"),
     "no devices": (lambda t: ["--devices", "0"], "argument --devices: expected a positive integer, got '0'"),  # read as unset
-    # int32 in XLA and jax: XLA printed its whole flag table (exit status 1), jax's coordinator a TypeError traceback
-    "more devices than XLA counts": (lambda t: ["--devices", "2147483648"],
-                                     "argument --devices: expected a positive integer of at most 2147483647, got '2147483648'"),
+    # past XLA:CPU's 2048: minutes to start and stop, then a traceback at the compile (past int32, XLA's whole flag table)
+    "more devices than XLA:CPU compiles for": (lambda t: ["--devices", "2049"],
+                                               "argument --devices: expected at most 2048 simulated CPU devices, as many as XLA:CPU "
+                                               "compiles a program for, got '2049'"),
+    # int32 in jax: its coordinator's TypeError traceback
     "more processes than jax counts": (lambda t: ["--num-processes", str(10**20), "--process-id", "0", "--coordinator", "localhost:26199"],
                                        f"argument --num-processes: expected a positive integer of at most 2147483647, got '{10**20}'"),
     # it trained from scratch: the flag has nothing to take the parameters of

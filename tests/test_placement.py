@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import optax
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import small_config, with_
@@ -141,3 +142,17 @@ def test_the_mesh_holds_the_devices_in_order_with_its_last_axes_the_nearest():
     assert mesh.axis_names == MESH_AXES and dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1, "expert": 1}
     ids = np.vectorize(lambda device: device.id)(mesh.devices)
     np.testing.assert_array_equal(ids, np.arange(8).reshape(2, 2, 2, 1, 1))
+
+
+def test_a_mesh_of_more_cpu_devices_than_xla_cpu_compiles_for_is_one_line():
+    """XLA:CPU compiles a program for at most 2048 devices: a plan of a 4096-GPU mesh file on a CPU simulated them all
+    (minutes and gigabytes past a few thousand) and stopped at its compile with a traceback ("Multiprocess computations
+    aren't implemented on the CPU backend"). --devices past it is refused as the command line is read (test_cli_errors)."""
+    from jaxtrain.config import CPU_MAX_DEVICES, AxisSizes, MeshConfig
+    from jaxtrain.errors import UserError
+    from jaxtrain.mesh import build_mesh
+
+    many = jax.devices()[:1] * (CPU_MAX_DEVICES + 1)  # refused before any is placed: one device stands for them all
+    with pytest.raises(UserError, match=r"^a mesh of 2049 CPU devices: XLA:CPU compiles programs for at most 2048 devices; use a "
+                                        r"mesh of at most 2048 \(fewer nodes across: a smaller mesh.dcn axis\)$"):
+        build_mesh(MeshConfig(ici=AxisSizes(1, 1, 1), dcn=AxisSizes(fsdp=CPU_MAX_DEVICES + 1)), many)
