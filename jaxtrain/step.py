@@ -123,7 +123,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                     loss_scale_period: int = 0, grad_reduction=None, device_params=None,
                     dropout_seed: int | None = None, skip_spikes: float = 0.0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
-    whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
+    whose loss, gradient norm or own norm is not finite is not applied (the step counter still advances), so a
     bad batch never poisons the state; the loop decides whether to stop or go on. ``grad_shardings``
     places the gradients (ZeRO-2: reduce-scattered); ``device_opt_state`` are the optimizer state's shardings
     in device memory, where the step brings it from the host (optim.offload) for the update; with a loss scale in the
@@ -191,8 +191,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), scale.unscale(grads))
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        # finite loss and gradients can still make a non-finite update (a 0 / 0 in the optimizer's float32 arithmetic):
+        # applied, it carried NaN into the parameters and the next checkpoint, the guard seeing it only a step later
+        update_norm = optax.tree.norm(updates)
         params = optax.apply_updates(state.params, updates)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         applied, spikes, spike_metrics = finite, state.spikes, {}
         if spikes is not None:
             watched = {"loss": loss, "grad_norm": grad_norm}
@@ -203,7 +206,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                              "spike_window_steps": spikes_lib.held(state.spikes)}  # what the deviations were taken over
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
+        metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "param_norm": optax.tree.norm(params),
                    "learning_rate": schedule(schedule_count(state.opt_state))} | router_metrics(stats) | spike_metrics
         if state.loss_scale is not None:  # an overflow of the scaled gradients: skipped, the scale halved
             metrics |= {"loss_scale": scale.loss_scale,

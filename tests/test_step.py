@@ -118,3 +118,25 @@ def test_evaluation_fetches_each_batch_before_dispatching_the_next():
 
     batches = [{"nll": 6.0, "tokens": 4.0}, {"nll": 3.0, "tokens": 1.0}, {"nll": 1.5, "tokens": 1.0}]
     assert evaluate(SimpleNamespace(eval_step=eval_step), {}, batches) == (10.5 / 6, 6)
+
+
+def test_a_non_finite_update_of_finite_gradients_is_not_applied_and_stops_the_run_naming_it(tmp_path):
+    """An optimizer whose arithmetic makes a non-finite update of a finite loss and gradients (a 0 / 0): the update is
+    not applied, and the non-finite policy names it, where it went into the parameters (and the next checkpoint) and
+    the guard saw only the next step's NaN loss."""
+    from jaxtrain.observe import metrics as metrics_lib
+
+    cfg = small_config("dp", (1, 1, 1))
+    layout = make_layout(cfg, jax.devices()[:1])
+    broken = optax.chain(optax.scale(float("nan")), optax.scale_by_schedule(lambda count: 1.0))
+    params = jax.device_get(state_initializer(cfg.model, layout.tx, 0, layout.shardings)().params)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=broken.init(params))
+    batch = {k: v for k, v in _weighted_batch(cfg.model.vocab_size).items() if k in ("inputs", "targets")}
+    after, metrics = jax.jit(make_train_step(layout.spec.graphdef, broken, learning_rate_schedule(cfg), 1))(state, batch)
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"])) and np.isnan(float(metrics["update_norm"]))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.params), params)
+    log = metrics_lib.MetricsLog(layout, tmp_path, 0, compile_s=0.0, compile_cache=None, data="", enabled=False)
+    with pytest.raises(metrics_lib.NonFiniteError, match=r"^step 1: update_norm not finite \(loss [0-9.]+, grad_norm [0-9.]+, "
+                                                         r"update_norm nan\); .*; check the optimizer's settings \(optim.eps, b1, b2, "
+                                                         r"weight_decay\), lower optim.lr, or set train.skip_nonfinite=N"):
+        log.after_step(1, metrics)

@@ -51,14 +51,16 @@ from jaxtrain.state import bytes_per_device, elements_per_device
 SUMMARY_FILE = "summary.json"
 GIB = 2**30
 CPU_PEAK_MATMUL_SIZE = 512  # large enough to reach the CPU's matmul rate, small enough for ~1 s at start-up
-GUARDED = ("loss", "grad_norm")  # a non-finite value of either means the step's update was not applied
+GUARDED = ("loss", "grad_norm")  # a non-finite value of either means the step's update was not applied; the spike guard's
+# and the update's own norm: non-finite where the loss and gradients are finite, the optimizer's doing (jaxtrain/step.py)
+UPDATE = "update_norm"
 PER_LAYER = ("grad_norm_per_layer", "param_norm_per_layer")
 NOT_STEP_TIME = ("checkpoint_s", "eval_s", "profile_s")  # timers left out of step_time_s (and so tokens/s and MFU)
 
 # TensorBoard tag of each record key; keys not listed (e.g. eval_tokens) stay in metrics.jsonl only.
 TAGS = {
     "loss": "train/loss", "eval_loss": "eval/loss", "learning_rate": "train/learning_rate",
-    "grad_norm": "train/grad_norm", "param_norm": "train/param_norm",
+    "grad_norm": "train/grad_norm", UPDATE: "train/update_norm", "param_norm": "train/param_norm",
     "tokens_per_s": "perf/tokens_per_s", "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
     "step_time_s": "perf/step_time_s", "mfu": "perf/mfu", "data_wait_s": "perf/data_wait_s",
     "checkpoint_s": "perf/checkpoint_s", "eval_s": "perf/eval_s", "memory_in_use_gib": "memory/in_use_gib",
@@ -507,6 +509,8 @@ class MetricsLog:
             if PER_LAYER[0] in metrics:
                 self.write({"step": step} | {k: np.asarray(metrics[k]).tolist() for k in PER_LAYER})
             bad = [name for name in GUARDED if not np.isfinite(metrics[name])]
+            if not bad and not np.isfinite(metrics[UPDATE]):  # a non-finite loss makes the update so too: not its cause
+                bad = [UPDATE]
             if metrics.get("overflow"):  # float16 gradients overflowed: the loss scaler skipped it and halved the scale
                 self.overflows += 1
                 continue
@@ -518,7 +522,7 @@ class MetricsLog:
             self.skipped += 1
             if self.skipped > self.cfg.train.skip_nonfinite:
                 raise NonFiniteError(self._diagnosis(step, metrics, bad))
-            self.write({"step": step, "skipped_nonfinite": bad} | {k: float(metrics[k]) for k in GUARDED})
+            self.write({"step": step, "skipped_nonfinite": bad} | {k: float(metrics[k]) for k in (*GUARDED, UPDATE)})
             self._say(f"jaxtrain: step {step}: {' and '.join(bad)} not finite, update skipped "
                       f"({self.skipped} of train.skip_nonfinite={self.cfg.train.skip_nonfinite})")
         return fetched
@@ -536,7 +540,7 @@ class MetricsLog:
                   f"{self.spikes} skipped since the run (re)started)")
 
     def _diagnosis(self, step: int, metrics: dict, bad: list[str]) -> str:
-        values = ", ".join(f"{k} {float(metrics[k])}" for k in GUARDED)
+        values = ", ".join(f"{k} {float(metrics[k])}" for k in (*GUARDED, UPDATE))
         if self.last_finite:
             good_step, good = self.last_finite
             last = f"last finite values at step {good_step}: " + ", ".join(f"{k} {float(good[k]):.6g}" for k in GUARDED)
@@ -545,8 +549,10 @@ class MetricsLog:
         allowed = self.cfg.train.skip_nonfinite
         policy = f"more than train.skip_nonfinite={allowed} updates skipped" if allowed else "the update was not applied"
         skip = f"raise train.skip_nonfinite above {allowed}" if allowed else "set train.skip_nonfinite=N"
+        check = ("check the optimizer's settings (optim.eps, b1, b2, weight_decay), lower optim.lr" if bad == [UPDATE]
+                 else "check the data, lower optim.lr")
         return (f"step {step}: {' and '.join(bad)} not finite ({values}); {last}; {policy} and no checkpoint was "
-                f"written after it; check the data, lower optim.lr, or {skip} to skip such steps")
+                f"written after it; {check}, or {skip} to skip such steps")
 
     def _record(self, step: int) -> None:
         fetched = self._check_pending()
@@ -557,7 +563,7 @@ class MetricsLog:
         metrics = fetched[-1][1]
         record = {
             "step": step, "loss": float(metrics["loss"]), "learning_rate": float(metrics["learning_rate"]),
-            "grad_norm": float(metrics["grad_norm"]), "param_norm": float(metrics["param_norm"]),
+            "grad_norm": float(metrics["grad_norm"]), UPDATE: float(metrics[UPDATE]), "param_norm": float(metrics["param_norm"]),
             "step_time_s": step_time, "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.devices,
             "mfu": None if self.peak is None else self.flops_per_token * tokens_per_s / (self.devices * self.peak),
             "data_wait_s": self.timers["data_wait_s"], "checkpoint_s": self.timers["checkpoint_s"],
