@@ -111,14 +111,14 @@ def check(cfg: Config, corpus: data_lib.Corpus | None = None, devices: list | No
 
 
 def _epoch_steps(run_dir: Path | None, cfg: Config, corpus: data_lib.Corpus, sharding: NamedSharding) -> int:
-    """train.epochs as steps. A run resumed on the stream its latest checkpoint read (no data key or file that changes it,
-    ``_data_order_changes``, ``_other_data``) counts on from that checkpoint: the steps it has taken and those its data
-    position needs to read the rest under this train.global_batch (counted from the beginning, a resume with another
-    batch counted as if the whole run had read with it: doubling it half-way ended the run there, half the epochs
-    unread); where
-    train.epochs and every key of the data's order are the checkpoint's too, the steps it was written with, counted before (counting
-    instruction data packs every example of the epochs, about 3,500 a second on a 2-core VM: minutes at every start
-    of a preempted run). A fresh run, or one resumed on another stream, counts from the data's beginning."""
+    """train.epochs as steps. A run resumed on the stream its latest checkpoint read (no data key or file that changes
+    it, ``_data_order_changes``, ``_other_data``) counts on from that checkpoint: the steps it has taken and those its
+    data position needs to read the rest under this train.global_batch (counted from the beginning, a resume with
+    another batch counted as if the whole run had read with it: doubling it half-way ended the run there, half the
+    epochs unread); where train.epochs and every key of the data's order are the checkpoint's too, the steps it was
+    written with, not counted again (counting instruction data packs every example of the epochs, about 3,500 a second
+    on a 2-core VM: minutes at every start of a preempted run). A fresh run, or one resumed on another stream, counts
+    from the data's beginning."""
     def count(start: dict | None = None) -> int:
         return data_lib.steps_for_epochs(corpus, cfg.data, cfg.train.global_batch, sharding, cfg.train.epochs, start)
 
@@ -129,14 +129,16 @@ def _epoch_steps(run_dir: Path | None, cfg: Config, corpus: data_lib.Corpus, sha
     try:
         then = checkpoint_lib.saved_config(step_dir)
         before = config_lib.from_dict({"train": {"global_batch": then["train"]["global_batch"]}, "data": then["data"]})
-        changes = _data_order_changes(before, cfg)
-        if any(not same for *_, same in changes.values()) or _other_data(step_dir, cfg, corpus) is not None:
-            return count()
-        if not changes and then["train"]["epochs"] == cfg.train.epochs:
-            return then["train"]["steps"]
-        return steps[-1] + count(checkpoint_lib.saved_data_position(step_dir))
+        counted, epochs = then["train"]["steps"], then["train"]["epochs"]
+        position = checkpoint_lib.saved_data_position(step_dir)
     except (OSError, ValueError, KeyError, UserError):  # an older or damaged checkpoint's records: from the beginning
         return count()
+    changes = _data_order_changes(before, cfg)
+    if any(not same for *_, same in changes.values()) or _other_data(step_dir, cfg, corpus) is not None:
+        return count()
+    if not changes and epochs == cfg.train.epochs:
+        return counted
+    return steps[-1] + count(position)
 
 
 def compile_steps(checked: Checked) -> Trainer:
