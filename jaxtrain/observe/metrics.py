@@ -51,8 +51,8 @@ from jaxtrain.state import bytes_per_device, elements_per_device
 SUMMARY_FILE = "summary.json"
 GIB = 2**30
 CPU_PEAK_MATMUL_SIZE = 512  # large enough to reach the CPU's matmul rate, small enough for ~1 s at start-up
-GUARDED = ("loss", "grad_norm")  # a non-finite value of either means the step's update was not applied; the spike guard's
-# and the update's own norm: non-finite where the loss and gradients are finite, the optimizer's doing (jaxtrain/step.py)
+GUARDED = ("loss", "grad_norm")  # a non-finite value of either means the step's update was not applied (the spike guard's too)
+# the update's own norm: non-finite where the loss and gradients are finite, the optimizer's doing (jaxtrain/step.py)
 UPDATE = "update_norm"
 PER_LAYER = ("grad_norm_per_layer", "param_norm_per_layer")
 NOT_STEP_TIME = ("checkpoint_s", "eval_s", "profile_s")  # timers left out of step_time_s (and so tokens/s and MFU)
