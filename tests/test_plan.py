@@ -366,6 +366,27 @@ def test_a_throughput_target_above_the_gpus_peak_is_called_impossible():
         f"needs MFU 200.0%: impossible, above the GPU's peak; the plan's estimated step time gives {estimated:,.0f} tokens/s")
 
 
+def test_the_plan_says_what_the_runs_steps_come_to_at_its_step_time():
+    """Before anything is rented: train.steps at the estimated step time, in the unit that reads (a pretraining run's
+    plan in days); under train.epochs, whose steps only the data tells, what 1,000 steps take."""
+    plan = plan_lib.make_plan(small_config(dtype="bfloat16"), gpu="h100")
+    step_s, tokens = plan.step_time.total_s, plan.tokens_per_step
+
+    def run(**train) -> tuple[str, float | None]:
+        replanned = dataclasses.replace(plan, cfg=with_(plan.cfg, train=train))
+        return next(line for line in plan_lib.render(replanned).splitlines() if line.startswith("run: ")), replanned.to_json()["run_s"]
+
+    assert run(steps=5) == (f"run: train.steps=5 of {tokens:,} tokens each ({5 * tokens:,} tokens): about {plan_lib.duration(5 * step_s)} "
+                            "at the estimated step time, evaluation and checkpoints not counted", 5 * step_s)
+    steps = round(3 * 86400 / step_s)
+    assert run(steps=steps)[0].endswith(": about 3.0 days at the estimated step time, evaluation and checkpoints not counted")
+    assert run(epochs=2.0, steps=steps) == (
+        "run: train.epochs=2, whose steps `jaxtrain train` counts from the data as it starts (the plan reads no data); each "
+        f"1,000 steps of {tokens:,} tokens about {plan_lib.duration(1000 * step_s)} at the estimated step time", None)
+    assert [plan_lib.run_length(s) for s in (0.5, 59, 90, 3599, 3600, 2 * 86400 - 1, 2 * 86400)] == [
+        "0.50 s", "59.00 s", "1.5 min", "60.0 min", "1.0 h", "48.0 h", "2.0 days"]
+
+
 def test_the_plans_xla_flops_per_token_are_the_whole_jobs_over_its_tokens():
     """XLA's cost analysis is one device's: the plan's figure multiplies it by the 8 devices. The layer scan's body is
     counted once, so at least one layer's and the output layer's 6 FLOPs a weight (small_config: 9216 and 2048

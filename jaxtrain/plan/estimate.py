@@ -723,6 +723,7 @@ class Plan:
             "fits": self.fits,
             "compile_s": c.compile_s,
             "step_time_s": {"total": self.step_time.total_s, "compute": self.step_time.compute_s} | self.step_time.communication_s,
+            "run_s": run_seconds(self),  # train.steps at the estimated step time; null under train.epochs
             "flops_per_token": self.flops_per_token,
             "xla_flops_per_token": self.xla_flops_per_token,
             "tokens_per_s": self.tokens_per_s, "mfu_needed": self.mfu_needed,
@@ -894,6 +895,7 @@ def render(plan: Plan) -> str:
         lines.append("memory techniques, each alone (estimate per device on the accelerator):")
         lines += [f"  {t.describe()}" for t in plan.techniques]
     lines.append(f"estimated step time: {plan.step_time.describe()}" + ("" if plan.gpu else " (no --gpu given: an H100 assumed)"))
+    lines.append(describe_run(plan))
     lines.append(describe_parameters(plan.parameters, plan.cfg.model))
     xla = plan.xla_flops_per_token
     frozen_base = ", the frozen base's weights 4 per parameter, not 6" if plan.cfg.model.lora.rank else ""
@@ -907,6 +909,31 @@ def render(plan: Plan) -> str:
     if c.hlo is not None:
         lines += ["", *render_hlo(plan)]
     return "\n".join(lines)
+
+
+def run_length(seconds: float) -> str:
+    """A whole run's time in the unit that reads: step_cost.duration's below a minute, then minutes, hours, days."""
+    if seconds < 60:
+        return duration(seconds)
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 2 * 86400 else f"{seconds / 86400:,.1f} days"
+
+
+def run_seconds(plan: Plan) -> float | None:
+    """``train.steps`` at the estimated step time; None under ``train.epochs``, whose steps only the data tells."""
+    return None if plan.cfg.train.epochs else plan.cfg.train.steps * plan.step_time.total_s
+
+
+def describe_run(plan: Plan) -> str:
+    """The plan's run line: what the estimated step time comes to over the run's steps, before anything is rented."""
+    t = plan.cfg.train
+    if t.epochs:
+        return (f"run: train.epochs={t.epochs:g}, whose steps `jaxtrain train` counts from the data as it starts (the plan "
+                f"reads no data); each 1,000 steps of {plan.tokens_per_step:,} tokens about "
+                f"{run_length(1000 * plan.step_time.total_s)} at the estimated step time")
+    return (f"run: train.steps={t.steps:,} of {plan.tokens_per_step:,} tokens each ({t.steps * plan.tokens_per_step:,} tokens): "
+            f"about {run_length(run_seconds(plan))} at the estimated step time, evaluation and checkpoints not counted")
 
 
 def describe_parameters(counts: dict, m: LlamaConfig) -> str:
