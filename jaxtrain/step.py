@@ -123,8 +123,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                     loss_scale_period: int = 0, grad_reduction=None, device_params=None,
                     dropout_seed: int | None = None, skip_spikes: float = 0.0) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """With ``layer_norms`` the metrics also hold per-layer gradient and parameter norms. An update
-    whose loss, gradient norm or own norm is not finite is not applied (the step counter still advances), so a
-    bad batch never poisons the state; the loop decides whether to stop or go on. ``grad_shardings``
+    whose loss or gradient norm is not finite is not applied (the step counter still advances), so a
+    bad batch never poisons the state; the loop decides whether to stop or go on (and stops where the update's own
+    norm is not finite, which the step applied). ``grad_shardings``
     places the gradients (ZeRO-2: reduce-scattered); ``device_opt_state`` are the optimizer state's shardings
     in device memory, where the step brings it from the host (optim.offload) for the update; with a loss scale in the
     state (float16) the objective is scaled before differentiation and an overflowing update skipped. ``grad_reduction``
@@ -192,10 +193,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         # finite loss and gradients can still make a non-finite update (a 0 / 0 in the optimizer's float32 arithmetic):
-        # applied, it carried NaN into the parameters and the next checkpoint, the guard seeing it only a step later
+        # its norm lets the non-finite policy stop the run before a checkpoint takes it (metrics.MetricsLog). It does
+        # not hold the update back: that kept every parameter's update until the whole norm was known, 7.3 GiB more
+        # on llama3_3b's H200 compile (52.6 -> 59.8 GiB)
         update_norm = optax.tree.norm(updates)
         params = optax.apply_updates(state.params, updates)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         applied, spikes, spike_metrics = finite, state.spikes, {}
         if spikes is not None:
             watched = {"loss": loss, "grad_norm": grad_norm}

@@ -510,7 +510,8 @@ class MetricsLog:
                 self.write({"step": step} | {k: np.asarray(metrics[k]).tolist() for k in PER_LAYER})
             bad = [name for name in GUARDED if not np.isfinite(metrics[name])]
             if not bad and not np.isfinite(metrics[UPDATE]):  # a non-finite loss makes the update so too: not its cause
-                bad = [UPDATE]
+                # the step applied it (it holds no update back for its norm): no skip undoes it, the run stops here
+                raise NonFiniteError(self._diagnosis(step, metrics, [UPDATE]))
             if metrics.get("overflow"):  # float16 gradients overflowed: the loss scaler skipped it and halved the scale
                 self.overflows += 1
                 continue
@@ -546,13 +547,16 @@ class MetricsLog:
             last = f"last finite values at step {good_step}: " + ", ".join(f"{k} {float(good[k]):.6g}" for k in GUARDED)
         else:
             last = "no finite values before it in this run"
+        if bad == [UPDATE]:
+            return (f"step {step}: {UPDATE} not finite ({values}); {last}; the optimizer made it of finite gradients and "
+                    "the step applied it, so no train.skip_nonfinite skips it, and no checkpoint was written after it; "
+                    "check the optimizer's settings (optim.eps, b1, b2, weight_decay) or lower optim.lr; the last "
+                    "checkpoint holds the state before it")
         allowed = self.cfg.train.skip_nonfinite
         policy = f"more than train.skip_nonfinite={allowed} updates skipped" if allowed else "the update was not applied"
         skip = f"raise train.skip_nonfinite above {allowed}" if allowed else "set train.skip_nonfinite=N"
-        check = ("check the optimizer's settings (optim.eps, b1, b2, weight_decay), lower optim.lr" if bad == [UPDATE]
-                 else "check the data, lower optim.lr")
         return (f"step {step}: {' and '.join(bad)} not finite ({values}); {last}; {policy} and no checkpoint was "
-                f"written after it; {check}, or {skip} to skip such steps")
+                f"written after it; check the data, lower optim.lr, or {skip} to skip such steps")
 
     def _record(self, step: int) -> None:
         fetched = self._check_pending()
