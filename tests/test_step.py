@@ -141,5 +141,6 @@ def test_a_non_finite_update_of_finite_gradients_stops_the_run_naming_it_whateve
                                                          r"update_norm nan\); .*; the optimizer made it of finite gradients and the "
                                                          r"step applied it, so no train.skip_nonfinite skips it, and no checkpoint "
                                                          r"was written after it; check the optimizer's settings \(optim.eps, b1, b2, "
-                                                         r"weight_decay\) or lower optim.lr; the last checkpoint holds the state before it$"):
+                                                         r"weight_decay\) or lower optim.lr; the last checkpoint holds the state "
+                                                         r"before it$"):
         log.after_step(1, metrics)
