@@ -193,10 +193,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         # finite loss and gradients can still make a non-finite update (a 0 / 0 in the optimizer's float32 arithmetic):
-        # its norm lets the non-finite policy stop the run before a checkpoint takes it (metrics.MetricsLog). It does
-        # not hold the update back: that kept every parameter's update until the whole norm was known, 7.3 GiB more
-        # on llama3_3b's H200 compile (52.6 -> 59.8 GiB)
-        update_norm = optax.tree.norm(updates)
+        # the applied parameters' norm (param_norm) is then non-finite, which stops the run before a checkpoint takes it
+        # (metrics.MetricsLog). Not the update's own norm: as a gate it kept every parameter's update until the whole
+        # norm was known (llama3_3b's H200 compile 52.6 -> 59.8 GiB), as a metric it still cost 0.8 GiB there
         params = optax.apply_updates(state.params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         applied, spikes, spike_metrics = finite, state.spikes, {}
@@ -209,7 +208,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                              "spike_window_steps": spikes_lib.held(state.spikes)}  # what the deviations were taken over
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old),
                                          (params, opt_state), (state.params, state.opt_state))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "param_norm": optax.tree.norm(params),
+        metrics = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
                    "learning_rate": schedule(schedule_count(state.opt_state))} | router_metrics(stats) | spike_metrics
         if state.loss_scale is not None:  # an overflow of the scaled gradients: skipped, the scale halved
             metrics |= {"loss_scale": scale.loss_scale,

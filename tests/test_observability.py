@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -267,7 +268,7 @@ def test_mfu_counts_the_whole_batch_over_the_meshs_devices_with_micro_batches(tm
     try:
         now[0] += 2.0
         log.after_step(1, {"loss": np.float32(3.0), "learning_rate": np.float32(1e-3), "grad_norm": np.float32(1.0),
-                           "update_norm": np.float32(0.1), "param_norm": np.float32(4.0)})
+                           "param_norm": np.float32(4.0)})
     finally:
         log.close()
     [record] = _records(tmp_path)
@@ -490,7 +491,7 @@ def test_nonfinite_stops_before_saving_and_last_checkpoint_restores(trainer, tmp
     with pytest.raises(NonFiniteError) as stop:
         train_lib.train(trainer.cfg, run_dir, trainer)
     message = str(stop.value)
-    assert "\n" not in message and message.startswith("step 5: loss and grad_norm not finite (loss nan, grad_norm nan, update_norm nan)")
+    assert "\n" not in message and re.match(r"step 5: loss and grad_norm not finite \(loss nan, grad_norm nan, param_norm [0-9.]+\); ", message)
     assert "last finite values at step 4: loss " in message and "train.skip_nonfinite=N" in message
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())[-1] == 4
     assert max(r["step"] for r in _records(run_dir)) == 4
@@ -508,7 +509,7 @@ def test_skip_nonfinite_leaves_state_unchanged_and_logs_each_skip(trainer, tmp_p
     state = train_lib.train(cfg, tmp_path / "run", skipping)
     assert int(state.step) == STEPS
     skips = [r for r in _records(tmp_path / "run") if "skipped_nonfinite" in r]
-    assert skips == [{"step": 3, "skipped_nonfinite": ["loss", "grad_norm"], "loss": None, "grad_norm": None, "update_norm": None}]
+    assert skips == [{"step": 3, "skipped_nonfinite": ["loss", "grad_norm"], "loss": None, "grad_norm": None}]
     # the step records count them, for the dashboards (TensorBoard train/skipped_nonfinite_steps, Prometheus)
     assert [(r["step"], r["skipped_nonfinite_steps"]) for r in _records(tmp_path / "run") if "loss" in r and
             not is_skip_record(r)] == [(2, 0), (4, 1), (6, 1)]
@@ -646,11 +647,11 @@ def test_a_records_step_time_is_its_steps_mean_less_checkpoint_eval_and_profiler
                     now[0] += seconds
             now[0] += {1: 4.25, 2: 2.0, 3: 1.5, 4: 1.5, 5: 2.5}[step]  # the step's own time
             log.after_step(step, {"loss": np.float32(2.5 + step), "learning_rate": np.float32(1e-3), "grad_norm": np.float32(1.0),
-                                  "update_norm": np.float32(0.1), "param_norm": np.float32(4.0)})
+                                  "param_norm": np.float32(4.0)})
     finally:
         log.close()
     records = _records(tmp_path)
-    assert list(records[0]) == ["step", "loss", "learning_rate", "grad_norm", "update_norm", "param_norm", "step_time_s", "tokens_per_s",
+    assert list(records[0]) == ["step", "loss", "learning_rate", "grad_norm", "param_norm", "step_time_s", "tokens_per_s",
                                 "tokens_per_s_per_device", "mfu", "data_wait_s", "checkpoint_s", "memory_in_use_gib",
                                 "memory_peak_gib", "memory_source", "memory_process"]
     # steps 1-2: 0.5 + 4.25 + 2.0 s of data wait and steps (the 3.25 s of checkpoint, eval and profiler out) over 2 steps
@@ -927,7 +928,7 @@ def test_infinite_grad_norm_with_finite_loss_is_not_applied_and_stops(trainer, t
     assert np.isfinite(float(metrics["loss"])) and np.isinf(float(metrics["grad_norm"]))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get((after.params, after.opt_state)), before)
     log = metrics_lib.MetricsLog(trainer.layout, tmp_path, 1, compile_s=0.0, compile_cache=None, data="", enabled=False)
-    with pytest.raises(NonFiniteError, match=r"^step 2: grad_norm not finite \(loss 4\.\d+, grad_norm inf, update_norm inf\)"):
+    with pytest.raises(NonFiniteError, match=r"^step 2: grad_norm not finite \(loss 4\.\d+, grad_norm inf, param_norm inf\)"):
         log.after_step(2, metrics)
 
 

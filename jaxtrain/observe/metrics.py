@@ -52,15 +52,16 @@ SUMMARY_FILE = "summary.json"
 GIB = 2**30
 CPU_PEAK_MATMUL_SIZE = 512  # large enough to reach the CPU's matmul rate, small enough for ~1 s at start-up
 GUARDED = ("loss", "grad_norm")  # a non-finite value of either means the step's update was not applied (the spike guard's too)
-# the update's own norm: non-finite where the loss and gradients are finite, the optimizer's doing (jaxtrain/step.py)
-UPDATE = "update_norm"
+# the parameters' norm after the step: non-finite where the loss and gradients are finite, the optimizer made a
+# non-finite update and the step applied it (jaxtrain/step.py)
+APPLIED = "param_norm"
 PER_LAYER = ("grad_norm_per_layer", "param_norm_per_layer")
 NOT_STEP_TIME = ("checkpoint_s", "eval_s", "profile_s")  # timers left out of step_time_s (and so tokens/s and MFU)
 
 # TensorBoard tag of each record key; keys not listed (e.g. eval_tokens) stay in metrics.jsonl only.
 TAGS = {
     "loss": "train/loss", "eval_loss": "eval/loss", "learning_rate": "train/learning_rate",
-    "grad_norm": "train/grad_norm", UPDATE: "train/update_norm", "param_norm": "train/param_norm",
+    "grad_norm": "train/grad_norm", "param_norm": "train/param_norm",
     "tokens_per_s": "perf/tokens_per_s", "tokens_per_s_per_device": "perf/tokens_per_s_per_device",
     "step_time_s": "perf/step_time_s", "mfu": "perf/mfu", "data_wait_s": "perf/data_wait_s",
     "checkpoint_s": "perf/checkpoint_s", "eval_s": "perf/eval_s", "memory_in_use_gib": "memory/in_use_gib",
@@ -509,9 +510,9 @@ class MetricsLog:
             if PER_LAYER[0] in metrics:
                 self.write({"step": step} | {k: np.asarray(metrics[k]).tolist() for k in PER_LAYER})
             bad = [name for name in GUARDED if not np.isfinite(metrics[name])]
-            if not bad and not np.isfinite(metrics[UPDATE]):  # a non-finite loss makes the update so too: not its cause
-                # the step applied it (it holds no update back for its norm): no skip undoes it, the run stops here
-                raise NonFiniteError(self._diagnosis(step, metrics, [UPDATE]))
+            if not bad and not np.isfinite(metrics[APPLIED]):  # a non-finite loss makes the update so too: not its cause
+                # the step applied the update (its gate is the loss and the gradients): no skip undoes it, the run stops
+                raise NonFiniteError(self._diagnosis(step, metrics, [APPLIED]))
             if metrics.get("overflow"):  # float16 gradients overflowed: the loss scaler skipped it and halved the scale
                 self.overflows += 1
                 continue
@@ -523,7 +524,7 @@ class MetricsLog:
             self.skipped += 1
             if self.skipped > self.cfg.train.skip_nonfinite:
                 raise NonFiniteError(self._diagnosis(step, metrics, bad))
-            self.write({"step": step, "skipped_nonfinite": bad} | {k: float(metrics[k]) for k in (*GUARDED, UPDATE)})
+            self.write({"step": step, "skipped_nonfinite": bad} | {k: float(metrics[k]) for k in GUARDED})
             self._say(f"jaxtrain: step {step}: {' and '.join(bad)} not finite, update skipped "
                       f"({self.skipped} of train.skip_nonfinite={self.cfg.train.skip_nonfinite})")
         return fetched
@@ -541,17 +542,17 @@ class MetricsLog:
                   f"{self.spikes} skipped since the run (re)started)")
 
     def _diagnosis(self, step: int, metrics: dict, bad: list[str]) -> str:
-        values = ", ".join(f"{k} {float(metrics[k])}" for k in (*GUARDED, UPDATE))
+        values = ", ".join(f"{k} {float(metrics[k])}" for k in (*GUARDED, APPLIED))
         if self.last_finite:
             good_step, good = self.last_finite
             last = f"last finite values at step {good_step}: " + ", ".join(f"{k} {float(good[k]):.6g}" for k in GUARDED)
         else:
             last = "no finite values before it in this run"
-        if bad == [UPDATE]:
-            return (f"step {step}: {UPDATE} not finite ({values}); {last}; the optimizer made it of finite gradients and "
-                    "the step applied it, so no train.skip_nonfinite skips it, and no checkpoint was written after it; "
-                    "check the optimizer's settings (optim.eps, b1, b2, weight_decay) or lower optim.lr; the last "
-                    "checkpoint holds the state before it")
+        if bad == [APPLIED]:
+            return (f"step {step}: {APPLIED} not finite ({values}); {last}; the optimizer made a non-finite update of "
+                    "finite gradients and the step applied it, so no train.skip_nonfinite skips it, and no checkpoint was "
+                    "written after it; check the optimizer's settings (optim.eps, b1, b2, weight_decay) or lower optim.lr; "
+                    "the last checkpoint holds the state before it")
         allowed = self.cfg.train.skip_nonfinite
         policy = f"more than train.skip_nonfinite={allowed} updates skipped" if allowed else "the update was not applied"
         skip = f"raise train.skip_nonfinite above {allowed}" if allowed else "set train.skip_nonfinite=N"
@@ -567,7 +568,7 @@ class MetricsLog:
         metrics = fetched[-1][1]
         record = {
             "step": step, "loss": float(metrics["loss"]), "learning_rate": float(metrics["learning_rate"]),
-            "grad_norm": float(metrics["grad_norm"]), UPDATE: float(metrics[UPDATE]), "param_norm": float(metrics["param_norm"]),
+            "grad_norm": float(metrics["grad_norm"]), "param_norm": float(metrics["param_norm"]),
             "step_time_s": step_time, "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.devices,
             "mfu": None if self.peak is None else self.flops_per_token * tokens_per_s / (self.devices * self.peak),
             "data_wait_s": self.timers["data_wait_s"], "checkpoint_s": self.timers["checkpoint_s"],
