@@ -21,6 +21,9 @@ TOKEN_FILE_SUFFIXES = (".npy", ".bin")  # token ids (data/token_file.py), never 
 BATCH_BYTES = 4 << 20  # text per encoding batch: enough documents to keep every core busy, bounded memory
 T = TypeVar("T")
 UTF8_CHECK_BYTES = 16 << 20  # text checked for UTF-8 this much at a time (check_utf8)
+# a streamed text file read this much at a time (_file_blocks): blocks of 16 MB, each one copied as a piece is cut,
+# left glibc's heap 60 MB larger after 200 MB of text
+READ_BYTES = 1 << 20
 
 
 def is_byte_level(tokenizer: str | None, path: str | None) -> bool:
@@ -30,7 +33,7 @@ def is_byte_level(tokenizer: str | None, path: str | None) -> bool:
 
 class Document(NamedTuple):
     key: str  # path relative to its source ("#LINE" for a JSONL line): decides the train/validation split
-    text: bytes
+    text: bytes | Iterator[bytes]  # the text, or a text file's blocks as they are read (documents(streamed=True))
     size: int  # bytes of the source file this document used (progress)
 
 
@@ -137,12 +140,12 @@ def input_files(inputs: Iterable[str]) -> list[tuple[Path, Path]]:
     return unique
 
 
-def input_documents(inputs: Iterable[str]) -> tuple[list[tuple[Path, Path]], Iterator[Document]]:
-    """The files of ``inputs`` (input_files) and their documents; a UserError, before anything is written, where
-    they hold none (.jsonl files of blank lines)."""
+def input_documents(inputs: Iterable[str], streamed: bool = False) -> tuple[list[tuple[Path, Path]], Iterator[Document]]:
+    """The files of ``inputs`` (input_files) and their documents (``documents``); a UserError, before anything is
+    written, where they hold none (.jsonl files of blank lines)."""
     names = list(inputs)
     files = input_files(names)
-    docs = documents(files)
+    docs = documents(files, streamed)
     first = next(docs, None)
     if first is None:
         raise UserError(f"inputs {' '.join(names)} hold no documents (blank .jsonl lines are skipped); give text files, "
@@ -159,22 +162,31 @@ def utf8_of(text: str, where: str) -> bytes:
                         "text; remove it or write the character it was meant to be half of") from None
 
 
-def check_utf8(data: bytes, where: str) -> None:
-    """A UserError naming the first byte of ``data`` that is not UTF-8: the tokenizer would replace it silently.
-    Checked UTF8_CHECK_BYTES at a time: decoded whole, a large file's text took its size again in memory."""
+def utf8_blocks(blocks: Iterable[bytes], where: str) -> Iterator[bytes]:
+    """``blocks``, consecutive parts of one text, each checked as it passes: a UserError naming the first byte that
+    is not UTF-8 at its offset in the text (a character may span two blocks); the tokenizer would replace it silently."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    try:
-        for start in range(0, len(data), UTF8_CHECK_BYTES):
-            decoder.decode(data[start:start + UTF8_CHECK_BYTES])
-        decoder.decode(b"", final=True)
-        return
-    except UnicodeDecodeError:
-        pass  # decoded whole below, which names the first bad byte's offset
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{where} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); convert it "
-                        "(iconv -f ITS_ENCODING -t UTF-8) or leave it out") from None
+    read = 0  # bytes given to the decoder
+
+    def decode(block: bytes, final: bool = False) -> None:
+        try:
+            decoder.decode(block, final)
+        except UnicodeDecodeError as e:  # e.object: the text's last bytes read (the decoder holds back an unfinished character)
+            raise UserError(f"{where} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {read - len(e.object) + e.start}); "
+                            "convert it (iconv -f ITS_ENCODING -t UTF-8) or leave it out") from None
+
+    for block in blocks:
+        read += len(block)
+        decode(block)
+        yield block
+    decode(b"", final=True)
+
+
+def check_utf8(data: bytes, where: str) -> None:
+    """utf8_blocks on ``data`` UTF8_CHECK_BYTES at a time: decoded whole, a large file's text took its size again
+    in memory."""
+    for _ in utf8_blocks((data[start:start + UTF8_CHECK_BYTES] for start in range(0, len(data), UTF8_CHECK_BYTES)), where):
+        pass
 
 
 def open_readable(path: Path):  # a UserError, not a traceback, where it cannot be read (text, JSONL, instruction data)
@@ -210,8 +222,15 @@ def _jsonl_documents(path: Path, key: str) -> Iterator[Document]:
             yield Document(f"{key}#{number}", utf8_of(text, f"{path}:{number}"), len(line))
 
 
-def documents(files: Iterable[tuple[Path, Path]]) -> Iterator[Document]:
-    """The documents of (root, file) pairs, in order."""
+def _file_blocks(path: Path) -> Iterator[bytes]:
+    """A text file's bytes, READ_BYTES at a time, each checked as UTF-8 (utf8_blocks); opened when first read."""
+    with open_readable(path) as f:
+        yield from utf8_blocks(iter(lambda: f.read(READ_BYTES), b""), str(path))
+
+
+def documents(files: Iterable[tuple[Path, Path]], streamed: bool = False) -> Iterator[Document]:
+    """The documents of (root, file) pairs, in order. ``streamed``: a text file's text is its blocks as they are read
+    (``_file_blocks``), for a reader that never needs it whole (tokenize: a single file of many GB is common)."""
     for root, path in files:
         key = path.relative_to(root).as_posix()
         if path.suffix == JSONL_SUFFIX:
@@ -219,6 +238,8 @@ def documents(files: Iterable[tuple[Path, Path]]) -> Iterator[Document]:
         elif path.suffix in TOKEN_FILE_SUFFIXES:
             raise UserError(f"{path} is a token file ({path.suffix}), not text: train on it with data.path={path}, "
                             "or leave it out of the text inputs")
+        elif streamed:
+            yield Document(key, _file_blocks(path), path.stat().st_size)
         else:
             with open_readable(path) as f:
                 text = f.read()

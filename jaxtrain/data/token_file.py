@@ -12,7 +12,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -48,7 +48,7 @@ def write_token_file(inputs: Iterable[str], tokenizer_path: str, out: str | Path
         raise UserError(f"--out {out} already exists (or its sidecar does); give a new path, or remove them first: "
                         "tokenize never overwrites a token file, which a run may be training on")
     tokenizer = load_tokenizer(tokenizer_path)
-    files, source = input_documents(inputs)
+    files, source = input_documents(inputs, streamed=True)  # a text file read block by block as it is encoded
     dtype = token_dtype(tokenizer.vocab_size)
     count = docs = 0
     # missing directories are made, as plot --out does, and removed again if a later input fails; the sidecar, renamed
@@ -57,12 +57,18 @@ def write_token_file(inputs: Iterable[str], tokenizer_path: str, out: str | Path
             atomic_file(out, "token file") as f, \
             tqdm(total=sum(path.stat().st_size for _, path in files), unit="B", unit_scale=True, desc="tokenize",
                  disable=None, file=sys.stderr) as progress:  # shown only on a terminal
-        for batch in batches(source):
-            for tokens in tokenizer.encode_in_parts([doc.text for doc in batch]):  # a large file's too, part by part
+        def advancing(blocks: Iterable[bytes]) -> Iterator[bytes]:  # a text file's progress as it is read
+            for block in blocks:
+                progress.update(len(block))
+                yield block
+
+        for batch in batches(source, size_of=lambda doc: doc.size):
+            texts = [doc.text if isinstance(doc.text, bytes) else advancing(doc.text) for doc in batch]
+            for tokens in tokenizer.encode_in_parts(texts):  # a large file's too, part by part
                 f.write(tokens.data)  # already of the file's dtype
                 count += len(tokens)
             docs += len(batch)
-            progress.update(sum(doc.size for doc in batch))
+            progress.update(sum(doc.size for doc in batch if isinstance(doc.text, bytes)))  # JSONL lines
         sidecar = {"format": SIDECAR_FORMAT, "dtype": dtype.name, "tokens": count, "documents": docs,
                    "vocab_size": tokenizer.vocab_size, "end_of_text": tokenizer.end_of_text,
                    "tokenizer": str(tokenizer.path.resolve()), "tokenizer_sha256": tokenizer.sha256}

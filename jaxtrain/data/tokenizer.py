@@ -53,6 +53,7 @@ PIECE_BYTES = 1 << 18  # 16 pieces to a batch of BATCH_BYTES: the library encode
 CUT_CONTEXT = 512
 CUT_TRIES = 16
 CUT_CANDIDATES = re.compile(rb"(?<=\S)[ \n]")  # at ASCII whitespace: never inside a UTF-8 character
+READ_ON = -1  # _cut's answer where the text read so far has too few places to try: the next block may have them
 # texts go to the trainer's process in batches of about this many characters: few messages, little held in them
 CHARACTERS_PER_MESSAGE = 1 << 20
 
@@ -92,12 +93,12 @@ class TextTokenizer:
         """The documents' tokens, the end-of-text token after each."""
         return np.concatenate([np.zeros(0, token_dtype(self.vocab_size)), *self.encode_in_parts(texts)])
 
-    def encode_in_parts(self, texts: list[bytes]) -> Iterator[np.ndarray]:
+    def encode_in_parts(self, texts: Iterable[bytes | Iterable[bytes]]) -> Iterator[np.ndarray]:
         """``encode``'s tokens, in consecutive parts of at most BATCH_BYTES of text each: encoded in parallel on all
         cores (``encode_batch_fast``: no character offsets, which training never reads), a long document in pieces
-        (``_pieces``)."""
+        (``_pieces``). A text may be given as its consecutive blocks (a file as it is read: documents(streamed=True))."""
         dtype = token_dtype(self.vocab_size)
-        pieces = (piece for text in texts for piece in self._pieces(text))
+        pieces = (piece for text in texts for piece in self._pieces([text] if isinstance(text, bytes) else text))
         for group in batches(pieces, BATCH_BYTES, lambda piece: len(piece[0])):
             encodings = self.tokenizer.encode_batch_fast([text.decode("utf-8", "replace") for text, _ in group], add_special_tokens=False)
             part = []
@@ -107,28 +108,44 @@ class TextTokenizer:
                     part.append(np.array([self.end_of_text], dtype))
             yield np.concatenate(part)
 
-    def _pieces(self, text: bytes) -> Iterator[tuple[bytes, bool]]:
-        """``text`` in pieces of about PIECE_BYTES, each with whether it ends the document, cut only where the
-        tokens do not change: the library holds about 600 bytes per token while it encodes one text (a 51 MB file
-        took 7.9 GB), so a large file encoded whole took memory 150 times its size."""
-        start = 0
-        while len(text) - start > 2 * PIECE_BYTES and (cut := self._cut(text, start + PIECE_BYTES)) is not None:
-            yield text[start:cut], False
-            start = cut
+    def _pieces(self, blocks: Iterable[bytes]) -> Iterator[tuple[bytes, bool]]:
+        """A text, given as its consecutive blocks, in pieces of about PIECE_BYTES, each with whether it ends the text,
+        cut only where the tokens do not change: the library holds about 600 bytes per token while it encodes one text
+        (a 51 MB file took 7.9 GB), so a large file encoded whole took memory 150 times its size. Cut as it is read, a
+        file is never held whole either, unless no cut is found (the rest is then one piece)."""
+        blocks = iter(blocks)
+        text, start, cutting = b"", 0, True
+        for block in itertools.chain(blocks, [None]):
+            complete = block is None
+            if not complete:
+                text, start = text[start:] + block, 0
+            # a cut in text still being read is checked only where the CUT_CONTEXT bytes after it have been read
+            read_ahead = 0 if complete else CUT_CONTEXT
+            while cutting and len(text) - start > 2 * PIECE_BYTES + read_ahead:
+                cut = self._cut(text, start + PIECE_BYTES, len(text) - read_ahead, complete)
+                if cut == READ_ON:
+                    break
+                if cut is None:
+                    text, start, cutting = b"".join([text[start:], *blocks]), 0, False
+                else:
+                    yield text[start:cut], False
+                    start = cut
         yield text[start:], True
 
-    def _cut(self, text: bytes, after: int) -> int | None:
-        """The first place from ``after`` before a space or newline that follows other text (where pre-tokenizers
-        split) at which this tokenizer encodes the CUT_CONTEXT bytes on either side, apart, as it does together;
-        None where CUT_TRIES such places are not (a tokenizer that marks where a text begins, as SentencePiece's
-        prefix space does, changes at every cut: its documents are encoded whole)."""
-        for candidate in itertools.islice(CUT_CANDIDATES.finditer(text, after), CUT_TRIES):
+    def _cut(self, text: bytes, after: int, end: int, complete: bool) -> int | None:
+        """The first place from ``after`` (and before ``end``) before a space or newline that follows other text
+        (where pre-tokenizers split) at which this tokenizer encodes the CUT_CONTEXT bytes on either side, apart, as it
+        does together; None where CUT_TRIES such places are not (a tokenizer that marks where a text begins, as
+        SentencePiece's prefix space does, changes at every cut: its documents are encoded whole); READ_ON where the
+        text is not ``complete`` and fewer places lie before ``end``, none of them one (a long run without spaces)."""
+        tried = 0
+        for tried, candidate in enumerate(itertools.islice(CUT_CANDIDATES.finditer(text, after, end), CUT_TRIES), 1):
             cut = candidate.start()
             left, right = (side.decode("utf-8", "replace") for side in (text[cut - CUT_CONTEXT:cut], text[cut:cut + CUT_CONTEXT]))
             together, *apart = self.tokenizer.encode_batch_fast([left + right, left, right], add_special_tokens=False)
             if together.ids == apart[0].ids + apart[1].ids:
                 return cut
-        return None
+        return READ_ON if tried < CUT_TRIES and not complete else None
 
 
 def _tokenizer_json(path: str | Path) -> Path:
