@@ -786,6 +786,60 @@ def test_a_long_document_is_encoded_in_pieces_to_the_tokens_it_has_whole(trained
     assert marked.encode([document]).tolist() == _whole(marked, document) == [1, *[2, 3] * 5000, 0]
 
 
+def test_train_tokenizer_trains_on_a_file_read_in_blocks_as_on_it_whole(texts, tmp_path, monkeypatch, capsys):
+    """train-tokenizer reads a text file block by block and sends it to the trainer in pieces cut before whitespace
+    that follows a printable character, where the byte-level pre-tokenizer always splits: the pieces of a file read in
+    many small blocks are its text, and train the very BPE its whole text trains; a run too long to train on is named
+    at its character in the whole document, not in its piece."""
+    from jaxtrain.data import documents as documents_lib
+    from jaxtrain.data import tokenizer as tokenizer_lib
+
+    monkeypatch.setattr(documents_lib, "READ_BYTES", 1000)
+    document = b"\n".join(path.read_bytes() for path in sorted(texts.iterdir()))[:100_000] + "\t \u3000 é\n".encode()
+    pieces = list(tokenizer_lib._training_pieces(document[i:i + 1000] for i in range(0, len(document), 1000)))
+    assert b"".join(pieces) == document and len(pieces) > 50 and max(map(len, pieces)) < 2000
+    (tmp_path / "one.txt").write_bytes(document)
+    assert jaxtrain(capsys, "train-tokenizer", str(tmp_path / "one.txt"), "--vocab-size", "400", "--out", str(tmp_path / "tok"))[0] == 0
+    whole = json.loads(tokenizer_lib._train_in_child(iter([document.decode()]), 400))
+    assert json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["model"] == whole["model"]
+
+    (tmp_path / "run.txt").write_bytes(document[:5000] + b" " + b"x" * (MAX_PRE_TOKEN + 1) + b"\n")
+    status, err = jaxtrain(capsys, "train-tokenizer", str(tmp_path / "run.txt"), "--vocab-size", "400", "--out", str(tmp_path / "no"))
+    assert status == 2 and f"holds a run of {MAX_PRE_TOKEN + 1} characters of one kind (letters, digits, symbols or whitespace) at " \
+        f"character {len(document[:5001].decode())};" in err[-1]
+
+
+TRAIN_PEAK = """
+import random, resource, sys
+from pathlib import Path
+from jaxtrain.data import documents
+from jaxtrain.data.tokenizer import train_tokenizer
+documents.READ_BYTES = 64 << 10  # scaled down 16x
+random.seed(0)
+words = [f"w{i}" for i in range(500)]
+folder = Path(sys.argv[1])
+peaks = []
+for name, n in (("small", 1), ("large", 12)):  # about 2 and 24 MB, written a part at a time
+    with open(folder / f"{name}.txt", "wb") as f:
+        for _ in range(n):
+            f.write(" ".join(random.choices(words, k=500_000)).encode() + b" ")
+    train_tokenizer([str(folder / f"{name}.txt")], 300, folder / f"{name}-tokenizer")
+    peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # this process's: the trainer's is its child's
+print(peaks[1] - peaks[0])
+"""
+
+
+def test_train_tokenizer_reads_a_file_without_holding_it(tmp_path):
+    """train-tokenizer's own process (the reading, the checks and the messages to the trainer's) holds a block and a
+    piece of a text file, not the file: a file 12 times as long (2 -> 24 MB) does not grow its peak (measured: 0 MB,
+    three runs), where the file read whole grew it by 453 MB (its text split into words for the long-run check)."""
+    done = subprocess.run([sys.executable, "-c", TRAIN_PEAK, str(tmp_path)], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    grew_kib = int(done.stdout)
+    assert grew_kib < 24 << 10, f"train-tokenizer's peak RSS grew {grew_kib >> 10} MB from a 2 MB to a 24 MB file"
+
+
 ENCODE_PEAK = """
 import random, resource, sys
 from jaxtrain.data import load_tokenizer, tokenizer

@@ -243,27 +243,50 @@ def train_tokenizer(inputs: Iterable[str], vocab_size: int, out: str | Path) -> 
     if vocab_size > MAX_VOCAB_SIZE:
         raise UserError(f"--vocab-size {vocab_size} is too large: at most {MAX_VOCAB_SIZE} (2**24), 64 times the largest "
                         "vocabularies models use (about 256k); the trainer allocates memory for every token asked for")
-    _, docs = input_documents(inputs)
+    _, docs = input_documents(inputs, streamed=True)  # a text file read block by block, trained on in pieces
     with sigterm_cleans_up(), atomic_dir(Path(out), "tokenizer directory") as temp:
         # written here, not in the trainer's process: a full disk is then this process's OSError, one line (the library's
         # save raised its own error in the child, a traceback)
-        (temp / TOKENIZER_FILE).write_text(_train_in_child(map(_checked_text, docs), vocab_size), encoding="utf-8")
+        (temp / TOKENIZER_FILE).write_text(_train_in_child(_checked_texts(docs), vocab_size), encoding="utf-8")
         (temp / CONFIG_FILE).write_bytes(_hf_config(END_OF_TEXT))
     return load_tokenizer(out)
 
 
-def _checked_text(doc: Document) -> str:
-    """The document's text; a UserError where it holds a pre-token too long to train on in reasonable time."""
-    text = doc.text.decode("utf-8", "replace")
-    # only a stretch without whitespace that long (or such a whitespace run) can hold one; str.split finds those
-    # several times faster than LONG_PRE_TOKEN searches (stdlib, 12 MB: 0.3 s against 2.7 s on 2 slow cores)
-    could_hold = max(map(len, text.split()), default=0) > MAX_PRE_TOKEN or LONG_WHITESPACE.search(text)
-    if could_hold and (match := LONG_PRE_TOKEN.search(text)):
-        raise UserError(f"document {doc.key} holds a run of {len(match[0])} characters of one kind (letters, digits, symbols or "
-                        f"whitespace) at character {match.start()}; BPE training time grows with the square of such a run's "
-                        f"length (5 million characters: unfinished after 12 minutes), so at most {MAX_PRE_TOKEN} are taken: split "
-                        "it with spaces or leave the document out")
-    return text
+def _checked_texts(docs: Iterable[Document]) -> Iterator[str]:
+    """The documents' texts, a text file's (given as its blocks) in pieces (``_training_pieces``); a UserError where
+    one holds a pre-token too long to train on in reasonable time."""
+    for doc in docs:
+        start = 0  # characters of the document before the piece
+        for piece in [doc.text] if isinstance(doc.text, bytes) else _training_pieces(doc.text):
+            text = piece.decode("utf-8", "replace")
+            # only a stretch without whitespace that long (or such a whitespace run) can hold one; str.split finds those
+            # several times faster than LONG_PRE_TOKEN searches (stdlib, 12 MB: 0.3 s against 2.7 s on 2 slow cores)
+            could_hold = max(map(len, text.split()), default=0) > MAX_PRE_TOKEN or LONG_WHITESPACE.search(text)
+            if could_hold and (match := LONG_PRE_TOKEN.search(text)):
+                raise UserError(f"document {doc.key} holds a run of {len(match[0])} characters of one kind (letters, digits, symbols "
+                                f"or whitespace) at character {start + match.start()}; BPE training time grows with the square of "
+                                f"such a run's length (5 million characters: unfinished after 12 minutes), so at most {MAX_PRE_TOKEN} "
+                                "are taken: split it with spaces or leave the document out")
+            start += len(text)
+            yield text
+
+
+def _training_pieces(blocks: Iterable[bytes]) -> Iterator[bytes]:
+    """A text given as its blocks, in pieces cut before the last space or newline of what has been read that follows
+    a printable ASCII character: the byte-level pre-tokenizer always splits there and matches on from it as it does
+    in the whole text, so the pieces hold the whole text's pre-tokens (and a run of one kind lies in one piece) and
+    train the same BPE (test). Read whole, a large file took its size as bytes, again as text (4 bytes a character
+    where one is beyond U+FFFF) and again in the message to the trainer's process."""
+    held = b""
+    for block in blocks:
+        held += block
+        end = len(held)
+        while (cut := max(held.rfind(b" ", 0, end), held.rfind(b"\n", 0, end))) > 0 and not 0x21 <= held[cut - 1] <= 0x7e:
+            end = cut
+        if cut > 0:
+            yield held[:cut]
+            held = held[cut:]
+    yield held
 
 
 def _train_in_child(texts: Iterator[str], vocab_size: int) -> str:
