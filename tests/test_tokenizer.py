@@ -809,34 +809,44 @@ def test_train_tokenizer_trains_on_a_file_read_in_blocks_as_on_it_whole(texts, t
         f"character {len(document[:5001].decode())};" in err[-1]
 
 
-TRAIN_PEAK = """
+SINGLE_FILE_PEAK = """
 import random, resource, sys
 from pathlib import Path
-from jaxtrain.data import documents
+from jaxtrain.data import documents, tokenizer
+from jaxtrain.data.token_file import write_token_file
 from jaxtrain.data.tokenizer import train_tokenizer
-documents.READ_BYTES = 64 << 10  # scaled down 16x
+tokenizer.PIECE_BYTES, tokenizer.BATCH_BYTES, documents.READ_BYTES = 64 << 10, 256 << 10, 64 << 10  # scaled down 4x, 16x, 16x
 random.seed(0)
 words = [f"w{i}" for i in range(500)]
-folder = Path(sys.argv[1])
+folder, tokenizer_dir = Path(sys.argv[1]), sys.argv[2]
 peaks = []
 for name, n in (("small", 1), ("large", 12)):  # about 2 and 24 MB, written a part at a time
     with open(folder / f"{name}.txt", "wb") as f:
         for _ in range(n):
             f.write(" ".join(random.choices(words, k=500_000)).encode() + b" ")
-    train_tokenizer([str(folder / f"{name}.txt")], 300, folder / f"{name}-tokenizer")
-    peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # this process's: the trainer's is its child's
+    if tokenizer_dir:
+        write_token_file([str(folder / f"{name}.txt")], tokenizer_dir, folder / f"{name}.bin")
+    else:
+        train_tokenizer([str(folder / f"{name}.txt")], 300, folder / f"{name}-tokenizer")
+    peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # this process's: the BPE trainer's is its child's
 print(peaks[1] - peaks[0])
 """
+
+
+def _single_file_peak_growth(folder: Path, tokenizer_dir: Path | None = None) -> int:
+    """KiB that the peak RSS of tokenize (with ``tokenizer_dir``) or train-tokenizer grows from a 2 MB to a 24 MB file."""
+    folder.mkdir()
+    done = subprocess.run([sys.executable, "-c", SINGLE_FILE_PEAK, str(folder), str(tokenizer_dir or "")], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout)
 
 
 def test_train_tokenizer_reads_a_file_without_holding_it(tmp_path):
     """train-tokenizer's own process (the reading, the checks and the messages to the trainer's) holds a block and a
     piece of a text file, not the file: a file 12 times as long (2 -> 24 MB) does not grow its peak (measured: 0 MB,
     three runs), where the file read whole grew it by 453 MB (its text split into words for the long-run check)."""
-    done = subprocess.run([sys.executable, "-c", TRAIN_PEAK, str(tmp_path)], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    grew_kib = int(done.stdout)
+    grew_kib = _single_file_peak_growth(tmp_path / "files")
     assert grew_kib < 24 << 10, f"train-tokenizer's peak RSS grew {grew_kib >> 10} MB from a 2 MB to a 24 MB file"
 
 
@@ -851,26 +861,6 @@ small, large = (" ".join(random.choices(words, k=n)).encode() for n in (250_000,
 peaks = []
 for text in (small, large):
     encoding.encode([text])
-    peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-print(peaks[1] - peaks[0])
-"""
-
-
-TOKENIZE_PEAK = """
-import random, resource, sys
-from pathlib import Path
-from jaxtrain.data import documents, tokenizer
-from jaxtrain.data.token_file import write_token_file
-tokenizer.PIECE_BYTES, tokenizer.BATCH_BYTES, documents.READ_BYTES = 64 << 10, 256 << 10, 64 << 10  # scaled down 4x, 16x, 16x
-random.seed(0)
-words = [f"w{i}" for i in range(500)]
-folder = Path(sys.argv[2])
-peaks = []
-for name, n in (("small", 1), ("large", 12)):  # about 2 and 24 MB, written a part at a time
-    with open(folder / f"{name}.txt", "wb") as f:
-        for _ in range(n):
-            f.write(" ".join(random.choices(words, k=500_000)).encode() + b" ")
-    write_token_file([str(folder / f"{name}.txt")], sys.argv[1], folder / f"{name}.bin")
     peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 print(peaks[1] - peaks[0])
 """
@@ -894,11 +884,7 @@ def test_encoding_one_long_document_takes_memory_of_a_batch_not_of_the_document(
     assert done.returncode == 0, done.stderr
     grew_kib = int(done.stdout)
     assert grew_kib < 50 << 10, f"peak RSS grew {grew_kib >> 10} MB from a 1 MB to a 4 MB document"
-    (tmp_path / "files").mkdir()
-    done = subprocess.run([sys.executable, "-c", TOKENIZE_PEAK, str(directory), str(tmp_path / "files")], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    grew_kib = int(done.stdout)
+    grew_kib = _single_file_peak_growth(tmp_path / "files", directory)
     assert grew_kib < 24 << 10, f"tokenize's peak RSS grew {grew_kib >> 10} MB from a 2 MB to a 24 MB file"
 
 
