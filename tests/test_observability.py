@@ -491,7 +491,8 @@ def test_nonfinite_stops_before_saving_and_last_checkpoint_restores(trainer, tmp
     with pytest.raises(NonFiniteError) as stop:
         train_lib.train(trainer.cfg, run_dir, trainer)
     message = str(stop.value)
-    assert "\n" not in message and re.match(r"step 5: loss and grad_norm not finite \(loss nan, grad_norm nan, param_norm [0-9.]+\); ", message)
+    assert "\n" not in message
+    assert re.match(r"step 5: loss and grad_norm not finite \(loss nan, grad_norm nan, param_norm [0-9.]+\); ", message)
     assert "last finite values at step 4: loss " in message and "train.skip_nonfinite=N" in message
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())[-1] == 4
     assert max(r["step"] for r in _records(run_dir)) == 4

@@ -138,14 +138,13 @@ class TextTokenizer:
         does together; None where CUT_TRIES such places are not (a tokenizer that marks where a text begins, as
         SentencePiece's prefix space does, changes at every cut: its documents are encoded whole); READ_ON where the
         text is not ``complete`` and fewer places lie before ``end``, none of them one (a long run without spaces)."""
-        tried = 0
-        for tried, candidate in enumerate(itertools.islice(CUT_CANDIDATES.finditer(text, after, end), CUT_TRIES), 1):
-            cut = candidate.start()
+        candidates = [found.start() for found in itertools.islice(CUT_CANDIDATES.finditer(text, after, end), CUT_TRIES)]
+        for cut in candidates:
             left, right = (side.decode("utf-8", "replace") for side in (text[cut - CUT_CONTEXT:cut], text[cut:cut + CUT_CONTEXT]))
             together, *apart = self.tokenizer.encode_batch_fast([left + right, left, right], add_special_tokens=False)
             if together.ids == apart[0].ids + apart[1].ids:
                 return cut
-        return READ_ON if tried < CUT_TRIES and not complete else None
+        return READ_ON if len(candidates) < CUT_TRIES and not complete else None
 
 
 def _tokenizer_json(path: str | Path) -> Path:
