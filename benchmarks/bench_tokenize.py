@@ -8,6 +8,10 @@ the same run, interleaved (each round runs both, so a busy machine slows both al
 - ``tokenize_ratio``: the two's ratio, median over rounds (goal >= 0.8).
 - ``tokenize_fast_baseline_mb_per_s``, ``tokenize_ratio_vs_fast``: the same loop with ``encode_batch_fast``
   (no character offsets), which jaxtrain itself calls: the ratio is then jaxtrain's own overhead.
+- ``tokenize_single_file_peak_rss_mb``: the peak RSS of ``jaxtrain tokenize`` and of ``jaxtrain
+  train-tokenizer`` (its own process, not its BPE trainer's) on one file of those inputs and on one of
+  ``SINGLE_FILE_COPIES`` of them: both read a text file block by block, so the larger file should add nothing (read
+  whole, it added its size, and to train-tokenizer many times it).
 
 Input: the first ``INPUT_BYTES`` of the Python standard library's source (the default corpus), with a
 byte-level BPE of ``VOCAB`` tokens trained on part of it by ``jaxtrain train-tokenizer``.
@@ -33,6 +37,11 @@ VOCAB = 16_384
 ROUNDS = 3
 FAILURE_STDERR_LINES = 20
 FAILURE_COMMAND_CHARS = 300
+SINGLE_FILE_COPIES = 4
+SINGLE_FILE_VOCAB = 1024  # train-tokenizer's part: the reading is measured, not the merges
+# a child's peak RSS: RUSAGE_CHILDREN is the largest of all of a process's children, so each is run from one of its own
+PEAK_RSS = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); " \
+           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
 
 BASELINE = """
 import sys
@@ -65,15 +74,20 @@ def _shortened(command: list[str]) -> str:
     return f"{line[:half]} ...[{len(line) - 2 * half} characters]... {line[-half:]}"
 
 
-def _seconds(command: list[str]) -> float:
-    """Wall seconds of the command; a failing one raises with the end of its stderr, which says why."""
-    start = time.perf_counter()
+def _run(command: list[str]) -> str:
+    """The command's output; a failing one raises with the end of its stderr, which says why."""
     done = subprocess.run(command, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
     if done.returncode != 0:
         stderr = "\n".join(done.stderr.splitlines()[-FAILURE_STDERR_LINES:])
         raise RuntimeError(f"{_shortened(command)} exited {done.returncode}; its stderr ends:\n{stderr}")
-    return seconds
+    return done.stdout
+
+
+def _seconds(command: list[str]) -> float:
+    """Wall seconds of the command (``_run``)."""
+    start = time.perf_counter()
+    _run(command)
+    return time.perf_counter() - start
 
 
 def run() -> dict:
@@ -91,8 +105,10 @@ def run() -> dict:
         rounds = [(_seconds([*ours, "--out", str(scratch / f"tokens{i}.bin")]), _seconds([*baseline, "encode_batch"]),
                    _seconds([*baseline, "encode_batch_fast"])) for i in range(ROUNDS)]
         tokens = os.path.getsize(scratch / "tokens0.bin") // 2
+        peaks = _single_file_peaks(inputs, scratch)
     ours_s, baseline_s, fast_s = (statistics.median(r[i] for r in rounds) for i in range(3))
     return {
+        "tokenize_single_file_peak_rss_mb": peaks,
         "tokenize_mb_per_s": round(megabytes / ours_s, 2),
         "tokenize_baseline_mb_per_s": round(megabytes / baseline_s, 2),
         "tokenize_ratio": round(statistics.median(r[1] / r[0] for r in rounds), 3),
@@ -102,3 +118,20 @@ def run() -> dict:
         "tokenize_tokens": tokens,
         "tokenize_vocab": VOCAB,
     }
+
+
+def _single_file_peaks(inputs: list[Path], scratch: Path) -> dict:
+    """{command: {file MB: peak RSS MB}} of tokenize and train-tokenizer on one file of ``inputs`` and on one of
+    SINGLE_FILE_COPIES of them."""
+    text = b"\n".join(f.read_bytes() for f in inputs)
+    peaks = {"tokenize": {}, "train_tokenizer": {}}
+    for copies in (1, SINGLE_FILE_COPIES):
+        single = scratch / f"single{copies}.txt"
+        single.write_bytes(text * copies)
+        size = f"{single.stat().st_size / 1e6:.3g}"
+        for name, args in (("tokenize", ["--tokenizer", str(scratch / "tokenizer"), "--out", str(scratch / f"single{copies}.bin")]),
+                           ("train_tokenizer", ["--vocab-size", str(SINGLE_FILE_VOCAB), "--out", str(scratch / f"tokenizer{copies}")])):
+            command = [sys.executable, "-c", PEAK_RSS, sys.executable, "-m", "jaxtrain.cli", name.replace("_", "-"), str(single), *args]
+            peaks[name][size] = round(int(_run(command)) / 1024, 1)
+        single.unlink()
+    return peaks
