@@ -198,7 +198,8 @@ def test_tokenize_benchmark_runs_its_rounds_at_a_small_size(monkeypatch):
     results = bench_tokenize.run()
     assert results["tokenize_vocab"] == 300 and results["tokenize_tokens"] > 1000
     peaks = results["tokenize_single_file_peak_rss_mb"]  # of the one and the 4 copies, both commands (each a Python process)
-    assert list(peaks) == ["tokenize", "train_tokenizer"] and all(len(by_size) == 2 and min(by_size.values()) > 20 for by_size in peaks.values())
+    assert list(peaks) == ["tokenize", "train_tokenizer"]
+    assert all(len(by_size) == 2 and min(by_size.values()) > 20 for by_size in peaks.values())
     assert all(results[key] > 0 for key in ("tokenize_mb_per_s", "tokenize_ratio", "tokenize_ratio_vs_fast"))
 
 
