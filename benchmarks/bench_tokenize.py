@@ -12,6 +12,10 @@ the same run, interleaved (each round runs both, so a busy machine slows both al
   train-tokenizer`` (its own process, not its BPE trainer's) on one file of those inputs and on one of
   ``SINGLE_FILE_COPIES`` of them: both read a text file block by block, so the larger file should add nothing (read
   whole, it added its size, and to train-tokenizer many times it).
+- ``train_start_encode_s``, ``train_start_encode_speedup``: the same files as a run's ``data.path`` with
+  ``data.tokenizer``, encoded as ``jaxtrain train`` starts on a CPU (its malloc keeps one arena for every thread,
+  ``JAXTRAIN_HOST_MALLOC=keep``; jax started): seconds of ``load_corpus``, which encodes them in a child process, and
+  of the same encoding in the run's own process (as before 2026-12-07), interleaved; the speedup is their ratio.
 
 Input: the first ``INPUT_BYTES`` of the Python standard library's source (the default corpus), with a
 byte-level BPE of ``VOCAB`` tokens trained on part of it by ``jaxtrain train-tokenizer``.
@@ -20,8 +24,10 @@ Writes under a temporary directory; deletes what it wrote.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,6 +48,30 @@ SINGLE_FILE_VOCAB = 1024  # train-tokenizer's part: the reading is measured, not
 # a child's peak RSS: RUSAGE_CHILDREN is the largest of all of a process's children, so each is run from one of its own
 PEAK_RSS = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); " \
            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+
+TRAIN_START = """
+import json, sys, time
+from pathlib import Path
+from jaxtrain.memory import host_malloc
+assert host_malloc.configure()
+import jax
+jax.devices()
+from jaxtrain.config import DataConfig
+from jaxtrain.data import load_corpus, load_tokenizer, text_files
+from jaxtrain.data.corpus import _encoded_text
+root, tokenizer, rounds = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+val_fraction = 0.5  # a split at the test's small size too: the same text is encoded either way
+ways = {"child": lambda: load_corpus(DataConfig(path=str(root), tokenizer=tokenizer, val_fraction=val_fraction)).train,
+        "in_process": lambda: _encoded_text(root, text_files(root), "", val_fraction, load_tokenizer(tokenizer)).train}
+seconds, tokens = {way: [] for way in ways}, {}
+for _ in range(rounds):
+    for way, encode in ways.items():
+        start = time.perf_counter()
+        tokens[way] = encode()
+        seconds[way].append(time.perf_counter() - start)
+assert (tokens["child"] == tokens["in_process"]).all()
+print(json.dumps(seconds))
+"""
 
 BASELINE = """
 import sys
@@ -74,9 +104,9 @@ def _shortened(command: list[str]) -> str:
     return f"{line[:half]} ...[{len(line) - 2 * half} characters]... {line[-half:]}"
 
 
-def _run(command: list[str]) -> str:
+def _run(command: list[str], env: dict[str, str] | None = None) -> str:
     """The command's output; a failing one raises with the end of its stderr, which says why."""
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         stderr = "\n".join(done.stderr.splitlines()[-FAILURE_STDERR_LINES:])
         raise RuntimeError(f"{_shortened(command)} exited {done.returncode}; its stderr ends:\n{stderr}")
@@ -106,9 +136,12 @@ def run() -> dict:
                    _seconds([*baseline, "encode_batch_fast"])) for i in range(ROUNDS)]
         tokens = os.path.getsize(scratch / "tokens0.bin") // 2
         peaks = _single_file_peaks(inputs, scratch)
+        start_s = _train_start_seconds(inputs, scratch)
     ours_s, baseline_s, fast_s = (statistics.median(r[i] for r in rounds) for i in range(3))
     return {
         "tokenize_single_file_peak_rss_mb": peaks,
+        "train_start_encode_s": {way: round(statistics.median(times), 2) for way, times in start_s.items()},
+        "train_start_encode_speedup": round(statistics.median(h / c for h, c in zip(start_s["in_process"], start_s["child"])), 2),
         "tokenize_mb_per_s": round(megabytes / ours_s, 2),
         "tokenize_baseline_mb_per_s": round(megabytes / baseline_s, 2),
         "tokenize_ratio": round(statistics.median(r[1] / r[0] for r in rounds), 3),
@@ -135,3 +168,13 @@ def _single_file_peaks(inputs: list[Path], scratch: Path) -> dict:
             peaks[name][size] = round(int(_run(command)) / 1024, 1)
         single.unlink()
     return peaks
+
+
+def _train_start_seconds(inputs: list[Path], scratch: Path) -> dict[str, list[float]]:
+    """{child, in_process: seconds of each round} of TRAIN_START on a directory of copies of ``inputs``."""
+    corpus = scratch / "corpus"
+    corpus.mkdir()
+    for i, f in enumerate(inputs):  # their names repeat (__init__.py)
+        shutil.copy(f, corpus / f"{i}_{f.name}")
+    command = [sys.executable, "-c", TRAIN_START, str(corpus), str(scratch / "tokenizer"), str(ROUNDS)]
+    return json.loads(_run(command, os.environ | {"JAXTRAIN_HOST_MALLOC": "keep"}))

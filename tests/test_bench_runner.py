@@ -200,7 +200,8 @@ def test_tokenize_benchmark_runs_its_rounds_at_a_small_size(monkeypatch):
     peaks = results["tokenize_single_file_peak_rss_mb"]  # of the one and the 4 copies, both commands (each a Python process)
     assert list(peaks) == ["tokenize", "train_tokenizer"]
     assert all(len(by_size) == 2 and min(by_size.values()) > 20 for by_size in peaks.values())
-    assert all(results[key] > 0 for key in ("tokenize_mb_per_s", "tokenize_ratio", "tokenize_ratio_vs_fast"))
+    assert all(results[key] > 0 for key in ("tokenize_mb_per_s", "tokenize_ratio", "tokenize_ratio_vs_fast", "train_start_encode_speedup"))
+    assert list(results["train_start_encode_s"]) == ["child", "in_process"]  # each round's tokens checked equal in the script
 
 
 def test_tokenize_benchmark_reports_a_failing_command_by_its_stderr_not_its_thousands_of_arguments(monkeypatch):

@@ -93,11 +93,10 @@ def test_rendering_and_answer_mask_equal_transformers(data):
     hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     tokenizer = load_tokenizer(tok_dir)
     template = sft.ChatTemplate(tokenizer)
-    records = [json.loads(line) for line in path.read_text().splitlines()][:9]
-    for record in records:
-        messages = _messages(record)
-        text, spans = sft._rendered(template, messages, "test")
-        example = sft._encode(tokenizer, [text], [spans])[0]
+    conversations = [_messages(json.loads(line)) for line in path.read_text().splitlines()][:9]
+    rendered = [sft._rendered(template, messages, "test") for messages in conversations]
+    examples = sft._encode(tokenizer, [text for text, _ in rendered], [spans for _, spans in rendered])
+    for messages, example in zip(conversations, examples, strict=True):
         expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         assert example.tokens.tolist() == expected["input_ids"]
         assert example.counted.astype(int).tolist() == expected["assistant_masks"]

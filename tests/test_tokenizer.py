@@ -4,7 +4,6 @@ trained tokenizer, token-file sidecars, and every bad input as one line with exi
 import errno
 import io
 import json
-import multiprocessing
 import os
 import resource
 import shutil
@@ -16,12 +15,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from conftest import REPO, fill_disk, subprocess_env
 from jaxtrain import atomic, cli
 from jaxtrain.config import DataConfig
-from jaxtrain.data import hf_tokenizer_files, load_corpus, load_tokenizer, stdlib_files
+from jaxtrain.data import child_process, hf_tokenizer_files, load_corpus, load_tokenizer, stdlib_files, text_files
+from jaxtrain.data import corpus as corpus_lib
 from jaxtrain.data.token_file import sidecar_path, tokenizer_of
 from jaxtrain.data.tokenizer import END_OF_TEXT, MAX_PRE_TOKEN, MAX_VOCAB_SIZE, TextTokenizer, special_token_ids, token_dtype
 from jaxtrain.errors import UserError
@@ -204,6 +205,78 @@ def test_jsonl_source_matches_the_same_texts_as_files(trained, texts, tmp_path, 
     assert 0 < (corpus.validation == tokenizer.end_of_text).sum() < len(docs)
     raw = load_corpus(DataConfig(path=str(jsonl), val_fraction=0.25))  # no tokenizer: the text's UTF-8 bytes
     assert raw.vocab_size == 256 and len(raw.train) + len(raw.validation) == sum(len(t.encode()) + 1 for t in docs)
+
+
+# a fresh process under the CPU's malloc setting (one arena for every thread) loads a corpus and encodes instruction
+# data with a tokenizer; prints the threads each added to it, the corpus and the marked spans
+IN_A_CHILD = """
+import json, sys
+import numpy as np, psutil
+from jaxtrain.memory import host_malloc
+assert host_malloc.configure()
+from jaxtrain.config import DataConfig
+from jaxtrain.data import load_corpus, load_tokenizer
+from jaxtrain.data.tokenizer import encode_marking_spans
+threads = psutil.Process().num_threads
+before = threads()
+corpus = load_corpus(DataConfig(path=sys.argv[1], tokenizer=sys.argv[2], val_fraction=0.25))
+after_corpus = threads()
+marked = encode_marking_spans(load_tokenizer(sys.argv[2]), ["say hello world", "", "again"], [[(4, 9)], [], [(0, 5)]])
+print(json.dumps({"corpus_threads": after_corpus - before, "spans_threads": threads() - after_corpus,
+                  "train": corpus.train.tolist(), "validation": corpus.validation.tolist(), "description": corpus.description,
+                  "marked": [[ids.tolist(), mask.tolist()] for ids, mask in marked]}))
+"""
+
+
+def test_a_runs_text_and_instruction_data_are_encoded_outside_its_process_as_they_would_be_inside(trained, texts):
+    """On a CPU the run's process keeps one malloc arena for every thread (memory/host_malloc.py), in which the
+    tokenizers library's threads encoded 3.5x slower: a corpus or instruction data encoded at a run's start is encoded
+    in a child process, whose malloc is the system's. None of the library's threads is then started in the run's
+    process (it keeps them for good: RAYON_NUM_THREADS of them), and the tokens are those of an encoding in it."""
+    done = subprocess.run([sys.executable, "-c", IN_A_CHILD, str(texts), str(trained)], capture_output=True, text=True,
+                          env=subprocess_env() | {"JAXTRAIN_HOST_MALLOC": "keep", "RAYON_NUM_THREADS": "3"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    child = json.loads(done.stdout)
+    assert child["corpus_threads"] == child["spans_threads"] == 0
+    here = corpus_lib._encoded_text(texts, text_files(texts), f"text files under {texts}", 0.25, load_tokenizer(trained))
+    assert (child["train"], child["validation"]) == (here.train.tolist(), here.validation.tolist())
+    assert len(here.train) > 1000 and len(here.validation) > 100 and child["description"] == here.description
+    tokenizer = load_tokenizer(trained).tokenizer
+    (hello, hello_marks), (empty, empty_marks), (again, again_marks) = child["marked"]
+    assert hello == tokenizer.encode("say hello world", add_special_tokens=False).ids and (empty, empty_marks) == ([], [])
+    assert tokenizer.decode([i for i, marked in zip(hello, hello_marks, strict=True) if marked]).strip() == "hello"
+    assert again_marks == [True] * len(again) and tokenizer.decode(again) == "again"
+
+
+@pytest.mark.parametrize("source", ["latin1", "notext"])
+def test_bad_text_read_by_the_encoding_process_is_the_one_line_it_is_here(source, bad_inputs):
+    """Text for data.tokenizer is read in the process that encodes it: its UserError (text not UTF-8, a JSONL line
+    without text) is this process's, word for word."""
+    path = Path(bad_inputs[source])
+    root, files = (path, text_files(path)) if path.is_dir() else (path.parent, [path])
+    with pytest.raises(UserError) as here:
+        corpus_lib._encoded_text(root, files, "", 0.5, load_tokenizer(bad_inputs["tokenizer"]))
+    with pytest.raises(UserError) as there:
+        load_corpus(DataConfig(path=str(path), tokenizer=str(bad_inputs["tokenizer"]), val_fraction=0.5))
+    assert {"latin1": "is not UTF-8 text", "notext": "has no string 'text' field"}[source] in str(here.value)
+    assert str(there.value) == str(here.value)
+
+
+def test_a_corpus_encoding_process_killed_from_outside_is_one_line(trained, texts):
+    def kill_the_child():
+        while not (children := psutil.Process().children()):
+            time.sleep(0.005)
+        for child in children:
+            child.kill()  # as the kernel's out-of-memory killer does
+
+    killer = threading.Thread(target=kill_the_child, daemon=True)
+    killer.start()
+    with pytest.raises(UserError) as died:
+        load_corpus(DataConfig(path=str(texts), tokenizer=str(trained), val_fraction=0.25))
+    killer.join()
+    assert str(died.value) == (f"the process tokenizing text files under {texts} died (exit status -{int(signal.SIGKILL)}); if it ran "
+                               "out of memory, tokenize the text into a token file first (jaxtrain tokenize) and give that as data.path")
+    assert not psutil.Process().children()
 
 
 def test_large_vocabulary_writes_uint32(trained, tmp_path, capsys):
@@ -470,7 +543,7 @@ def test_what_cannot_be_read_or_written_is_one_line(case, bad_inputs, tmp_path, 
     _deny(monkeypatch, tmp_path / denied)
     status, err = jaxtrain(capsys, *make_args(tmp_path, bad_inputs["tokenizer"]))
     assert status == 2 and len(err) == 1 and err[0].startswith("jaxtrain: error: ") and message.format(t=tmp_path) in err[0], err
-    assert not multiprocessing.active_children()  # train-tokenizer's trainer process stopped with the command
+    assert not psutil.Process().children()  # train-tokenizer's trainer process stopped with the command
     monkeypatch.undo()
     assert sorted(tmp_path.rglob("*")) == before
 
@@ -557,34 +630,34 @@ def test_a_signal_stops_tokenizer_training_at_once_and_leaves_nothing(signum, sl
     assert elapsed < 1.5, f"stopped {elapsed:.1f}s after it started, the signal sent at 0.5s"
     assert [p.name for p in tmp_path.iterdir()] == ["in"]  # no temporary directory beside --out
     # nothing left training: a thread left running the Rust trainer now and then aborted the interpreter's exit
-    assert not multiprocessing.active_children() and set(threading.enumerate()) <= threads
+    assert not psutil.Process().children() and set(threading.enumerate()) <= threads
 
 
 def test_a_ctrl_c_while_the_trainer_process_starts_stops_it_too(slow_documents, tmp_path, capsys, monkeypatch):
     """A Ctrl-C during the start (signals are blocked in the starting thread so that the child inherits them blocked; another
     thread of this process takes it, or the unblocking does): before, raised ahead of the part that kills the child, it
     left the child waiting for input and the exit waiting for the child."""
-    spawned = multiprocessing.get_context("spawn").Process
-    start = spawned.start
+    start = subprocess.Popen
 
-    def start_then_interrupted(process):
-        start(process)
+    def start_then_interrupted(*args, **kwargs):
+        child = start(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGINT)
+        return child
 
-    monkeypatch.setattr(spawned, "start", start_then_interrupted)
+    monkeypatch.setattr(child_process.subprocess, "Popen", start_then_interrupted)
     previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         status, err = jaxtrain(capsys, "train-tokenizer", str(slow_documents), "--vocab-size", "300", "--out", str(tmp_path / "tok"))
     finally:
         signal.signal(signal.SIGINT, previous_interrupt)
     assert status == 130 and err == ["jaxtrain: interrupted"]
-    assert not multiprocessing.active_children() and [p.name for p in tmp_path.iterdir()] == ["in"]
+    assert not psutil.Process().children() and [p.name for p in tmp_path.iterdir()] == ["in"]
 
 
 def test_a_tokenizer_trainer_killed_from_outside_is_one_line(slow_documents, tmp_path, capsys):
     def kill_trainer():
-        for child in multiprocessing.active_children():
-            os.kill(child.pid, signal.SIGKILL)  # as the kernel's out-of-memory killer does
+        for child in psutil.Process().children():
+            child.kill()  # as the kernel's out-of-memory killer does
 
     timer = threading.Timer(1.0, kill_trainer)
     timer.start()
@@ -607,7 +680,7 @@ def test_a_failure_inside_the_tokenizer_trainers_process_is_one_line(tmp_path):
         _train_in_child(iter(["some text to train on\n"] * 10), -1)
     message = str(failed.value)
     assert message == "training the tokenizer failed in its process: OverflowError: can't convert negative int to unsigned"
-    assert not multiprocessing.active_children()
+    assert not psutil.Process().children()
 
 
 def test_sigterm_during_tokenize_exits_143_and_leaves_nothing(trained, texts, tmp_path, monkeypatch, capsys, sigterm_outside):

@@ -8,11 +8,13 @@ No jax here: the tokenizer commands start without it.
 from __future__ import annotations
 
 import dataclasses
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
 
 from jaxtrain.config import DataConfig
+from jaxtrain.data.child_process import answer, answered, spawned
 from jaxtrain.data.documents import JSONL_SUFFIX, batches, check_split, documents, is_validation_file, stdlib_files, text_files
 from jaxtrain.data.token_file import read_token_file
 from jaxtrain.data.tokenizer import RawBytes, TextTokenizer, load_tokenizer
@@ -49,7 +51,21 @@ def load_corpus(cfg: DataConfig) -> Corpus:
 
 
 def _text_corpus(root: Path, files: list[Path], what: str, val_fraction: float, tokenizer: TextTokenizer | None) -> Corpus:
-    encoding = tokenizer or RawBytes()
+    """The documents' stream, read and encoded here as bytes, or with ``tokenizer`` in a child process
+    (``_encode_in_child``)."""
+    if tokenizer is None:
+        return _encoded_text(root, files, what, val_fraction, RawBytes())
+
+    def died(status: int | None) -> str:
+        return (f"the process tokenizing {what} died (exit status {status}); if it ran out of memory, tokenize the "
+                "text into a token file first (jaxtrain tokenize) and give that as data.path")
+
+    with spawned(_encode_in_child, (root, files, what, val_fraction, tokenizer.path), "tokenize-corpus", died) as connection:
+        description, (train, validation) = answered(connection, 2)
+    return Corpus(train, validation, tokenizer.vocab_size, description)
+
+
+def _encoded_text(root: Path, files: list[Path], what: str, val_fraction: float, encoding: TextTokenizer | RawBytes) -> Corpus:
     splits = {False: [], True: []}
     for doc in documents((root, f) for f in files):
         splits[is_validation_file(doc.key, val_fraction)].append(doc)
@@ -59,9 +75,19 @@ def _text_corpus(root: Path, files: list[Path], what: str, val_fraction: float, 
     def encode(docs):
         return np.concatenate([encoding.encode([d.text for d in batch]) for batch in batches(docs)])
 
-    encoded_as = f"tokenizer {tokenizer.path}" if tokenizer else "bytes"
+    encoded_as = f"tokenizer {encoding.path}" if isinstance(encoding, TextTokenizer) else "bytes"
     return Corpus(encode(train), encode(val), encoding.vocab_size,
                   f"{what} ({encoded_as}): {len(train)} train / {len(val)} validation documents")
+
+
+def _encode_in_child(connection: Connection, root: Path, files: list[Path], what: str, val_fraction: float, tokenizer: Path) -> None:
+    """The child process of ``_text_corpus``: answers with the corpus's description and its two splits' tokens
+    (child_process.answer)."""
+    def encode() -> tuple[str, list[np.ndarray]]:
+        corpus = _encoded_text(root, files, what, val_fraction, load_tokenizer(tokenizer))
+        return corpus.description, [corpus.train, corpus.validation]
+
+    answer(connection, encode, "tokenizing the corpus failed in its process")
 
 
 def _token_file_corpus(path: Path, val_fraction: float, tokenizer: TextTokenizer | None) -> Corpus:

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jaxtrain.config import DataConfig
 from jaxtrain.data.documents import JSONL_SUFFIX, check_split, check_utf8, is_validation_file, open_readable, utf8_of
 from jaxtrain.data.pipeline import SEED_SCHEME, SEED_SCHEMES, SPREAD_SEEDS, GlobalBatches, HostBatches, grain_seed, process_rows
-from jaxtrain.data.tokenizer import TextTokenizer, load_tokenizer
+from jaxtrain.data.tokenizer import TextTokenizer, encode_marking_spans, load_tokenizer
 from jaxtrain.errors import UserError
 
 ASSISTANT = "assistant"
@@ -154,14 +154,7 @@ def _rendered(template: ChatTemplate, messages: list[dict], where: str) -> tuple
 
 
 def _encode(tokenizer: TextTokenizer, texts: list[str], spans: list[list[tuple[int, int]]]) -> list[Example]:
-    examples = []
-    for encoding, answer_spans in zip(tokenizer.tokenizer.encode_batch(texts, add_special_tokens=False), spans):
-        offsets = np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
-        counted = np.zeros(len(offsets), bool)
-        for start, end in answer_spans:
-            counted |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
-        examples.append(Example(np.asarray(encoding.ids, np.int32), counted))
-    return examples
+    return [Example(ids, counted) for ids, counted in encode_marking_spans(tokenizer, texts, spans)]
 
 
 def _fit(example: Example, where: str, cfg: DataConfig) -> Example:

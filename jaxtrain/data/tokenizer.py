@@ -13,8 +13,6 @@ import hashlib
 import itertools
 import json
 import re
-import multiprocessing
-import signal
 import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -25,6 +23,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from jaxtrain.atomic import atomic_dir, sigterm_cleans_up
+from jaxtrain.data.child_process import answer, answered, received_batches, send_batches, spawned
 from jaxtrain.data.documents import BATCH_BYTES, Document, batches, input_documents
 from jaxtrain.errors import UserError
 
@@ -54,8 +53,6 @@ CUT_CONTEXT = 512
 CUT_TRIES = 16
 CUT_CANDIDATES = re.compile(rb"(?<=\S)[ \n]")  # at ASCII whitespace: never inside a UTF-8 character
 READ_ON = -1  # _cut's answer where the text read so far has too few places to try: the next block may have them
-# texts go to the trainer's process in batches of about this many characters: few messages, little held in them
-CHARACTERS_PER_MESSAGE = 1 << 20
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -288,69 +285,66 @@ def _training_pieces(blocks: Iterable[bytes]) -> Iterator[bytes]:
     yield held
 
 
+def encode_marking_spans(tokenizer: TextTokenizer, texts: list[str], spans: list[list[tuple[int, int]]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each text's token ids (int32) and, per token, whether it overlaps one of the text's character ``spans`` (the
+    answers of instruction data), encoded in a child process (child_process.py: on a CPU, this process's malloc
+    slowed the library's threads 3x)."""
+    def died(status: int | None) -> str:
+        return (f"the process tokenizing {len(texts)} texts died (exit status {status}); if it ran out of memory, give "
+                "fewer or shorter examples")
+
+    with spawned(_encode_marking_spans, (tokenizer.path,), "tokenize-examples", died) as connection:
+        send_batches(connection, zip(texts, spans, strict=True), lambda item: len(item[0]))
+        _, (lengths, ids, marked) = answered(connection, 3)
+    ends = np.cumsum(lengths)[:-1]
+    return list(zip(np.split(ids, ends), np.split(marked, ends)))
+
+
+def _encode_marking_spans(connection: Connection, tokenizer: Path) -> None:
+    """The child process of ``encode_marking_spans``: answers with each text's token count, the texts' ids and
+    their marks, each concatenated (child_process.answer)."""
+    def encode() -> tuple[None, list[np.ndarray]]:
+        items = list(received_batches(connection))  # all of them before any answer
+        encodings = load_tokenizer(tokenizer).tokenizer.encode_batch([text for text, _ in items], add_special_tokens=False)
+        ids, marked = [np.zeros(0, np.int32)], [np.zeros(0, bool)]
+        for encoding, (_, text_spans) in zip(encodings, items, strict=True):
+            offsets = np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
+            ids.append(np.asarray(encoding.ids, np.int32))
+            marked.append(np.zeros(len(offsets), bool))
+            for start, end in text_spans:
+                marked[-1] |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
+        return None, [np.array([len(i) for i in ids[1:]], np.int64), np.concatenate(ids), np.concatenate(marked)]
+
+    answer(connection, encode, "tokenizing the instruction data failed in its process")
+
+
 def _train_in_child(texts: Iterator[str], vocab_size: int) -> str:
     """Train on ``texts`` (read and checked here, sent on in batches) in a child process that sends back the tokenizer's
     JSON, and which a signal to this process kills at once: the Rust trainer never looks at signals, so
     Ctrl-C waited for it to finish (minutes to hours on long pre-tokens), and a thread left running it now and then
     aborted the interpreter's exit ("FATAL: exception not rethrown", 1 Ctrl-C in 16)."""
-    context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks (jax's, where loaded)
-    connection, child_end = context.Pipe()
-    child = context.Process(target=_train_bpe, args=(child_end, vocab_size), name="train-tokenizer", daemon=True)
-    try:
-        # blocked in the child for good (the mask is inherited): a Ctrl-C reaches the whole process group, and this
-        # process, not the child, answers it (one line, its cleanup) and kills the child
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            child.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        child_end.close()
-        batch, size = [], 0
-        for text in texts:
-            batch.append(text)
-            size += len(text)
-            if size >= CHARACTERS_PER_MESSAGE:
-                connection.send(batch)
-                batch, size = [], 0
-        connection.send(batch)
-        connection.send(None)
-        failure, trained = connection.recv()
-    except (EOFError, BrokenPipeError, ConnectionResetError):  # it died: killed by the kernel (out of memory) or by another process
-        child.join()
-        raise UserError(f"the tokenizer trainer's process died (exit status {child.exitcode}); if it ran out of memory, give "
-                        "fewer or smaller inputs or a smaller --vocab-size") from None
-    except BaseException:  # the documents' UserErrors, a signal (during the start too: other threads take it)
-        if child.pid is not None:
-            child.kill()
-        raise
-    finally:
-        # closed, a child this process lost track of (interrupted inside start) reads the end of its input and exits
-        connection.close()
-        child_end.close()
-        if child.pid is not None:
-            child.join()
-    if failure is not None:
-        raise UserError(f"training the tokenizer failed in its process: {failure}")
+    def died(status: int | None) -> str:
+        return (f"the tokenizer trainer's process died (exit status {status}); if it ran out of memory, give fewer or "
+                "smaller inputs or a smaller --vocab-size")
+
+    with spawned(_train_bpe, (vocab_size,), "train-tokenizer", died) as connection:
+        send_batches(connection, texts, len)
+        trained, _ = answered(connection, 0)
     return trained
 
 
 def _train_bpe(connection: Connection, vocab_size: int) -> None:
-    """The child process of ``_train_in_child``: train on the texts it is sent (a None after the last batch) and send
-    back (None, the tokenizer's JSON) or (the failure as one line, None), which the parent raises as a UserError."""
+    """The child process of ``_train_in_child``: train on the texts it is sent (a None after the last batch) and
+    answer with the tokenizer's JSON (child_process.answer)."""
 
-    def texts() -> Iterator[str]:
-        while (batch := connection.recv()) is not None:
-            yield from batch
-
-    try:
+    def train() -> tuple[str, list]:
         bpe = tokenizers.Tokenizer(models.BPE())
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         bpe.decoder = decoders.ByteLevel()
         bpe.post_processor = processors.ByteLevel(trim_offsets=False)
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=sys.stderr.isatty())
-        bpe.train_from_iterator(texts(), trainer)
-        result = None, bpe.to_str(pretty=True)  # as Tokenizer.save writes it
-    except BaseException as e:  # the signals are blocked here: an error of the library's
-        result = " ".join(f"{type(e).__name__}: {e}".split()), None
-    connection.send(result)
+        bpe.train_from_iterator(received_batches(connection), trainer)
+        return bpe.to_str(pretty=True), []  # as Tokenizer.save writes it
+
+    answer(connection, train, "training the tokenizer failed in its process")
