@@ -634,17 +634,16 @@ def test_a_signal_stops_tokenizer_training_at_once_and_leaves_nothing(signum, sl
 
 
 def test_a_ctrl_c_while_the_trainer_process_starts_stops_it_too(slow_documents, tmp_path, capsys, monkeypatch):
-    """A Ctrl-C during the start (signals are blocked in the starting thread so that the child inherits them blocked; another
-    thread of this process takes it, or the unblocking does): before, raised ahead of the part that kills the child, it
-    left the child waiting for input and the exit waiting for the child."""
-    start = subprocess.Popen
+    """A Ctrl-C while the child starts (here as it is sent its work; signals are blocked in the starting thread so that
+    the child inherits them blocked, and another thread of this process takes it): before, raised ahead of the part
+    that kills the child, it left the child waiting for input and the exit waiting for the child."""
+    send = child_process.Connection.send
 
-    def start_then_interrupted(*args, **kwargs):
-        child = start(*args, **kwargs)
+    def send_then_interrupted(connection, message):
+        send(connection, message)
         os.kill(os.getpid(), signal.SIGINT)
-        return child
 
-    monkeypatch.setattr(child_process.subprocess, "Popen", start_then_interrupted)
+    monkeypatch.setattr(child_process.Connection, "send", send_then_interrupted)
     previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         status, err = jaxtrain(capsys, "train-tokenizer", str(slow_documents), "--vocab-size", "300", "--out", str(tmp_path / "tok"))

@@ -70,7 +70,8 @@ def spawned(target: Callable[..., None], args: tuple, name: str, died: Callable[
             child.kill()
         raise
     finally:
-        # closed, a child that has not read all its input reads the end of it and exits
+        # closed, a child that has not read all its input reads the end of it and exits: so does one this process lost
+        # track of (a Ctrl-C inside Popen), which Popen reaps later
         connection.close()
         theirs.close()
         if child is not None:
