@@ -3,6 +3,10 @@
 - ``generate_prefill_tokens_per_s`` / ``generate_decode_tokens_per_s``: prompt tokens per second through
   the prefill, and new tokens per second through the one-token decoding steps (no stop token: every step runs), at batch 1 and 8
   (``generate_tokens_per_s``: both, with step times and compile time).
+- ``generate_one_device_speedup``: batch-1 decoding on one CPU device (what ``jaxtrain generate`` uses on a CPU)
+  ÷ on every simulated device of ``make bench`` with fsdp over all of them (what it used before 2026-12-07, each
+  device gathering the weights it computes with); medians of interleaved repetitions, per-token seconds of both in
+  ``generate_one_device_vs_all``.
 - ``generate_cache_speedup``: per new token, one forward over the whole sequence (what generating
   without a cache costs; timed at the mean sequence length of such a generation, prompt + new / 2)
   ÷ one KV-cache decoding step; medians of interleaved repetitions, batch 1.
@@ -86,13 +90,36 @@ def run() -> dict:
 
     loaded = random_model(small_config(), jax.devices()[:1])
     rows = {f"batch_{b}": measure(loaded, b, PROMPT, NEW) for b in (1, 8)}
+    one_vs_all = _one_device_vs_all(loaded)
     return {
+        "generate_one_device_speedup": one_vs_all["all_devices_decode_step_s"] / one_vs_all["one_device_decode_step_s"],
+        "generate_one_device_vs_all": one_vs_all,
         "generate_prefill_tokens_per_s": rows["batch_1"]["prefill_tokens_per_s"],
         "generate_decode_tokens_per_s": rows["batch_1"]["decode_tokens_per_s"],
         "generate_decode_tokens_per_s_batch_8": rows["batch_8"]["decode_tokens_per_s"],
         "generate_cache_speedup": rows["batch_1"]["cache_speedup"],
         "generate_tokens_per_s": rows,
     }
+
+
+def _one_device_vs_all(one) -> dict:
+    """Batch-1 decoding seconds per token of ``one`` (the small model on one device) and of the same model on every
+    device, fsdp over all of them (rules fsdp_tp), interleaved."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from jaxtrain.config import AxisSizes, MeshConfig, SamplingConfig
+    from jaxtrain.generate import generate
+
+    every = random_model(dataclasses.replace(small_config(), mesh=MeshConfig(ici=AxisSizes(fsdp=jax.device_count())), rules="fsdp_tp"))
+    prompt, sampling = np.random.default_rng(0).integers(0, 256, (1, PROMPT)).astype(np.int32), SamplingConfig(max_new_tokens=NEW)
+    steps = {"one_device": [], "all_devices": []}
+    for _ in range(REPEATS):
+        for name, loaded in (("one_device", one), ("all_devices", every)):
+            steps[name].append(generate(loaded, prompt, sampling).decode_s / (NEW - 1))
+    return {"devices": jax.device_count(), **{f"{name}_decode_step_s": statistics.median(s) for name, s in steps.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -257,16 +257,23 @@ def test_a_run_generates_and_exports_onto_a_mesh_with_more_batch_shards_than_its
 
 
 def test_generate_command_prints_the_runs_greedy_text(byte_run):
-    """One prompt on the run's cpu8 mesh: a batch of 1, left whole by the fsdp_tp rules' batch split; 9 + 23 tokens fill
-    the run's 32 positions."""
+    """One prompt: a batch of 1, left whole by the fsdp_tp rules' batch split; 9 + 23 tokens fill the run's 32
+    positions. On a CPU the command computes on one device, every core its thread pool's, not on the 8 simulated devices
+    of the run's cpu8 mesh (each gathered the weights it computes with: a 1 GB model decoded 10x slower in 3x the
+    memory), unless --devices (or --mesh) says otherwise; the greedy text is the run's on its own mesh."""
     from jaxtrain.generate import load
 
     result = run_cli("generate", str(byte_run), "--prompt", "the quick", "--max-new-tokens", "23", cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = load(byte_run)  # the run's own mesh and rules, its latest checkpoint
+    assert loaded.mesh.size == 8
     expected = generate(loaded, np.array([loaded.encode("the quick")]), SamplingConfig(max_new_tokens=23)).tokens[0]
     assert result.stdout == "the quick" + loaded.decode(expected) + "\n"
     assert re.search(r"23 new tokens; prefill 9 tokens in [\d.]+ s \([\d,]+ tokens/s\); decode [\d,.]+ tokens/s", result.stderr)
+    assert result.stderr.rstrip().endswith("; on 1 x cpu, mesh data 1 x fsdp 1 x tensor 1"), result.stderr[-500:]
+    on_its_mesh = run_cli("generate", str(byte_run), "--prompt", "the quick", "--max-new-tokens", "1", "--devices", "8", cwd=REPO)
+    assert on_its_mesh.returncode == 0 and on_its_mesh.stdout == "the quick" + loaded.decode(expected[:1]) + "\n", on_its_mesh.stderr[-3000:]
+    assert on_its_mesh.stderr.rstrip().endswith("; on 8 x cpu, mesh data 2 x fsdp 2 x tensor 2"), on_its_mesh.stderr[-500:]
     # the same command again reads every program it compiles back from the run's compilation cache (train.compile_cache)
     again = run_cli("generate", str(byte_run), "--prompt", "the quick", "--max-new-tokens", "23", cwd=REPO)
     assert again.returncode == 0 and again.stdout == result.stdout, again.stderr[-3000:]
