@@ -141,7 +141,8 @@ def run() -> dict:
     return {
         "tokenize_single_file_peak_rss_mb": peaks,
         "train_start_encode_s": {way: round(statistics.median(times), 2) for way, times in start_s.items()},
-        "train_start_encode_speedup": round(statistics.median(h / c for h, c in zip(start_s["in_process"], start_s["child"])), 2),
+        "train_start_encode_speedup": round(statistics.median(
+            here / child for here, child in zip(start_s["in_process"], start_s["child"], strict=True)), 2),
         "tokenize_mb_per_s": round(megabytes / ours_s, 2),
         "tokenize_baseline_mb_per_s": round(megabytes / baseline_s, 2),
         "tokenize_ratio": round(statistics.median(r[1] / r[0] for r in rounds), 3),

@@ -285,7 +285,8 @@ def _training_pieces(blocks: Iterable[bytes]) -> Iterator[bytes]:
     yield held
 
 
-def encode_marking_spans(tokenizer: TextTokenizer, texts: list[str], spans: list[list[tuple[int, int]]]) -> list[tuple[np.ndarray, np.ndarray]]:
+def encode_marking_spans(tokenizer: TextTokenizer, texts: list[str],
+                         spans: list[list[tuple[int, int]]]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each text's token ids (int32) and, per token, whether it overlaps one of the text's character ``spans`` (the
     answers of instruction data), encoded in a child process (child_process.py: on a CPU, this process's malloc
     slowed the library's threads 3x)."""
@@ -297,7 +298,7 @@ def encode_marking_spans(tokenizer: TextTokenizer, texts: list[str], spans: list
         send_batches(connection, zip(texts, spans, strict=True), lambda item: len(item[0]))
         _, (lengths, ids, marked) = answered(connection, 3)
     ends = np.cumsum(lengths)[:-1]
-    return list(zip(np.split(ids, ends), np.split(marked, ends)))
+    return list(zip(np.split(ids, ends), np.split(marked, ends), strict=True))
 
 
 def _encode_marking_spans(connection: Connection, tokenizer: Path) -> None:
