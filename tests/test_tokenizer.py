@@ -262,6 +262,26 @@ def test_bad_text_read_by_the_encoding_process_is_the_one_line_it_is_here(source
     assert str(there.value) == str(here.value)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the kernel's parent-death signal (prctl) is Linux's")
+def test_the_encoding_process_dies_with_the_run(trained):
+    """A run killed while its child encodes the corpus (SIGKILL here; a SIGTERM before the run's own handler is in place
+    ends it the same way) takes the child with it: the child ignores SIGTERM and, busy encoding, reads nothing that would
+    tell it, so it went on alone until it had encoded everything (the standard library: seconds)."""
+    run = subprocess.Popen([sys.executable, "-c", "import sys; from jaxtrain.config import DataConfig; from jaxtrain.data import "
+                            "load_corpus; load_corpus(DataConfig(tokenizer=sys.argv[1]))", str(trained)], env=subprocess_env())
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := psutil.Process(run.pid).children()) and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert children, "the run started no encoding process"
+        time.sleep(0.5)  # into its encoding
+    finally:
+        run.kill()
+        run.wait()
+    _, alive = psutil.wait_procs(children, timeout=2)
+    assert not alive
+
+
 def test_a_corpus_encoding_process_killed_from_outside_is_one_line(trained, texts):
     def kill_the_child():
         while not (children := psutil.Process().children()):

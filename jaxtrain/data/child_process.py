@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import signal
 import socket
 import subprocess
@@ -30,8 +31,12 @@ T = TypeVar("T")
 # what the child runs: this process's sys.path, then the target and its arguments, from the pipe (pickled: the target
 # by its module's name); not multiprocessing's spawn, which first runs the parent's main script again: a user's script
 # calling the trainer without `if __name__ == "__main__":` trained all over again in the child
-_CHILD_CODE = """import sys
+_CHILD_CODE = """import ctypes, os, signal, sys
 from multiprocessing.connection import Connection
+if sys.platform == "linux":  # killed with its parent: a SIGTERM's default action left it encoding on alone
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(sys.argv[2]):  # the parent died before that
+        sys.exit()
 connection = Connection(int(sys.argv[1]))
 try:
     sys.path[:] = connection.recv()
@@ -47,7 +52,7 @@ def spawned(target: Callable[..., None], args: tuple, name: str, died: Callable[
     """A child process (a fresh interpreter, ``name`` in its command line) running ``target(its end of a pipe,
     *args)``; yields this process's end. The child ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole process
     group, and this process, not the child, answers it (one line, its cleanup), killing the child on its way out, as on
-    any exception. The pipe closing under this process (the child killed by the kernel, out of memory, or by another
+    any exception; on Linux the kernel kills it when this process dies (a signal's default action, SIGKILL). The pipe closing under this process (the child killed by the kernel, out of memory, or by another
     process) is a UserError, ``died(exit status)``."""
     ours, theirs = socket.socketpair()
     connection = Connection(ours.detach())
@@ -56,7 +61,8 @@ def spawned(target: Callable[..., None], args: tuple, name: str, died: Callable[
         # blocked in the child for good (a signal mask is inherited through exec)
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
-            child = subprocess.Popen([sys.executable, "-c", _CHILD_CODE, str(theirs.fileno()), name], pass_fds=[theirs.fileno()])
+            child = subprocess.Popen([sys.executable, "-c", _CHILD_CODE, str(theirs.fileno()), str(os.getpid()), name],
+                                     pass_fds=[theirs.fileno()])
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         theirs.close()
