@@ -66,6 +66,7 @@ def _text_corpus(root: Path, files: list[Path], what: str, val_fraction: float, 
 
 
 def _encoded_text(root: Path, files: list[Path], what: str, val_fraction: float, encoding: TextTokenizer | RawBytes) -> Corpus:
+    """The documents of ``files`` split by key and encoded with ``encoding``, in this process."""
     splits = {False: [], True: []}
     for doc in documents((root, f) for f in files):
         splits[is_validation_file(doc.key, val_fraction)].append(doc)
