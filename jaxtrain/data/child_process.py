@@ -52,8 +52,9 @@ def spawned(target: Callable[..., None], args: tuple, name: str, died: Callable[
     """A child process (a fresh interpreter, ``name`` in its command line) running ``target(its end of a pipe,
     *args)``; yields this process's end. The child ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole process
     group, and this process, not the child, answers it (one line, its cleanup), killing the child on its way out, as on
-    any exception; on Linux the kernel kills it when this process dies (a signal's default action, SIGKILL). The pipe closing under this process (the child killed by the kernel, out of memory, or by another
-    process) is a UserError, ``died(exit status)``."""
+    any exception; on Linux the kernel kills it when this process dies (a signal's default action, SIGKILL). The pipe
+    closing under this process (the child killed by the kernel, out of memory, or by another process) is a UserError,
+    ``died(exit status)``."""
     ours, theirs = socket.socketpair()
     connection = Connection(ours.detach())
     child = None
